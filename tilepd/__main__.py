@@ -1,0 +1,3 @@
+from tilepd.cli.app import main
+
+main()
