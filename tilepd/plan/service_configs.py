@@ -1,0 +1,117 @@
+"""Configuration files the plan renders for tilepd's own processes.
+
+These models are the contract between the planner (which writes them) and the
+processes that read them at startup (decode server, router, vLLM connector). Keeping
+them in one module means a field cannot be renamed on one side only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TransportName = Literal["tcp", "nixl", "mooncake"]
+PoolName = Literal["low_latency", "native"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TransportConfig(_Strict):
+    """How KV bytes travel from prefill to decode."""
+
+    name: TransportName
+    # tcp: the decode node's data port (the receiver listens there)
+    data_port: int | None = None
+    # nixl: UCX devices, e.g. "mlx5_0:1,mlx5_1:1"; None lets UCX choose
+    ucx_net_devices: str | None = None
+    # mooncake: "rdma" or "tcp"; device names for RDMA
+    mooncake_protocol: Literal["rdma", "tcp"] = "rdma"
+    mooncake_devices: str | None = None
+
+
+class DecodeEndpoint(_Strict):
+    """One decode node as the connector and the router see it."""
+
+    name: str
+    host: str
+    ctrl_port: int
+    http_port: int
+
+
+class DecodeServerConfig(_Strict):
+    """Read by `python -m tilepd.runtime --config FILE`."""
+
+    name: str
+    served_model_name: str
+    family: str
+    weights_dir: Path
+    max_seq_len: int = Field(gt=0)
+    kv_cache_dtype: str = "auto"
+    device: Literal["cpu", "cuda"] = "cuda"
+    tp_size: int = Field(default=1, ge=1)
+    bind_host: str = "0.0.0.0"
+    advertise_host: str
+    http_port: int
+    ctrl_port: int
+    transport: TransportConfig
+    recv_buffer: Literal["dram", "vram"] = "dram"
+    num_speculative_tokens: int = Field(default=0, ge=0)
+    kv_timeout_s: float = Field(default=30.0, gt=0)
+    cuda_graphs: bool = True
+    # prefill host addresses allowed to open the control channel; empty = any
+    allowed_senders: tuple[str, ...] = ()
+    log_file: Path | None = None
+
+
+class ConnectorExtraConfig(_Strict):
+    """`kv_connector_extra_config` of the tilepd connector inside vLLM."""
+
+    decode_allowlist: tuple[DecodeEndpoint, ...]
+    transport: TransportConfig
+    model_family: str
+    max_seq_len: int = Field(gt=0)
+    busy_retries: int = Field(default=20, ge=0)
+    busy_backoff_s: float = Field(default=0.05, gt=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+
+
+class NativePoolConfig(_Strict):
+    """Stock vLLM P/D path: prefill with do_remote_decode, then a vLLM decode instance."""
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+
+
+class RoutingConfig(_Strict):
+    default_pool: PoolName = "low_latency"
+    # a request header whose value names the pool ("low_latency" or "native")
+    header: str = "x-tilepd-latency-class"
+    # served model name -> pool
+    by_model: dict[str, PoolName] = Field(default_factory=dict)
+    # when the low-latency engine cannot honour a request, or every node stays busy
+    fallback_to_native: bool = True
+
+
+class RouterConfig(_Strict):
+    """Read by `python -m tilepd.router --config FILE`."""
+
+    bind_host: str = "0.0.0.0"
+    port: int
+    served_model_name: str
+    # HF checkpoint folder holding the tokenizer and chat template
+    tokenizer_dir: Path
+    prefill_urls: tuple[str, ...]
+    decode_nodes: tuple[DecodeEndpoint, ...]
+    native_pool: NativePoolConfig | None = None
+    routing: RoutingConfig = RoutingConfig()
+    queue_timeout_s: float = Field(default=2.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    # the key is never in the config: only where to read it
+    api_key_env: str | None = None
+    api_key_file: Path | None = None
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    log_file: Path | None = None
