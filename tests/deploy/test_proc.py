@@ -1,0 +1,150 @@
+"""Process supervisor: real detached processes, pid reuse safety, group stop, health gate."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tilepd.deploy import proc
+from tilepd.deploy.proc import ServiceSpec
+
+# A child that also spawns a grandchild, so stopping must take the whole group.
+_SERVER = r"""
+import http.server, os, subprocess, sys, signal
+port = int(sys.argv[1])
+if len(sys.argv) > 2 and sys.argv[2] == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a): print("GET", self.path, flush=True)
+print("listening", port, os.environ.get("TILEPD_TEST_MARK"), flush=True)
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spec(tmp_path: Path, *extra: str, config_hash: str = "h1", health: bool = True, **kw) -> ServiceSpec:
+    port = _free_port()
+    script = tmp_path / "server.py"
+    script.write_text(_SERVER)
+    return ServiceSpec(
+        name="svc",
+        role="decode",
+        argv=[sys.executable, str(script), str(port), *extra],
+        env={"TILEPD_TEST_MARK": "mark-42"},
+        cwd=tmp_path,
+        log_file=tmp_path / "logs" / "svc.log",
+        pid_file=tmp_path / "run" / "svc.pid",
+        config_hash=config_hash,
+        health_url=f"http://127.0.0.1:{port}/health" if health else None,
+        health_timeout_s=20,
+        **kw,
+    )
+
+
+@pytest.fixture
+def cleanup():
+    specs: list[ServiceSpec] = []
+    yield specs
+    for s in specs:
+        proc.stop(s)
+
+
+@pytest.mark.slow
+def test_start_is_idempotent_and_stop_takes_the_group(tmp_path: Path, cleanup) -> None:
+    spec = _spec(tmp_path)
+    cleanup.append(spec)
+    first = proc.start(spec)
+    assert first["changed"] and first["running"] and first["action"] == "start"
+    assert proc.wait_healthy(spec)["healthy"] is True
+    again = proc.start(spec)
+    assert again["changed"] is False and again["pid"] == first["pid"]
+    pgid = first["pid"]
+    assert len(proc._group_members(pgid)) == 2  # the server and its grandchild
+    assert "mark-42" in (tmp_path / "logs" / "svc.log").read_text()  # env from the spec reached it
+    stopped = proc.stop(spec)
+    assert stopped["changed"] and stopped["signal"] == "SIGTERM" and not stopped["running"]
+    assert proc._group_members(pgid) == []
+    assert not spec.pid_file.exists() and not spec.state_file.exists()
+    assert proc.stop(spec)["changed"] is False
+
+
+@pytest.mark.slow
+def test_config_hash_change_restarts(tmp_path: Path, cleanup) -> None:
+    spec = _spec(tmp_path, config_hash="old")
+    cleanup.append(spec)
+    pid_old = proc.start(spec)["pid"]
+    new = spec.model_copy(update={"config_hash": "new"})
+    cleanup.append(new)
+    assert proc.status(new)["hash_matches"] is False
+    check = proc.start(new, check=True)
+    assert check["changed"] and check["action"] == "restart" and check["pid"] == pid_old  # --check: nothing moved
+    res = proc.start(new)
+    assert res["changed"] and res["action"] == "restart" and res["pid"] != pid_old
+    assert proc._proc_stat(pid_old) is None or proc._proc_stat(pid_old)[0] == "Z"
+
+
+@pytest.mark.slow
+def test_sigterm_ignored_then_sigkill(tmp_path: Path, cleanup) -> None:
+    spec = _spec(tmp_path, "ignore-term", stop_timeout_s=1.0)
+    cleanup.append(spec)
+    pid = proc.start(spec)["pid"]
+    proc.wait_healthy(spec)  # SIGTERM handler is installed once it serves
+    res = proc.stop(spec)
+    assert res["signal"] == "SIGKILL" and not res["running"]
+    assert proc._group_members(pid) == []
+
+
+@pytest.mark.slow
+def test_reused_pid_is_not_ours(tmp_path: Path) -> None:
+    """A state file whose pid now belongs to another process (different start time) reads as not running."""
+    spec = _spec(tmp_path)
+    spec.pid_file.parent.mkdir(parents=True)
+    spec.state_file.write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpid(), "start_ticks": 1, "config_hash": "h1"}))
+    assert proc.status(spec)["running"] is False
+    assert proc.stop(spec)["changed"] is False  # and it never signals us
+    assert not spec.state_file.exists()
+
+
+@pytest.mark.slow
+def test_wait_reports_a_dead_service_with_its_log(tmp_path: Path) -> None:
+    spec = _spec(tmp_path).model_copy(update={"argv": [sys.executable, "-c", "import sys; print('boom: bad config'); sys.exit(3)"]})
+    proc.start(spec)
+    res = proc.wait_healthy(spec)
+    assert res["failed"] and "process exited" in res["msg"]
+    assert any("boom: bad config" in line for line in res["log_tail"])
+
+
+@pytest.mark.slow
+def test_cli_prints_one_json_line(tmp_path: Path, cleanup) -> None:
+    spec = _spec(tmp_path)
+    cleanup.append(spec)
+    spec_file = tmp_path / "svc.spec.json"
+    spec_file.write_text(spec.model_dump_json())
+    run = lambda verb, *a: subprocess.run([sys.executable, "-m", "tilepd.deploy.proc", verb, "--spec", str(spec_file), *a], capture_output=True, text=True, timeout=60)
+    out = run("start", "--check")
+    assert out.returncode == 0 and json.loads(out.stdout)["changed"] is True and not spec.pid_file.exists()
+    assert json.loads(run("start").stdout)["changed"] is True
+    assert json.loads(run("wait").stdout)["healthy"] is True
+    assert json.loads(run("start").stdout)["changed"] is False
+    assert json.loads(run("status").stdout)["running"] is True
+    assert json.loads(run("stop").stdout)["changed"] is True
+    assert json.loads(run("status").stdout)["running"] is False
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": 1}')
+    res = subprocess.run([sys.executable, "-m", "tilepd.deploy.proc", "start", "--spec", str(bad)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and json.loads(res.stdout)["failed"] is True

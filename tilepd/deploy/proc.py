@@ -1,0 +1,278 @@
+"""Process-mode service supervisor: start, stop, check and health-gate one service.
+
+Hosts without systemd (containers, dev boxes, the test namespaces) run each service
+detached in its own session with a pidfile and a log file. Ansible calls this module
+with a `command` task (`python -m tilepd.deploy.proc start --spec FILE`) and reads the
+one JSON line it prints, so idempotence ("already running with the same config hash")
+is decided here in Python rather than in shell snippets.
+
+Beside the pidfile a state file records the pid, its kernel start time (so a reused
+pid is never mistaken for ours), the process group, and the config hash the service
+was started with (drift detection in `tilepd status`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tilepd import __version__
+
+# Variables a service inherits from the supervisor's environment; everything else
+# comes from the spec, so process mode sees what a systemd EnvironmentFile would give.
+_INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR")
+
+
+class ServiceSpec(BaseModel):
+    """One service as the supervisor runs it (written by the deploy step next to the pidfile)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    role: str
+    argv: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: Path
+    log_file: Path
+    pid_file: Path
+    config_hash: str
+    health_url: str | None = None
+    health_timeout_s: float = Field(default=180.0, gt=0)
+    stop_timeout_s: float = Field(default=20.0, gt=0)
+
+    @property
+    def state_file(self) -> Path:
+        return self.pid_file.with_name(self.pid_file.name.removesuffix(".pid") + ".state.json")
+
+
+def load_spec(path: Path) -> ServiceSpec:
+    return ServiceSpec.model_validate_json(Path(path).read_text())
+
+
+# --- /proc helpers -------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, pgrp, start_ticks) of a live pid from /proc, None when it does not exist."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm may contain spaces and parentheses: split after the last ')'
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return fields[0], int(fields[2]), int(fields[19])
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in a process group: the service and every child it spawned."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        st = _proc_stat(int(entry.name))
+        if st is not None and st[1] == pgid and st[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+def _read_state(spec: ServiceSpec) -> dict[str, Any] | None:
+    try:
+        return json.loads(spec.state_file.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _alive(state: dict[str, Any] | None) -> bool:
+    """True when the recorded process still runs (same pid AND same kernel start time)."""
+    if not state:
+        return False
+    st = _proc_stat(int(state["pid"]))
+    return st is not None and st[0] not in ("Z", "X") and st[2] == int(state["start_ticks"])
+
+
+def _clear(spec: ServiceSpec) -> None:
+    for p in (spec.pid_file, spec.state_file):
+        p.unlink(missing_ok=True)
+
+
+def tail(path: Path, n: int = 20) -> list[str]:
+    """The last n lines of a log file ([] when it does not exist)."""
+    try:
+        with open(path, "r", errors="replace") as f:
+            return [line.rstrip("\n") for line in deque(f, maxlen=n)]
+    except FileNotFoundError:
+        return []
+
+
+# --- verbs ---------------------------------------------------------------------------
+
+
+def status(spec: ServiceSpec) -> dict[str, Any]:
+    state = _read_state(spec)
+    running = _alive(state)
+    return {
+        "name": spec.name,
+        "running": running,
+        "pid": int(state["pid"]) if running and state else None,
+        "config_hash": state.get("config_hash") if state else None,
+        "hash_matches": bool(state and state.get("config_hash") == spec.config_hash),
+        "tilepd_version": state.get("tilepd_version") if state else None,
+        "started_at": state.get("started_at") if state else None,
+        "log_file": str(spec.log_file),
+        "changed": False,
+    }
+
+
+def start(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
+    """Start the service unless it already runs with the same config hash (then changed=False)."""
+    state = _read_state(spec)
+    if _alive(state) and state and state.get("config_hash") == spec.config_hash:
+        return {**status(spec), "action": "none"}
+    restarting = _alive(state)
+    if check:
+        return {**status(spec), "changed": True, "action": "restart" if restarting else "start"}
+    if restarting:
+        stop(spec)
+    _clear(spec)
+    for d in (spec.log_file.parent, spec.pid_file.parent, spec.cwd):
+        d.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k in _INHERITED_ENV or k.startswith("LC_")}
+    env.update(spec.env)
+    with open(spec.log_file, "ab") as log:
+        log.write(f"--- tilepd {__version__}: starting {spec.name} ({spec.config_hash[:12]}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            spec.argv,
+            cwd=spec.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own session and process group: survives the SSH session, stops as a group
+            close_fds=True,
+        )
+    st = _proc_stat(proc.pid)
+    new_state = {
+        "pid": proc.pid,
+        "pgid": proc.pid,
+        "start_ticks": st[2] if st else 0,
+        "config_hash": spec.config_hash,
+        "tilepd_version": __version__,
+        "started_at": time.time(),
+        "argv": spec.argv,
+    }
+    tmp = spec.state_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(new_state))
+    os.replace(tmp, spec.state_file)
+    spec.pid_file.write_text(f"{proc.pid}\n")
+    return {**status(spec), "changed": True, "action": "restart" if restarting else "start"}
+
+
+def stop(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
+    """SIGTERM the service's process group, SIGKILL what is left after stop_timeout_s."""
+    state = _read_state(spec)
+    if not _alive(state):
+        if not check:
+            _clear(spec)
+        return {"name": spec.name, "changed": False, "running": False, "action": "none"}
+    assert state is not None
+    if check:
+        return {"name": spec.name, "changed": True, "running": True, "action": "stop", "pid": state["pid"]}
+    pgid = int(state.get("pgid", state["pid"]))
+    signal_used = "SIGTERM"
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + spec.stop_timeout_s
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _group_members(pgid):
+        signal_used = "SIGKILL"
+        _signal_group(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    left = _group_members(pgid)
+    _clear(spec)
+    return {"name": spec.name, "changed": True, "running": bool(left), "action": "stop", "pid": state["pid"], "signal": signal_used, "left": left}
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def probe(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
+    """GET a health URL: (ok, short reason)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (URLs come from the plan)
+            return resp.status == 200, f"HTTP {resp.status}"
+    except urllib.error.HTTPError as e:
+        return False, f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        return False, str(getattr(e, "reason", e))
+
+
+def wait_healthy(spec: ServiceSpec, *, check: bool = False, log_lines: int = 30) -> dict[str, Any]:
+    """Poll the health URL until 200, the process dies, or health_timeout_s passes."""
+    base = {"name": spec.name, "changed": False, "health_url": spec.health_url}
+    if check or not spec.health_url:
+        return {**base, "healthy": None, "failed": False}
+    deadline = time.monotonic() + spec.health_timeout_s
+    reason = "not probed"
+    while True:
+        ok, reason = probe(spec.health_url)
+        if ok:
+            return {**base, "healthy": True, "failed": False}
+        if not _alive(_read_state(spec)):
+            reason = f"process exited ({reason})"
+            break
+        if time.monotonic() >= deadline:
+            reason = f"no 200 from {spec.health_url} within {spec.health_timeout_s:.0f}s (last: {reason})"
+            break
+        time.sleep(0.5)
+    return {**base, "healthy": False, "failed": True, "msg": f"{spec.name} unhealthy: {reason}", "log_tail": tail(spec.log_file, log_lines)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tilepd.deploy.proc", description=__doc__.splitlines()[0])
+    parser.add_argument("verb", choices=("start", "stop", "status", "wait", "version"))
+    parser.add_argument("--spec", type=Path, help="service spec JSON")
+    parser.add_argument("--check", action="store_true", help="report what would change, change nothing")
+    args = parser.parse_args(argv)
+    if args.verb == "version":
+        print(json.dumps({"tilepd_version": __version__, "python": sys.executable, "changed": False}))
+        return 0
+    if args.spec is None:
+        parser.error("--spec is required")
+    try:
+        spec = load_spec(args.spec)
+    except (OSError, ValueError) as e:
+        print(json.dumps({"failed": True, "changed": False, "msg": f"{args.spec}: {e}"}))
+        return 2
+    if args.verb == "start":
+        result = start(spec, check=args.check)
+    elif args.verb == "stop":
+        result = stop(spec, check=args.check)
+    elif args.verb == "wait":
+        result = wait_healthy(spec, check=args.check)
+    else:
+        result = status(spec)
+    print(json.dumps(result))
+    return 1 if result.get("failed") or (args.verb == "stop" and result.get("running")) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
