@@ -1,0 +1,377 @@
+"""Cross-role rules: what no single field can check, checked before anything launches.
+
+Each rule is a function `(topology) -> Iterator[Violation]`; RULES maps rule ids to
+them in the order they run. A violation carries the field path it points at; the
+loader turns that into file:line:col.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from tilepd.topology.families import MTP_FAMILIES, canonical_family, known_families
+from tilepd.topology.schema import DecodeNode, NativeDecodeHost, PrefillHost, Router, Topology, _Host
+
+Loc = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Violation:
+    loc: Loc
+    message: str
+    rule: str
+
+
+Rule = Callable[[Topology], Iterator[Violation]]
+
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def is_loopback(address: str) -> bool:
+    return address in LOOPBACK or address.startswith("127.")
+
+
+def loc_str(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def host_entries(topo: Topology) -> Iterator[tuple[Loc, str, _Host]]:
+    """Every host entry with its field path and role."""
+    for i, p in enumerate(topo.prefill):
+        yield ("prefill", i), "prefill", p
+    for i, d in enumerate(topo.decode):
+        yield ("decode", i), "decode", d
+    for i, n in enumerate(topo.native_decode):
+        yield ("native_decode", i), "native_decode", n
+    yield ("router",), "router", topo.router
+
+
+def uses_gpus(entry: _Host) -> bool:
+    if isinstance(entry, (PrefillHost, NativeDecodeHost)):
+        return entry.gpus > 0
+    if isinstance(entry, DecodeNode):
+        return not is_cpu(entry)
+    return False
+
+
+def is_cpu(node: DecodeNode) -> bool:
+    return node.gpu.type.lower() == "cpu"
+
+
+# --- rules -------------------------------------------------------------------
+
+
+def duplicate_hosts(topo: Topology) -> Iterator[Violation]:
+    """Names are unique; one GPU role per address; one prefill, native_decode or GPU decode entry per address."""
+    seen_names: dict[str, Loc] = {}
+    gpu_owner: dict[str, Loc] = {}
+    per_role: dict[tuple[str, str], Loc] = {}
+    for loc, role, entry in host_entries(topo):
+        if entry.name in seen_names:
+            yield Violation(loc + ("name",), f"name {entry.name!r} is already used by {loc_str(seen_names[entry.name])}; names must be unique", "duplicate-host")
+        else:
+            seen_names[entry.name] = loc
+        gpu = uses_gpus(entry)
+        key = (role, entry.address)
+        if key in per_role and (gpu or role != "decode"):
+            yield Violation(
+                loc + ("address",),
+                f"{entry.address} is already listed as {loc_str(per_role[key])}; one {role} entry per host",
+                "duplicate-host",
+            )
+        per_role.setdefault(key, loc)
+        if gpu:
+            if entry.address in gpu_owner:
+                other = gpu_owner[entry.address]
+                yield Violation(
+                    loc + ("address",),
+                    f"{entry.address} already runs GPU role {loc_str(other)}; two GPU roles on one host would share its GPUs",
+                    "duplicate-host",
+                )
+            else:
+                gpu_owner[entry.address] = loc
+
+
+def ssh_conflicts(topo: Topology) -> Iterator[Violation]:
+    """Entries on the same address must agree on how to reach it."""
+    first: dict[str, tuple[Loc, object]] = {}
+    for loc, _role, entry in host_entries(topo):
+        if entry.address in first:
+            other_loc, other_ssh = first[entry.address]
+            if entry.ssh != other_ssh:
+                yield Violation(
+                    loc + ("ssh",),
+                    f"SSH settings for {entry.address} differ from {loc_str(other_loc)}.ssh; one host, one way in",
+                    "host-ssh-conflict",
+                )
+        else:
+            first[entry.address] = (loc, entry.ssh)
+
+
+def _ports(topo: Topology) -> Iterator[tuple[str, int, Loc, str]]:
+    """(address, port, loc, what) for every port any service binds."""
+    native = bool(topo.native_decode)
+    tp = topo.model.tensor_parallel
+    for i, p in enumerate(topo.prefill):
+        yield p.address, p.port, ("prefill", i, "port"), "vLLM port"
+        if native:
+            for r in range(tp.prefill):
+                yield p.address, p.nixl_side_channel_port + r, ("prefill", i, "nixl_side_channel_port"), f"NIXL side channel (rank {r})"
+    for i, d in enumerate(topo.decode):
+        yield d.address, d.ctrl_port, ("decode", i, "ctrl_port"), "control port"
+        yield d.address, d.http_port, ("decode", i, "http_port"), "HTTP port"
+        if topo.transport.name == "tcp":
+            yield d.address, d.data_port, ("decode", i, "data_port"), "tcp data port"
+    for i, n in enumerate(topo.native_decode):
+        yield n.address, n.port, ("native_decode", i, "port"), "vLLM port"
+        for r in range(tp.native_decode):
+            yield n.address, n.nixl_side_channel_port + r, ("native_decode", i, "nixl_side_channel_port"), f"NIXL side channel (rank {r})"
+    yield topo.router.address, topo.router.port, ("router", "port"), "router port"
+
+
+def port_collisions(topo: Topology) -> Iterator[Violation]:
+    """No two services on one host bind the same port (NIXL side channels count one port per TP rank)."""
+    taken: dict[tuple[str, int], tuple[Loc, str]] = {}
+    for address, port, loc, what in _ports(topo):
+        key = (address, port)
+        if key in taken:
+            other_loc, other_what = taken[key]
+            if other_loc == loc:
+                continue
+            yield Violation(
+                loc,
+                f"port {port} ({what}) on {address} is already taken by {loc_str(other_loc)} ({other_what})",
+                "port-collision",
+            )
+        else:
+            taken[key] = (loc, what)
+
+
+def tp_vs_gpus(topo: Topology) -> Iterator[Violation]:
+    """Each role's tensor-parallel size fits the GPUs of its hosts."""
+    tp = topo.model.tensor_parallel
+    for role, entries, size in (("prefill", topo.prefill, tp.prefill), ("native_decode", topo.native_decode, tp.native_decode)):
+        for i, e in enumerate(entries):
+            if e.gpus == 0 and size > 1:
+                yield Violation((role, i, "gpus"), f"model.tensor_parallel.{role}={size} but {e.name} is a CPU host (gpus: 0), which runs TP 1 only", "tp-gpus")
+            elif size > e.gpus > 0:
+                yield Violation((role, i, "gpus"), f"model.tensor_parallel.{role}={size} needs {size} GPUs but {e.name} has {e.gpus}", "tp-gpus")
+    for i, d in enumerate(topo.decode):
+        if is_cpu(d):
+            if tp.decode > 1:
+                yield Violation(("decode", i, "gpu"), f"model.tensor_parallel.decode={tp.decode} but {d.name} is a cpu node, which runs TP 1 only", "tp-gpus")
+        elif tp.decode > d.gpu.count:
+            yield Violation(("decode", i, "gpu", "count"), f"model.tensor_parallel.decode={tp.decode} needs {tp.decode} GPUs but {d.name} has {d.gpu.count}", "tp-gpus")
+
+
+def decode_device(topo: Topology) -> Iterator[Violation]:
+    """cpu nodes have no GPUs, no VRAM, and cannot load Mooncake; GPU nodes have at least one GPU."""
+    for i, d in enumerate(topo.decode):
+        if is_cpu(d):
+            if d.gpu.count:
+                yield Violation(("decode", i, "gpu", "count"), f"gpu.type cpu takes count 0, not {d.gpu.count}", "decode-device")
+            if d.recv_buffer == "vram":
+                yield Violation(("decode", i, "recv_buffer"), "recv_buffer vram needs a GPU; cpu nodes use dram", "decode-device")
+            if topo.transport.name == "mooncake":
+                yield Violation(("decode", i, "gpu", "type"), "the mooncake transport needs an NVIDIA driver (libcuda); cpu nodes use tcp or nixl", "decode-device")
+        elif d.gpu.count == 0:
+            yield Violation(("decode", i, "gpu", "count"), f"gpu.type {d.gpu.type} needs count >= 1 (use type cpu for a GPU-less node)", "decode-device")
+
+
+def max_seq_len(topo: Topology) -> Iterator[Violation]:
+    """The connector and prefill admit model.max_seq_len tokens; every decode node must hold that many."""
+    limit = topo.model.max_seq_len
+    for i, d in enumerate(topo.decode):
+        if d.max_seq_len is not None and d.max_seq_len < limit:
+            yield Violation(
+                ("decode", i, "max_seq_len"),
+                f"{d.name} holds {d.max_seq_len} tokens but the connector and prefill are told model.max_seq_len={limit}; "
+                "raise it or lower model.max_seq_len",
+                "max-seq-len",
+            )
+
+
+# (prefill dtype, decode dtype) pairs the handoff converts, per attention kind
+_MLA_PAIRS = {("auto", "auto"), ("bfloat16", "bfloat16"), ("auto", "bfloat16"), ("bfloat16", "auto"), ("fp8_ds_mla", "fp8"), ("fp8", "fp8"), ("fp8_e4m3", "fp8")}
+_ATTN_PAIRS = {("auto", "auto"), ("bfloat16", "bfloat16"), ("auto", "bfloat16"), ("bfloat16", "auto"), ("float16", "float16"), ("fp8", "fp8"), ("fp8_e4m3", "fp8")}
+
+
+def kv_cache_dtypes(topo: Topology) -> Iterator[Violation]:
+    """Only KV-cache dtype pairs the handoff can carry."""
+    family = canonical_family(topo.model.family)
+    if family is None:
+        return
+    mla = family == "deepseek_v3"
+    pairs = _MLA_PAIRS if mla else _ATTN_PAIRS
+    dt = topo.model.kv_cache_dtype
+    if (dt.prefill, dt.decode) in pairs:
+        return
+    kind = "MLA" if mla else "standard-attention"
+    accepted = ", ".join(f"{p}->{d}" for p, d in sorted(pairs))
+    hint = ""
+    if dt.prefill == "fp8_ds_mla" and not mla:
+        hint = "fp8_ds_mla is an MLA-only cache format; "
+    elif dt.prefill == "fp8_ds_mla":
+        hint = "an fp8_ds_mla prefill cache decodes as fp8; "
+    yield Violation(
+        ("model", "kv_cache_dtype", "decode"),
+        f"{hint}kv-cache dtype pair prefill {dt.prefill} -> decode {dt.decode} cannot be carried for {kind} models; accepted: {accepted}",
+        "kv-cache-dtype",
+    )
+
+
+def mtp(topo: Topology) -> Iterator[Violation]:
+    """Decode MTP resumes from draft-layer KV that only a speculative prefill writes; only MTP families have those layers."""
+    spec = topo.model.speculative
+    family = canonical_family(topo.model.family)
+    if spec.decode is not None and spec.prefill is None:
+        yield Violation(
+            ("model", "speculative", "decode"),
+            "decode MTP needs model.speculative.prefill (method mtp): prefill fills the draft layer's KV that decode speculation resumes from",
+            "mtp",
+        )
+    if family is not None and family not in MTP_FAMILIES:
+        for role in ("prefill", "decode"):
+            if getattr(spec, role) is not None:
+                yield Violation(("model", "speculative", role), f"family {topo.model.family} has no MTP layers; remove speculative.{role}", "mtp")
+
+
+def model_family(topo: Topology) -> Iterator[Violation]:
+    """The bundled runtime runs the family (or an alias of one)."""
+    fam = topo.model.family
+    if canonical_family(fam) is not None:
+        return
+    close = difflib.get_close_matches(fam, known_families(), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    yield Violation(
+        ("model", "family"),
+        f"family {fam!r} is not supported by the bundled runtime (families: llama, deepseek_v3; aliases: glm5, dsv32){hint}",
+        "model-family",
+    )
+    return
+
+
+def tiny_model_family(topo: Topology) -> Iterator[Violation]:
+    """The generated tiny model must be of the family the plan runs."""
+    tiny = topo.model.generate_tiny
+    family = canonical_family(topo.model.family)
+    if tiny is not None and family is not None and tiny != family:
+        yield Violation(("model", "generate_tiny"), f"generate_tiny {tiny} differs from model.family {topo.model.family} ({family})", "tiny-model-family")
+
+
+def native_pool_transport(topo: Topology) -> Iterator[Violation]:
+    """The shared prefill loads one transport library: a native (NixlConnector) pool needs transport nixl."""
+    if topo.native_decode and topo.transport.name != "nixl":
+        yield Violation(
+            ("transport", "name"),
+            f"a native_decode pool uses the stock NixlConnector, so the transport must be nixl, not {topo.transport.name}",
+            "native-pool-transport",
+        )
+
+
+def routing_native(topo: Topology) -> Iterator[Violation]:
+    """Routing to the native pool needs one."""
+    if topo.native_decode:
+        return
+    routing = topo.router.routing
+    if routing.default_pool == "native":
+        yield Violation(("router", "routing", "default_pool"), "default_pool native but there is no native_decode pool", "routing-native")
+    for model, pool in routing.by_model.items():
+        if pool == "native":
+            yield Violation(("router", "routing", "by_model", model), f"{model} is routed to the native pool but there is no native_decode pool", "routing-native")
+
+
+def absolute_paths(topo: Topology) -> Iterator[Violation]:
+    """Paths are used on remote hosts, where no working directory can be assumed."""
+    candidates: list[tuple[Loc, str | None]] = [
+        (("deployment", "base_dir"), topo.deployment.base_dir),
+        (("deployment", "python"), topo.deployment.python),
+        (("model", "hf_path"), topo.model.hf_path),
+        (("model", "weights_path"), topo.model.weights_path),
+    ]
+    for loc, _role, entry in host_entries(topo):
+        candidates.append((loc + ("python",), entry.python))
+        candidates.append((loc + ("ssh", "key_file"), entry.ssh.key_file))
+    if topo.router.api_key is not None:
+        candidates.append((("router", "api_key", "file"), topo.router.api_key.file))
+    for loc, value in candidates:
+        if value is not None and not PurePosixPath(value).is_absolute():
+            yield Violation(loc, f"path {value!r} must be absolute", "absolute-path")
+
+
+# flags the plan sets on vLLM; extra_args may not repeat them
+PLANNED_VLLM_FLAGS = (
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--tensor-parallel-size",
+    "-tp",
+    "--max-model-len",
+    "--kv-transfer-config",
+    "--kv-cache-dtype",
+    "--speculative-config",
+    "--return-tokens-as-token-ids",
+    "--trust-remote-code",
+    "--enforce-eager",
+    "--gpu-memory-utilization",
+)
+
+
+def extra_args(topo: Topology) -> Iterator[Violation]:
+    """extra_args add flags; they do not override what the topology already says."""
+    for role, entries in (("prefill", topo.prefill), ("native_decode", topo.native_decode)):
+        for i, e in enumerate(entries):
+            for j, arg in enumerate(e.extra_args):
+                flag = arg.split("=", 1)[0]
+                if flag in PLANNED_VLLM_FLAGS:
+                    yield Violation(
+                        (role, i, "extra_args", j),
+                        f"{flag} is set by the plan from the topology; change the topology field instead of passing it in extra_args",
+                        "extra-args-conflict",
+                    )
+
+
+def install_python(topo: Topology) -> Iterator[Violation]:
+    """An operator-provided environment must say where its interpreter is."""
+    for loc, _role, entry in host_entries(topo):
+        install = entry.install or topo.deployment.install
+        if install == "operator" and entry.python is None and topo.deployment.python is None:
+            yield Violation(loc + ("install",) if entry.install else loc, f"{entry.name}: install operator needs `python` (the operator's interpreter path)", "install-python")
+
+
+RULES: dict[str, Rule] = {
+    "duplicate-host": duplicate_hosts,
+    "host-ssh-conflict": ssh_conflicts,
+    "port-collision": port_collisions,
+    "tp-gpus": tp_vs_gpus,
+    "decode-device": decode_device,
+    "max-seq-len": max_seq_len,
+    "kv-cache-dtype": kv_cache_dtypes,
+    "mtp": mtp,
+    "model-family": model_family,
+    "tiny-model-family": tiny_model_family,
+    "native-pool-transport": native_pool_transport,
+    "routing-native": routing_native,
+    "absolute-path": absolute_paths,
+    "extra-args-conflict": extra_args,
+    "install-python": install_python,
+}
+
+
+def check(topo: Topology) -> list[Violation]:
+    return [v for rule in RULES.values() for v in rule(topo)]
+
+
+def rule_docs() -> dict[str, str]:
+    """Rule id -> the first line of its docstring (for docs/TOPOLOGY.md)."""
+    return {rid: (fn.__doc__ or "").strip().splitlines()[0] for rid, fn in RULES.items()}
+
+
+__all__ = ["RULES", "Violation", "check", "is_loopback", "loc_str", "host_entries", "rule_docs", "Router"]

