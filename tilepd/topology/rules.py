@@ -122,7 +122,7 @@ def _ports(topo: Topology) -> Iterator[tuple[str, int, Loc, str]]:
         yield p.address, p.port, ("prefill", i, "port"), "vLLM port"
         if native:
             for r in range(tp.prefill):
-                yield p.address, p.nixl_side_channel_port + r, ("prefill", i, "nixl_side_channel_port"), f"NIXL side channel (rank {r})"
+                yield p.address, p.nixl_side_channel_port + r, ("prefill", i, "nixl_side_channel_port"), f"NIXL side-channel port, rank {r}"
     for i, d in enumerate(topo.decode):
         yield d.address, d.ctrl_port, ("decode", i, "ctrl_port"), "control port"
         yield d.address, d.http_port, ("decode", i, "http_port"), "HTTP port"
@@ -131,7 +131,7 @@ def _ports(topo: Topology) -> Iterator[tuple[str, int, Loc, str]]:
     for i, n in enumerate(topo.native_decode):
         yield n.address, n.port, ("native_decode", i, "port"), "vLLM port"
         for r in range(tp.native_decode):
-            yield n.address, n.nixl_side_channel_port + r, ("native_decode", i, "nixl_side_channel_port"), f"NIXL side channel (rank {r})"
+            yield n.address, n.nixl_side_channel_port + r, ("native_decode", i, "nixl_side_channel_port"), f"NIXL side-channel port, rank {r}"
     yield topo.router.address, topo.router.port, ("router", "port"), "router port"
 
 
