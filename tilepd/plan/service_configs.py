@@ -77,6 +77,8 @@ class ConnectorExtraConfig(_Strict):
     busy_retries: int = Field(default=20, ge=0)
     busy_backoff_s: float = Field(default=0.05, gt=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    # requests whose KV can be staged / in flight at once (each slot holds max_seq_len tokens)
+    staging_slots: int = Field(default=2, ge=1)
 
 
 class NativePoolConfig(_Strict):
