@@ -1,0 +1,57 @@
+"""Compatibility checks both ends run on hello, with messages that say what to change."""
+
+from __future__ import annotations
+
+from tilepd import __version__
+from tilepd.control.layout import LAYOUT_VERSION
+from tilepd.control.messages import PROTOCOL_VERSION, ErrorCode, Hello, HelloOk, ProtocolError
+
+
+def _upgrade_hint(local: int, remote: int, local_side: str, remote_side: str) -> str:
+    older = local_side if local < remote else remote_side
+    return f"upgrade tilepd on the {older} so both ends run the same tilepd release"
+
+
+def check_protocol(remote: int, *, local_side: str, remote_side: str, remote_version: str | None = None) -> None:
+    if remote != PROTOCOL_VERSION:
+        rv = f" (tilepd {remote_version})" if remote_version else ""
+        raise ProtocolError(
+            ErrorCode.VERSION_MISMATCH,
+            f"the {remote_side}{rv} speaks control protocol {remote}, the {local_side} (tilepd {__version__}) speaks "
+            f"{PROTOCOL_VERSION}: {_upgrade_hint(PROTOCOL_VERSION, remote, local_side, remote_side)}",
+        )
+
+
+def check_hello(hello: Hello, *, transport: str, max_seq_len: int) -> None:
+    """Decode-node side: protocol, layout version and transport must match this node."""
+    check_protocol(hello.protocol, local_side="decode node", remote_side="prefill connector", remote_version=hello.tilepd_version)
+    if hello.layout.layout_version != LAYOUT_VERSION:
+        raise ProtocolError(
+            ErrorCode.LAYOUT_MISMATCH,
+            f"the prefill connector sends cache layout version {hello.layout.layout_version}, this decode node reads "
+            f"version {LAYOUT_VERSION}: {_upgrade_hint(LAYOUT_VERSION, hello.layout.layout_version, 'decode node', 'prefill connector')}",
+        )
+    if hello.transport.name != transport:
+        raise ProtocolError(
+            ErrorCode.TRANSPORT_MISMATCH,
+            f"the prefill connector sends over transport {hello.transport.name!r} but this decode node receives over "
+            f"{transport!r}: set the same transport name for the prefill hosts' connector "
+            f"(kv_connector_extra_config.transport.name) and the decode node (its config's transport.name)",
+        )
+    if hello.max_seq_len > max_seq_len:
+        raise ProtocolError(
+            ErrorCode.TOO_LONG,
+            f"the prefill connector allows prompts of up to {hello.max_seq_len} tokens but this decode node holds "
+            f"{max_seq_len}: raise the decode node's max_seq_len or lower the connector's max_seq_len",
+        )
+
+
+def check_hello_ok(reply: HelloOk, *, transport: str) -> None:
+    """Connector side: the decode node must speak our protocol over our transport."""
+    check_protocol(reply.protocol, local_side="prefill connector", remote_side="decode node")
+    if reply.transport.name != transport:
+        raise ProtocolError(
+            ErrorCode.TRANSPORT_MISMATCH,
+            f"the decode node receives over {reply.transport.name!r} but this connector sends over {transport!r}: "
+            "set the same transport name for the connector and the decode node",
+        )

@@ -1,0 +1,323 @@
+"""Connector-side API: hand one request's KV to a decode node.
+
+Usage (from the vLLM connector's background sender thread)::
+
+    from tilepd.control.sender import KVSender, SendResult
+    from tilepd.control.layout import CacheLayout
+    from tilepd.transport import Buffer
+
+    sender = KVSender(extra_config,            # ConnectorExtraConfig (kv_connector_extra_config)
+                      layout,                  # CacheLayout read from vLLM's cache tensors
+                      Buffer.from_array(staging_tensor),   # registered once, writes read from it
+                      sender_rank=0, tp_size=1)
+    result: SendResult = sender.send(
+        (host, ctrl_port),      # or a DecodeEndpoint; must be in extra_config.decode_allowlist
+        transfer_id, token,     # from the tilepd marker in kv_transfer_params
+        seq_len,                # tokens whose KV is sent (the prompt length)
+        num_blocks,             # ceil(seq_len / layout.block_size)
+        src,                    # per layer: staging offset of block 0 (blocks contiguous), or a list
+                                # of num_blocks offsets (one per block) when blocks are scattered
+    )
+    result.ok, result.code, result.message, result.bytes, result.timings  # never raises for peer errors
+    sender.close()
+
+`send` is blocking and thread-safe (one control connection per decode endpoint,
+hello done once per connection and cached). Flow: hello -> admit (busy: retry with
+exponential backoff from busy_backoff_s, up to busy_retries, then give up with a
+log line) -> transport write -> done/ack. A version, layout or transport mismatch
+is final and its message says what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+from tilepd import __version__
+from tilepd.control.compat import check_hello_ok
+from tilepd.control.framing import FrameError, recv_frame, send_frame
+from tilepd.control.layout import CacheLayout
+from tilepd.control.messages import (
+    PROTOCOL_VERSION,
+    Accept,
+    Ack,
+    Admit,
+    Done,
+    Error,
+    ErrorCode,
+    Hello,
+    HelloOk,
+    ProtocolError,
+    Reject,
+    TransportInfo,
+    dump,
+    parse_message,
+)
+from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint
+from tilepd.transport.base import Buffer, Peer, Segment, TransportError, TransportSender
+from tilepd.transport.registry import make_sender
+
+log = logging.getLogger("tilepd.control.sender")
+
+EndpointLike = Union[DecodeEndpoint, tuple[str, int]]
+SourceSpec = Union[int, Sequence[int]]
+
+REPLY_TIMEOUT_S = 30.0
+WIRE_TIMEOUT_S = 120.0
+MAX_BACKOFF_S = 1.0
+
+
+@dataclass
+class SendResult:
+    ok: bool
+    transfer_id: str
+    code: str | None = None  # an ErrorCode value, "transport", "connect" or "not_allowed"
+    message: str = ""
+    generation: int | None = None
+    bytes: int = 0
+    attempts: int = 0  # admit attempts (1 + busy retries)
+    timings: dict[str, float] = field(default_factory=dict)  # hello_ms, admit_ms, wire_ms, done_ms, total_ms
+
+
+class _Channel:
+    """One control connection to one decode node, after a successful hello."""
+
+    def __init__(self, sock: socket.socket, hello_ok: HelloOk, peer: Peer):
+        self.sock, self.hello_ok, self.peer = sock, hello_ok, peer
+        self.lock = threading.Lock()
+
+    def call(self, msg: dict, timeout: float = REPLY_TIMEOUT_S) -> object:
+        self.sock.settimeout(timeout)
+        send_frame(self.sock, msg)
+        return parse_message(recv_frame(self.sock))
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class KVSender:
+    """Sends KV states to decode nodes in the allowlist over one transport."""
+
+    def __init__(
+        self,
+        extra_config: ConnectorExtraConfig,
+        layout: CacheLayout,
+        staging: Buffer,
+        *,
+        sender_rank: int = 0,
+        tp_size: int = 1,
+        transport: TransportSender | None = None,
+        name: str | None = None,
+    ):
+        self.config = extra_config
+        self.layout = layout
+        self.sender_rank = sender_rank
+        self.tp_size = tp_size
+        self.transport = transport or make_sender(
+            extra_config.transport, name=name or f"tilepd-prefill-{socket.gethostname()}-r{sender_rank}",
+            connect_timeout_s=extra_config.connect_timeout_s,
+        )
+        if self.transport.name != extra_config.transport.name:
+            raise ValueError(f"transport {self.transport.name!r} given but config names {extra_config.transport.name!r}")
+        self.transport.register(staging)
+        self.staging = staging
+        self._allowed = {(e.host, e.ctrl_port) for e in extra_config.decode_allowlist}
+        self._channels: dict[tuple[str, int], _Channel] = {}
+        self._channels_lock = threading.Lock()
+        self._endpoint_locks: dict[tuple[str, int], threading.Lock] = {}
+
+    # -- public ---------------------------------------------------------------------
+    def hello_message(self) -> Hello:
+        """What this sender says in hello (exposed so the connector can log it)."""
+        return Hello(
+            protocol=PROTOCOL_VERSION,
+            layout=self.layout,
+            transport=TransportInfo(name=self.transport.name, metadata=self.transport.describe()),
+            max_seq_len=self.config.max_seq_len,
+            sender_rank=self.sender_rank,
+            tp_size=self.tp_size,
+            tilepd_version=__version__,
+        )
+
+    def is_allowed(self, host: str, ctrl_port: int) -> bool:
+        return (host, int(ctrl_port)) in self._allowed
+
+    def send(
+        self,
+        endpoint: EndpointLike,
+        transfer_id: str,
+        token: str,
+        seq_len: int,
+        num_blocks: int,
+        src: Sequence[SourceSpec],
+    ) -> SendResult:
+        t0 = time.perf_counter()
+        key = (endpoint.host, endpoint.ctrl_port) if isinstance(endpoint, DecodeEndpoint) else (endpoint[0], int(endpoint[1]))
+        res = SendResult(ok=False, transfer_id=transfer_id)
+        try:
+            if key not in self._allowed:
+                return self._fail(res, "not_allowed", f"decode node {key[0]}:{key[1]} is not in the connector's decode_allowlist", t0)
+            if seq_len > self.config.max_seq_len:
+                return self._fail(res, ErrorCode.TOO_LONG.value, f"seq_len {seq_len} exceeds max_seq_len {self.config.max_seq_len}", t0)
+            if num_blocks != self.layout.blocks_for(seq_len):
+                return self._fail(res, "bad_request", f"num_blocks {num_blocks} != ceil({seq_len}/{self.layout.block_size})", t0)
+            if len(src) != self.layout.num_layers:
+                return self._fail(res, "bad_request", f"{len(src)} source regions given for {self.layout.num_layers} layers", t0)
+            with self._endpoint_lock(key):
+                return self._send_locked(key, res, transfer_id, token, seq_len, num_blocks, src, t0)
+        except ProtocolError as exc:
+            return self._fail(res, exc.code.value, exc.message, t0)
+        except (OSError, FrameError, TransportError) as exc:
+            self._drop(key)
+            return self._fail(res, "transport" if isinstance(exc, TransportError) else "connect",
+                              f"{key[0]}:{key[1]}: {type(exc).__name__}: {exc}", t0)
+
+    def close(self) -> None:
+        with self._channels_lock:
+            chans = list(self._channels.values())
+            self._channels.clear()
+        for ch in chans:
+            ch.close()
+        self.transport.close()
+
+    # -- internals ------------------------------------------------------------------
+    def _endpoint_lock(self, key: tuple[str, int]) -> threading.Lock:
+        with self._channels_lock:
+            return self._endpoint_locks.setdefault(key, threading.Lock())
+
+    def _fail(self, res: SendResult, code: str, message: str, t0: float) -> SendResult:
+        res.ok, res.code, res.message = False, code, message
+        res.timings["total_ms"] = (time.perf_counter() - t0) * 1e3
+        log.warning("event=send_failed transfer_id=%s code=%s attempts=%d message=%s", res.transfer_id, code, res.attempts, message)
+        return res
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        with self._channels_lock:
+            ch = self._channels.pop(key, None)
+        if ch is not None:
+            ch.close()
+            try:
+                self.transport.disconnect(ch.peer)
+            except TransportError:
+                pass
+
+    def _channel(self, key: tuple[str, int], res: SendResult) -> _Channel:
+        with self._channels_lock:
+            ch = self._channels.get(key)
+        if ch is not None:
+            return ch
+        t = time.perf_counter()
+        sock = socket.create_connection(key, timeout=self.config.connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.settimeout(REPLY_TIMEOUT_S)
+            send_frame(sock, dump(self.hello_message()))
+            reply = parse_message(recv_frame(sock))
+            if isinstance(reply, Error):
+                raise ProtocolError(reply.code, reply.message)
+            if not isinstance(reply, HelloOk):
+                raise ProtocolError(ErrorCode.MALFORMED, f"expected hello_ok, got {type(reply).__name__}")
+            check_hello_ok(reply, transport=self.transport.name)
+            peer = self.transport.connect(reply.transport.metadata)
+        except BaseException:
+            sock.close()
+            raise
+        ch = _Channel(sock, reply, peer)
+        with self._channels_lock:
+            self._channels[key] = ch
+        res.timings["hello_ms"] = (time.perf_counter() - t) * 1e3
+        log.info("event=hello_ok peer=%s:%d node=%s layout=%s transport=%s", key[0], key[1], reply.node, self.layout.layout_id, self.transport.name)
+        return ch
+
+    def _segments(self, accept: Accept, num_blocks: int, src: Sequence[SourceSpec]) -> list[Segment]:
+        bb = self.layout.block_bytes
+        if accept.dst.block_bytes != bb:
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"decode node expects {accept.dst.block_bytes}-byte blocks, this layout has {bb}")
+        segs: list[Segment] = []
+        for layer, spec in enumerate(src):
+            dst0 = accept.dst.base + layer * accept.dst.region_stride
+            if isinstance(spec, int):
+                segs.append(Segment(spec, dst0, num_blocks * bb))
+            else:
+                if len(spec) != num_blocks:
+                    raise ProtocolError(ErrorCode.MALFORMED, f"layer {layer}: {len(spec)} block offsets for {num_blocks} blocks")
+                segs.extend(Segment(int(off), dst0 + i * bb, bb) for i, off in enumerate(spec))
+        return segs
+
+    def _send_locked(self, key, res: SendResult, transfer_id: str, token: str, seq_len: int, num_blocks: int,
+                     src: Sequence[SourceSpec], t0: float) -> SendResult:
+        admit = dump(Admit(transfer_id=transfer_id, token=token, seq_len=seq_len, num_blocks=num_blocks, sender_rank=self.sender_rank))
+        backoff = self.config.busy_backoff_s
+        reconnected = False
+        t_admit = time.perf_counter()
+        while True:
+            ch = self._channel(key, res)
+            res.attempts += 1
+            try:
+                reply = ch.call(admit)
+            except (OSError, FrameError) as exc:
+                # the node may have restarted since our cached hello: one fresh connection
+                self._drop(key)
+                if reconnected:
+                    raise
+                log.info("event=reconnect transfer_id=%s peer=%s:%d reason=%s", transfer_id, key[0], key[1], exc)
+                reconnected = True
+                res.attempts -= 1
+                continue
+            if isinstance(reply, Accept):
+                break
+            if isinstance(reply, Error):
+                self._drop(key)
+                raise ProtocolError(reply.code, reply.message)
+            if not isinstance(reply, Reject):
+                self._drop(key)
+                raise ProtocolError(ErrorCode.MALFORMED, f"expected accept or reject, got {type(reply).__name__}")
+            if not reply.retryable:
+                raise ProtocolError(reply.code, reply.message)
+            if res.attempts > self.config.busy_retries:
+                res.timings["admit_ms"] = (time.perf_counter() - t_admit) * 1e3
+                log.warning("event=give_up transfer_id=%s peer=%s:%d reason=busy attempts=%d", transfer_id, key[0], key[1], res.attempts)
+                return self._fail(res, reply.code.value, f"decode node {key[0]}:{key[1]} stayed busy after {res.attempts} attempts: {reply.message}", t0)
+            log.info("event=busy_retry transfer_id=%s peer=%s:%d attempt=%d backoff_s=%.3f", transfer_id, key[0], key[1], res.attempts, backoff)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+        res.generation = accept_gen = reply.generation
+        res.timings["admit_ms"] = (time.perf_counter() - t_admit) * 1e3
+        log.info("event=accepted transfer_id=%s peer=%s:%d generation=%d", transfer_id, key[0], key[1], accept_gen)
+
+        t_wire = time.perf_counter()
+        error: str | None = None
+        nbytes = 0
+        try:
+            segs = self._segments(reply, num_blocks, src)
+            nbytes = self.transport.write(ch.peer, segs, generation=accept_gen, transfer_id=transfer_id).wait(WIRE_TIMEOUT_S)
+        except (TransportError, ProtocolError) as exc:
+            error = str(exc)
+        res.timings["wire_ms"] = (time.perf_counter() - t_wire) * 1e3
+
+        t_done = time.perf_counter()
+        ack = ch.call(dump(Done(transfer_id=transfer_id, generation=accept_gen, bytes=nbytes, ok=error is None, error=error)))
+        res.timings["done_ms"] = (time.perf_counter() - t_done) * 1e3
+        if isinstance(ack, Error):
+            self._drop(key)
+            raise ProtocolError(ack.code, ack.message)
+        if not isinstance(ack, Ack):
+            self._drop(key)
+            raise ProtocolError(ErrorCode.MALFORMED, f"expected ack, got {type(ack).__name__}")
+        if error is not None:
+            return self._fail(res, "transport", error, t0)
+        if not ack.ok:
+            return self._fail(res, ErrorCode.UNKNOWN_TRANSFER.value, ack.message or "decode node did not take the transfer", t0)
+        res.ok, res.bytes = True, nbytes
+        res.timings["total_ms"] = (time.perf_counter() - t0) * 1e3
+        wire_s = res.timings["wire_ms"] / 1e3
+        log.info("event=sent transfer_id=%s peer=%s:%d bytes=%d wire_ms=%.2f gbps=%.2f", transfer_id, key[0], key[1], nbytes,
+                 res.timings["wire_ms"], nbytes / wire_s / 1e9 if wire_s > 0 else 0.0)
+        return res

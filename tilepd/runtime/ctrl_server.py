@@ -1,0 +1,207 @@
+"""Control-channel server of the decode node (INTERFACES §3).
+
+One thread per sender connection. A connection must say `hello` first; the hello
+fixes its layout, which sizes its regions in the receive buffer. A frame that does
+not parse closes the connection and never reaches the slot; a refusal (mismatch,
+busy, bad token) is answered with a typed message and the connection stays open.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from typing import Callable, Sequence
+
+from tilepd.control.compat import check_hello
+from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame
+from tilepd.control.layout import CacheLayout
+from tilepd.control.messages import (
+    PROTOCOL_VERSION,
+    RETRYABLE,
+    Accept,
+    Ack,
+    Admit,
+    Done,
+    Dst,
+    Error,
+    ErrorCode,
+    Hello,
+    HelloOk,
+    ProtocolError,
+    Region,
+    Reject,
+    TransportInfo,
+    dump,
+    parse_message,
+)
+from tilepd.runtime.slot import Slot, SlotError
+from tilepd.transport.base import TransportReceiver
+
+log = logging.getLogger("tilepd.runtime.ctrl")
+
+IDLE_TIMEOUT_S = 3600.0  # a quiet sender keeps its connection (hello is cached) for this long
+DATA_DRAIN_TIMEOUT_S = 30.0  # after done: how long bytes the sender reported may take to land
+
+
+class ControlServer:
+    def __init__(
+        self,
+        *,
+        slot: Slot,
+        receiver: TransportReceiver,
+        max_seq_len: int,
+        check_layout: Callable[[CacheLayout], None],
+        node_name: str = "",
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        allowed_senders: Sequence[str] = (),
+    ):
+        self.slot, self.receiver = slot, receiver
+        self.max_seq_len = max_seq_len
+        self.check_layout = check_layout
+        self.node_name = node_name
+        self.allowed = set(allowed_senders)
+        self._listener = socket.create_server((bind_host, port), backlog=64)
+        self.port: int = self._listener.getsockname()[1]
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._socks: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.frames_rejected = 0
+        self._thread = threading.Thread(target=self._accept_loop, name="ctrl-accept", daemon=True)
+
+    def start(self) -> "ControlServer":
+        self._thread.start()
+        log.info("event=ctrl_listening port=%d", self.port)
+        return self
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        with self._lock:
+            socks = list(self._socks)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    # -- connection handling ---------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return
+            if self.allowed and addr[0] not in self.allowed:
+                log.warning("event=ctrl_refused peer=%s reason=not_in_allowed_senders", addr[0])
+                try:
+                    send_frame(sock, dump(Error(code=ErrorCode.NOT_ALLOWED, message=f"{addr[0]} is not in this decode node's allowed_senders")))
+                except OSError:
+                    pass
+                sock.close()
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn_id = next(self._ids)
+            with self._lock:
+                self._socks.add(sock)
+            threading.Thread(target=self._serve, args=(sock, addr, conn_id), name=f"ctrl-{conn_id}", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, addr: tuple[str, int], conn_id: int) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        layout: CacheLayout | None = None
+        try:
+            sock.settimeout(IDLE_TIMEOUT_S)
+            while True:
+                try:
+                    msg = parse_message(recv_frame(sock))
+                except PeerClosed:
+                    return
+                except (FrameError, ProtocolError) as exc:
+                    self.frames_rejected += 1
+                    log.warning("event=bad_frame peer=%s conn=%d reason=%s", peer, conn_id, exc)
+                    return
+                if isinstance(msg, Hello):
+                    reply, layout = self._hello(msg, peer, conn_id)
+                    send_frame(sock, reply)
+                    if reply["type"] == "error":
+                        return
+                elif isinstance(msg, Admit):
+                    if layout is None:
+                        send_frame(sock, dump(Error(code=ErrorCode.NOT_READY, message="send hello before admit")))
+                        return
+                    send_frame(sock, self._admit(msg, layout, peer, conn_id))
+                elif isinstance(msg, Done):
+                    send_frame(sock, self._done(msg, peer))
+                else:
+                    self.frames_rejected += 1
+                    log.warning("event=bad_frame peer=%s conn=%d reason=unexpected_%s", peer, conn_id, msg.type)
+                    return
+        except OSError as exc:
+            log.info("event=ctrl_closed peer=%s conn=%d reason=%s", peer, conn_id, exc)
+        finally:
+            self.slot.sender_gone(conn_id)
+            with self._lock:
+                self._socks.discard(sock)
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    # -- messages ---------------------------------------------------------------------
+    def _hello(self, msg: Hello, peer: str, conn_id: int) -> tuple[dict, CacheLayout | None]:
+        try:
+            check_hello(msg, transport=self.receiver.name, max_seq_len=self.max_seq_len)
+            self.check_layout(msg.layout)
+            self.receiver.add_peer(msg.transport.metadata)
+        except ProtocolError as exc:
+            log.warning("event=hello_refused peer=%s conn=%d code=%s message=%s", peer, conn_id, exc.code.value, exc.message)
+            return dump(Error(code=exc.code, message=exc.message)), None
+        stride = msg.layout.region_stride(self.max_seq_len)
+        regions = [Region(layer=i, offset=i * stride, length=stride) for i in range(msg.layout.num_layers)]
+        log.info("event=hello peer=%s conn=%d rank=%d layout=%s transport=%s", peer, conn_id, msg.sender_rank,
+                 msg.layout.layout_id, msg.transport.name)
+        reply = HelloOk(protocol=PROTOCOL_VERSION, transport=TransportInfo(name=self.receiver.name, metadata=self.receiver.describe()),
+                        regions=regions, busy=self.slot.busy, node=self.node_name)
+        return dump(reply), msg.layout
+
+    def _admit(self, msg: Admit, layout: CacheLayout, peer: str, conn_id: int) -> dict:
+        def reject(code: ErrorCode, message: str) -> dict:
+            level = logging.INFO if code in RETRYABLE else logging.WARNING
+            log.log(level, "event=admit_rejected transfer_id=%s peer=%s code=%s message=%s", msg.transfer_id, peer, code.value, message)
+            return dump(Reject(transfer_id=msg.transfer_id, code=code, retryable=code in RETRYABLE, message=message))
+
+        if msg.seq_len > self.max_seq_len:
+            return reject(ErrorCode.TOO_LONG, f"seq_len {msg.seq_len} exceeds this decode node's max_seq_len {self.max_seq_len}")
+        if msg.num_blocks != layout.blocks_for(msg.seq_len):
+            return reject(ErrorCode.LAYOUT_MISMATCH, f"num_blocks {msg.num_blocks} != ceil(seq_len {msg.seq_len} / block_size {layout.block_size})")
+        stride = layout.region_stride(self.max_seq_len)
+        # bytes land in layer regions; the receiver is armed up to the end of the last region used
+        expected = layout.num_layers * msg.num_blocks * layout.block_bytes
+        limit = (layout.num_layers - 1) * stride + msg.num_blocks * layout.block_bytes
+        try:
+            gen = self.slot.admit(msg.transfer_id, msg.token, msg.seq_len, msg.num_blocks, expected, layout, conn_id,
+                                  arm_limit=limit)
+        except SlotError as exc:
+            return reject(ErrorCode(exc.code), exc.message)
+        return dump(Accept(transfer_id=msg.transfer_id, generation=gen, dst=Dst(base=0, region_stride=stride, block_bytes=layout.block_bytes)))
+
+    def _done(self, msg: Done, peer: str) -> dict:
+        cur = self.slot.current
+        if msg.ok and cur is not None and cur.generation == msg.generation and cur.transfer_id == msg.transfer_id:
+            if msg.bytes != cur.expected_bytes:
+                ok, why = self.slot.complete(msg.transfer_id, msg.generation, False,
+                                             f"sender reported {msg.bytes} bytes, expected {cur.expected_bytes}")
+                return dump(Ack(transfer_id=msg.transfer_id, ok=False, message=why))
+            if not self.receiver.wait_received(msg.generation, cur.expected_bytes, DATA_DRAIN_TIMEOUT_S):
+                ok, why = self.slot.complete(msg.transfer_id, msg.generation, False,
+                                             f"only {self.receiver.bytes_received()} bytes landed of {cur.expected_bytes}")
+                return dump(Ack(transfer_id=msg.transfer_id, ok=False, message=why))
+        ok, why = self.slot.complete(msg.transfer_id, msg.generation, msg.ok, msg.error)
+        log.info("event=done transfer_id=%s peer=%s generation=%d ok=%s accepted=%s", msg.transfer_id, peer, msg.generation, msg.ok, ok)
+        return dump(Ack(transfer_id=msg.transfer_id, ok=ok, message=why))

@@ -1,0 +1,237 @@
+"""The decode node's single slot: who owns the receive buffer right now.
+
+States (INTERFACES §4): free -> reserved -> transferring -> complete -> decoding
+(-> cancelling) -> free. A transfer can start from either side: the HTTP decode
+request reserves the slot and the connector's admit joins it, or the admit comes
+first and the decode request joins it; both must carry the same transfer id and
+token. Every admit gets a fresh generation number; the transport drops bytes of
+any other generation, and `done` for another generation is ignored, so late,
+duplicate and foreign writers cannot complete (or corrupt) someone else's slot.
+
+The slot is pure bookkeeping under one condition variable; the transport is
+armed/disarmed through the two callbacks so the receive side follows every
+transition without this module knowing which transport runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+log = logging.getLogger("tilepd.runtime.slot")
+
+
+class State(str, Enum):
+    FREE = "free"
+    RESERVED = "reserved"
+    TRANSFERRING = "transferring"
+    COMPLETE = "complete"
+    DECODING = "decoding"
+    CANCELLING = "cancelling"
+
+
+class SlotError(Exception):
+    """A refused slot operation; `code` maps to a control reject or an HTTP status."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Transfer:
+    """What the slot holds for the transfer that owns it."""
+
+    transfer_id: str
+    token: str
+    reserved_at: float = field(default_factory=time.monotonic)
+    http_joined: bool = False
+    generation: int | None = None
+    conn_id: int | None = None
+    seq_len: int = 0
+    num_blocks: int = 0
+    expected_bytes: int = 0
+    layout: Any = None  # CacheLayout of the admitting connection
+    admitted_at: float | None = None
+    completed_at: float | None = None
+    failure: str | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class Slot:
+    def __init__(
+        self,
+        on_arm: Callable[[int, str, int], None] = lambda g, t, n: None,
+        on_disarm: Callable[[], None] = lambda: None,
+        orphan_timeout_s: float = 30.0,
+    ):
+        self._cv = threading.Condition()
+        self.state = State.FREE
+        self.current: Transfer | None = None
+        # generations start from the clock so a restarted node never reuses one
+        self._next_generation = int(time.time() * 1000) << 4
+        self._on_arm, self._on_disarm = on_arm, on_disarm
+        self.orphan_timeout_s = orphan_timeout_s
+        self.transfers_total = 0
+        self.bytes_total = 0
+
+    # -- views ----------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.state != State.FREE
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cv:
+            return {"state": self.state.value, "busy": self.busy,
+                    "transfer_id": self.current.transfer_id if self.current else None}
+
+    # -- HTTP side ------------------------------------------------------------------
+    def reserve_for_decode(self, transfer_id: str, token: str) -> Transfer:
+        """Claim the slot for a decode request, or join the admit that already arrived."""
+        with self._cv:
+            cur = self.current
+            if self.state == State.FREE:
+                self.current = Transfer(transfer_id, token, http_joined=True)
+                self.state = State.RESERVED
+                log.info("event=reserved transfer_id=%s by=decode_request", transfer_id)
+                return self.current
+            if cur is not None and cur.transfer_id == transfer_id:
+                if cur.token != token:
+                    raise SlotError("bad_token", f"token does not match the one transfer {transfer_id} was admitted with")
+                if cur.http_joined:
+                    raise SlotError("duplicate", f"transfer {transfer_id} already has a decode request")
+                cur.http_joined = True
+                log.info("event=joined transfer_id=%s state=%s", transfer_id, self.state.value)
+                return cur
+            raise SlotError("busy", f"decode node busy with transfer {cur.transfer_id if cur else '?'} ({self.state.value})")
+
+    def wait_complete(self, transfer: Transfer, timeout: float) -> None:
+        """Block until `transfer`'s KV has landed; on timeout, failure or cancel, free the slot and raise."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if self.current is not transfer:
+                    raise SlotError(transfer.failure and "transfer_failed" or "cancelled",
+                                    transfer.failure or f"transfer {transfer.transfer_id} was cancelled")
+                if transfer.cancel.is_set():
+                    self._free_locked("cancelled")
+                    raise SlotError("cancelled", f"transfer {transfer.transfer_id} was cancelled")
+                if self.state == State.COMPLETE:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._free_locked("kv_timeout")
+                    raise SlotError("kv_timeout", f"KV for transfer {transfer.transfer_id} did not arrive within {timeout:g} s "
+                                    f"(state was {('transferring' if transfer.generation else 'reserved')}); slot freed")
+                self._cv.wait(min(left, 0.5))
+
+    def start_decoding(self, transfer: Transfer) -> None:
+        with self._cv:
+            if self.current is not transfer or self.state != State.COMPLETE:
+                raise SlotError("cancelled", f"transfer {transfer.transfer_id} no longer owns the slot")
+            self.state = State.DECODING
+            log.info("event=decoding transfer_id=%s", transfer.transfer_id)
+
+    def release(self, transfer: Transfer, reason: str = "finished") -> None:
+        with self._cv:
+            if self.current is transfer:
+                self._free_locked(reason)
+
+    def cancel(self, transfer_id: str) -> bool:
+        """Stop the transfer/decode with this id; a decode stops at its next step."""
+        with self._cv:
+            cur = self.current
+            if cur is None or cur.transfer_id != transfer_id:
+                return False
+            cur.cancel.set()
+            if self.state == State.DECODING:
+                self.state = State.CANCELLING
+                log.info("event=cancelling transfer_id=%s", transfer_id)
+            elif not cur.http_joined:
+                self._free_locked("cancelled")
+            self._cv.notify_all()
+            return True
+
+    # -- control side -----------------------------------------------------------------
+    def admit(self, transfer_id: str, token: str, seq_len: int, num_blocks: int, expected_bytes: int,
+              layout: Any, conn_id: int, arm_limit: int | None = None) -> int:
+        """Grant a generation for this transfer (arms the transport), or raise SlotError."""
+        with self._cv:
+            cur = self.current
+            if self.state == State.FREE:
+                cur = self.current = Transfer(transfer_id, token)
+            elif cur is not None and cur.transfer_id == transfer_id:
+                if cur.token != token:
+                    raise SlotError("bad_token", f"token does not match the decode request for transfer {transfer_id}")
+                if self.state not in (State.RESERVED, State.TRANSFERRING):
+                    raise SlotError("unknown_transfer", f"transfer {transfer_id} is already {self.state.value}; duplicate admit ignored")
+            else:
+                raise SlotError("busy", f"decode node busy with transfer {cur.transfer_id if cur else '?'} ({self.state.value})")
+            gen = self._next_generation
+            self._next_generation += 1
+            if self.state == State.TRANSFERRING:
+                log.info("event=readmit transfer_id=%s old_generation=%s generation=%d", transfer_id, cur.generation, gen)
+            cur.generation, cur.conn_id = gen, conn_id
+            cur.seq_len, cur.num_blocks, cur.expected_bytes, cur.layout = seq_len, num_blocks, expected_bytes, layout
+            cur.admitted_at = time.monotonic()
+            self.state = State.TRANSFERRING
+            self._on_arm(gen, transfer_id, expected_bytes if arm_limit is None else arm_limit)
+            log.info("event=admitted transfer_id=%s generation=%d seq_len=%d bytes=%d", transfer_id, gen, seq_len, expected_bytes)
+            self._cv.notify_all()
+            return gen
+
+    def complete(self, transfer_id: str, generation: int, ok: bool, error: str | None = None) -> tuple[bool, str]:
+        """The sender's `done`; returns (accepted, message). Stale generations are ignored."""
+        with self._cv:
+            cur = self.current
+            if cur is None or cur.transfer_id != transfer_id or cur.generation != generation or self.state != State.TRANSFERRING:
+                log.info("event=done_ignored transfer_id=%s generation=%d reason=stale_or_unknown", transfer_id, generation)
+                return False, f"transfer {transfer_id} generation {generation} does not own the slot"
+            if not ok:
+                self._fail_locked(f"sender reported a failed transfer: {error or 'no reason given'}")
+                return False, "failure recorded"
+            self.state = State.COMPLETE
+            cur.completed_at = time.monotonic()
+            self.transfers_total += 1
+            self.bytes_total += cur.expected_bytes
+            self._on_disarm()
+            log.info("event=complete transfer_id=%s generation=%d bytes=%d", transfer_id, generation, cur.expected_bytes)
+            self._cv.notify_all()
+            return True, ""
+
+    def sender_gone(self, conn_id: int) -> None:
+        """The control connection that was granted the current transfer closed before done."""
+        with self._cv:
+            cur = self.current
+            if cur is not None and cur.conn_id == conn_id and self.state == State.TRANSFERRING:
+                self._fail_locked("the sender's control connection closed mid-transfer")
+
+    def reap_orphans(self) -> None:
+        """Free a slot an admit claimed but no decode request joined in time."""
+        with self._cv:
+            cur = self.current
+            if cur is None or cur.http_joined or self.state not in (State.TRANSFERRING, State.COMPLETE, State.RESERVED):
+                return
+            if time.monotonic() - cur.reserved_at > self.orphan_timeout_s:
+                self._free_locked("orphaned: no decode request joined")
+
+    # -- internals ----------------------------------------------------------------------
+    def _fail_locked(self, reason: str) -> None:
+        cur = self.current
+        assert cur is not None
+        cur.failure = reason
+        log.warning("event=transfer_failed transfer_id=%s generation=%s reason=%s", cur.transfer_id, cur.generation, reason)
+        self._free_locked("transfer_failed")
+
+    def _free_locked(self, reason: str) -> None:
+        cur = self.current
+        self._on_disarm()
+        self.current = None
+        self.state = State.FREE
+        log.info("event=freed transfer_id=%s reason=%s", cur.transfer_id if cur else None, reason)
+        self._cv.notify_all()
