@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,6 +51,10 @@ class ServiceSpec(BaseModel):
     health_url: str | None = None
     health_timeout_s: float = Field(default=180.0, gt=0)
     stop_timeout_s: float = Field(default=20.0, gt=0)
+    # systemd mode: the unit runs the service; this module only reads its state
+    mode: Literal["process", "systemd"] = "process"
+    unit: str | None = None
+    unit_path: Path | None = None
 
     @property
     def state_file(self) -> Path:
@@ -119,7 +123,34 @@ def tail(path: Path, n: int = 20) -> list[str]:
 # --- verbs ---------------------------------------------------------------------------
 
 
+def _systemd_state(spec: ServiceSpec) -> dict[str, Any]:
+    """Run state of a systemd unit plus the config hash recorded in its unit file."""
+    props: dict[str, str] = {}
+    try:
+        out = subprocess.run(
+            ["systemctl", "show", "-p", "ActiveState", "-p", "MainPID", str(spec.unit)], capture_output=True, text=True, timeout=10
+        ).stdout
+        props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    recorded = None
+    if spec.unit_path is not None:
+        try:
+            for line in spec.unit_path.read_text().splitlines():
+                if line.startswith("# tilepd-config-hash:"):
+                    recorded = line.split(":", 1)[1].strip()
+        except FileNotFoundError:
+            pass
+    running = props.get("ActiveState") in ("active", "activating", "reloading")
+    pid = int(props.get("MainPID", "0") or 0)
+    return {"running": running, "pid": pid or None, "config_hash": recorded, "tilepd_version": __version__ if recorded else None}
+
+
 def status(spec: ServiceSpec) -> dict[str, Any]:
+    if spec.mode == "systemd":
+        st = _systemd_state(spec)
+        return {"name": spec.name, **st, "hash_matches": st["config_hash"] == spec.config_hash, "started_at": None,
+                "log_file": str(spec.log_file), "changed": False}  # fmt: skip
     state = _read_state(spec)
     running = _alive(state)
     return {
@@ -236,7 +267,8 @@ def wait_healthy(spec: ServiceSpec, *, check: bool = False, log_lines: int = 30)
         ok, reason = probe(spec.health_url)
         if ok:
             return {**base, "healthy": True, "failed": False}
-        if not _alive(_read_state(spec)):
+        alive = _systemd_state(spec)["running"] if spec.mode == "systemd" else _alive(_read_state(spec))
+        if not alive:
             reason = f"process exited ({reason})"
             break
         if time.monotonic() >= deadline:
@@ -251,14 +283,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("verb", choices=("start", "stop", "status", "wait", "version"))
     parser.add_argument("--spec", type=Path, help="service spec JSON")
     parser.add_argument("--check", action="store_true", help="report what would change, change nothing")
+    parser.add_argument("--config-hash", help="with --check: the hash the new spec will have (the spec file may not be updated yet)")
     args = parser.parse_args(argv)
     if args.verb == "version":
         print(json.dumps({"tilepd_version": __version__, "python": sys.executable, "changed": False}))
         return 0
     if args.spec is None:
         parser.error("--spec is required")
+    if args.check and args.verb == "start" and not args.spec.exists():
+        print(json.dumps({"name": args.spec.name, "changed": True, "running": False, "action": "start"}))
+        return 0
     try:
         spec = load_spec(args.spec)
+        if args.check and args.config_hash:
+            spec = spec.model_copy(update={"config_hash": args.config_hash})
     except (OSError, ValueError) as e:
         print(json.dumps({"failed": True, "changed": False, "msg": f"{args.spec}: {e}"}))
         return 2

@@ -1,0 +1,209 @@
+"""Test hosts on one machine: network namespaces on a bridge, each with its own sshd.
+
+Each host gets a namespace with a veth into a bridge in the root namespace, an address
+from the lab topology (10.77.0.11/.12/.13), and a Debian sshd started inside it with
+its own host key, a generated client key, `UsePAM no` and a PidFile. Namespaces share
+the filesystem and the process table with the machine, so teardown stops exactly the
+sshd processes started here (by pid) and deletes exactly the namespaces created here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SSHD = "/usr/sbin/sshd"
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
+
+
+def missing_prerequisites() -> str | None:
+    """Why the namespace fixture cannot run here, or None when it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "ssh-keygen", SSHD):
+        if shutil.which(tool) is None and not Path(tool).exists():
+            return f"{tool} not installed (Debian: iproute2 / openssh-server)"
+    probe = f"tpdprobe{os.getpid() % 100000}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str, netns: str | None = None) -> None:
+    argv = ["ip", "netns", "exec", netns, "ip", *args] if netns else ["ip", *args]
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+
+
+@dataclass
+class TestHost:
+    name: str
+    address: str
+    netns: str
+    base_dir: Path
+    sshd_config: Path
+    sshd_pid_file: Path
+    sshd_pid: int | None = None
+
+    def exec_argv(self, *argv: str) -> list[str]:
+        """argv that runs a command inside this host's namespace."""
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+
+@dataclass
+class LabNetwork:
+    """Three (or N) SSH-reachable hosts on this machine."""
+
+    root: Path
+    addresses: tuple[str, ...] = ("10.77.0.11", "10.77.0.12", "10.77.0.13")
+    prefix: int = 24
+    gateway: str = "10.77.0.1"
+    user: str = "root"
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
+    hosts: list[TestHost] = field(default_factory=list)
+    _namespaces: list[str] = field(default_factory=list)
+    _links: list[str] = field(default_factory=list)
+
+    @property
+    def bridge(self) -> str:
+        return f"tpdbr{self.tag}"
+
+    @property
+    def client_key(self) -> Path:
+        return self.root / "client_key"
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> "LabNetwork":
+        self.root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.client_key)], check=True)
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._links.append(self.bridge)
+        _ip("addr", "add", f"{self.gateway}/{self.prefix}", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for i, address in enumerate(self.addresses, start=1):
+            self.hosts.append(self._add_host(f"host{i}", address, i))
+        for h in self.hosts:
+            self._wait_ssh(h)
+        return self
+
+    def _add_host(self, name: str, address: str, index: int) -> TestHost:
+        netns = f"tpd-{self.tag}-{name}"
+        subprocess.run(["ip", "netns", "add", netns], check=True)
+        self._namespaces.append(netns)
+        outer, inner = f"tpd{self.tag}v{index}", f"tpd{self.tag}p{index}"
+        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        self._links.append(outer)
+        _ip("link", "set", inner, "netns", netns)
+        _ip("link", "set", outer, "master", self.bridge)
+        _ip("link", "set", outer, "up")
+        _ip("link", "set", "lo", "up", netns=netns)
+        _ip("addr", "add", f"{address}/{self.prefix}", "dev", inner, netns=netns)
+        _ip("link", "set", inner, "up", netns=netns)
+        _ip("route", "add", "default", "via", self.gateway, netns=netns)
+        base = self.root / name
+        etc = base / "sshd"
+        etc.mkdir(parents=True)
+        host_key = etc / "host_key"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host_key)], check=True)
+        authorized = etc / "authorized_keys"
+        authorized.write_text(self.client_key.with_suffix(".pub").read_text())
+        authorized.chmod(0o600)
+        host = TestHost(name=name, address=address, netns=netns, base_dir=base / "deploy", sshd_config=etc / "sshd_config", sshd_pid_file=etc / "sshd.pid")
+        host.sshd_config.write_text(
+            "\n".join(
+                [
+                    f"ListenAddress {address}",
+                    "Port 22",
+                    f"HostKey {host_key}",
+                    f"AuthorizedKeysFile {authorized}",
+                    f"PidFile {host.sshd_pid_file}",
+                    "UsePAM no",
+                    "PermitRootLogin prohibit-password",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "StrictModes no",
+                    "MaxStartups 50:30:100",
+                    "MaxSessions 50",
+                    f"Subsystem sftp {SFTP_SERVER}",
+                    "",
+                ]
+            )
+        )
+        self.start_sshd(host)
+        return host
+
+    def start_sshd(self, host: TestHost) -> None:
+        """Start (or restart) the host's sshd; sshd daemonises and writes its PidFile."""
+        host.sshd_pid_file.unlink(missing_ok=True)
+        subprocess.run(host.exec_argv(SSHD, "-f", str(host.sshd_config)), check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 10
+        while not host.sshd_pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        host.sshd_pid = int(host.sshd_pid_file.read_text().split()[0])
+
+    def stop_sshd(self, host: TestHost) -> None:
+        """Stop exactly this host's listening sshd (its pid from the PidFile)."""
+        if host.sshd_pid is None:
+            return
+        try:
+            os.kill(host.sshd_pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{host.sshd_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        host.sshd_pid = None
+
+    def _wait_ssh(self, host: TestHost, timeout_s: float = 15) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection((host.address, 22), timeout=1) as s:
+                    if s.recv(4).startswith(b"SSH-"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd on {host.name} ({host.address}) not answering")
+            time.sleep(0.1)
+
+    def ssh_argv(self, host: TestHost, *command: str) -> list[str]:
+        return [
+            "ssh", "-i", str(self.client_key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+            "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", f"{self.user}@{host.address}", *command,
+        ]  # fmt: skip
+
+    @staticmethod
+    def _kill_leftovers(netns: str) -> None:
+        """Safety net: whatever still runs inside a namespace created here was started by this test."""
+        r = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+        for pid in (int(p) for p in r.stdout.split()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        """Stop the sshd processes started here and delete the namespaces and links created here."""
+        for h in self.hosts:
+            self.stop_sshd(h)
+        for netns in self._namespaces:
+            self._kill_leftovers(netns)
+        for netns in self._namespaces:
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+        for link in self._links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        self._namespaces.clear()
+        self._links.clear()

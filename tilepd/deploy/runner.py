@@ -1,0 +1,198 @@
+"""Run one of tilepd's playbooks through ansible-runner and digest its event stream.
+
+The CLI wants three things from a run: live progress (per host, per task), the
+number of changed tasks per host (a second `up` must report 0), and, when it fails,
+the exact host, task and module message (exit 5 or 6), or the service whose health
+gate failed with its last log lines (exit 7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tilepd.resources import playbooks_dir
+
+# Task names that gate on health start with this prefix; their failure means exit 7, not 6.
+HEALTH_TASK_PREFIX = "health gate"
+
+
+@dataclass
+class TaskFailure:
+    host: str
+    task: str
+    message: str
+    unreachable: bool = False
+    health: bool = False
+    service: str | None = None
+    log_tail: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TaskEvent:
+    """What the progress display needs from one ansible-runner event."""
+
+    kind: str  # play | task | ok | changed | skipped | failed | unreachable | stats
+    host: str | None = None
+    task: str | None = None
+    play: str | None = None
+    message: str | None = None
+
+
+@dataclass
+class PlaybookResult:
+    playbook: str
+    status: str  # successful | failed | canceled | timeout
+    rc: int
+    changed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    ok: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    failures: list[TaskFailure] = field(default_factory=list)
+    # JSON lines printed by `python -m tilepd.deploy.proc` tasks, per host
+    service_results: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+
+    @property
+    def total_changed(self) -> int:
+        return sum(self.changed.values())
+
+    @property
+    def unreachable(self) -> list[TaskFailure]:
+        return [f for f in self.failures if f.unreachable]
+
+
+def _message(res: dict[str, Any]) -> str:
+    """The most useful one-paragraph message from a module result."""
+    for key in ("msg", "stderr", "module_stderr", "stdout"):
+        val = res.get(key)
+        if val:
+            text = str(val).strip()
+            if key == "stdout":
+                parsed = _json_line(text)
+                if parsed and parsed.get("msg"):
+                    return str(parsed["msg"])
+            return text[-2000:]
+    return json.dumps(res)[:2000]
+
+
+def _json_line(stdout: str) -> dict[str, Any] | None:
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+class _Digest:
+    """Folds ansible-runner events into a PlaybookResult and forwards TaskEvents."""
+
+    def __init__(self, result: PlaybookResult, on_event: Callable[[TaskEvent], None] | None) -> None:
+        self.result = result
+        self.on_event = on_event
+
+    def _emit(self, ev: TaskEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(ev)
+
+    def __call__(self, event: dict[str, Any]) -> bool:
+        kind = event.get("event", "")
+        data = event.get("event_data") or {}
+        host = data.get("host") or data.get("remote_addr")
+        task = (data.get("task") or "").strip()
+        res = data.get("res") or {}
+        if kind == "playbook_on_play_start":
+            self._emit(TaskEvent("play", play=data.get("play")))
+        elif kind == "playbook_on_task_start":
+            self._emit(TaskEvent("task", task=task, play=data.get("play")))
+        elif kind == "runner_on_ok":
+            changed = bool(res.get("changed"))
+            (self.result.changed if changed else self.result.ok)[host] += 1
+            self._collect_service(host, res)
+            self._emit(TaskEvent("changed" if changed else "ok", host=host, task=task))
+        elif kind in ("runner_on_skipped",):
+            self._emit(TaskEvent("skipped", host=host, task=task))
+        elif kind == "runner_on_failed" and not data.get("ignore_errors"):
+            self.result.failures.append(self._failure(host, task, res))
+            self._emit(TaskEvent("failed", host=host, task=task, message=self.result.failures[-1].message))
+        elif kind == "runner_on_unreachable":
+            msg = _message(res)
+            self.result.failures.append(TaskFailure(host=host or "?", task=task, message=msg, unreachable=True))
+            self._emit(TaskEvent("unreachable", host=host, task=task, message=msg))
+        elif kind == "runner_item_on_ok" and res.get("changed"):
+            pass  # counted once by runner_on_ok of the loop task
+        return True
+
+    def _collect_service(self, host: str, res: dict[str, Any]) -> None:
+        parsed = _json_line(str(res.get("stdout") or ""))
+        if parsed is not None and "name" in parsed:
+            self.result.service_results[host].append(parsed)
+
+    def _failure(self, host: str, task: str, res: dict[str, Any]) -> TaskFailure:
+        failure = TaskFailure(host=host or "?", task=task, message=_message(res))
+        if task.startswith(HEALTH_TASK_PREFIX):
+            parsed = _json_line(str(res.get("stdout") or "")) or {}
+            failure.health = True
+            failure.service = parsed.get("name")
+            failure.log_tail = list(parsed.get("log_tail") or [])
+            failure.message = parsed.get("msg") or failure.message
+        return failure
+
+
+def run_playbook(
+    playbook: str,
+    *,
+    inventory: Path,
+    private_dir: Path,
+    extravars: dict[str, Any] | None = None,
+    limit: str | None = None,
+    check: bool = False,
+    on_event: Callable[[TaskEvent], None] | None = None,
+    forks: int = 10,
+) -> PlaybookResult:
+    """Run `playbooks/<playbook>` against the generated inventory; never raises on task failure."""
+    import ansible_runner  # heavy import, only when deploying
+
+    private_dir.mkdir(parents=True, exist_ok=True)
+    result = PlaybookResult(playbook=playbook, status="unknown", rc=-1)
+    digest = _Digest(result, on_event)
+    bindir = str(Path(sys.executable).parent)
+    envvars = {
+        # the controller's own ansible-playbook (the venv's), whatever PATH the operator has
+        "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+        "ANSIBLE_HOST_KEY_CHECKING": "False",
+        "ANSIBLE_RETRY_FILES_ENABLED": "False",
+        "ANSIBLE_SSH_ARGS": "-o ControlMaster=auto -o ControlPersist=30s -o ServerAliveInterval=10",
+        "ANSIBLE_TIMEOUT": "10",
+        "ANSIBLE_DEPRECATION_WARNINGS": "False",
+        "ANSIBLE_LOCALHOST_WARNING": "False",
+        "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
+        "ANSIBLE_PIPELINING": "True",
+        "ANSIBLE_NOCOLOR": "True",
+        "ANSIBLE_ROLES_PATH": str(playbooks_dir() / "roles"),
+    }
+    cmdline = "--check" if check else None
+    r = ansible_runner.run(
+        private_data_dir=str(private_dir),
+        project_dir=str(playbooks_dir()),
+        playbook=playbook,
+        inventory=str(inventory),
+        extravars=extravars or {},
+        limit=limit,
+        cmdline=cmdline,
+        envvars=envvars,
+        forks=forks,
+        quiet=True,
+        event_handler=digest,
+        settings={"suppress_ansible_output": True},
+        rotate_artifacts=5,
+    )
+    result.status = r.status
+    result.rc = r.rc
+    return result
