@@ -116,4 +116,7 @@ class RouterConfig(_Strict):
     api_key_env: str | None = None
     api_key_file: Path | None = None
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # decode-node health checks: a node failing `breaker_failures` in a row leaves rotation
+    health_interval_s: float = Field(default=1.0, gt=0)
+    breaker_failures: int = Field(default=2, ge=1)
     log_file: Path | None = None
