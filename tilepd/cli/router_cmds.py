@@ -1,15 +1,21 @@
-"""Placeholder verbs; replaced by the module's owner."""
+"""`tilepd router --config FILE`: run the OpenAI-compatible router in the foreground."""
 
 from __future__ import annotations
 
-import typer
+from pathlib import Path
 
-from tilepd.cli._unavailable import not_yet
+import typer
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("router", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _router() -> None:
-        """(not yet available)"""
-        not_yet("router")
+    @app.command("router")
+    def _router(
+        config: Path = typer.Option(..., "--config", help="RouterConfig JSON file (rendered by `tilepd plan`)."),
+    ) -> None:
+        """Run the router (OpenAI API in front of the low-latency and native pools) until stopped.
 
+        Exit codes: 0 stopped cleanly, 4 the config or API-key file is missing or invalid.
+        """
+        from tilepd.router.server import serve
+
+        raise typer.Exit(serve(config))

@@ -1,0 +1,372 @@
+"""The router's HTTP surface: OpenAI endpoints, health, metrics, status.
+
+Request path (low-latency pool): authenticate -> validate -> route -> capability gate
+-> render the prompt -> lease a node -> prefill + decode (lowlatency.py) -> SSE or
+JSON. Anything the low-latency pool cannot take goes to the native pool when the
+config allows it, else fails with a typed error; the response headers always say
+which pool served it and why (`x-tilepd-route`, `x-tilepd-route-reason`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tilepd.plan.service_configs import RouterConfig
+from tilepd.router.auth import ApiKeys
+from tilepd.router.backends import DecodeNodeError, cancel_decode
+from tilepd.router.errors import PassThroughError, RouterError, invalid, unsupported
+from tilepd.router.gate import gate
+from tilepd.router.health import probe_all, probe_forever
+from tilepd.router.leases import LeaseTimeout, NodePool, NoNodeInRotation
+from tilepd.router.limits import BodySizeLimit
+from tilepd.router.lowlatency import EnginePlan, Finished, LowLatencyRun, TextDelta
+from tilepd.router.metrics import RouterMetrics
+from tilepd.router.native import serve_native
+from tilepd.router.prompts import PromptRenderer
+from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
+from tilepd.router.responses import DONE, ResponseWriter, error_chunk
+from tilepd.router.routing import Route, choose_route, served_models
+from tilepd.router.state import RouterState
+
+log = logging.getLogger("tilepd.router")
+RETRY_AFTER_S = 1
+
+
+class _Fallback(Exception):
+    """The low-latency pool cannot take the request; `error` is what the client gets without a native pool."""
+
+    def __init__(self, reason: str, error: RouterError) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
+    pool = NodePool.of(config.decode_nodes)
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=5.0, read=config.request_timeout_s, write=30.0, pool=config.queue_timeout_s + 5.0),
+        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256),
+    )
+    return RouterState(config=config, client=client, renderer=PromptRenderer(config.tokenizer_dir), pool=pool,
+                       metrics=RouterMetrics(pool, config.breaker_failures), keys=keys)
+
+
+def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
+    """The ASGI app; tokenizer loading happens here so a bad tokenizer_dir fails at startup."""
+    state = build_state(config, keys)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await probe_all(state)
+        log.info("event=started nodes_in_rotation=%d/%d native_pool=%s auth=%s", len(state.pool.in_rotation()),
+                 len(state.pool.nodes), config.native_pool is not None, "open" if keys.open else "bearer")
+        prober = asyncio.get_running_loop().create_task(probe_forever(state, config.health_interval_s))
+        try:
+            yield
+        finally:
+            prober.cancel()
+            await _shutdown(state)
+
+    app = FastAPI(title="tilepd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = state
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+
+    @app.exception_handler(RouterError)
+    async def _router_error(_: Request, exc: RouterError) -> Response:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(PassThroughError)
+    async def _pass_through(_: Request, exc: PassThroughError) -> Response:
+        return Response(exc.body, status_code=exc.status, media_type=exc.content_type, headers=exc.headers)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "nodes_in_rotation": len(state.pool.in_rotation()), "nodes": len(state.pool.nodes),
+                "native_pool": config.native_pool is not None}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status")
+    async def status(request: Request) -> dict[str, Any]:
+        keys.check(request.headers.get("authorization"))
+        return {"queue_depth": state.pool.queue_depth, "nodes": [
+            {"name": n.name, "url": n.base_url, "in_rotation": n.in_rotation, "leased": n.leased, "transfer_id": n.transfer_id,
+             "consecutive_failures": n.consecutive_failures, "last_error": n.last_error, "leases_total": n.leases_total}
+            for n in state.pool.nodes]}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        keys.check(request.headers.get("authorization"))
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "tilepd"} for m in served_models(config)]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _handle(state, request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _handle(state, request, "chat")
+
+    return app
+
+
+async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
+    t0 = time.perf_counter()
+    rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}"
+    state.keys.check(request.headers.get("authorization"))
+    body = await _read_json(request)
+    req = _validate(endpoint, body)
+    route = choose_route(state.config, req.model, request.headers)
+    if route.pool == "low_latency":
+        try:
+            return await _serve_low_latency(state, request, endpoint, req, route, rid, t0)
+        except _Fallback as fb:
+            if state.config.native_pool is None or not state.config.routing.fallback_to_native:
+                _count(state, Route("low_latency", fb.reason), fb.error.status, t0)
+                log.info("req=%s event=refused route=low_latency reason=%s status=%d", rid, fb.reason, fb.error.status)
+                fb.error.headers.update(_route_headers(Route("low_latency", fb.reason), rid))
+                raise fb.error from None
+            route = Route("native", fb.reason)
+    return await _serve_native(state, endpoint, body, route, rid, t0)
+
+
+async def _read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise RouterError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise RouterError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _validate(endpoint: Endpoint, body: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
+    model = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"])
+        raise invalid(param, first["msg"]) from None
+
+
+def _route_headers(route: Route, rid: str) -> dict[str, str]:
+    return {"x-tilepd-route": route.pool, "x-tilepd-route-reason": route.reason, "x-request-id": rid}
+
+
+def _count(state: RouterState, route: Route, status: int, t0: float) -> None:
+    m = state.metrics
+    m.routes.labels(route.pool, route.reason).inc()
+    m.responses.labels(route.pool, str(status)).inc()
+    m.request_seconds.labels(route.pool).observe(time.perf_counter() - t0)
+
+
+def _plan(state: RouterState, endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, max_seq_len: int) -> EnginePlan:
+    renderer = state.renderer
+    if isinstance(req, ChatCompletionRequest):
+        prompt_ids = renderer.chat_ids(req)
+        limit, limit_name = req.token_limit(), ("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    else:
+        prompt_ids = renderer.completion_ids(req)
+        limit, limit_name = req.max_tokens, "max_tokens"
+    if limit is not None and limit < 1:
+        raise invalid(limit_name, "must be at least 1")
+    room = max_seq_len - len(prompt_ids)
+    if room < 1 or (limit is not None and limit > room):
+        raise _Fallback("context_length", RouterError(
+            400, f"prompt ({len(prompt_ids)} tokens) + {limit_name} ({limit}) exceed the low-latency pool's "
+            f"max_seq_len {max_seq_len}", code="context_length_exceeded", param=limit_name))
+    defaults = renderer.generation_defaults
+    top_k = req.top_k if req.top_k is not None else int(defaults.get("top_k", 0))
+    return EnginePlan(
+        prompt_ids=prompt_ids,
+        max_tokens=limit if limit is not None else room,
+        temperature=req.temperature if req.temperature is not None else float(defaults.get("temperature", 1.0)),
+        top_p=req.top_p if req.top_p is not None else float(defaults.get("top_p", 1.0)),
+        top_k=max(top_k, 0),
+        seed=req.seed,
+        stop=req.stop_strings(),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        stop_token_ids=list(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _engine_caps(state: RouterState) -> dict[str, Any] | None:
+    for node in state.pool.in_rotation():
+        if node.capabilities is not None:
+            return node.capabilities
+    return None
+
+
+async def _serve_low_latency(state: RouterState, request: Request, endpoint: Endpoint,
+                             req: CompletionRequest | ChatCompletionRequest, route: Route, rid: str, t0: float) -> Response:
+    caps = _engine_caps(state)
+    if caps is None:
+        raise _Fallback("no_node_in_rotation", RouterError(503, "no low-latency decode node is healthy", type="service_unavailable",
+                                                           code="no_decode_node", headers={"retry-after": str(RETRY_AFTER_S)}))
+    refusal = gate(req, caps.get("sampling") or {})
+    if refusal is not None:
+        raise _Fallback(f"unsupported:{refusal.param}", unsupported(refusal.param, refusal.reason))
+    plan = _plan(state, endpoint, req, int(caps.get("max_seq_len") or 0))
+    try:
+        lease = await state.pool.acquire(state.config.queue_timeout_s)
+    except LeaseTimeout as exc:
+        raise _Fallback("busy", RouterError(429, f"{exc}; retry later", type="rate_limit_error", code="decode_pool_busy",
+                                            headers={"retry-after": str(RETRY_AFTER_S)})) from None
+    except NoNodeInRotation as exc:
+        raise _Fallback("no_node_in_rotation", RouterError(503, str(exc), type="service_unavailable", code="no_decode_node",
+                                                           headers={"retry-after": str(RETRY_AFTER_S)})) from None
+    state.metrics.lease_wait_seconds.observe(lease.waited_s)
+    run = LowLatencyRun(state, plan, lease, rid)
+    events = run.events()
+    writer = ResponseWriter(endpoint, req.model or state.config.served_model_name)
+    headers = {**_route_headers(route, rid), "x-tilepd-node": lease.node.name}
+    try:
+        first = await events.__anext__()  # prefill done: errors here still get a proper HTTP status
+    except (RouterError, PassThroughError) as exc:
+        _count(state, route, exc.status, t0)
+        log.info("req=%s event=prefill_failed route=%s node=%s status=%d", rid, route.pool, lease.node.name, exc.status)
+        exc.headers.update(headers)
+        raise
+    state.metrics.ttft_seconds.observe(time.perf_counter() - t0)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_sse(state, run, events, first, writer, include_usage, route, rid, t0),
+                                 media_type="text/event-stream", headers=headers)
+    return await _collect_unless_disconnected(state, request, run, events, first, writer, route, rid, t0, headers)
+
+
+async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
+               writer: ResponseWriter, include_usage: bool, route: Route, rid: str, t0: float) -> AsyncIterator[bytes]:
+    outcome = "disconnected"
+    fin: Finished | None = None
+    try:
+        role = writer.role_chunk()
+        if role is not None:
+            yield role
+        if isinstance(first, TextDelta) and first.text:
+            yield writer.text_chunk(first.text)
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                if ev.text:
+                    yield writer.text_chunk(ev.text)
+            else:
+                fin = ev
+        assert fin is not None
+        yield writer.finish_chunk(fin.finish_reason, fin.stop_reason)
+        if include_usage:
+            yield writer.usage_chunk(fin.prompt_tokens, fin.completion_tokens)
+        yield DONE
+        outcome = "ok"
+    except (DecodeNodeError, RouterError) as exc:
+        err = exc.to_router_error() if isinstance(exc, DecodeNodeError) else exc
+        outcome = f"error:{err.code}"
+        _note_decode_error(state, run, exc)
+        yield error_chunk(err.body())
+        yield DONE
+    finally:
+        run.settle_soon()
+        _finish_log(state, route, rid, run, fin, 200, outcome, t0)
+
+
+async def _collect_unless_disconnected(state: RouterState, request: Request, run: LowLatencyRun,
+                                       events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
+                                       writer: ResponseWriter, route: Route, rid: str, t0: float, headers: dict[str, str]) -> Response:
+    async def collect() -> tuple[str, Finished]:
+        parts = [first.text] if isinstance(first, TextDelta) else []
+        fin: Finished | None = None
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            else:
+                fin = ev
+        assert fin is not None
+        return "".join(parts), fin
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            run.settle_soon()
+    if not work.done() or work.cancelled():
+        _finish_log(state, route, rid, run, None, 499, "disconnected", t0)
+        return Response(status_code=499)
+    try:
+        text, fin = work.result()
+    except (DecodeNodeError, RouterError) as exc:
+        err = exc.to_router_error() if isinstance(exc, DecodeNodeError) else exc
+        _note_decode_error(state, run, exc)
+        _finish_log(state, route, rid, run, None, err.status, f"error:{err.code}", t0)
+        return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
+    _finish_log(state, route, rid, run, fin, 200, "ok", t0)
+    body = writer.full(text, fin.finish_reason, fin.stop_reason, fin.prompt_tokens, fin.completion_tokens)
+    return JSONResponse(body, headers=headers)
+
+
+def _note_decode_error(state: RouterState, run: LowLatencyRun, exc: Exception) -> None:
+    if isinstance(exc, DecodeNodeError):
+        state.metrics.decode_errors.labels(exc.node, exc.code).inc()
+        log.warning("req=%s event=decode_error node=%s status=%d code=%s message=%s", run.request_id, exc.node, exc.status,
+                    exc.code, exc.message)
+
+
+def _finish_log(state: RouterState, route: Route, rid: str, run: LowLatencyRun, fin: Finished | None, status: int,
+                outcome: str, t0: float) -> None:
+    _count(state, route, status, t0)
+    if fin is not None:
+        state.metrics.completion_tokens.inc(fin.completion_tokens)
+    log.info("req=%s event=done route=%s reason=%s node=%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%s finish=%s ms=%.1f",
+             rid, route.pool, route.reason, run.lease.node.name, status, outcome, run.prompt_tokens,
+             fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", (time.perf_counter() - t0) * 1e3)
+
+
+async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, Any], route: Route, rid: str, t0: float) -> Response:
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    try:
+        resp = await serve_native(state, path, body, rid, _route_headers(route, rid))
+    except (RouterError, PassThroughError) as exc:
+        _count(state, route, exc.status, t0)
+        log.info("req=%s event=native_failed route=native reason=%s status=%d", rid, route.reason, exc.status)
+        exc.headers.update(_route_headers(route, rid))
+        raise
+    _count(state, route, resp.status_code, t0)
+    log.info("req=%s event=done route=native reason=%s status=%d ms=%.1f", rid, route.reason, resp.status_code,
+             (time.perf_counter() - t0) * 1e3)
+    return resp
+
+
+async def _shutdown(state: RouterState) -> None:
+    """Cancel decodes still running on leased nodes, then close the upstream client."""
+    leased = [n for n in state.pool.nodes if n.leased and n.transfer_id]
+    await asyncio.gather(*(cancel_decode(state.client, n.base_url, n.transfer_id or "") for n in leased), return_exceptions=True)
+    pending = list(state.background)
+    if pending:
+        await asyncio.wait(pending, timeout=5.0)
+    await state.client.aclose()
+    log.info("event=stopped cancelled_decodes=%d", len(leased))

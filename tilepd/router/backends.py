@@ -1,0 +1,116 @@
+"""HTTP calls to the router's upstreams: vLLM prefill and tilepd decode nodes.
+
+Errors are classified here so the flows above stay linear: a prefill error is passed
+through with vLLM's own status and body; a decode-node error becomes a
+`DecodeNodeError` carrying the node's error code (see INTERFACES §4).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tilepd.router.errors import PassThroughError, RouterError
+
+TOKEN_ID_PREFIX = "token_id:"
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    prompt_tokens: int
+    finish_reason: str  # "stop" when the first token already ends the request
+
+
+class DecodeNodeError(Exception):
+    """The decode node refused or failed; `status` is its HTTP status (0: unreachable)."""
+
+    def __init__(self, node: str, status: int, code: str, message: str, retry_after: str | None = None) -> None:
+        super().__init__(f"decode node {node}: {status} {code}: {message}")
+        self.node = node
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+
+    def to_router_error(self) -> RouterError:
+        """Clients see a typed OpenAI-style error; 5xx for node faults, the node's 4xx for bad parameters."""
+        if self.status in (400, 501):
+            return RouterError(self.status, self.message, type="invalid_request_error" if self.status == 400 else "not_implemented",
+                               code=self.code, param=None)
+        if self.status == 504:
+            return RouterError(504, f"decode node {self.node}: {self.message}", type="upstream_timeout", code=self.code)
+        return RouterError(502, f"decode node {self.node} failed: {self.code}: {self.message}", type="decode_node_error", code=self.code or "decode_node_error")
+
+
+async def prefill_first_token(client: httpx.AsyncClient, url: str, body: dict[str, Any], request_id: str) -> PrefillResult:
+    """POST /v1/completions with max_tokens=1; read the first token id from the logprobs."""
+    try:
+        resp = await client.post(f"{url}/v1/completions", json=body, headers={"x-request-id": request_id})
+    except httpx.HTTPError as exc:
+        raise RouterError(502, f"prefill {url} unreachable: {type(exc).__name__}: {exc}", type="prefill_error", code="prefill_unreachable") from exc
+    if resp.status_code != 200:
+        raise PassThroughError(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
+    try:
+        data = resp.json()
+        choice = data["choices"][0]
+        tok = choice["logprobs"]["tokens"][0]
+        if not tok.startswith(TOKEN_ID_PREFIX):
+            raise ValueError(f"token {tok!r} has no '{TOKEN_ID_PREFIX}' prefix: start vLLM with --return-tokens-as-token-ids")
+        return PrefillResult(int(tok[len(TOKEN_ID_PREFIX):]), int(data["usage"]["prompt_tokens"]), choice.get("finish_reason") or "length")
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise RouterError(502, f"prefill {url} answered without a first token id: {exc}", type="prefill_error", code="prefill_bad_response") from exc
+
+
+async def open_decode(client: httpx.AsyncClient, node: str, base_url: str, body: dict[str, Any], request_id: str) -> httpx.Response:
+    """Start a streamed /v1/decode; raise DecodeNodeError unless the node answered 200."""
+    req = client.build_request("POST", f"{base_url}/v1/decode", json=body, headers={"x-request-id": request_id})
+    try:
+        resp = await client.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise DecodeNodeError(node, 0, "unreachable", f"{type(exc).__name__}: {exc}") from exc
+    if resp.status_code != 200:
+        raw = await resp.aread()
+        await resp.aclose()
+        code, message = _error_fields(raw)
+        raise DecodeNodeError(node, resp.status_code, code, message, resp.headers.get("retry-after"))
+    return resp
+
+
+async def decode_lines(node: str, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The NDJSON lines of a decode stream, parsed."""
+    try:
+        async for line in resp.aiter_lines():
+            if line:
+                yield json.loads(line)
+    except httpx.HTTPError as exc:
+        raise DecodeNodeError(node, 0, "stream_broken", f"{type(exc).__name__}: {exc}") from exc
+
+
+async def cancel_decode(client: httpx.AsyncClient, base_url: str, transfer_id: str, timeout_s: float = 1.0) -> bool:
+    """POST /v1/cancel; True when the node acknowledged."""
+    try:
+        resp = await client.post(f"{base_url}/v1/cancel", json={"transfer_id": transfer_id}, timeout=timeout_s)
+        return resp.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def node_status(client: httpx.AsyncClient, base_url: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
+    try:
+        resp = await client.get(f"{base_url}/status", timeout=timeout_s)
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _error_fields(raw: bytes) -> tuple[str, str]:
+    try:
+        err = json.loads(raw)["error"]
+        return str(err.get("code") or "error"), str(err.get("message") or "")
+    except (ValueError, KeyError, TypeError):
+        return "error", raw[:500].decode("utf-8", "replace")

@@ -1,0 +1,92 @@
+"""The capability gate: which requests the low-latency (batch=1) engine can honour.
+
+A request the engine cannot serve exactly as asked must never be served silently
+differently: it goes to the native vLLM pool when one exists, else it gets a typed
+error naming the parameter. The engine says what it supports in the decode node's
+`/capabilities` (`sampling`), so a newer engine widens the gate without a router change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest
+
+# extra (undeclared) fields that never change the output
+HARMLESS_EXTRAS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "priority"})
+# extra fields whose vLLM default is truthy: that default value is harmless too
+TRUTHY_DEFAULTS: dict[str, Any] = {"spaces_between_special_tokens": True, "length_penalty": 1.0}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the low-latency pool cannot take a request: the parameter and a reason for people."""
+
+    param: str
+    reason: str
+
+
+def _lacks(caps: dict[str, Any], name: str) -> bool:
+    return not bool(caps.get(name, False))
+
+
+def gate(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any]) -> Refusal | None:
+    """Return the first parameter the engine cannot honour, or None when it can take the request."""
+    if req.n > 1:
+        return Refusal("n", "the low-latency engine returns one choice per request")
+    if isinstance(req, CompletionRequest):
+        if req.best_of is not None and req.best_of > 1:
+            return Refusal("best_of", "the low-latency engine samples one sequence")
+        if req.logprobs is not None and _lacks(caps, "logprobs"):
+            return Refusal("logprobs", "the engine does not return logprobs")
+        if req.echo:
+            return Refusal("echo", "echo is served by the native pool only")
+        if req.suffix:
+            return Refusal("suffix", "suffix is not supported")
+        if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) and len(req.prompt) > 1:
+            return Refusal("prompt", "a batch of prompts needs several sequences")
+    else:
+        if (req.logprobs or req.top_logprobs) and _lacks(caps, "logprobs"):
+            return Refusal("logprobs", "the engine does not return logprobs")
+        if req.tools:
+            return Refusal("tools", "tool calling is served by the native pool only")
+        if req.tool_choice not in (None, "none"):
+            return Refusal("tool_choice", "tool calling is served by the native pool only")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            return Refusal("response_format", "guided decoding is not in the low-latency engine")
+        for i, msg in enumerate(req.messages):
+            if isinstance(msg.content, list) and any(p.type != "text" for p in msg.content):
+                return Refusal(f"messages[{i}].content", "only text content parts are supported")
+    refusal = _gate_sampling(req, caps)
+    if refusal is not None:
+        return refusal
+    return _gate_extras(req)
+
+
+def _gate_sampling(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any]) -> Refusal | None:
+    wanted: list[tuple[str, bool]] = [
+        ("temperature", req.temperature is not None and req.temperature > 0),
+        ("top_p", req.top_p is not None and req.top_p < 1),
+        ("top_k", req.top_k is not None and req.top_k > 0),
+        ("seed", req.seed is not None),
+        ("stop_token_ids", bool(req.stop_token_ids)),
+        ("ignore_eos", req.ignore_eos),
+        ("presence_penalty", bool(req.presence_penalty)),
+        ("frequency_penalty", bool(req.frequency_penalty)),
+        ("repetition_penalty", req.repetition_penalty not in (None, 1.0)),
+    ]
+    for name, used in wanted:
+        if used and _lacks(caps, name):
+            return Refusal(name, f"the engine does not implement {name}")
+    return None
+
+
+def _gate_extras(req: CompletionRequest | ChatCompletionRequest) -> Refusal | None:
+    for name, value in (req.model_extra or {}).items():
+        if name in HARMLESS_EXTRAS or not value:
+            continue
+        if name in TRUTHY_DEFAULTS and value == TRUTHY_DEFAULTS[name]:
+            continue
+        return Refusal(name, "the low-latency pool does not implement this parameter")
+    return None

@@ -1,0 +1,162 @@
+"""Decode-node leases: one request in flight per node, a bounded FIFO wait for a free one.
+
+A batch=1 decode node serves exactly one request; two would queue inside the node
+and wreck both latencies. The router therefore leases whole nodes: a request holds
+its node from prefill until the node is idle again (decode ended, was cancelled, or
+the slot was released), and waiting requests are served first come, first served,
+each for at most the queue timeout. Nodes out of rotation (circuit breaker open) are
+never leased; a request that finds no node in rotation fails at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tilepd.plan.service_configs import DecodeEndpoint
+
+
+@dataclass
+class NodeState:
+    """What the router knows about one decode node."""
+
+    endpoint: DecodeEndpoint
+    in_rotation: bool = False  # closed breaker: healthy and leasable
+    leased: bool = False
+    consecutive_failures: int = 0
+    capabilities: dict[str, Any] | None = None
+    transfer_id: str | None = None  # of the request holding the lease
+    last_error: str = ""
+    leases_total: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.endpoint.host}:{self.endpoint.http_port}"
+
+
+class LeaseTimeout(Exception):
+    """Every node stayed busy for the whole queue timeout."""
+
+
+class NoNodeInRotation(Exception):
+    """No decode node is healthy: waiting would not help."""
+
+
+class Lease:
+    """The right to use one node; `release()` is idempotent and hands the node to the next waiter."""
+
+    def __init__(self, pool: NodePool, node: NodeState, waited_s: float) -> None:
+        self._pool = pool
+        self.node = node
+        self.waited_s = waited_s
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._pool._release(self.node)
+
+
+@dataclass
+class NodePool:
+    nodes: list[NodeState]
+    _free: deque[NodeState] = field(default_factory=deque)
+    _waiters: deque[asyncio.Future[NodeState]] = field(default_factory=deque)
+
+    @classmethod
+    def of(cls, endpoints: tuple[DecodeEndpoint, ...]) -> NodePool:
+        return cls(nodes=[NodeState(endpoint=e) for e in endpoints])
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    def leased_count(self) -> int:
+        return sum(1 for n in self.nodes if n.leased)
+
+    def in_rotation(self) -> list[NodeState]:
+        return [n for n in self.nodes if n.in_rotation]
+
+    async def acquire(self, timeout_s: float) -> Lease:
+        """Lease a free node, waiting FIFO for at most `timeout_s`."""
+        start = time.monotonic()
+        node = self._take_free()
+        if node is not None:
+            return self._lease(node, start)
+        if not self.in_rotation():
+            raise NoNodeInRotation("no decode node is in rotation")
+        fut: asyncio.Future[NodeState] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout(timeout_s):
+                node = await fut
+        except TimeoutError:
+            # the node may have been handed over in the same instant the timer fired
+            if fut.done() and not fut.cancelled():
+                return self._lease(fut.result(), start)
+            raise LeaseTimeout(f"all decode nodes stayed busy for {timeout_s:g}s") from None
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._release(fut.result())  # caller went away after the hand-over
+            raise
+        finally:
+            try:
+                self._waiters.remove(fut)
+            except ValueError:
+                pass
+        return self._lease(node, start)
+
+    def _lease(self, node: NodeState, start: float) -> Lease:
+        node.leased = True
+        node.leases_total += 1
+        return Lease(self, node, time.monotonic() - start)
+
+    def _take_free(self) -> NodeState | None:
+        while self._free:
+            node = self._free.popleft()
+            if node.in_rotation and not node.leased:
+                return node
+        return None
+
+    def _release(self, node: NodeState) -> None:
+        node.leased = False
+        node.transfer_id = None
+        if node.in_rotation:
+            self._offer(node)
+
+    def _offer(self, node: NodeState) -> None:
+        """Give a free, healthy node to the oldest waiter, or park it."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                node.leased = True
+                fut.set_result(node)
+                return
+        if node not in self._free:
+            self._free.append(node)
+
+    def set_in_rotation(self, node: NodeState, healthy: bool) -> None:
+        """Open or close the node's breaker; a node coming back serves waiters at once."""
+        if healthy == node.in_rotation:
+            return
+        node.in_rotation = healthy
+        if healthy and not node.leased:
+            self._offer(node)
+        if not healthy:
+            try:
+                self._free.remove(node)
+            except ValueError:
+                pass
+            if not self.in_rotation():
+                # nobody can serve the waiters: let them fail over now rather than time out
+                while self._waiters:
+                    fut = self._waiters.popleft()
+                    if not fut.done():
+                        fut.set_exception(NoNodeInRotation("no decode node is in rotation"))

@@ -1,0 +1,54 @@
+"""Prometheus metrics of the router: routes and their reasons, latencies, leases, node health."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from tilepd.router.leases import NodePool, NodeState
+
+log = logging.getLogger("tilepd.router")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    """One registry per router (so several routers can live in one test process)."""
+
+    def __init__(self, pool: NodePool, breaker_failures: int) -> None:
+        self.registry = CollectorRegistry()
+        self.breaker_failures = breaker_failures
+        r = self.registry
+        self.routes = Counter("tilepd_router_routes", "Requests by the pool that served them and why", ["route", "reason"], registry=r)
+        self.responses = Counter("tilepd_router_responses", "Responses by route and HTTP status", ["route", "status"], registry=r)
+        self.request_seconds = Histogram("tilepd_router_request_seconds", "Time from request to last byte", ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_seconds = Histogram("tilepd_router_ttft_seconds", "Time to the first token (low-latency pool)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.lease_wait_seconds = Histogram("tilepd_router_lease_wait_seconds", "Time waited for a decode node", buckets=_LATENCY_BUCKETS, registry=r)
+        self.completion_tokens = Counter("tilepd_router_completion_tokens", "Tokens generated (low-latency pool)", registry=r)
+        self.decode_errors = Counter("tilepd_router_decode_errors", "Decode node errors by node and code", ["node", "code"], registry=r)
+        self.breaker = Counter("tilepd_router_breaker_transitions", "Decode nodes leaving (open) or rejoining (closed) rotation", ["node", "state"], registry=r)
+        Gauge("tilepd_router_queue_depth", "Requests waiting for a decode node", registry=r).set_function(lambda: pool.queue_depth)
+        Gauge("tilepd_router_nodes_in_rotation", "Decode nodes that can be leased", registry=r).set_function(lambda: len(pool.in_rotation()))
+        Gauge("tilepd_router_nodes_leased", "Decode nodes held by a request", registry=r).set_function(pool.leased_count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def node_failure(self, pool: NodePool, node: NodeState, why: str) -> None:
+        """Count a failed health check or call; open the breaker after `breaker_failures` in a row."""
+        node.consecutive_failures += 1
+        node.last_error = why
+        if node.in_rotation and node.consecutive_failures >= self.breaker_failures:
+            pool.set_in_rotation(node, False)
+            self.breaker.labels(node.name, "open").inc()
+            log.warning("event=node_out_of_rotation node=%s failures=%d last_error=%s", node.name, node.consecutive_failures, why)
+
+    def node_ok(self, pool: NodePool, node: NodeState) -> None:
+        node.consecutive_failures = 0
+        if not node.in_rotation:
+            pool.set_in_rotation(node, True)
+            self.breaker.labels(node.name, "closed").inc()
+            log.info("event=node_in_rotation node=%s", node.name)

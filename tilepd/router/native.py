@@ -1,0 +1,72 @@
+"""The native pool: stock vLLM P/D with NixlConnector, relayed as-is.
+
+Prefill runs the client's request with `max_tokens=1` and `do_remote_decode`; vLLM
+answers with `kv_transfer_params` naming its KV blocks, which the native decode
+instance pulls over NIXL when it gets the original request with those params. The
+router only rewrites what it must (model name, the prefill's token limit, the params)
+and streams the decode instance's bytes back untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from starlette.responses import Response, StreamingResponse
+
+from tilepd.router.errors import PassThroughError, RouterError
+from tilepd.router.state import RouterState
+
+# what stock vLLM's NixlConnector producer expects on a prefill that a remote decode continues
+DO_REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "server", "date"})
+
+
+async def serve_native(state: RouterState, path: str, body: dict[str, Any], request_id: str, headers: dict[str, str]) -> Response:
+    """Prefill then decode on the native pool; returns the decode instance's response (streamed when asked)."""
+    prefill_url, decode_url = state.next_native_urls()
+    body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # clients never set these
+    body["model"] = state.config.served_model_name
+    prefill_body = copy.deepcopy(body)
+    prefill_body.update({"max_tokens": 1, "stream": False, "kv_transfer_params": DO_REMOTE_DECODE})
+    prefill_body.pop("stream_options", None)
+    if "max_completion_tokens" in prefill_body:
+        prefill_body["max_completion_tokens"] = 1
+    up_headers = {"x-request-id": request_id}
+    try:
+        resp = await state.client.post(f"{prefill_url}{path}", json=prefill_body, headers=up_headers)
+    except httpx.HTTPError as exc:
+        raise RouterError(502, f"native prefill {prefill_url} unreachable: {type(exc).__name__}: {exc}", type="prefill_error",
+                          code="prefill_unreachable") from exc
+    if resp.status_code != 200:
+        raise PassThroughError(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
+    kv_params = resp.json().get("kv_transfer_params")
+    if not kv_params:
+        raise RouterError(502, f"native prefill {prefill_url} returned no kv_transfer_params: is it started with "
+                          "NixlConnector as kv_producer (or kv_both)?", type="prefill_error", code="native_prefill_no_kv_params")
+    body["kv_transfer_params"] = kv_params
+    req = state.client.build_request("POST", f"{decode_url}{path}", json=body, headers=up_headers)
+    try:
+        dresp = await state.client.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise RouterError(502, f"native decode {decode_url} unreachable: {type(exc).__name__}: {exc}", type="decode_node_error",
+                          code="native_decode_unreachable") from exc
+    out_headers = {k: v for k, v in dresp.headers.items() if k.lower() not in _HOP_HEADERS}
+    out_headers.update(headers)
+    if not body.get("stream"):
+        raw = await dresp.aread()
+        await dresp.aclose()
+        return Response(raw, status_code=dresp.status_code, headers=out_headers)
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in dresp.aiter_raw():
+                yield chunk
+        finally:
+            state.spawn(dresp.aclose())  # no await here: this may run inside a cancelled request
+
+    return StreamingResponse(relay(), status_code=dresp.status_code, headers=out_headers)
+

@@ -1,0 +1,81 @@
+"""OpenAI response bodies and SSE chunks, chat and completions alike.
+
+Per-token chunks are the router's hot path, so each request pre-renders the JSON
+around the text once and only escapes the text per chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+Endpoint = Literal["chat", "completions"]
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ResponseWriter:
+    """Builds the bodies of one response."""
+
+    def __init__(self, endpoint: Endpoint, model: str) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.created = int(time.time())
+        if endpoint == "chat":
+            self.id = f"chatcmpl-{uuid.uuid4().hex}"
+            self.object = "chat.completion"
+        else:
+            self.id = f"cmpl-{uuid.uuid4().hex}"
+            self.object = "text_completion"
+        chunk_object = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+        head = json.dumps({"id": self.id, "object": chunk_object, "created": self.created, "model": self.model})[:-1]
+        if endpoint == "chat":
+            self._text_head = (f'data: {head}, "choices": [{{"index": 0, "delta": {{"content": ').encode()
+            self._text_tail = b'}, "logprobs": null, "finish_reason": null}]}\n\n'
+        else:
+            self._text_head = (f'data: {head}, "choices": [{{"index": 0, "text": ').encode()
+            self._text_tail = b', "logprobs": null, "finish_reason": null}]}\n\n'
+        self._chunk_base = {"id": self.id, "object": chunk_object, "created": self.created, "model": self.model}
+
+    def role_chunk(self) -> bytes | None:
+        """Chat streams open with the assistant role, as OpenAI's do."""
+        if self.endpoint != "chat":
+            return None
+        return sse({**self._chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+
+    def text_chunk(self, text: str) -> bytes:
+        return self._text_head + json.dumps(text).encode() + self._text_tail
+
+    def finish_chunk(self, finish_reason: str, stop_reason: str | int | None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if self.endpoint == "chat":
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        return sse({**self._chunk_base, "choices": [choice]})
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return sse({**self._chunk_base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+    def full(self, text: str, finish_reason: str, stop_reason: str | int | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        if self.endpoint == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                                      "finish_reason": finish_reason, "stop_reason": stop_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_chunk(body: dict[str, Any]) -> bytes:
+    """An error after the stream began: the status line is already sent, so it goes in-band."""
+    return sse(body)

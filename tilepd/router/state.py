@@ -1,0 +1,50 @@
+"""What a running router holds: config, upstream client, tokenizer, node pool, metrics, background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tilepd.plan.service_configs import RouterConfig
+from tilepd.router.auth import ApiKeys
+from tilepd.router.leases import NodePool
+from tilepd.router.metrics import RouterMetrics
+from tilepd.router.prompts import PromptRenderer
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    client: httpx.AsyncClient
+    renderer: PromptRenderer
+    pool: NodePool
+    metrics: RouterMetrics
+    keys: ApiKeys
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+    _prefill_cycle: Any = None
+    _native_prefill_cycle: Any = None
+    _native_decode_cycle: Any = None
+
+    def __post_init__(self) -> None:
+        self._prefill_cycle = itertools.cycle(self.config.prefill_urls or ("",))
+        native = self.config.native_pool
+        self._native_prefill_cycle = itertools.cycle(native.prefill_urls if native else ("",))
+        self._native_decode_cycle = itertools.cycle(native.decode_urls if native else ("",))
+
+    def next_prefill_url(self) -> str:
+        return str(next(self._prefill_cycle)).rstrip("/")
+
+    def next_native_urls(self) -> tuple[str, str]:
+        return str(next(self._native_prefill_cycle)).rstrip("/"), str(next(self._native_decode_cycle)).rstrip("/")
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run work that must finish even if the request that started it is cancelled (lease returns)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
