@@ -1,0 +1,132 @@
+"""The decode engine's cache geometry, and what wire layouts it can take.
+
+The receive buffer is sized from this geometry before any sender connects (so
+`/health` can be green at startup), and every hello's `CacheLayout` is checked
+against it: a prefill instance whose cache does not describe the same model is
+refused with a message naming the field that differs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from tilepd.control.layout import FP8_DS_MLA_ENTRY_BYTES, ITEMSIZE, CacheLayout
+from tilepd.control.messages import ErrorCode, ProtocolError
+
+# vLLM block sizes top out at 256 tokens; regions round max_seq_len up to a block
+MAX_BLOCK_SLACK = 256
+
+_FAMILY_KIND = {"llama": "attn", "deepseek_v3": "mla"}
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    family: str
+    kind: Literal["attn", "mla"]
+    num_layers: int
+    num_heads: int  # KV heads (attn) or 1 (mla)
+    entry_width: int  # head_size_k + head_size_v, or kv_lora_rank + rope_dim
+    head_size_k: int | None = None
+    head_size_v: int | None = None
+    kv_lora_rank: int | None = None
+    rope_dim: int | None = None
+    cache_dtype: torch.dtype = torch.float32
+
+    def describe(self) -> dict[str, Any]:
+        d = {"family": self.family, "kind": self.kind, "num_layers": self.num_layers, "num_heads": self.num_heads,
+             "entry_width": self.entry_width, "cache_dtype": str(self.cache_dtype).removeprefix("torch.")}
+        if self.kind == "attn":
+            d.update(head_size_k=self.head_size_k, head_size_v=self.head_size_v)
+        else:
+            d.update(kv_lora_rank=self.kv_lora_rank, rope_dim=self.rope_dim)
+        return d
+
+
+def _get(obj: Any, *names: str) -> Any:
+    for n in names:
+        v = obj.get(n) if isinstance(obj, dict) else getattr(obj, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+def geometry_from_spec(spec: Any, cache_dtype: torch.dtype) -> CacheGeometry:
+    """Build from an engine ModelSpec or an HF config dict (same field names where they agree)."""
+    family = str(_get(spec, "family", "model_type"))
+    kind = _FAMILY_KIND.get(family)
+    if kind is None:
+        raise ValueError(f"model family {family!r} has no known KV layout (known: {sorted(_FAMILY_KIND)})")
+    layers = int(_get(spec, "num_layers", "num_hidden_layers"))
+    if kind == "attn":
+        heads = int(_get(spec, "num_kv_heads", "num_key_value_heads", "num_attention_heads"))
+        hd = _get(spec, "head_dim")
+        if hd is None:
+            hd = int(_get(spec, "hidden_size")) // int(_get(spec, "num_attention_heads"))
+        hd = int(hd)
+        return CacheGeometry(family, "attn", layers, heads, 2 * hd, head_size_k=hd, head_size_v=hd, cache_dtype=cache_dtype)
+    rank = int(_get(spec, "kv_lora_rank"))
+    rope = int(_get(spec, "qk_rope_head_dim", "rope_dim"))
+    return CacheGeometry(family, "mla", layers, 1, rank + rope, kv_lora_rank=rank, rope_dim=rope, cache_dtype=cache_dtype)
+
+
+def geometry_from_hf_config(model_dir: Path, cache_dtype: torch.dtype = torch.float32) -> CacheGeometry:
+    return geometry_from_spec(json.loads((Path(model_dir) / "config.json").read_text()), cache_dtype)
+
+
+def wire_token_bytes(geom: CacheGeometry, kv_cache_dtype: str, device: str) -> int:
+    """Largest per-token, per-layer byte count a sender of this model may ship."""
+    if kv_cache_dtype == "fp8_ds_mla":
+        return geom.num_heads * max(FP8_DS_MLA_ENTRY_BYTES, geom.entry_width)
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        size = 1
+    elif kv_cache_dtype in ITEMSIZE:
+        size = ITEMSIZE[kv_cache_dtype]
+    else:  # "auto": the model's dtype on the prefill side; fp32 on CPU tests, 16-bit on GPUs
+        size = max(torch.finfo(geom.cache_dtype).bits // 8, 2 if device == "cuda" else 4)
+    return geom.num_heads * geom.entry_width * size
+
+
+def recv_buffer_bytes(geom: CacheGeometry, max_seq_len: int, kv_cache_dtype: str, device: str) -> int:
+    return geom.num_layers * (max_seq_len + MAX_BLOCK_SLACK) * wire_token_bytes(geom, kv_cache_dtype, device)
+
+
+def check_layout(layout: CacheLayout, geom: CacheGeometry, *, max_seq_len: int, capacity: int) -> None:
+    """Raise ProtocolError(layout_mismatch) naming the first field that differs."""
+
+    def bad(field: str, theirs: Any, ours: Any) -> ProtocolError:
+        return ProtocolError(
+            ErrorCode.LAYOUT_MISMATCH,
+            f"the prefill cache has {field}={theirs} but this decode node's {geom.family} model has {field}={ours}: "
+            "serve the same model on both sides (check the served model and its revision)",
+        )
+
+    if layout.kind != geom.kind:
+        raise bad("kind", layout.kind, geom.kind)
+    if layout.num_layers != geom.num_layers:
+        raise bad("num_layers", layout.num_layers, geom.num_layers)
+    if layout.num_heads != geom.num_heads:
+        hint = " (prefill tensor parallelism shards KV heads; this build needs the full head set per sender)" \
+            if layout.num_heads < geom.num_heads else ""
+        raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"the prefill cache holds {layout.num_heads} KV heads per layer, "
+                            f"this decode node's model has {geom.num_heads}{hint}")
+    if geom.kind == "attn":
+        if (layout.head_size_k, layout.head_size_v) != (geom.head_size_k, geom.head_size_v):
+            raise bad("head_size_k/v", (layout.head_size_k, layout.head_size_v), (geom.head_size_k, geom.head_size_v))
+    else:
+        if (layout.kv_lora_rank, layout.rope_dim) != (geom.kv_lora_rank, geom.rope_dim):
+            raise bad("kv_lora_rank/rope_dim", (layout.kv_lora_rank, layout.rope_dim), (geom.kv_lora_rank, geom.rope_dim))
+    if layout.dtype == "fp8_ds_mla" and geom.kind != "mla":
+        raise bad("dtype", layout.dtype, "an attention cache")
+    need = layout.buffer_bytes(max_seq_len)
+    if need > capacity:
+        raise ProtocolError(
+            ErrorCode.LAYOUT_MISMATCH,
+            f"the prefill cache layout {layout.layout_id} needs {need} bytes for max_seq_len {max_seq_len} but this decode "
+            f"node's receive buffer holds {capacity}: set the decode node's kv_cache_dtype to the prefill's "
+            f"({layout.dtype}) or lower max_seq_len",
+        )

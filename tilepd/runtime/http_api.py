@@ -1,0 +1,226 @@
+"""HTTP API of the decode node (INTERFACES §4), on FastAPI.
+
+Errors before the first token are HTTP statuses with `{"error": {code, message, param?}}`:
+429 busy, 504 KV never arrived (slot freed), 400 bad/unknown parameter, 501 a
+parameter this engine cannot honour, 499 cancelled, 409 token mismatch or a second
+request for the same transfer, 502 the transfer failed (sender gone or reported an error).
+Once tokens flow, a cancel ends the stream with finish_reason "cancelled".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from tilepd.runtime.service import DecodeJob, DecodeService
+from tilepd.runtime.slot import SlotError, Transfer
+
+log = logging.getLogger("tilepd.runtime.http")
+
+# Parameters a client may send that some engines cannot honour: (field, value that means "off").
+OPTIONAL_FEATURES: dict[str, Any] = {
+    "logprobs": None, "top_logprobs": None, "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0, "min_p": 0.0,
+}
+# Sampling parameters the engine must declare (capabilities) when set to a non-default value.
+SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop_token_ids": [], "ignore_eos": False}
+
+SLOT_STATUS = {"busy": 429, "bad_token": 409, "duplicate": 409, "kv_timeout": 504, "cancelled": 499, "transfer_failed": 502}
+
+
+class DecodeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    transfer_id: str = Field(min_length=1, max_length=200)
+    token: str = Field(min_length=1, max_length=200)
+    first_token: int = Field(ge=0)
+    prompt_tokens: int = Field(gt=0)
+    max_tokens: int = Field(default=16, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = True
+    kv_timeout_s: float | None = Field(default=None, gt=0, le=3600)
+    # accepted so a request that sets them gets 501 (not 400) when the engine cannot honour them
+    logprobs: int | bool | None = None
+    top_logprobs: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+
+
+class CancelBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    transfer_id: str
+
+
+def _error(status: int, code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    err: dict[str, Any] = {"code": code, "message": message}
+    if param:
+        err["param"] = param
+    return JSONResponse({"error": err}, status_code=status, headers=headers)
+
+
+def _unhonoured(body: DecodeBody, caps: dict[str, Any]) -> str | None:
+    for name, off in OPTIONAL_FEATURES.items():
+        if getattr(body, name) not in (off, False) and not caps.get(name, False):
+            return name
+    for name, default in SAMPLING_DEFAULTS.items():
+        if getattr(body, name) != default and not caps.get(name, False):
+            return name
+    return None
+
+
+def build_app(svc: DecodeService) -> FastAPI:
+    app = FastAPI(title="tilepd decode node", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        msg = f"unknown parameter {param!r}" if first.get("type") == "extra_forbidden" else f"{param or 'body'}: {first['msg']}"
+        return _error(400, "bad_parameter", msg, param)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not svc.ready:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/capabilities")
+    async def capabilities() -> dict:
+        return svc.capabilities()
+
+    @app.get("/status")
+    async def status() -> dict:
+        return svc.status()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(svc.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/cancel")
+    async def cancel(body: CancelBody) -> dict:
+        found = svc.slot.cancel(body.transfer_id)
+        log.info("event=cancel transfer_id=%s found=%s", body.transfer_id, found)
+        return {"transfer_id": body.transfer_id, "cancelled": found}
+
+    @app.post("/v1/decode")
+    async def decode(body: DecodeBody, request: Request):  # noqa: ANN202 - JSON or a stream
+        tid = body.transfer_id
+        if not svc.ready:
+            return _error(503, "not_ready", "decode node is starting")
+        caps = svc.capabilities()["sampling"]
+        bad = _unhonoured(body, caps)
+        if bad is not None:
+            svc.metrics.requests.labels("unsupported").inc()
+            return _error(501, "unsupported_parameter", f"this decode engine cannot honour {bad!r}", bad)
+        if body.prompt_tokens + body.max_tokens > svc.config.max_seq_len:
+            return _error(400, "too_long", f"prompt_tokens {body.prompt_tokens} + max_tokens {body.max_tokens} exceeds "
+                          f"max_seq_len {svc.config.max_seq_len}", "max_tokens")
+        vocab = getattr(getattr(svc.engine, "config", None), "vocab_size", None)
+        if vocab is not None and body.first_token >= int(vocab):
+            return _error(400, "bad_parameter", f"first_token {body.first_token} outside the vocabulary ({vocab})", "first_token")
+        t_arrive = time.perf_counter()
+        try:
+            transfer = svc.slot.reserve_for_decode(tid, body.token)
+        except SlotError as exc:
+            svc.metrics.requests.labels(exc.code).inc()
+            log.info("event=decode_refused transfer_id=%s code=%s", tid, exc.code)
+            return _error(SLOT_STATUS.get(exc.code, 409), exc.code, exc.message,
+                          headers={"Retry-After": "1"} if exc.code == "busy" else None)
+        timeout = body.kv_timeout_s or svc.config.kv_timeout_s
+        try:
+            await run_in_threadpool(svc.slot.wait_complete, transfer, timeout)
+            if transfer.seq_len != body.prompt_tokens:
+                svc.slot.release(transfer, "prompt_tokens mismatch")
+                return _error(400, "bad_parameter", f"prompt_tokens {body.prompt_tokens} but the KV received covers "
+                              f"{transfer.seq_len} tokens", "prompt_tokens")
+            svc.slot.start_decoding(transfer)
+        except SlotError as exc:
+            svc.metrics.requests.labels(exc.code).inc()
+            log.warning("event=decode_failed transfer_id=%s code=%s message=%s", tid, exc.code, exc.message)
+            return _error(SLOT_STATUS.get(exc.code, 500), exc.code, exc.message)
+        wait_s = time.perf_counter() - t_arrive
+        svc.metrics.wait.observe(wait_s)
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "seed", "ignore_eos")}
+        sampling["stop_token_ids"] = tuple(body.stop_token_ids)
+        job = DecodeJob(body.first_token, body.max_tokens, sampling, lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("token", t)))
+
+        def work() -> Any:
+            try:
+                return svc.run_decode(transfer, job)
+            finally:
+                svc.slot.release(transfer, "cancelled" if transfer.cancel.is_set() else "finished")
+
+        future = asyncio.wrap_future(svc.worker.submit(work))
+        future.add_done_callback(lambda f: queue.put_nowait(("end", None)))
+        log.info("event=decode_start transfer_id=%s seq_len=%d max_tokens=%d wait_ms=%.2f", tid, transfer.seq_len, body.max_tokens, wait_s * 1e3)
+
+        def final(outcome: Any) -> dict[str, Any]:
+            timings = {"wait_ms": wait_s * 1e3, **outcome.timings}
+            svc.last = timings
+            svc.metrics.requests.labels(outcome.finish_reason).inc()
+            log.info("event=decode_done transfer_id=%s finish=%s tokens=%d decode_ms=%.2f tokens_per_s=%.1f", tid,
+                     outcome.finish_reason, len(outcome.tokens), timings["decode_ms"], timings["tokens_per_s"])
+            return timings
+
+        if not body.stream:
+            try:
+                outcome = await future
+            except Exception as exc:  # noqa: BLE001 - engine failure becomes a typed 500
+                log.exception("event=decode_error transfer_id=%s", tid)
+                return _error(500, "engine_error", f"{type(exc).__name__}: {exc}")
+            timings = final(outcome)
+            if outcome.finish_reason == "cancelled" and not outcome.tokens:
+                return _error(499, "cancelled", f"transfer {tid} was cancelled")
+            return {"tokens": outcome.tokens, "finish_reason": outcome.finish_reason,
+                    "completion_tokens": len(outcome.tokens), "timings": timings}
+
+        async def stream() -> AsyncIterator[bytes]:
+            finished = False
+            try:
+                while True:
+                    kind, val = await queue.get()
+                    if kind == "token":
+                        yield (json.dumps({"token": val}) + "\n").encode()
+                        continue
+                    try:
+                        outcome = future.result()
+                    except Exception as exc:  # noqa: BLE001
+                        log.exception("event=decode_error transfer_id=%s", tid)
+                        yield (json.dumps({"done": True, "finish_reason": "error", "error": {"code": "engine_error", "message": str(exc)}}) + "\n").encode()
+                        finished = True
+                        return
+                    timings = final(outcome)
+                    yield (json.dumps({"done": True, "finish_reason": outcome.finish_reason,
+                                       "completion_tokens": len(outcome.tokens), "timings": timings}) + "\n").encode()
+                    finished = True
+                    return
+            finally:
+                if not finished:  # the client went away: stop the engine at its next step
+                    log.info("event=client_gone transfer_id=%s", tid)
+                    transfer.cancel.set()
+
+        return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+    return app

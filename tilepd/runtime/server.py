@@ -1,0 +1,59 @@
+"""Start a decode node from a `DecodeServerConfig`: load the engine, then serve control + HTTP."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tilepd.plan.service_configs import DecodeServerConfig
+from tilepd.runtime.geometry import CacheGeometry, geometry_from_spec
+
+log = logging.getLogger("tilepd.runtime")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def setup_logging(log_file: Path | None = None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", handlers=handlers, force=True)
+
+
+def load_config(path: Path) -> DecodeServerConfig:
+    return DecodeServerConfig.model_validate_json(Path(path).read_text())
+
+
+def engine_geometry(engine: Any) -> CacheGeometry:
+    """The engine's cache geometry, from its ModelSpec (INTERFACES §1)."""
+    spec = engine.config
+    dtype = getattr(spec, "cache_dtype", None) or getattr(engine, "cache_dtype", None) or getattr(spec, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype.removeprefix("torch."), torch.float32)
+    return geometry_from_spec(spec, dtype if isinstance(dtype, torch.dtype) else torch.float32)
+
+
+def serve(config: DecodeServerConfig) -> None:
+    """Blocking: load the engine, open the control port, serve HTTP until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from tilepd.engine import load_engine
+    from tilepd.runtime.http_api import build_app
+    from tilepd.runtime.service import DecodeService
+
+    dtype = None if config.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla") else config.kv_cache_dtype
+    log.info("event=loading_engine node=%s weights=%s device=%s max_seq_len=%d", config.name, config.weights_dir,
+             config.device, config.max_seq_len)
+    engine = load_engine(config.weights_dir, device=config.device, max_seq_len=config.max_seq_len, dtype=dtype)
+    svc = DecodeService(config, engine, engine_geometry(engine)).start()
+    app = build_app(svc)
+    try:
+        uvicorn.run(app, host=config.bind_host, port=config.http_port, log_level="warning", access_log=False)
+    finally:
+        svc.close()
+        log.info("event=stopped node=%s", config.name)

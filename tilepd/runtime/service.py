@@ -1,0 +1,150 @@
+"""The decode node: receive buffer, transport, slot, control server and the engine, wired together.
+
+`DecodeService` holds no HTTP: `http_api` drives it. The engine is used from one
+worker thread only (conversion, inject and decode all run there), so the engine
+never sees two callers and a CUDA engine keeps one current stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tilepd import __version__
+from tilepd.control.layout import CacheLayout
+from tilepd.control.messages import PROTOCOL_VERSION
+from tilepd.plan.service_configs import DecodeServerConfig
+from tilepd.runtime.convert import convert
+from tilepd.runtime.ctrl_server import ControlServer
+from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
+from tilepd.runtime.metrics import DecodeMetrics
+from tilepd.runtime.slot import Slot, Transfer
+from tilepd.transport.base import Buffer, TransportReceiver
+from tilepd.transport.registry import make_receiver
+
+log = logging.getLogger("tilepd.runtime")
+
+
+def _engine_types() -> tuple[Any, Any]:
+    """KVState and SamplingParams from tilepd.engine (INTERFACES §1)."""
+    from tilepd.engine import KVState, SamplingParams
+
+    return KVState, SamplingParams
+
+
+@dataclass
+class DecodeJob:
+    """One decode's parameters as the engine takes them."""
+
+    first_token: int
+    max_tokens: int
+    sampling: dict[str, Any]
+    on_token: Callable[[int], None]
+
+
+@dataclass
+class DecodeOutcome:
+    tokens: list[int]
+    finish_reason: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class DecodeService:
+    def __init__(self, config: DecodeServerConfig, engine: Any, geometry: CacheGeometry, *,
+                 receiver: TransportReceiver | None = None, kv_types: tuple[Any, Any] | None = None):
+        self.config = config
+        self.engine = engine
+        self.geometry = geometry
+        self.kv_types = kv_types
+        self.device = torch.device(config.device)
+        buf_device = "cuda" if config.recv_buffer == "vram" else "cpu"
+        self.capacity = recv_buffer_bytes(geometry, config.max_seq_len, config.kv_cache_dtype, config.device)
+        self.recv_buf = torch.empty(self.capacity, dtype=torch.uint8, device=buf_device)
+        self.receiver = receiver or make_receiver(
+            config.transport, bind_host=config.bind_host, advertise_host=config.advertise_host,
+            allowed_senders=config.allowed_senders, name=f"tilepd-decode-{config.name}",
+        )
+        self.receiver.register(Buffer.from_array(self.recv_buf))
+        self.slot = Slot(on_arm=self.receiver.arm, on_disarm=self.receiver.disarm, orphan_timeout_s=config.kv_timeout_s)
+        self.ctrl = ControlServer(
+            slot=self.slot, receiver=self.receiver, max_seq_len=config.max_seq_len, check_layout=self._check_layout,
+            node_name=config.name, bind_host=config.bind_host, port=config.ctrl_port, allowed_senders=config.allowed_senders,
+        )
+        self.metrics = DecodeMetrics(self.slot, lambda: self.ctrl.frames_rejected)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.last: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="slot-reaper", daemon=True)
+        self.ready = False
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self) -> "DecodeService":
+        self.ctrl.start()
+        self._reaper.start()
+        self.ready = True
+        log.info("event=ready node=%s ctrl_port=%d transport=%s recv_buffer_bytes=%d", self.config.name, self.ctrl.port,
+                 self.receiver.name, self.capacity)
+        return self
+
+    def close(self) -> None:
+        self.ready = False
+        self._stop.set()
+        self.ctrl.close()
+        self.receiver.close()
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    def _reap(self) -> None:
+        while not self._stop.wait(1.0):
+            self.slot.reap_orphans()
+
+    def _check_layout(self, layout: CacheLayout) -> None:
+        check_layout(layout, self.geometry, max_seq_len=self.config.max_seq_len, capacity=self.capacity)
+
+    # -- views ----------------------------------------------------------------------
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "model": self.config.served_model_name,
+            "family": self.geometry.family,
+            "max_seq_len": self.config.max_seq_len,
+            "sampling": dict(getattr(self.engine, "capabilities", {}) or {}),
+            "protocol_version": PROTOCOL_VERSION,
+            "layout": self.geometry.describe(),
+            "transport": self.receiver.name,
+            "tp_size": self.config.tp_size,
+            "tilepd_version": __version__,
+        }
+
+    def status(self) -> dict[str, Any]:
+        snap = self.slot.snapshot()
+        return {**snap, "last": self.last, "transfers_total": self.slot.transfers_total, "bytes_total": self.slot.bytes_total}
+
+    # -- the decode itself (runs on the engine worker thread) ---------------------------
+    def run_decode(self, transfer: Transfer, job: DecodeJob) -> DecodeOutcome:
+        kv_state_cls, sampling_cls = self.kv_types or _engine_types()
+        t0 = time.perf_counter()
+        layers = convert(self.recv_buf, transfer.layout, self.config.max_seq_len, transfer.seq_len,
+                         self.geometry.cache_dtype, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        self.engine.inject(kv_state_cls(seq_len=transfer.seq_len, layers=layers))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        result = self.engine.decode(job.first_token, job.max_tokens, sampling_cls(**job.sampling), job.on_token, transfer.cancel)
+        t3 = time.perf_counter()
+        n = len(result.tokens)
+        timings = {"convert_ms": (t1 - t0) * 1e3, "inject_ms": (t2 - t1) * 1e3, "decode_ms": (t3 - t2) * 1e3,
+                   "tokens": n, "tokens_per_s": n / (t3 - t2) if t3 > t2 else 0.0}
+        self.metrics.convert.observe(t1 - t0)
+        self.metrics.inject.observe(t2 - t1)
+        self.metrics.decode.observe(t3 - t2)
+        self.metrics.tokens.inc(n)
+        self.metrics.tokens_per_s.set(timings["tokens_per_s"])
+        return DecodeOutcome(list(result.tokens), str(result.finish_reason), timings)
