@@ -16,7 +16,8 @@ MARKER = "# <- expected"
 CASES: dict[str, tuple[str, str]] = {
     "duplicate-host__name": ("duplicate-host", "name 'd0' is already used by decode[0]"),
     "duplicate-host__gpu": ("duplicate-host", "10.1.0.1 already runs GPU role prefill[0]"),
-    "host-ssh-conflict": ("host-ssh-conflict", "SSH settings for 10.1.0.2 differ from decode[0].ssh"),
+    "host-conflict__ssh": ("host-conflict", "SSH settings for 10.1.0.2 differ from decode[0].ssh"),
+    "host-conflict__base-dir": ("host-conflict", "base_dir for 10.1.0.2 differs from decode[0]"),
     "port-collision__side-channel": ("port-collision", "port 5601 (router port) on 10.1.0.1 is already taken by prefill[0].nixl_side_channel_port (NIXL side-channel port, rank 1)"),
     "port-collision__decode": ("port-collision", "port 5556 (HTTP port) on 10.1.0.2 is already taken by decode[0].ctrl_port"),
     "port-collision__tcp-data": ("port-collision", "port 5556 (tcp data port) on 10.1.0.2"),

@@ -1,25 +1,122 @@
-"""Placeholder verbs; replaced by the module's owner."""
+"""`tilepd validate | plan | render`: topology file -> findings, plan, rendered files.
+
+Exit codes (tilepd/cli/exitcodes.py): 0 ok, 3 the topology is invalid, 4 the file is
+missing / unreadable / not YAML, 2 bad command line or unusable --out folder.
+"""
 
 from __future__ import annotations
 
-import typer
+import json
+import shlex
+from pathlib import Path
+from typing import NoReturn
 
-from tilepd.cli._unavailable import not_yet
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tilepd.cli.exitcodes import ExitCode
+from tilepd.topology import Topology, TopologyError, TopologyFileError, load_topology
+
+FILE_ARG = typer.Argument(..., help="Topology file (YAML, apiVersion: tilepd/v1).", show_default=False)
+JSON_OPT = typer.Option(False, "--json", help="Machine-readable JSON on stdout.")
+
+
+def _fail(code: ExitCode, findings: list[dict[str, object]], lines: list[str], as_json: bool, file: Path) -> NoReturn:
+    if as_json:
+        typer.echo(json.dumps({"file": str(file), "valid": False, "exit_code": int(code), "findings": findings}, indent=2))
+    else:
+        err = Console(stderr=True, highlight=False, soft_wrap=True)
+        for line in lines:
+            err.print(line, markup=False)
+        noun = "problem" if len(lines) == 1 else "problems"
+        err.print(f"{file}: {len(lines)} {noun}; see docs/TOPOLOGY.md", markup=False, style="bold red")
+    raise typer.Exit(int(code))
+
+
+def load_or_exit(file: Path, as_json: bool) -> Topology:
+    """Load and validate, or print every finding and exit 3 (invalid) / 4 (unreadable)."""
+    try:
+        return load_topology(file)
+    except TopologyFileError as exc:
+        _fail(ExitCode.INPUT, [exc.to_dict()], [str(exc)], as_json, file)
+    except TopologyError as exc:
+        _fail(ExitCode.INVALID, [f.to_dict() for f in exc.findings], [f.format() for f in exc.findings], as_json, file)
+
+
+def summarise_argv(argv: list[str], python: str | None = None, limit: int = 60) -> str:
+    """argv for a table cell: the interpreter as `python`, long words (JSON configs) by size, not content."""
+    words = []
+    for i, word in enumerate(argv):
+        if i == 0 and word == python:
+            words.append("python")
+            continue
+        if len(word) > limit:
+            kind = "json" if word.lstrip().startswith(("{", "[")) else "text"
+            words.append(f"<{kind} {len(word)} B>")
+        else:
+            words.append(shlex.quote(word))
+    return " ".join(words)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("validate", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _validate() -> None:
-        """(not yet available)"""
-        not_yet("validate")
+    @app.command("validate")
+    def validate(file: Path = FILE_ARG, as_json: bool = JSON_OPT) -> None:
+        """Check a topology: schema, then the cross-role rules. Exit 3 with every finding (file:line:col) if invalid."""
+        topo = load_or_exit(file, as_json)
+        if as_json:
+            typer.echo(json.dumps({"file": str(file), "valid": True, "exit_code": 0, "findings": []}, indent=2))
+            return
+        n_hosts = len({e.address for e in (*topo.prefill, *topo.decode, *topo.native_decode, topo.router)})
+        Console(highlight=False).print(
+            f"{file}: valid ({topo.deployment.name}: {len(topo.prefill)} prefill, {len(topo.decode)} decode, "
+            f"{len(topo.native_decode)} native decode on {n_hosts} host{'s' if n_hosts != 1 else ''}; transport {topo.transport.name})",
+            markup=False,
+        )
 
-    @app.command("plan", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _plan() -> None:
-        """(not yet available)"""
-        not_yet("plan")
+    @app.command("plan")
+    def plan(file: Path = FILE_ARG, as_json: bool = JSON_OPT) -> None:
+        """Show what every host will run: services, ports, commands. `--json` prints the complete plan."""
+        from tilepd.plan import build_plan
 
-    @app.command("render", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _render() -> None:
-        """(not yet available)"""
-        not_yet("render")
+        the_plan = build_plan(load_or_exit(file, as_json))
+        if as_json:
+            typer.echo(the_plan.model_dump_json(indent=2))
+            return
+        console = Console(highlight=False, soft_wrap=False)
+        console.print(
+            f"deployment [bold]{the_plan.deployment}[/bold]  services: {the_plan.services_mode}  transport: {the_plan.transport}  "
+            f"base_dir: {the_plan.base_dir}  topology {the_plan.topology_hash[:19]}"
+        )
+        for host in the_plan.hosts:
+            via = "local" if host.local else f"ssh {host.ssh.user + '@' if host.ssh.user else ''}{host.address}:{host.ssh.port}"
+            pythons = ", ".join(e.python for e in host.environments)
+            table = Table(title=f"{host.name} ({', '.join(host.roles)}; {via}; python {pythons})", title_justify="left", expand=False)
+            table.add_column("stage", justify="right")
+            table.add_column("service")
+            table.add_column("ports")
+            table.add_column("command", overflow="fold")
+            for svc in host.services:
+                ports = ", ".join(f"{k} {v}" for k, v in svc.ports.items()) or "-"
+                table.add_row(str(svc.stage), f"{svc.name} ({svc.kind})", ports, summarise_argv(svc.argv, svc.python))
+            console.print(table)
 
+    @app.command("render")
+    def render(
+        file: Path = FILE_ARG,
+        out: Path = typer.Option(..., "--out", help="Folder to write (replaced as a whole if it holds an earlier render).", show_default=False),
+        as_json: bool = JSON_OPT,
+    ) -> None:
+        """Write the plan as files: plan.json, inventory.yml, and per host its units, env files and configs."""
+        from tilepd.plan import RenderError, build_plan, render_plan
+
+        the_plan = build_plan(load_or_exit(file, as_json))
+        try:
+            written = render_plan(the_plan, out)
+        except RenderError as exc:
+            typer.echo(f"tilepd render: {exc}", err=True)
+            raise typer.Exit(int(ExitCode.USAGE)) from None
+        if as_json:
+            typer.echo(json.dumps({"out": str(out.absolute()), "topology_hash": the_plan.topology_hash, "files": [str(p) for p in written]}, indent=2))
+        else:
+            typer.echo(f"wrote {len(written)} files for {len(the_plan.hosts)} hosts to {out.absolute()}")

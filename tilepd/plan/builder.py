@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -24,7 +25,7 @@ from tilepd.plan.service_configs import (
     TransportConfig,
 )
 from tilepd.topology.families import canonical_family
-from tilepd.topology.rules import is_cpu, is_loopback
+from tilepd.topology.rules import CURRENT_PYTHON, is_cpu, is_loopback
 from tilepd.topology.schema import DecodeNode, Topology, _Host
 
 RDMA_TRANSPORTS = frozenset({"nixl", "mooncake"})
@@ -45,8 +46,9 @@ def topology_hash(topo: Topology) -> str:
 class _Planner:
     """Holds the per-topology facts every service builder needs."""
 
-    def __init__(self, topo: Topology):
+    def __init__(self, topo: Topology, current_python: str):
         self.topo = topo
+        self.current_python = current_python
         self.base = topo.deployment.base_dir.rstrip("/") or "/"
         self.family = canonical_family(topo.model.family) or topo.model.family
         self.native = bool(topo.native_decode)
@@ -58,8 +60,19 @@ class _Planner:
 
     # --- helpers -------------------------------------------------------------
 
+    def base_of(self, entry: _Host) -> str:
+        return (entry.base_dir or self.topo.deployment.base_dir).rstrip("/") or "/"
+
     def python(self, entry: _Host) -> str:
-        return entry.python or self.topo.deployment.python or f"{self.base}/venv/bin/python"
+        chosen = entry.python or self.topo.deployment.python
+        if chosen == CURRENT_PYTHON:
+            return self.current_python
+        return chosen or f"{self.base_of(entry)}/venv/bin/python"
+
+    def install(self, entry: _Host) -> str:
+        if (entry.python or self.topo.deployment.python) == CURRENT_PYTHON:
+            return "operator"  # the running interpreter is already provisioned
+        return entry.install or self.topo.deployment.install
 
     def bind(self, entry: _Host) -> str:
         if entry.bind:
@@ -92,7 +105,7 @@ class _Planner:
 
     def add_env(self, address: str, entry: _Host, vllm: bool) -> None:
         py = self.python(entry)
-        install = entry.install or self.topo.deployment.install
+        install = self.install(entry)
         old = self.envs[address].get(py)
         self.envs[address][py] = PythonEnv(python=py, install=install, vllm=vllm or bool(old and old.vllm))
 
@@ -112,7 +125,7 @@ class _Planner:
         creates: str | None = None,
     ) -> None:
         env = {**env, **entry.env}  # the operator's env wins
-        cwd = self.base
+        cwd = self.base_of(entry)
         self.services[address].append(
             Service(
                 name=name,
@@ -126,8 +139,8 @@ class _Planner:
                 health=health,
                 ports=ports or {},
                 python=self.python(entry),
-                log_file=f"{self.base}/logs/{name}.log",
-                pid_file=f"{self.base}/run/{name}.pid",
+                log_file=f"{cwd}/logs/{name}.log",
+                pid_file=f"{cwd}/run/{name}.pid",
                 unit=f"tilepd-{name}.service",
                 config_file=config_file,
                 config=config,
@@ -181,7 +194,7 @@ class _Planner:
             allowed_senders=tuple(sorted({p.address for p in self.topo.prefill})),
         )
         name = f"decode-{node.name}"
-        config_file = f"{self.base}/config/{name}.json"
+        config_file = f"{self.base_of(node)}/config/{name}.json"
         ports = {"http": node.http_port, "ctrl": node.ctrl_port}
         if self.topo.transport.name == "tcp":
             ports["data"] = node.data_port
@@ -225,7 +238,7 @@ class _Planner:
                 env=env,
                 health=Health(url=f"http://{p.address}:{p.port}/health", timeout_s=HEALTH_TIMEOUT_S["gpu" if p.gpus else "cpu"]),
                 ports=ports,
-                config_file=f"{self.base}/kv-transfer-config.json",
+                config_file=f"{self.base_of(p)}/kv-transfer-config.json",
                 config=kvt,
             )
 
@@ -248,7 +261,7 @@ class _Planner:
                 env=env,
                 health=Health(url=f"http://{n.address}:{n.port}/health", timeout_s=HEALTH_TIMEOUT_S["gpu" if n.gpus else "cpu"]),
                 ports={"http": n.port, "nixl_side_channel": n.nixl_side_channel_port},
-                config_file=f"{self.base}/config/{name}.json",
+                config_file=f"{self.base_of(n)}/config/{name}.json",
                 config=kvt,
             )
 
@@ -279,7 +292,7 @@ class _Planner:
             api_key_env=r.api_key.env if r.api_key else None,
             api_key_file=r.api_key.file if r.api_key else None,
         )
-        config_file = f"{self.base}/config/router.json"
+        config_file = f"{self.base_of(r)}/config/router.json"
         self.add(
             r.address,
             r,
@@ -305,6 +318,7 @@ class _Planner:
                     address=address,
                     local=is_loopback(address),
                     ssh=SshTarget(user=first.ssh.user, port=first.ssh.port, key_file=first.ssh.key_file),
+                    base_dir=self.base_of(first),
                     roles=roles,  # type: ignore[arg-type]
                     environments=list(self.envs[address].values()),
                     services=services,
@@ -313,9 +327,12 @@ class _Planner:
         return out
 
 
-def build_plan(topo: Topology) -> Plan:
-    """Expand a validated topology into per-host services (argv + env + cwd + config)."""
-    p = _Planner(topo)
+def build_plan(topo: Topology, current_python: str | None = None) -> Plan:
+    """Expand a validated topology into per-host services (argv + env + cwd + config).
+
+    `current_python` is what `python: current` resolves to (default: this interpreter).
+    """
+    p = _Planner(topo, current_python or sys.executable)
     for node in topo.decode:
         p.decode(node)
     p.native_decode()

@@ -19,6 +19,7 @@ def inventory(plan: Plan, render_dir: Path) -> dict[str, Any]:
             entry["ansible_port"] = h.ssh.port
             if h.ssh.key_file:
                 entry["ansible_ssh_private_key_file"] = h.ssh.key_file
+        entry["tilepd_base_dir"] = h.base_dir
         entry["tilepd_host_dir"] = str(render_dir / "hosts" / h.name)
         entry["tilepd_services"] = [s.name for s in h.services]
         entry["tilepd_environments"] = [e.model_dump(mode="json") for e in h.environments]

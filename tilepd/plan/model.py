@@ -68,6 +68,7 @@ class HostPlan(_Data):
     address: str
     local: bool
     ssh: SshTarget
+    base_dir: str  # this host's base_dir (the deployment's unless the topology overrides it)
     roles: list[HostRole]
     environments: list[PythonEnv]
     services: list[Service]

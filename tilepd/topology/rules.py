@@ -27,6 +27,7 @@ class Violation:
 
 Rule = Callable[[Topology], Iterator[Violation]]
 
+CURRENT_PYTHON = "current"  # `python: current` = the interpreter running tilepd
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
@@ -98,20 +99,18 @@ def duplicate_hosts(topo: Topology) -> Iterator[Violation]:
                 gpu_owner[entry.address] = loc
 
 
-def ssh_conflicts(topo: Topology) -> Iterator[Violation]:
-    """Entries on the same address must agree on how to reach it."""
-    first: dict[str, tuple[Loc, object]] = {}
+def host_conflicts(topo: Topology) -> Iterator[Violation]:
+    """Entries on the same address agree on how to reach it (ssh) and where its files live (base_dir)."""
+    first: dict[str, tuple[Loc, _Host]] = {}
     for loc, _role, entry in host_entries(topo):
-        if entry.address in first:
-            other_loc, other_ssh = first[entry.address]
-            if entry.ssh != other_ssh:
-                yield Violation(
-                    loc + ("ssh",),
-                    f"SSH settings for {entry.address} differ from {loc_str(other_loc)}.ssh; one host, one way in",
-                    "host-ssh-conflict",
-                )
-        else:
-            first[entry.address] = (loc, entry.ssh)
+        if entry.address not in first:
+            first[entry.address] = (loc, entry)
+            continue
+        other_loc, other = first[entry.address]
+        if entry.ssh != other.ssh:
+            yield Violation(loc + ("ssh",), f"SSH settings for {entry.address} differ from {loc_str(other_loc)}.ssh; one host, one way in", "host-conflict")
+        if (entry.base_dir or topo.deployment.base_dir) != (other.base_dir or topo.deployment.base_dir):
+            yield Violation(loc + ("base_dir",), f"base_dir for {entry.address} differs from {loc_str(other_loc)}'s; one host, one base_dir", "host-conflict")
 
 
 def _ports(topo: Topology) -> Iterator[tuple[str, int, Loc, str]]:
@@ -288,7 +287,7 @@ def routing_native(topo: Topology) -> Iterator[Violation]:
 
 
 def absolute_paths(topo: Topology) -> Iterator[Violation]:
-    """Paths are used on remote hosts, where no working directory can be assumed."""
+    """Paths are absolute (`python` may also be `current`): they are used on remote hosts, where no working directory can be assumed."""
     candidates: list[tuple[Loc, str | None]] = [
         (("deployment", "base_dir"), topo.deployment.base_dir),
         (("deployment", "python"), topo.deployment.python),
@@ -297,10 +296,13 @@ def absolute_paths(topo: Topology) -> Iterator[Violation]:
     ]
     for loc, _role, entry in host_entries(topo):
         candidates.append((loc + ("python",), entry.python))
+        candidates.append((loc + ("base_dir",), entry.base_dir))
         candidates.append((loc + ("ssh", "key_file"), entry.ssh.key_file))
     if topo.router.api_key is not None:
         candidates.append((("router", "api_key", "file"), topo.router.api_key.file))
     for loc, value in candidates:
+        if loc[-1] == "python" and value == CURRENT_PYTHON:
+            continue
         if value is not None and not PurePosixPath(value).is_absolute():
             yield Violation(loc, f"path {value!r} must be absolute", "absolute-path")
 
@@ -348,7 +350,7 @@ def install_python(topo: Topology) -> Iterator[Violation]:
 
 RULES: dict[str, Rule] = {
     "duplicate-host": duplicate_hosts,
-    "host-ssh-conflict": ssh_conflicts,
+    "host-conflict": host_conflicts,
     "port-collision": port_collisions,
     "tp-gpus": tp_vs_gpus,
     "decode-device": decode_device,

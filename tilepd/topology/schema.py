@@ -48,7 +48,9 @@ class Deployment(_Model):
         default="systemd", description="How services run: `systemd` units (production) or plain background `process`es (containers, dev boxes)."
     )
     python: str | None = Field(
-        default=None, description="Default absolute interpreter path on every host; default `<base_dir>/venv/bin/python`. A host's own `python` wins."
+        default=None,
+        description="Default interpreter on every host: an absolute path, or `current` = the interpreter running `tilepd` (only where hosts see the operator's filesystem: "
+        "loopback, network namespaces). Default `<base_dir>/venv/bin/python`. A host's own `python` wins.",
     )
     install: Literal["playbook", "operator"] = Field(
         default="playbook",
@@ -63,7 +65,8 @@ class _Host(_Model):
     name: str = Field(pattern=NAME_PATTERN, description="Unique name of this entry; it becomes part of service and unit names.")
     address: str = Field(min_length=1, description="IP address or DNS name that other hosts (and the operator) use to reach it.")
     ssh: Ssh = Field(default_factory=Ssh, description="SSH settings.")
-    python: str | None = Field(default=None, description="Absolute interpreter path on this host (overrides `deployment.python`).")
+    python: str | None = Field(default=None, description="Interpreter on this host: absolute path or `current` (overrides `deployment.python`).")
+    base_dir: str | None = Field(default=None, description="Overrides `deployment.base_dir` on this host (e.g. test hosts sharing one filesystem).")
     install: Literal["playbook", "operator"] | None = Field(default=None, description="Overrides `deployment.install` for this host.")
     nics: list[str] = Field(default_factory=list, description="RDMA NICs (e.g. `mlx5_0`); `UCX_NET_DEVICES` and Mooncake devices are derived from them.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the services of this entry.")
