@@ -65,7 +65,8 @@ class DecodeService:
         self.device = torch.device(config.device)
         buf_device = "cuda" if config.recv_buffer == "vram" else "cpu"
         self.capacity = recv_buffer_bytes(geometry, config.max_seq_len, config.kv_cache_dtype, config.device)
-        self.recv_buf = torch.empty(self.capacity, dtype=torch.uint8, device=buf_device)
+        # zeros, not empty: touching every page now keeps page faults out of the first transfer
+        self.recv_buf = torch.zeros(self.capacity, dtype=torch.uint8, device=buf_device)
         self.receiver = receiver or make_receiver(
             config.transport, bind_host=config.bind_host, advertise_host=config.advertise_host,
             allowed_senders=config.allowed_senders, name=f"tilepd-decode-{config.name}",
