@@ -1,0 +1,121 @@
+"""Node leases: one request per node, FIFO waiting bounded by the timeout, no leaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tilepd.plan.service_configs import DecodeEndpoint
+from tilepd.router.leases import LeaseTimeout, NodePool, NoNodeInRotation
+
+
+def _pool(n: int) -> NodePool:
+    pool = NodePool.of(tuple(DecodeEndpoint(name=f"d{i}", host="127.0.0.1", ctrl_port=1, http_port=2) for i in range(n)))
+    for node in pool.nodes:
+        pool.set_in_rotation(node, True)
+    return pool
+
+
+def test_one_lease_per_node_and_fifo_hand_over() -> None:
+    async def main() -> None:
+        pool = _pool(1)
+        first = await pool.acquire(1.0)
+        order: list[int] = []
+
+        async def waiter(i: int) -> None:
+            lease = await pool.acquire(5.0)
+            order.append(i)
+            await asyncio.sleep(0.01)
+            lease.release()
+
+        tasks = [asyncio.create_task(waiter(i)) for i in range(5)]
+        await asyncio.sleep(0.05)
+        assert pool.queue_depth == 5 and order == []
+        first.release()
+        first.release()  # idempotent: must not free the node a second time
+        await asyncio.gather(*tasks)
+        assert order == [0, 1, 2, 3, 4]
+        assert pool.leased_count() == 0 and pool.queue_depth == 0
+
+    asyncio.run(main())
+
+
+def test_wait_is_bounded_and_leaves_no_waiter_behind() -> None:
+    async def main() -> None:
+        pool = _pool(1)
+        held = await pool.acquire(1.0)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(LeaseTimeout):
+            await pool.acquire(0.2)
+        assert 0.19 <= asyncio.get_running_loop().time() - t0 < 1.0
+        assert pool.queue_depth == 0
+        held.release()
+        assert pool.leased_count() == 0
+        again = await pool.acquire(0.1)
+        assert again.waited_s < 0.05
+
+    asyncio.run(main())
+
+
+def test_cancelled_waiter_does_not_swallow_the_node() -> None:
+    async def main() -> None:
+        pool = _pool(1)
+        held = await pool.acquire(1.0)
+        waiting = asyncio.create_task(pool.acquire(5.0))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        await asyncio.sleep(0)
+        held.release()
+        lease = await pool.acquire(0.1)  # the node went to nobody else
+        lease.release()
+        assert pool.leased_count() == 0
+
+    asyncio.run(main())
+
+
+def test_many_concurrent_requests_two_nodes_never_double_lease() -> None:
+    async def main() -> None:
+        pool = _pool(2)
+        busy: set[str] = set()
+        outcomes: list[str] = []
+
+        async def one() -> None:
+            try:
+                lease = await pool.acquire(0.3)
+            except LeaseTimeout:
+                outcomes.append("timeout")
+                return
+            assert lease.node.name not in busy
+            busy.add(lease.node.name)
+            await asyncio.sleep(0.05)
+            busy.discard(lease.node.name)
+            lease.release()
+            outcomes.append("ok")
+
+        await asyncio.gather(*(one() for _ in range(20)))
+        assert len(outcomes) == 20 and "ok" in outcomes and "timeout" in outcomes
+        assert pool.leased_count() == 0 and pool.queue_depth == 0
+
+    asyncio.run(main())
+
+
+def test_breaker_takes_nodes_out_and_back() -> None:
+    async def main() -> None:
+        pool = _pool(1)
+        node = pool.nodes[0]
+        held = await pool.acquire(1.0)
+        waiting = asyncio.create_task(pool.acquire(5.0))
+        await asyncio.sleep(0.01)
+        pool.set_in_rotation(node, False)  # the last node fails: waiters fail over at once
+        with pytest.raises(NoNodeInRotation):
+            await waiting
+        held.release()
+        with pytest.raises(NoNodeInRotation):
+            await pool.acquire(1.0)
+        pool.set_in_rotation(node, True)
+        lease = await pool.acquire(0.1)
+        assert lease.node is node
+        lease.release()
+
+    asyncio.run(main())
