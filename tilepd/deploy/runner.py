@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from collections import defaultdict
 from collections.abc import Callable
@@ -66,17 +67,20 @@ class PlaybookResult:
 
 
 def _message(res: dict[str, Any]) -> str:
-    """The most useful one-paragraph message from a module result."""
-    for key in ("msg", "stderr", "module_stderr", "stdout"):
-        val = res.get(key)
-        if val:
-            text = str(val).strip()
-            if key == "stdout":
-                parsed = _json_line(text)
-                if parsed and parsed.get("msg"):
-                    return str(parsed["msg"])
-            return text[-2000:]
-    return json.dumps(res)[:2000]
+    """The most useful one-paragraph message from a module result.
+
+    tilepd's helper modules print a JSON line with `msg`; that beats the command
+    module's generic "non-zero return code".
+    """
+    parsed = _json_line(str(res.get("stdout") or ""))
+    if parsed and parsed.get("msg"):
+        return str(parsed["msg"])
+    generic = str(res.get("msg") or "").strip()
+    for key in ("stderr", "module_stderr", "stdout"):
+        val = str(res.get(key) or "").strip()
+        if val and (not generic or generic == "non-zero return code" or key == "module_stderr"):
+            return (f"{generic}: " if generic else "") + val[-2000:]
+    return generic or json.dumps(res)[:2000]
 
 
 def _json_line(stdout: str) -> dict[str, Any] | None:
@@ -152,6 +156,7 @@ def run_playbook(
     private_dir: Path,
     extravars: dict[str, Any] | None = None,
     limit: str | None = None,
+    tags: str | None = None,
     check: bool = False,
     on_event: Callable[[TaskEvent], None] | None = None,
     forks: int = 10,
@@ -160,6 +165,8 @@ def run_playbook(
     import ansible_runner  # heavy import, only when deploying
 
     private_dir.mkdir(parents=True, exist_ok=True)
+    # ansible-runner re-reads env/ (cmdline, extravars) of earlier runs: start clean
+    shutil.rmtree(private_dir / "env", ignore_errors=True)
     result = PlaybookResult(playbook=playbook, status="unknown", rc=-1)
     digest = _Digest(result, on_event)
     bindir = str(Path(sys.executable).parent)
@@ -185,6 +192,7 @@ def run_playbook(
         inventory=str(inventory),
         extravars=extravars or {},
         limit=limit,
+        tags=tags,
         cmdline=cmdline,
         envvars=envvars,
         forks=forks,
@@ -192,6 +200,7 @@ def run_playbook(
         event_handler=digest,
         settings={"suppress_ansible_output": True},
         rotate_artifacts=5,
+        suppress_env_files=True,
     )
     result.status = r.status
     result.rc = r.rc

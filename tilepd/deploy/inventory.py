@@ -1,0 +1,129 @@
+"""What the playbooks need beyond the plan's own inventory: per-host service specs and files.
+
+`render_plan` writes `inventory.yml` (connection settings, groups) and the per-host
+files. This module adds `host_vars/<host>.yml` beside it, which Ansible merges in:
+the interpreter, the model paths, and for every daemon the `ServiceSpec` that
+`python -m tilepd.deploy.proc` runs, the rendered files to copy, and its env file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml import YAML
+
+from tilepd.deploy.proc import ServiceSpec
+from tilepd.plan import HostPlan, Plan, Service
+from tilepd.plan.systemd import env_file_text
+from tilepd.topology import Topology, canonical_family
+
+SYSTEMD_DIR = "/etc/systemd/system"
+# rendered per-host entries that are not copied verbatim under <base_dir>
+_NOT_COPIED = {"services.json", "units", "env"}
+
+
+def spec_file(host: HostPlan, service: Service) -> str:
+    return f"{host.base_dir}/run/{service.name}.spec.json"
+
+
+def secret_env(service: Service) -> dict[str, str]:
+    """Secrets a service needs at run time, read from the operator's environment (never from the topology).
+
+    The router's API key named by `api_key_env` is passed to the router host inside
+    files written with `no_log`; a key file (`api_key_file`) already lives on that host.
+    """
+    cfg = service.config or {}
+    name = cfg.get("api_key_env") if service.role == "router" else None
+    if name and name in os.environ:
+        return {name: os.environ[name]}
+    return {}
+
+
+def service_spec(plan: Plan, service: Service) -> ServiceSpec:
+    return ServiceSpec(
+        name=service.name,
+        role=service.role,
+        argv=service.argv,
+        env={**service.env, **secret_env(service)},
+        cwd=Path(service.cwd),
+        log_file=Path(service.log_file),
+        pid_file=Path(service.pid_file),
+        config_hash=service.config_hash,
+        health_url=service.health.url if service.health else None,
+        health_timeout_s=service.health.timeout_s if service.health else 180.0,
+        mode=plan.services_mode,
+        unit=service.unit,
+        unit_path=Path(SYSTEMD_DIR) / service.unit,
+    )
+
+
+def _copied_files(plan: Plan, host: HostPlan, render_dir: Path) -> list[dict[str, Any]]:
+    """Rendered files of this host and where they go (same relative path under base_dir)."""
+    root = render_dir / "hosts" / host.name
+    out = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if path.is_dir() or rel.parts[0] in _NOT_COPIED:
+            continue
+        out.append({"src": str(path), "dest": f"{host.base_dir}/{rel.as_posix()}", "mode": "0644"})
+    return out
+
+
+def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> dict[str, Any]:
+    py = host.environments[0].python if host.environments else host.services[0].python
+    files = _copied_files(plan, host, render_dir)
+    services = []
+    for svc in host.services:
+        if svc.kind != "daemon":
+            continue
+        spec = service_spec(plan, svc)
+        services.append(
+            {
+                "name": svc.name,
+                "role": svc.role,
+                "unit": svc.unit,
+                "unit_src": str(render_dir / "hosts" / host.name / "units" / svc.unit),
+                "spec_file": spec_file(host, svc),
+                "spec": spec.model_dump(mode="json"),
+                "env_file": f"{host.base_dir}/env/{svc.name}.env",
+                "env_text": env_file_text(spec.env),
+            }
+        )
+    oneshots = {s.role for s in host.services if s.kind == "oneshot"}
+    m = topo.model
+    return {
+        "ansible_python_interpreter": py,
+        "tilepd_python": py,
+        "tilepd_version": plan.tilepd_version,
+        "tilepd_install": host.environments[0].install if host.environments else "operator",
+        "tilepd_files": files,
+        "tilepd_deploy_services": services,
+        "tilepd_model": {
+            "hf_path": m.hf_path,
+            "weights_path": m.weights_path,
+            "family": canonical_family(m.family),
+            "generate_tiny": m.generate_tiny if "tiny_model" in oneshots else None,
+            "convert": "convert" in oneshots,
+        },
+    }
+
+
+def write_host_vars(plan: Plan, topo: Topology, render_dir: Path) -> list[Path]:
+    """Write render_dir/host_vars/<host>.yml for every host (0600: env may hold secrets)."""
+    yaml = YAML(typ="safe", pure=True)
+    yaml.default_flow_style = False
+    out_dir = render_dir / "host_vars"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for host in plan.hosts:
+        buf = io.StringIO()
+        yaml.dump(host_vars(plan, topo, host, render_dir), buf)
+        path = out_dir / f"{host.name}.yml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("# generated by tilepd up; do not edit\n" + buf.getvalue())
+        written.append(path)
+    return written

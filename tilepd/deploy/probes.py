@@ -1,0 +1,183 @@
+"""Live figures and the canary, read over HTTP from the controller.
+
+Each role exposes different endpoints: the decode server `/status` (docs/INTERFACES.md §4),
+stock vLLM `/health` + Prometheus `/metrics`, the router `/metrics`. These readers turn
+them into a few numbers per service for `tilepd status`, and `canary` sends one real
+chat request through the router and checks that a decode node handled it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from tilepd.plan import Plan, Service
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEnaIf]+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def base_url(service: Service) -> str | None:
+    """scheme://host:port of a service, from its health URL."""
+    if service.health is None:
+        return None
+    u = urlsplit(service.health.url)
+    return f"{u.scheme}://{u.netloc}"
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text exposition -> (name, labels, value) samples."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        try:
+            out.append((m.group(1), labels, float(m.group(3))))
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(samples: list[tuple[str, dict[str, str], float]], name: str, **match: str) -> float | None:
+    """Sum of a metric's samples whose labels match; None when the metric is absent."""
+    vals = [v for n, labels, v in samples if n == name and all(labels.get(k) == want for k, want in match.items())]
+    return sum(vals) if vals else None
+
+
+def health(service: Service, timeout_s: float = 2.0) -> tuple[bool, str]:
+    if service.health is None:
+        return True, "no health endpoint"
+    try:
+        r = httpx.get(service.health.url, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return False, type(e).__name__
+    return r.status_code == 200, f"HTTP {r.status_code}"
+
+
+def live_figures(service: Service, timeout_s: float = 2.0) -> dict[str, Any]:
+    """A few live numbers per role; {} when the endpoint does not answer."""
+    url = base_url(service)
+    if url is None:
+        return {}
+    try:
+        if service.role == "decode":
+            st = httpx.get(f"{url}/status", timeout=timeout_s).json()
+            last = st.get("last") or {}
+            return {
+                "state": st.get("state"),
+                "busy": st.get("busy"),
+                "transfer_id": st.get("transfer_id"),
+                "tokens_per_s": last.get("tokens_per_s"),
+                "transfers_total": st.get("transfers_total"),
+            }
+        samples = parse_metrics(httpx.get(f"{url}/metrics", timeout=timeout_s).text)
+        if service.role in ("prefill", "native_decode"):
+            return {
+                "running": metric_sum(samples, "vllm:num_requests_running"),
+                "waiting": metric_sum(samples, "vllm:num_requests_waiting"),
+            }
+        if service.role == "router":
+            routes = {}
+            for n, labels, v in samples:
+                if n == "tilepd_router_routes_total":
+                    routes[labels.get("route", "?")] = routes.get(labels.get("route", "?"), 0) + v
+            in_flight = metric_sum(samples, "tilepd_router_in_flight")
+            return {
+                "in_flight": in_flight if in_flight is not None else metric_sum(samples, "tilepd_router_nodes_leased"),
+                "queued": metric_sum(samples, "tilepd_router_queue_depth"),
+                "routes": {k: int(v) for k, v in sorted(routes.items())},
+                "rejected_429": int(metric_sum(samples, "tilepd_router_responses_total", status="429") or 0),
+            }
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {}
+
+
+@dataclass
+class CanaryResult:
+    ok: bool
+    message: str
+    text: str = ""
+    completion_tokens: int = 0
+    transfers_before: int = 0
+    transfers_after: int = 0
+    seconds: float = 0.0
+    failed_service: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _api_key(plan: Plan) -> str | None:
+    router = next((s for h in plan.hosts for s in h.services if s.role == "router"), None)
+    cfg = (router.config or {}) if router else {}
+    if cfg.get("api_key_env"):
+        return os.environ.get(cfg["api_key_env"])
+    if cfg.get("api_key_file"):
+        try:
+            return Path(cfg["api_key_file"]).read_text().strip()
+        except OSError:
+            return None
+    return None
+
+
+def _transfers(decodes: list[Service]) -> int:
+    total = 0
+    for svc in decodes:
+        try:
+            total += int(httpx.get(f"{base_url(svc)}/status", timeout=5).json().get("transfers_total") or 0)
+        except (httpx.HTTPError, ValueError, TypeError):
+            pass
+    return total
+
+
+def canary(plan: Plan, served_model: str, *, timeout_s: float = 120.0, max_tokens: int = 8) -> CanaryResult:
+    """One chat request through the router; it must return tokens and move a decode node's transfer counter."""
+    services = [s for h in plan.hosts for s in h.services]
+    router = next((s for s in services if s.role == "router"), None)
+    decodes = [s for s in services if s.role == "decode"]
+    if router is None or base_url(router) is None:
+        return CanaryResult(False, "no router in the plan", failed_service="router")
+    before = _transfers(decodes)
+    headers = {"x-request-id": f"tilepd-canary-{int(time.time())}"}
+    key = _api_key(plan)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    body = {
+        "model": served_model,
+        "messages": [{"role": "user", "content": "tilepd canary: say something."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    t0 = time.monotonic()
+    try:
+        r = httpx.post(f"{base_url(router)}/v1/chat/completions", json=body, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return CanaryResult(False, f"router did not answer the canary: {type(e).__name__}: {e}", failed_service=router.name)
+    seconds = time.monotonic() - t0
+    if r.status_code != 200:
+        return CanaryResult(False, f"router answered HTTP {r.status_code}: {r.text[:500]}", failed_service=router.name, seconds=seconds)
+    data = r.json()
+    text = ((data.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+    tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+    after = _transfers(decodes)
+    route = r.headers.get("x-tilepd-route")
+    if tokens <= 0:
+        return CanaryResult(False, f"canary produced no tokens: {data}", failed_service=router.name, seconds=seconds)
+    if decodes and after <= before:
+        return CanaryResult(
+            False,
+            f"canary answered (route {route}) but no decode node's transfers_total moved ({before} -> {after}): the KV handoff did not happen",
+            text=text, completion_tokens=tokens, transfers_before=before, transfers_after=after, seconds=seconds,
+            failed_service=decodes[0].name,
+        )  # fmt: skip
+    return CanaryResult(True, "ok", text=text, completion_tokens=tokens, transfers_before=before, transfers_after=after, seconds=seconds, extra={"route": route})

@@ -1,0 +1,102 @@
+"""Run a command on a deployment host: locally without SSH, otherwise over paramiko.
+
+`tilepd status` and `tilepd logs` only read (a service's state, a log file), so they
+talk to hosts directly rather than through a playbook run: it is faster and works
+while ansible is busy. Commands are argv lists; over SSH they are joined with shlex.
+"""
+
+from __future__ import annotations
+
+import getpass
+import shlex
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tilepd.plan import HostPlan
+
+
+class HostUnreachable(Exception):
+    def __init__(self, host: str, reason: str) -> None:
+        super().__init__(f"{host}: unreachable over SSH: {reason}")
+        self.host = host
+        self.reason = reason
+
+
+@dataclass
+class Output:
+    rc: int
+    stdout: str
+    stderr: str
+
+
+class HostShell:
+    """Command runner for one plan host."""
+
+    def __init__(self, host: HostPlan, *, connect_timeout_s: float = 5.0) -> None:
+        self.host = host
+        self.connect_timeout_s = connect_timeout_s
+        self._client = None
+        self._procs: list[subprocess.Popen[str]] = []
+
+    def _ssh(self):  # noqa: ANN202 - paramiko.SSHClient, imported lazily
+        if self._client is None:
+            import paramiko
+
+            client = paramiko.SSHClient()
+            client.load_system_host_keys()
+            # ansible runs with host-key checking off for the same hosts; status follows it
+            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+            ssh = self.host.ssh
+            try:
+                client.connect(
+                    self.host.address,
+                    port=ssh.port,
+                    username=ssh.user or getpass.getuser(),
+                    key_filename=ssh.key_file,
+                    timeout=self.connect_timeout_s,
+                    banner_timeout=self.connect_timeout_s,
+                    auth_timeout=self.connect_timeout_s,
+                    allow_agent=ssh.key_file is None,
+                    look_for_keys=ssh.key_file is None,
+                )
+            except (OSError, paramiko.SSHException) as e:
+                raise HostUnreachable(self.host.name, str(e) or type(e).__name__) from None
+            self._client = client
+        return self._client
+
+    def run(self, argv: list[str], timeout_s: float = 30.0) -> Output:
+        if self.host.local:
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+            return Output(p.returncode, p.stdout, p.stderr)
+        _, out, err = self._ssh().exec_command(shlex.join(argv), timeout=timeout_s)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+        return Output(out.channel.recv_exit_status(), stdout, stderr)
+
+    def stream(self, argv: list[str]) -> Iterator[str]:
+        """Lines of a long-running command (e.g. `tail -F`), until it ends or the caller stops."""
+        if self.host.local:
+            p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self._procs.append(p)
+            try:
+                assert p.stdout is not None
+                for line in p.stdout:
+                    yield line.rstrip("\n")
+            finally:
+                p.kill()
+                p.wait()
+            return
+        _, out, _ = self._ssh().exec_command(shlex.join(argv), get_pty=True)
+        for line in out:
+            yield line.rstrip("\r\n")
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self._procs.clear()
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,113 @@
+"""`tilepd status`: what runs where, is it healthy, and does it match the topology.
+
+Run state comes from each host (the supervisor's state file in process mode, systemd
+in systemd mode), read through `python -m tilepd.deploy.proc status` locally or over
+SSH; health and live figures come from the services' HTTP endpoints; drift compares
+the config hash and tilepd version each service runs with what the topology renders now.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tilepd.deploy import probes
+from tilepd.deploy.inventory import spec_file
+from tilepd.deploy.remote import HostShell, HostUnreachable
+from tilepd.plan import HostPlan, Plan, Service
+
+
+@dataclass
+class ServiceStatus:
+    host: str
+    service: str
+    role: str
+    run: str  # running | stopped | not deployed | unreachable | unknown
+    pid: int | None = None
+    healthy: bool = False
+    health: str = ""
+    figures: dict[str, Any] = field(default_factory=dict)
+    drift: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.run == "running" and self.healthy and not self.drift
+
+
+def _host_states(plan: Plan, host: HostPlan, services: list[Service]) -> dict[str, dict[str, Any]]:
+    """service name -> proc status JSON (or {"run": reason})."""
+    shell = HostShell(host)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for svc in services:
+            try:
+                res = shell.run([svc.python, "-m", "tilepd.deploy.proc", "status", "--spec", spec_file(host, svc)])
+            except HostUnreachable as e:
+                return {s.name: {"run": "unreachable", "reason": e.reason} for s in services}
+            try:
+                data = json.loads(res.stdout.strip().splitlines()[-1])
+            except (json.JSONDecodeError, IndexError):
+                data = {"run": "unknown", "reason": (res.stderr or res.stdout).strip()[-300:]}
+            if data.get("failed"):  # no spec file: `up` never deployed it here
+                data = {"run": "not deployed"}
+            out[svc.name] = data
+    finally:
+        shell.close()
+    return out
+
+
+def _one(plan: Plan, host: HostPlan, svc: Service, state: dict[str, Any]) -> ServiceStatus:
+    if "run" in state:
+        run = state["run"]
+    else:
+        run = "running" if state.get("running") else "stopped"
+    st = ServiceStatus(host=host.name, service=svc.name, role=svc.role, run=run, pid=state.get("pid"))
+    st.healthy, st.health = probes.health(svc)
+    if st.healthy:
+        st.figures = probes.live_figures(svc)
+    if run == "running":
+        if state.get("config_hash") and state["config_hash"] != svc.config_hash:
+            st.drift.append(f"config {str(state['config_hash'])[7:19]} != topology {svc.config_hash[7:19]}")
+        if state.get("tilepd_version") and state["tilepd_version"] != plan.tilepd_version:
+            st.drift.append(f"tilepd {state['tilepd_version']} != controller {plan.tilepd_version}")
+    return st
+
+
+def collect(plan: Plan) -> list[ServiceStatus]:
+    """Status of every daemon in the plan (hosts read in parallel)."""
+    work = [(h, [s for s in h.services if s.kind == "daemon"]) for h in plan.hosts]
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(work)))) as pool:
+        states = list(pool.map(lambda hw: _host_states(plan, hw[0], hw[1]), work))
+    rows = []
+    for (host, services), host_states in zip(work, states):
+        for svc in services:
+            rows.append(_one(plan, host, svc, host_states.get(svc.name, {"run": "unknown"})))
+    return rows
+
+
+def as_json(rows: list[ServiceStatus]) -> list[dict[str, Any]]:
+    return [{**asdict(r), "ok": r.ok} for r in rows]
+
+
+def figures_text(st: ServiceStatus) -> str:
+    f = st.figures
+    if not f:
+        return ""
+    if st.role == "decode":
+        tps = f.get("tokens_per_s")
+        parts = ["busy" if f.get("busy") else "idle", f"state {f.get('state')}"]
+        if f.get("transfer_id"):
+            parts.append(f"transfer {f['transfer_id']}")
+        parts.append(f"last {tps:.1f} tok/s" if isinstance(tps, (int, float)) else "last -")
+        parts.append(f"transfers {f.get('transfers_total')}")
+        return ", ".join(parts)
+    if st.role in ("prefill", "native_decode"):
+        fmt = lambda v: "-" if v is None else str(int(v))  # noqa: E731
+        return f"running {fmt(f.get('running'))}, waiting {fmt(f.get('waiting'))}"
+    if st.role == "router":
+        fmt = lambda v: "-" if v is None else str(int(v))  # noqa: E731
+        routes = " ".join(f"{k}={v}" for k, v in (f.get("routes") or {}).items()) or "none"
+        return f"in-flight {fmt(f.get('in_flight'))}, queued {fmt(f.get('queued'))}, routes {routes}, 429s {f.get('rejected_429', 0)}"
+    return json.dumps(f)
