@@ -42,7 +42,7 @@ class Ssh(_Model):
 class Deployment(_Model):
     """Deployment-wide settings."""
 
-    name: str = Field(pattern=NAME_PATTERN, description="Deployment name (lowercase letters, digits, '-'); prefixes logs and units.")
+    name: str = Field(pattern=NAME_PATTERN, description="Deployment name (lowercase letters, digits, '-'); names the deployment in units, inventory and status.")
     base_dir: str = Field(description="Absolute directory on every host holding this deployment's configs, env files, logs and pid files.")
     services: Literal["systemd", "process"] = Field(
         default="systemd", description="How services run: `systemd` units (production) or plain background `process`es (containers, dev boxes)."
@@ -110,7 +110,7 @@ class DecodeNode(_Host):
     http_port: Port = _port("HTTP port of the decode API (/health, /v1/decode, /metrics).", 5557)
     data_port: Port = _port("Data port of the `tcp` transport (unused by nixl/mooncake).", 5558)
     recv_buffer: Literal["dram", "vram"] | None = Field(default=None, description="Where the KV receive buffer lives; default `vram` on GPUs, `dram` on cpu.")
-    max_seq_len: int | None = Field(default=None, gt=0, description="Cap below `model.max_seq_len` for this node; must not be smaller than it.")
+    max_seq_len: int | None = Field(default=None, gt=0, description="This node's own sequence limit (default `model.max_seq_len`); it may not be below `model.max_seq_len`, which the connector and prefill admit.")
     kv_timeout_s: float = Field(default=30.0, gt=0, description="How long a reserved slot waits for the KV before it is freed.")
     cuda_graphs: bool = Field(default=True, description="Capture the decode step in CUDA graphs (GPU only).")
 
