@@ -101,6 +101,15 @@ class TcpSender(TransportSender):
         buf = self._buf
 
         def run(abort: threading.Event) -> int:
+            try:
+                return write_all(abort)
+            except OSError as exc:
+                raise TransportError(
+                    f"transfer {transfer_id}: data connection to {peer.host}:{peer.port} failed ({exc}); the receiver "
+                    f"drops writers whose generation ({generation}) is no longer current"
+                ) from exc
+
+        def write_all(abort: threading.Event) -> int:
             with socket.create_connection((peer.host, peer.port), timeout=self._connect_timeout) as sock:
                 _tune(sock)
                 sock.settimeout(self._io_timeout)
