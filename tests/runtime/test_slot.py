@@ -1,0 +1,111 @@
+"""The slot state machine: unit tests of every transition the server relies on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tilepd.runtime.slot import Slot, SlotError, State
+
+
+def _slot(**kw) -> tuple[Slot, list]:
+    events: list = []
+    s = Slot(on_arm=lambda g, t, n: events.append(("arm", g, t, n)), on_disarm=lambda: events.append(("disarm",)), **kw)
+    return s, events
+
+
+def test_decode_first_then_admit_then_done() -> None:
+    s, ev = _slot()
+    tr = s.reserve_for_decode("t1", "k")
+    assert s.state == State.RESERVED
+    g = s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
+    assert s.state == State.TRANSFERRING and ev[-1] == ("arm", g, "t1", 100)
+    assert s.complete("t1", g, True) == (True, "")
+    s.wait_complete(tr, 1)
+    s.start_decoding(tr)
+    assert s.state == State.DECODING
+    s.release(tr)
+    assert s.state == State.FREE and s.transfers_total == 1 and s.bytes_total == 100
+
+
+def test_admit_first_then_decode_joins() -> None:
+    s, _ = _slot()
+    g = s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
+    s.complete("t1", g, True)
+    tr = s.reserve_for_decode("t1", "k")
+    s.wait_complete(tr, 0.1)
+    with pytest.raises(SlotError) as e:
+        s.reserve_for_decode("t1", "k")
+    assert e.value.code == "duplicate"
+
+
+def test_busy_and_bad_token() -> None:
+    s, _ = _slot()
+    s.reserve_for_decode("t1", "k")
+    for call in (lambda: s.admit("t2", "k", 1, 1, 1, None, 1), lambda: s.reserve_for_decode("t2", "k")):
+        with pytest.raises(SlotError) as e:
+            call()
+        assert e.value.code == "busy"
+    with pytest.raises(SlotError) as e:
+        s.admit("t1", "wrong", 1, 1, 1, None, 1)
+    assert e.value.code == "bad_token"
+
+
+def test_stale_generation_done_is_ignored_and_readmit_supersedes() -> None:
+    s, _ = _slot()
+    s.reserve_for_decode("t1", "k")
+    g1 = s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
+    g2 = s.admit("t1", "k", 10, 1, 100, None, conn_id=2)  # duplicate admit: new generation
+    assert g2 > g1
+    assert s.complete("t1", g1, True)[0] is False  # late writer of the old generation
+    assert s.state == State.TRANSFERRING
+    s.sender_gone(1)  # the old connection closing does not fail the new generation
+    assert s.state == State.TRANSFERRING
+    assert s.complete("t1", g2, True)[0] is True
+    assert s.complete("t1", g2, True)[0] is False  # duplicate done
+    with pytest.raises(SlotError):
+        s.admit("t1", "k", 10, 1, 100, None, conn_id=3)  # already complete
+
+
+def test_kv_timeout_frees_the_slot() -> None:
+    s, ev = _slot()
+    tr = s.reserve_for_decode("t1", "k")
+    with pytest.raises(SlotError) as e:
+        s.wait_complete(tr, 0.05)
+    assert e.value.code == "kv_timeout" and s.state == State.FREE and ("disarm",) in ev
+
+
+def test_sender_gone_fails_the_waiting_decode() -> None:
+    s, _ = _slot()
+    tr = s.reserve_for_decode("t1", "k")
+    s.admit("t1", "k", 10, 1, 100, None, conn_id=7)
+    threading.Timer(0.05, s.sender_gone, args=(7,)).start()
+    with pytest.raises(SlotError) as e:
+        s.wait_complete(tr, 5)
+    assert e.value.code == "transfer_failed" and "closed mid-transfer" in e.value.message
+    assert s.state == State.FREE
+
+
+def test_cancel_while_waiting_and_while_decoding() -> None:
+    s, _ = _slot()
+    tr = s.reserve_for_decode("t1", "k")
+    threading.Timer(0.05, s.cancel, args=("t1",)).start()
+    with pytest.raises(SlotError) as e:
+        s.wait_complete(tr, 5)
+    assert e.value.code == "cancelled" and s.state == State.FREE
+    tr = s.reserve_for_decode("t2", "k")
+    s.complete("t2", s.admit("t2", "k", 1, 1, 1, None, 1), True)
+    s.wait_complete(tr, 1)
+    s.start_decoding(tr)
+    assert s.cancel("t2") and s.state == State.CANCELLING and tr.cancel.is_set()
+    assert not s.cancel("nope")
+
+
+def test_orphaned_admit_is_reaped() -> None:
+    s, _ = _slot(orphan_timeout_s=0.01)
+    s.admit("t1", "k", 1, 1, 1, None, 1)
+    time.sleep(0.02)
+    s.reap_orphans()
+    assert s.state == State.FREE
