@@ -1,0 +1,236 @@
+"""Control protocol over real sockets: mismatches, malformed input, busy, killed senders, stale writers."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tilepd.control.framing import encode_frame, recv_frame, send_frame
+from tilepd.control.layout import CacheLayout
+from tilepd.control.messages import dump
+from tilepd.control.sender import KVSender
+from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.runtime.ctrl_server import ControlServer
+from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
+from tilepd.runtime.slot import Slot, State
+from tilepd.transport import Buffer
+from tilepd.transport.tcp import TcpReceiver
+
+MAX = 256
+GEOM = CacheGeometry("llama", "attn", num_layers=2, num_heads=2, entry_width=64, head_size_k=32, head_size_v=32)
+LAYOUT = CacheLayout(kind="attn", num_layers=2, block_size=16, num_heads=2, entry_width=64, dtype="float32",
+                     head_size_k=32, head_size_v=32)
+
+
+@pytest.fixture
+def node():
+    cap = recv_buffer_bytes(GEOM, MAX, "auto", "cpu")
+    buf = np.zeros(cap, np.uint8)
+    rx = TcpReceiver("127.0.0.1", 0)
+    rx.register(Buffer.from_array(buf))
+    slot = Slot(on_arm=rx.arm, on_disarm=rx.disarm)
+    srv = ControlServer(slot=slot, receiver=rx, max_seq_len=MAX, node_name="n0",
+                        check_layout=lambda lay: check_layout(lay, GEOM, max_seq_len=MAX, capacity=cap)).start()
+    yield SimpleNamespace(buf=buf, rx=rx, slot=slot, srv=srv, port=srv.port)
+    srv.close()
+    rx.close()
+
+
+def _config(port: int, **kw) -> ConnectorExtraConfig:
+    return ConnectorExtraConfig(
+        decode_allowlist=(DecodeEndpoint(name="n0", host="127.0.0.1", ctrl_port=port, http_port=1),),
+        transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=MAX, **kw)
+
+
+def _payload(layout: CacheLayout, seq_len: int, seed: int = 0) -> tuple[np.ndarray, int]:
+    nb = layout.blocks_for(seq_len)
+    return np.random.default_rng(seed).integers(0, 256, layout.num_layers * nb * layout.block_bytes, dtype=np.uint8), nb
+
+
+def _send_and_check(node, sender: KVSender, staging: np.ndarray, tid: str, seq_len: int, nb: int):
+    bb = LAYOUT.block_bytes
+    r = sender.send(("127.0.0.1", node.port), tid, "tok", seq_len, nb, [l * nb * bb for l in range(LAYOUT.num_layers)])
+    assert r.ok, r
+    stride = LAYOUT.region_stride(MAX)
+    for l in range(LAYOUT.num_layers):
+        assert (node.buf[l * stride:l * stride + nb * bb] == staging[l * nb * bb:(l + 1) * nb * bb]).all()
+    return r
+
+
+def _hello(**over) -> dict:
+    msg = {"type": "hello", "protocol": 1, "layout": LAYOUT.model_dump(mode="json"), "transport": {"name": "tcp", "metadata": {}},
+           "max_seq_len": MAX, "sender_rank": 0, "tp_size": 1}
+    msg.update(over)
+    return msg
+
+
+def _call(port: int, msg: dict) -> dict:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        send_frame(s, msg)
+        return recv_frame(s)
+
+
+def _closed(s: socket.socket) -> bool:
+    """True when the peer closed (an error frame before the close is allowed)."""
+    s.settimeout(5)
+    try:
+        for _ in range(100):
+            if s.recv(4096) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    return False
+
+
+def test_transfer_lands_and_hello_is_cached(node) -> None:
+    staging, nb = _payload(LAYOUT, 40)
+    sender = KVSender(_config(node.port), LAYOUT, Buffer.from_array(staging))
+    r1 = _send_and_check(node, sender, staging, "t1", 40, nb)
+    assert "hello_ms" in r1.timings and r1.bytes == staging.nbytes
+    node.slot.release(node.slot.current)
+    r2 = _send_and_check(node, sender, staging, "t2", 40, nb)
+    assert "hello_ms" not in r2.timings  # one hello per connection
+    sender.close()
+
+
+def test_version_mismatch_says_what_to_upgrade(node) -> None:
+    reply = _call(node.port, _hello(protocol=2, tilepd_version="9.9"))
+    assert reply["type"] == "error" and reply["code"] == "version_mismatch"
+    assert "upgrade tilepd on the decode node" in reply["message"] and "9.9" in reply["message"]
+
+
+def test_transport_mismatch_says_what_to_change(node) -> None:
+    reply = _call(node.port, _hello(transport={"name": "nixl", "metadata": {}}))
+    assert reply["code"] == "transport_mismatch" and "transport.name" in reply["message"]
+
+
+def test_layout_mismatch_from_the_sender_side(node) -> None:
+    wrong = LAYOUT.model_copy(update={"num_heads": 4})
+    staging, nb = _payload(wrong, 10)
+    r = KVSender(_config(node.port), wrong, Buffer.from_array(staging)).send(("127.0.0.1", node.port), "t", "k", 10, nb, [0, 0])
+    assert not r.ok and r.code == "layout_mismatch" and "4 KV heads" in r.message and "has 2" in r.message
+    old = LAYOUT.model_copy(update={"layout_version": 0})
+    assert _call(node.port, _hello(layout=old.model_dump(mode="json")))["code"] == "layout_mismatch"
+
+
+def test_sender_refuses_an_old_decode_node() -> None:
+    """The connector side checks hello_ok too (a one-shot fake node answering protocol 0)."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    port = lst.getsockname()[1]
+
+    def fake_node() -> None:
+        c, _ = lst.accept()
+        recv_frame(c)
+        send_frame(c, {"type": "hello_ok", "protocol": 0, "transport": {"name": "tcp", "metadata": {}}, "regions": [], "busy": False})
+        c.close()
+
+    threading.Thread(target=fake_node, daemon=True).start()
+    staging, nb = _payload(LAYOUT, 10)
+    r = KVSender(_config(port), LAYOUT, Buffer.from_array(staging)).send(("127.0.0.1", port), "t", "k", 10, nb, [0, 0])
+    lst.close()
+    assert r.code == "version_mismatch" and "upgrade tilepd on the decode node" in r.message
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        struct.pack(">I", 50 << 20),  # oversized length
+        struct.pack(">I", 5) + b"nope!",  # not JSON
+        encode_frame({"type": "admit", "transfer_id": "t", "token": "k", "seq_len": 1, "num_blocks": 1}),  # before hello
+        encode_frame({"type": "accept", "transfer_id": "t", "generation": 1, "dst": {"base": 0, "region_stride": 0, "block_bytes": 0}}),
+    ],
+)
+def test_malformed_input_closes_the_connection_and_spares_the_slot(node, garbage: bytes) -> None:
+    staging, nb = _payload(LAYOUT, 40)
+    # a transfer in progress on another connection must survive the garbage
+    tr = node.slot.reserve_for_decode("live", "tok")
+    with socket.create_connection(("127.0.0.1", node.port)) as s:
+        s.sendall(garbage)
+        assert _closed(s)
+    assert node.slot.state == State.RESERVED and node.slot.current is tr
+    sender = KVSender(_config(node.port), LAYOUT, Buffer.from_array(staging))
+    _send_and_check(node, sender, staging, "live", 40, nb)
+    assert node.slot.state == State.COMPLETE
+    sender.close()
+
+
+def test_busy_is_retried_then_given_up_with_a_log_line(node, caplog) -> None:
+    node.slot.reserve_for_decode("someone-else", "x")
+    staging, nb = _payload(LAYOUT, 10)
+    sender = KVSender(_config(node.port, busy_retries=2, busy_backoff_s=0.01), LAYOUT, Buffer.from_array(staging))
+    with caplog.at_level("INFO", logger="tilepd.control.sender"):
+        r = sender.send(("127.0.0.1", node.port), "mine", "k", 10, nb, [0, nb * LAYOUT.block_bytes])
+    assert not r.ok and r.code == "busy" and r.attempts == 3
+    assert any("event=give_up transfer_id=mine" in m for m in caplog.messages)
+    assert sum("event=busy_retry" in m for m in caplog.messages) == 2
+    # once the slot frees, the same sender gets through
+    node.slot.release(node.slot.current)
+    _send_and_check(node, sender, staging, "mine", 10, nb)
+    sender.close()
+
+
+def test_busy_then_free_succeeds_within_retries(node) -> None:
+    tr = node.slot.reserve_for_decode("someone-else", "x")
+    threading.Timer(0.1, node.slot.release, args=(tr,)).start()
+    staging, nb = _payload(LAYOUT, 10)
+    sender = KVSender(_config(node.port, busy_retries=20, busy_backoff_s=0.02), LAYOUT, Buffer.from_array(staging))
+    r = _send_and_check(node, sender, staging, "mine", 10, nb)
+    assert r.attempts > 1
+    sender.close()
+
+
+def test_not_allowed_endpoint_is_refused_without_connecting(node) -> None:
+    staging, nb = _payload(LAYOUT, 10)
+    r = KVSender(_config(node.port), LAYOUT, Buffer.from_array(staging)).send(("10.9.9.9", 5556), "t", "k", 10, nb, [0, 0])
+    assert r.code == "not_allowed" and "decode_allowlist" in r.message
+
+
+def test_stale_done_from_a_foreign_connection_is_ignored(node) -> None:
+    node.slot.reserve_for_decode("t1", "tok")
+    with socket.create_connection(("127.0.0.1", node.port), timeout=5) as s:
+        send_frame(s, _hello())
+        assert recv_frame(s)["type"] == "hello_ok"
+        send_frame(s, {"type": "admit", "transfer_id": "t1", "token": "tok", "seq_len": 10, "num_blocks": 1})
+        acc = recv_frame(s)
+        with socket.create_connection(("127.0.0.1", node.port), timeout=5) as foreign:
+            send_frame(foreign, {"type": "done", "transfer_id": "t1", "generation": acc["generation"] - 1, "bytes": 0, "ok": True})
+            assert recv_frame(foreign)["ok"] is False
+        assert node.slot.state == State.TRANSFERRING
+        # a bad token does not take the slot either
+        send_frame(s, {"type": "admit", "transfer_id": "t1", "token": "nope", "seq_len": 10, "num_blocks": 1})
+        rej = recv_frame(s)
+        assert rej["type"] == "reject" and rej["code"] == "bad_token" and rej["retryable"] is False
+
+
+@pytest.mark.slow
+def test_sender_killed_mid_transfer_leaves_the_slot_reusable(node) -> None:
+    tr = node.slot.reserve_for_decode("victim", "tok")
+    script = Path(__file__).with_name("stalled_sender.py")
+    proc = subprocess.Popen([sys.executable, str(script), "127.0.0.1", str(node.port), LAYOUT.model_dump_json(), "victim", "tok",
+                             "40", str(LAYOUT.blocks_for(40))], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stalled"
+        assert node.slot.state == State.TRANSFERRING
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while node.slot.state != State.FREE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert node.slot.state == State.FREE and tr.failure and "closed mid-transfer" in tr.failure
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    staging, nb = _payload(LAYOUT, 40, seed=3)
+    sender = KVSender(_config(node.port), LAYOUT, Buffer.from_array(staging))
+    _send_and_check(node, sender, staging, "next", 40, nb)
+    sender.close()
