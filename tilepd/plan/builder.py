@@ -7,10 +7,11 @@ hashes can detect drift between what was deployed and what the file now says.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from collections import defaultdict
 from typing import Any
+
+from pydantic_core import to_json
 
 from tilepd import __version__
 from tilepd.plan import vllm_args
@@ -34,8 +35,8 @@ HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0}
 
 
 def sha256_json(value: Any) -> str:
-    data = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+    """Hash of compact JSON; key order is the (deterministic) order the plan builds, so no sorting."""
+    return "sha256:" + hashlib.sha256(to_json(value)).hexdigest()
 
 
 def topology_hash(topo: Topology) -> str:
