@@ -1,0 +1,188 @@
+"""The batch-1 decode engine behind the decode server (INTERFACES §1).
+
+One request at a time: `inject` copies the received prefix into the static cache, `decode` feeds the
+first token at position seq_len and streams generated tokens until EOS / a stop id / max_tokens / the
+end of the cache / cancel (checked before every step). Each step is `model.forward` on one token plus
+the on-device sampler; on CUDA the step is a captured graph (cuda_graph.py) and only the token id is
+read back. DeepSeek-V3 checkpoints with an MTP layer decode greedily through speculative.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tilepd.engine.sampling import SamplerState, greedy
+from tilepd.engine.spec import ModelSpec
+from tilepd.engine.types import DecodeResult, FinishReason, KVState, SamplingParams
+
+CAPABILITIES: dict[str, bool] = {
+    "temperature": True, "top_p": True, "top_k": True, "seed": True, "stop_token_ids": True, "ignore_eos": True,
+    "max_tokens": True, "logprobs": False, "n": False, "presence_penalty": False, "frequency_penalty": False,
+    "repetition_penalty": False, "min_p": False, "min_tokens": False, "logit_bias": False, "stop": False,
+}
+
+
+@dataclass
+class StepIO:
+    """Static device buffers of one decode step: the input token and its position (both [1] long)."""
+
+    token: torch.Tensor
+    position: torch.Tensor
+
+
+class EagerStep:
+    """One decode step without graphs (CPU, or CUDA fallback). The attention window is the live prefix."""
+
+    def __init__(self, model, sampler: SamplerState) -> None:
+        self.model = model
+        self.sampler = sampler
+        self.logits_log: list[torch.Tensor] | None = None  # tests: per-step logits
+
+    def __call__(self, io: StepIO, pos: int, use_greedy: bool) -> torch.Tensor:
+        logits, _ = self.model.forward(io.token, io.position, pos + 1)
+        if self.logits_log is not None:
+            self.logits_log.append(logits[-1].detach().clone())
+        nxt = greedy(logits) if use_greedy else self.sampler(logits[-1])
+        io.token.copy_(nxt.view(1))
+        io.position.add_(1)
+        return io.token
+
+
+class Engine:
+    """Batch-1 decoder over a static cache sized for max_seq_len tokens."""
+
+    def __init__(self, model, spec: ModelSpec, device: torch.device, max_seq_len: int, *, use_cuda_graph: bool | None = None,
+                 num_speculative_tokens: int = 0) -> None:
+        self.model = model
+        self.config = spec
+        self.device = device
+        self.max_seq_len = max_seq_len
+        self.seq_len = 0
+        self.sampler = SamplerState(spec.vocab_size, device)
+        self.io = StepIO(torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device))
+        self.eager_step = EagerStep(model, self.sampler)
+        self.graph_step = None
+        if use_cuda_graph is None:
+            use_cuda_graph = device.type == "cuda"
+        if use_cuda_graph:
+            from tilepd.engine.cuda_graph import GraphStep
+
+            self.graph_step = GraphStep(model, self.sampler, self.io, max_seq_len)
+        self.num_speculative_tokens = num_speculative_tokens if getattr(model, "has_mtp", False) else 0
+        self.last_spec_stats: dict[str, float] = {}
+
+    @property
+    def capabilities(self) -> dict[str, bool]:
+        return {**CAPABILITIES, "speculative_mtp": self.num_speculative_tokens > 0}
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.model.caches[0].dtype
+
+    def reset(self) -> None:
+        """Forget the current request (the cache is overwritten by the next inject; no clearing needed)."""
+        self.seq_len = 0
+
+    def inject(self, state: KVState) -> None:
+        """Copy a prefix in the native layout into positions [0, state.seq_len) of every layer's cache."""
+        caches = self.model.caches
+        if len(state.layers) != len(caches):
+            raise ValueError(f"KVState has {len(state.layers)} layers, the model has {len(caches)}")
+        if not 0 < state.seq_len < self.max_seq_len:
+            raise ValueError(f"KVState seq_len {state.seq_len} must be in [1, max_seq_len={self.max_seq_len})")
+        want = tuple(caches[0].shape[1:])
+        for i, (src, dst) in enumerate(zip(state.layers, caches)):
+            if tuple(src.shape) != (state.seq_len, *want):
+                raise ValueError(f"KVState layer {i}: shape {list(src.shape)}, expected {[state.seq_len, *want]}")
+            dst[: state.seq_len].copy_(src, non_blocking=True)
+        if hasattr(self.model, "mtp_start"):
+            self.model.mtp_start.fill_(state.seq_len)
+        self.seq_len = state.seq_len
+
+    def decode(self, first_token: int, max_tokens: int, sampling: SamplingParams, on_token: Callable[[int], None],
+               cancel: threading.Event | None = None) -> DecodeResult:
+        """Generate up to max_tokens tokens after first_token (fed at position seq_len)."""
+        if self.seq_len == 0:
+            raise RuntimeError("decode() before inject(): no prefix in the cache")
+        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.config.eos_token_ids))
+        use_greedy = sampling.greedy
+        if use_greedy and self.num_speculative_tokens > 0:
+            from tilepd.engine.speculative import speculative_decode
+
+            return speculative_decode(self, first_token, max_tokens, stops, on_token, cancel)
+        if not use_greedy:
+            self.sampler.configure(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        step = self.graph_step or self.eager_step
+        self.io.token.fill_(int(first_token))
+        self.io.position.fill_(self.seq_len)
+        tokens: list[int] = []
+        reason: FinishReason = "length"
+        t0 = time.perf_counter()
+        t_first = 0.0
+        pos = self.seq_len
+        while len(tokens) < max_tokens:
+            if cancel is not None and cancel.is_set():
+                reason = "cancelled"
+                break
+            if pos >= self.max_seq_len:
+                break
+            if not use_greedy:
+                self.sampler.draw_noise()
+            tok = int(step(self.io, pos, use_greedy).item())
+            if not tokens:
+                t_first = time.perf_counter() - t0
+            pos += 1
+            tokens.append(tok)
+            on_token(tok)
+            if tok in stops:
+                reason = "stop"
+                break
+        elapsed = time.perf_counter() - t0
+        self.seq_len = pos
+        n = len(tokens)
+        timings = {"decode_ms": elapsed * 1e3, "first_step_ms": t_first * 1e3,
+                   "ms_per_token": (elapsed / n * 1e3) if n else 0.0, "tokens": float(n)}
+        return DecodeResult(tokens, reason, timings)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def build_model(spec: ModelSpec, weights: dict[str, torch.Tensor], max_seq_len: int, device: torch.device, cache_dtype: torch.dtype):
+    if spec.family == "llama":
+        from tilepd.engine.llama import LlamaModel
+
+        return LlamaModel(spec, weights, max_seq_len, device, cache_dtype)
+    if spec.family == "deepseek_v3":
+        from tilepd.engine.deepseek_v3 import DeepseekV3Model
+
+        return DeepseekV3Model(spec, weights, max_seq_len, device, cache_dtype)
+    raise ValueError(f"no engine for family {spec.family!r}")
+
+
+def load_engine(weights_dir, device: str = "cpu", max_seq_len: int = 4096, dtype: str | None = None, *,
+                use_cuda_graph: bool | None = None, num_speculative_tokens: int | None = None) -> Engine:
+    """Load converted weights (or an HF checkpoint, converted in memory) and allocate the static cache.
+
+    dtype: compute and cache dtype (default bfloat16 on CUDA, float32 on CPU). num_speculative_tokens:
+    MTP drafts per step for deepseek_v3 checkpoints with an MTP layer (default 1 when present; 0 disables).
+    """
+    from tilepd.weights.loader import load_weights
+
+    dev = torch.device(device)
+    name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} not supported (choose from {', '.join(sorted(_DTYPES))})")
+    torch_dtype = _DTYPES[name]
+    spec, weights = load_weights(weights_dir, dev, torch_dtype)
+    spec = spec.with_cache_dtype(str(torch_dtype).removeprefix("torch."))
+    model = build_model(spec, weights, max_seq_len, dev, torch_dtype)
+    if num_speculative_tokens is None:
+        num_speculative_tokens = 1 if getattr(model, "has_mtp", False) else 0
+    return Engine(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph, num_speculative_tokens=num_speculative_tokens)

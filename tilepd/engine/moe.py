@@ -1,0 +1,44 @@
+"""DeepSeek-V3 mixture of experts: noaux_tc sigmoid routing with group-limited top-k, shared experts.
+
+Routing runs in float32 like the reference. The selected experts' weights are gathered by device
+indices (no host sync, no data-dependent shapes), so the whole layer can sit inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tilepd.engine.layers import swiglu
+from tilepd.engine.spec import ModelSpec
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, h] -> (expert ids [T, k], weights [T, k] float32)."""
+    t = x.shape[0]
+    scores = torch.sigmoid(F.linear(x.float(), gate))
+    choice = scores + bias
+    groups = choice.view(t, spec.n_group, -1)
+    group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
+    top_groups = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(groups).reshape(t, -1)
+    choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = torch.topk(choice, k=spec.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * spec.routed_scaling_factor
+
+
+def moe(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, spec: ModelSpec) -> torch.Tensor:
+    ids, weights = route(x, w[p + "gate"], w[p + "gate_bias"], spec)
+    w13 = w[p + "experts_w13"][ids]  # [T, k, 2*mi, h]
+    w2 = w[p + "experts_w2"][ids]  # [T, k, h, mi]
+    gu = torch.einsum("th,tkoh->tko", x, w13)
+    g, u = gu.chunk(2, dim=-1)
+    y = torch.einsum("tki,tkhi->tkh", F.silu(g) * u, w2)
+    out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+    if p + "shared_w13" in w:
+        out = out + swiglu(x, w[p + "shared_w13"], w[p + "shared_w2"])
+    return out

@@ -1,0 +1,155 @@
+"""HF safetensors checkpoint -> tilepd runtime weights (per-rank safetensors + manifest.json).
+
+Streaming: one output tensor (one expert, for stacked MoE weights) is in memory at a time, read with
+pread and written through a streaming safetensors writer. Outputs are written under *.tmp names and
+renamed when complete; the manifest is removed before work starts and written last, atomically, so
+an interrupted or failed run never leaves a manifest that describes partial files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tilepd.engine.spec import ModelSpec, spec_from_hf_config
+from tilepd.weights.build import FP8, build_chunks, cast_chunk, out_shape
+from tilepd.weights.layout import LAYOUT_VERSION, OutTensor, expected_shape, family_layout
+from tilepd.weights.manifest import (
+    CONVERTER_VERSION, FORMAT, MANIFEST, is_up_to_date, read_manifest, source_entry, source_files, write_manifest_atomically,
+)
+from tilepd.weights.safetensors_writer import StreamingSafetensorsWriter
+from tilepd.weights.source import Checkpoint, WeightsError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@dataclass
+class ConvertResult:
+    out_dir: Path
+    skipped: bool
+    seconds: float
+    tensors: int = 0
+    bytes_written: int = 0
+    files: list[str] = field(default_factory=list)
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.safetensors"
+
+
+def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, dtype: torch.dtype, fp8: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    entries = []
+    for t in layout:
+        full = out_shape(t, ck.shape, spec, 1)
+        want = expected_shape(t.name, spec)
+        if want is not None and tuple(full) != tuple(want):
+            raise WeightsError(
+                f"{ck.dir}: {t.name} built from {t.sources[:3]}{'...' if len(t.sources) > 3 else ''} has shape {list(full)}, "
+                f"config.json implies {list(want)}"
+            )
+        shape = out_shape(t, ck.shape, spec, tp)
+        out_dtype = torch.float32 if t.keep_fp32 else (FP8 if fp8 and t.quantizable else dtype)
+        entries.append((t.name, out_dtype, shape))
+        if fp8 and t.quantizable and not t.keep_fp32:
+            entries.append((t.name + ".scale", torch.float32, (len(t.groups) if t.stacked else 1,)))
+    return entries
+
+
+def convert_weights(
+    model_dir: Path, out_dir: Path, *, family: str | None = None, dtype: str = "bf16", tp: int = 1,
+    progress: bool = True, force: bool = False,
+) -> ConvertResult:
+    """Convert (or skip when the manifest says the same inputs were already converted)."""
+    t0 = time.perf_counter()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    options = {"family": family, "dtype": dtype, "tp": tp}
+    if not force:
+        skip, refreshed = is_up_to_date(read_manifest(out_dir), model_dir, out_dir, options)
+        if skip:
+            if refreshed is not None:
+                write_manifest_atomically(out_dir, refreshed)
+            return ConvertResult(out_dir, True, time.perf_counter() - t0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    with Checkpoint(model_dir) as ck:
+        spec = spec_from_hf_config(ck.config(), ck.generation_config())
+        if family is not None and spec.family != family:
+            raise WeightsError(f"{model_dir}/config.json: model_type {spec.model_type!r} is family {spec.family!r}, not {family!r}")
+        layout = family_layout(spec, ck.names())
+        missing = sorted({s for t in layout for s in t.sources} - ck.names())
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise WeightsError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(missing[:5])}{more}")
+        fp8 = dtype == "fp8"
+        entries = _entries(layout, ck, spec, tp, DTYPES[dtype], fp8)
+        sources = [source_entry(p, model_dir) for p in source_files(model_dir)]
+        written = _write_ranks(layout, ck, spec, tp, DTYPES[dtype], fp8, entries, out_dir, progress)
+    for name in COPIED_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out_dir / name)
+    files = [{"file": rank_file(r), "rank": r, "size": (out_dir / rank_file(r)).stat().st_size} for r in range(tp)]
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "converter_version": CONVERTER_VERSION,
+        "layout_version": LAYOUT_VERSION,
+        "options": options,
+        "family": spec.family,
+        "dtype": dtype,
+        "tp": tp,
+        "model_config": ck.config(),
+        "generation_config": ck.generation_config(),
+        "spec": spec.to_dict(),
+        "layout": {
+            "fused": {"llama": ["wqkv = [q; k; v]", "w13 = [gate; up]"], "deepseek_v3": ["w13 = [gate; up]", "w_uk/w_uv = kv_b_proj per head"]}[spec.family],
+            "tied_embeddings": spec.tie_word_embeddings,
+            "fp8_scales": "per tensor (per expert when stacked): weight = fp8 * scale" if fp8 else None,
+            "tensors": {name: {"dtype": str(dt).removeprefix("torch."), "shape": list(shape)} for name, dt, shape in entries},
+        },
+        "sources": sources,
+        "files": files,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    write_manifest_atomically(out_dir, manifest)
+    return ConvertResult(out_dir, False, time.perf_counter() - t0, len(entries), written, [f["file"] for f in files])
+
+
+def _write_ranks(layout, ck, spec, tp, dtype, fp8, entries, out_dir: Path, progress: bool) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    written = 0
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not progress, transient=False) as bar:
+        task = bar.add_task("converting", total=len(layout) * tp)
+        for rank in range(tp):
+            tmp = out_dir / (rank_file(rank) + ".tmp")
+            writer = StreamingSafetensorsWriter(tmp, entries, metadata={"format": "pt", "tilepd": FORMAT, "rank": str(rank), "tp": str(tp)})
+            try:
+                for t in layout:
+                    bar.update(task, description=f"rank {rank}: {t.name}")
+                    scales = []
+                    for chunk in build_chunks(t, ck.get, spec, rank, tp):
+                        data, scale = cast_chunk(t, chunk, dtype, fp8)
+                        writer.write(t.name, data)
+                        written += data.numel() * data.element_size()
+                        if scale is not None:
+                            scales.append(scale)
+                    if scales:
+                        writer.write(t.name + ".scale", torch.cat(scales))
+                    bar.advance(task)
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            os.replace(tmp, out_dir / rank_file(rank))
+    return written
