@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from tilepd.topology.families import MTP_FAMILIES, canonical_family, known_families
-from tilepd.topology.schema import DecodeNode, NativeDecodeHost, PrefillHost, Router, Topology, _Host
+from tilepd.topology.schema import DecodeNode, NativeDecodeHost, PrefillHost, Topology, _Host
 
 Loc = tuple[str | int, ...]
 
@@ -376,4 +376,4 @@ def rule_docs() -> dict[str, str]:
     return {rid: (fn.__doc__ or "").strip().splitlines()[0] for rid, fn in RULES.items()}
 
 
-__all__ = ["RULES", "Violation", "check", "is_loopback", "loc_str", "host_entries", "rule_docs", "Router"]
+__all__ = ["RULES", "Violation", "check", "is_loopback", "loc_str", "host_entries", "rule_docs"]
