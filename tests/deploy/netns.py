@@ -154,15 +154,26 @@ class LabNetwork:
         host.sshd_pid = int(host.sshd_pid_file.read_text().split()[0])
 
     def stop_sshd(self, host: TestHost) -> None:
-        """Stop exactly this host's listening sshd (its pid from the PidFile)."""
+        """Take the host off SSH: its listening sshd (pid from the PidFile) and every sshd
+        session process inside its namespace (children of that listener), so open
+        connections (ansible's ControlPersist masters) drop as well."""
         if host.sshd_pid is None:
             return
-        try:
-            os.kill(host.sshd_pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        r = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True)
+        victims = {host.sshd_pid}
+        for pid in (int(p) for p in r.stdout.split()):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() in ("sshd", "sshd-session"):
+                    victims.add(pid)
+            except OSError:
+                pass
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + 5
-        while Path(f"/proc/{host.sshd_pid}").exists() and time.monotonic() < deadline:
+        while any(Path(f"/proc/{p}").exists() for p in victims) and time.monotonic() < deadline:
             time.sleep(0.05)
         host.sshd_pid = None
 

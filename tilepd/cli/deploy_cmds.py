@@ -89,7 +89,7 @@ def _canary_logs(dep, service_name: str) -> list[str]:  # noqa: ANN001
 
     lines: list[str] = []
     sources = [s for s in select(dep.plan) if s.service.name == service_name]
-    tail(dep.plan, sources, lines=20, emit=lines.append)
+    tail(dep.plan, sources, lines=20, emit=lines.append, known_hosts=dep.known_hosts)
     return lines
 
 
@@ -187,7 +187,7 @@ def status(
 
     dep = _load(topology)
     while True:
-        rows = st.collect(dep.plan)
+        rows = st.collect(dep.plan, known_hosts=dep.known_hosts)
         healthy = all(r.ok for r in rows)
         if as_json:
             typer.echo(json.dumps({"deployment": dep.plan.deployment, "healthy": healthy, "services": st.as_json(rows)}, indent=2))
@@ -221,10 +221,10 @@ def logs(
         err.print(f"[red]no service matches[/] role={role} host={host}; hosts: {', '.join(dep.host_names())}")
         raise typer.Exit(int(ExitCode.USAGE))
     if not follow:
-        failed = lg.tail(dep.plan, sources, lines=lines, emit=lambda s: typer.echo(s))
+        failed = lg.tail(dep.plan, sources, lines=lines, emit=lambda s: typer.echo(s), known_hosts=dep.known_hosts)
         raise typer.Exit(int(ExitCode.UNREACHABLE if failed == len(sources) else ExitCode.OK))
     try:
-        for line in lg.follow(dep.plan, sources, lines=lines):
+        for line in lg.follow(dep.plan, sources, lines=lines, known_hosts=dep.known_hosts):
             typer.echo(line)
     except KeyboardInterrupt:
         pass

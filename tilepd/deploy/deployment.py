@@ -39,6 +39,11 @@ class Deployment:
         return self.state_dir / "rendered"
 
     @property
+    def known_hosts(self) -> Path:
+        """SSH host keys of this deployment's hosts (ansible and `tilepd status` share it)."""
+        return self.state_dir / "known_hosts"
+
+    @property
     def inventory(self) -> Path:
         return self.render_dir / "inventory.yml"
 
@@ -96,6 +101,9 @@ def run(
 ) -> PlaybookResult:
     if only is not None and only not in ROLES:
         raise ValueError(f"--only {only!r}: choose one of {', '.join(ROLES)}")
+    extravars = dict(extravars or {})
+    if only is not None:
+        extravars["tilepd_target"] = "decode" if only == "weights" else only
     return run_playbook(
         playbook,
         inventory=dep.inventory,
@@ -105,6 +113,7 @@ def run(
         tags=only,
         check=check,
         on_event=on_event,
+        known_hosts=dep.known_hosts,
     )
 
 

@@ -11,6 +11,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from tilepd.deploy.remote import HostShell, HostUnreachable
 from tilepd.plan import HostPlan, Plan, Service
@@ -45,13 +46,13 @@ def _argv(plan: Plan, src: Source, lines: int, follow: bool) -> list[str]:
     return ["tail", "-n", str(lines), *(["-F"] if follow else []), src.service.log_file]
 
 
-def tail(plan: Plan, sources: list[Source], *, lines: int = 50, emit: Callable[[str], None]) -> int:
+def tail(plan: Plan, sources: list[Source], *, lines: int = 50, emit: Callable[[str], None], known_hosts: Path | None = None) -> int:
     """Print the last `lines` lines of each source; returns how many sources could not be read."""
     failed = 0
     shells: dict[str, HostShell] = {}
     try:
         for src in sources:
-            shell = shells.setdefault(src.host.name, HostShell(src.host))
+            shell = shells.setdefault(src.host.name, HostShell(src.host, known_hosts=known_hosts))
             try:
                 out = shell.run(_argv(plan, src, lines, follow=False))
             except HostUnreachable as e:
@@ -69,10 +70,10 @@ def tail(plan: Plan, sources: list[Source], *, lines: int = 50, emit: Callable[[
     return failed
 
 
-def follow(plan: Plan, sources: list[Source], *, lines: int = 10) -> Iterator[str]:
+def follow(plan: Plan, sources: list[Source], *, lines: int = 10, known_hosts: Path | None = None) -> Iterator[str]:
     """Interleaved prefixed lines from every source until the caller stops iterating."""
     q: queue.Queue[str] = queue.Queue(maxsize=10000)
-    shells = [HostShell(src.host) for src in sources]
+    shells = [HostShell(src.host, known_hosts=known_hosts) for src in sources]
 
     def pump(src: Source, shell: HostShell) -> None:
         try:

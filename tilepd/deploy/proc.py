@@ -290,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.spec is None:
         parser.error("--spec is required")
-    if args.check and args.verb == "start" and not args.spec.exists():
-        print(json.dumps({"name": args.spec.name, "changed": True, "running": False, "action": "start"}))
+    if not args.spec.exists() and args.verb in ("start", "stop") and (args.check or args.verb == "stop"):
+        # start --check: never deployed, so it would start; stop: never deployed, nothing to stop
+        would_start = args.verb == "start"
+        print(json.dumps({"name": args.spec.name, "changed": would_start, "running": False, "action": "start" if would_start else "none"}))
         return 0
     try:
         spec = load_spec(args.spec)

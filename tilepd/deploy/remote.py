@@ -12,6 +12,7 @@ import shlex
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from tilepd.plan import HostPlan
 
@@ -33,8 +34,9 @@ class Output:
 class HostShell:
     """Command runner for one plan host."""
 
-    def __init__(self, host: HostPlan, *, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, host: HostPlan, *, known_hosts: Path | None = None, connect_timeout_s: float = 5.0) -> None:
         self.host = host
+        self.known_hosts = known_hosts
         self.connect_timeout_s = connect_timeout_s
         self._client = None
         self._procs: list[subprocess.Popen[str]] = []
@@ -44,8 +46,9 @@ class HostShell:
             import paramiko
 
             client = paramiko.SSHClient()
-            client.load_system_host_keys()
-            # ansible runs with host-key checking off for the same hosts; status follows it
+            # the deployment's own known_hosts (trust on first use, shared with ansible)
+            if self.known_hosts is not None and self.known_hosts.exists():
+                client.load_host_keys(str(self.known_hosts))
             client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
             ssh = self.host.ssh
             try:
@@ -60,6 +63,8 @@ class HostShell:
                     allow_agent=ssh.key_file is None,
                     look_for_keys=ssh.key_file is None,
                 )
+            except paramiko.BadHostKeyException as e:
+                raise HostUnreachable(self.host.name, f"{e}; if the host was rebuilt, remove its line from {self.known_hosts}") from None
             except (OSError, paramiko.SSHException) as e:
                 raise HostUnreachable(self.host.name, str(e) or type(e).__name__) from None
             self._client = client

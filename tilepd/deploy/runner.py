@@ -72,6 +72,12 @@ def _message(res: dict[str, Any]) -> str:
     tilepd's helper modules print a JSON line with `msg`; that beats the command
     module's generic "non-zero return code".
     """
+    failed_items = [r for r in res.get("results") or [] if isinstance(r, dict) and r.get("failed")]
+    if failed_items:  # a loop: the first failed item says more than "One or more items failed"
+        item = failed_items[0]
+        label = (item.get("_ansible_item_label") or item.get("item") or "")
+        label = label.get("name", "") if isinstance(label, dict) else str(label)
+        return (f"[{label}] " if label else "") + _message(item)
     parsed = _json_line(str(res.get("stdout") or ""))
     if parsed and parsed.get("msg"):
         return str(parsed["msg"])
@@ -134,14 +140,18 @@ class _Digest:
         return True
 
     def _collect_service(self, host: str, res: dict[str, Any]) -> None:
-        parsed = _json_line(str(res.get("stdout") or ""))
-        if parsed is not None and "name" in parsed:
-            self.result.service_results[host].append(parsed)
+        for item in res.get("results") or [res]:  # loop tasks report per item
+            if not isinstance(item, dict):
+                continue
+            parsed = _json_line(str(item.get("stdout") or ""))
+            if parsed is not None and "name" in parsed:
+                self.result.service_results[host].append(parsed)
 
     def _failure(self, host: str, task: str, res: dict[str, Any]) -> TaskFailure:
         failure = TaskFailure(host=host or "?", task=task, message=_message(res))
         if task.startswith(HEALTH_TASK_PREFIX):
-            parsed = _json_line(str(res.get("stdout") or "")) or {}
+            failed_items = [r for r in res.get("results") or [] if isinstance(r, dict) and r.get("failed")]
+            parsed = _json_line(str((failed_items[0] if failed_items else res).get("stdout") or "")) or {}
             failure.health = True
             failure.service = parsed.get("name")
             failure.log_tail = list(parsed.get("log_tail") or [])
@@ -160,6 +170,7 @@ def run_playbook(
     check: bool = False,
     on_event: Callable[[TaskEvent], None] | None = None,
     forks: int = 10,
+    known_hosts: Path | None = None,
 ) -> PlaybookResult:
     """Run `playbooks/<playbook>` against the generated inventory; never raises on task failure."""
     import ansible_runner  # heavy import, only when deploying
@@ -175,7 +186,9 @@ def run_playbook(
         "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
         "ANSIBLE_HOST_KEY_CHECKING": "False",
         "ANSIBLE_RETRY_FILES_ENABLED": "False",
-        "ANSIBLE_SSH_ARGS": "-o ControlMaster=auto -o ControlPersist=30s -o ServerAliveInterval=10",
+        # host keys are recorded per deployment (trust on first use), not in the operator's ~/.ssh
+        "ANSIBLE_SSH_ARGS": "-o ControlMaster=auto -o ControlPersist=30s -o ServerAliveInterval=10"
+        + (f" -o UserKnownHostsFile={known_hosts}" if known_hosts else ""),
         "ANSIBLE_TIMEOUT": "10",
         "ANSIBLE_DEPRECATION_WARNINGS": "False",
         "ANSIBLE_LOCALHOST_WARNING": "False",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tilepd.deploy import probes
@@ -36,9 +37,9 @@ class ServiceStatus:
         return self.run == "running" and self.healthy and not self.drift
 
 
-def _host_states(plan: Plan, host: HostPlan, services: list[Service]) -> dict[str, dict[str, Any]]:
+def _host_states(plan: Plan, host: HostPlan, services: list[Service], known_hosts: Path | None) -> dict[str, dict[str, Any]]:
     """service name -> proc status JSON (or {"run": reason})."""
-    shell = HostShell(host)
+    shell = HostShell(host, known_hosts=known_hosts)
     out: dict[str, dict[str, Any]] = {}
     try:
         for svc in services:
@@ -75,11 +76,11 @@ def _one(plan: Plan, host: HostPlan, svc: Service, state: dict[str, Any]) -> Ser
     return st
 
 
-def collect(plan: Plan) -> list[ServiceStatus]:
+def collect(plan: Plan, known_hosts: Path | None = None) -> list[ServiceStatus]:
     """Status of every daemon in the plan (hosts read in parallel)."""
     work = [(h, [s for s in h.services if s.kind == "daemon"]) for h in plan.hosts]
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(work)))) as pool:
-        states = list(pool.map(lambda hw: _host_states(plan, hw[0], hw[1]), work))
+        states = list(pool.map(lambda hw: _host_states(plan, hw[0], hw[1], known_hosts), work))
     rows = []
     for (host, services), host_states in zip(work, states):
         for svc in services:
