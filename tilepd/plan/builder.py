@@ -27,7 +27,7 @@ from tilepd.plan.service_configs import (
 )
 from tilepd.topology.families import canonical_family
 from tilepd.topology.rules import CURRENT_PYTHON, is_cpu, is_loopback
-from tilepd.topology.schema import DecodeNode, Topology, _Host
+from tilepd.topology.schema import DecodeNode, Topology, HostBase
 
 RDMA_TRANSPORTS = frozenset({"nixl", "mooncake"})
 HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0}
@@ -56,38 +56,38 @@ class _Planner:
         self.endpoints = tuple(DecodeEndpoint(name=d.name, host=d.address, ctrl_port=d.ctrl_port, http_port=d.http_port) for d in topo.decode)
         self.services: dict[str, list[Service]] = defaultdict(list)
         self.roles: dict[str, list[str]] = defaultdict(list)
-        self.entries: dict[str, list[_Host]] = defaultdict(list)
+        self.entries: dict[str, list[HostBase]] = defaultdict(list)
         self.envs: dict[str, dict[str, PythonEnv]] = defaultdict(dict)
 
     # --- helpers -------------------------------------------------------------
 
-    def base_of(self, entry: _Host) -> str:
+    def base_of(self, entry: HostBase) -> str:
         return (entry.base_dir or self.topo.deployment.base_dir).rstrip("/") or "/"
 
-    def python(self, entry: _Host) -> str:
+    def python(self, entry: HostBase) -> str:
         chosen = entry.python or self.topo.deployment.python
         if chosen == CURRENT_PYTHON:
             return self.current_python
         return chosen or f"{self.base_of(entry)}/venv/bin/python"
 
-    def install(self, entry: _Host) -> str:
+    def install(self, entry: HostBase) -> str:
         if (entry.python or self.topo.deployment.python) == CURRENT_PYTHON:
             return "operator"  # the running interpreter is already provisioned
         return entry.install or self.topo.deployment.install
 
-    def bind(self, entry: _Host) -> str:
+    def bind(self, entry: HostBase) -> str:
         if entry.bind:
             return entry.bind
         return entry.address if is_loopback(entry.address) else "0.0.0.0"
 
-    def ucx_devices(self, entry: _Host) -> str | None:
+    def ucx_devices(self, entry: HostBase) -> str | None:
         if self.topo.transport.ucx_net_devices:
             return self.topo.transport.ucx_net_devices
         if not entry.nics:
             return None
         return ",".join(n if ":" in n else f"{n}:1" for n in entry.nics)
 
-    def transport_config(self, entry: _Host, data_port: int | None = None) -> TransportConfig:
+    def transport_config(self, entry: HostBase, data_port: int | None = None) -> TransportConfig:
         t = self.topo.transport
         return TransportConfig(
             name=t.name,
@@ -97,14 +97,14 @@ class _Planner:
             mooncake_devices=",".join(entry.nics) or None if t.name == "mooncake" else None,
         )
 
-    def base_env(self, entry: _Host) -> dict[str, str]:
+    def base_env(self, entry: HostBase) -> dict[str, str]:
         env = {"PYTHONUNBUFFERED": "1"}
         ucx = self.ucx_devices(entry)
         if self.topo.transport.name == "nixl" and ucx:
             env["UCX_NET_DEVICES"] = ucx
         return env
 
-    def add_env(self, address: str, entry: _Host, vllm: bool) -> None:
+    def add_env(self, address: str, entry: HostBase, vllm: bool) -> None:
         py = self.python(entry)
         install = self.install(entry)
         old = self.envs[address].get(py)
@@ -113,7 +113,7 @@ class _Planner:
     def add(
         self,
         address: str,
-        entry: _Host,
+        entry: HostBase,
         *,
         name: str,
         role: str,
@@ -149,7 +149,7 @@ class _Planner:
             )
         )
 
-    def note_host(self, entry: _Host, role: str, vllm: bool = False) -> None:
+    def note_host(self, entry: HostBase, role: str, vllm: bool = False) -> None:
         self.entries[entry.address].append(entry)
         if role not in self.roles[entry.address]:
             self.roles[entry.address].append(role)

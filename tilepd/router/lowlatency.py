@@ -5,10 +5,18 @@ whatever way the request ends (finished, stop string, error, client gone, shutdo
 `settle_soon()` returns the node to the pool only once the node is idle again, in a
 background task so that a cancelled request cannot skip it.
 
-First token already final (EOS, a stop token/string, or max_tokens=1): the connector
-has sent (or is sending) the KV, and the node's slot is reserved for it. The router
-then calls `/v1/decode` with `max_tokens: 0`, which joins that transfer, waits for the
-KV and frees the slot (INTERFACES §4), after the client has its answer.
+Freeing the node when no decode will follow (INTERFACES §4 as the decode server
+implements it):
+- first token already final (EOS, stop token/string, max_tokens=1): the connector has
+  sent, or is still sending, the KV and its `admit` holds the slot. The router joins
+  that transfer with a throw-away `/v1/decode` (max_tokens 1, not streamed) after the
+  client has its answer: the node waits for the KV, decodes one step, frees the slot.
+  A bare `/v1/cancel` would race the admit: arriving first, it finds nothing to cancel,
+  and the admit then holds the slot until the node's orphan timeout.
+- prefill interrupted (client gone, router stopping): the same join, with a short KV
+  timeout, since the admit may or may not come.
+- prefill refused by vLLM (an error response): nothing reached the connector; release.
+- decoding: `/v1/cancel`, close the stream, wait until `/status` shows the node idle.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import httpx
 
 from tilepd.router.backends import DecodeNodeError, cancel_decode, decode_lines, node_status, open_decode, prefill_first_token
 from tilepd.router.detok import IncrementalDetokenizer, make_decoder
+from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.leases import Lease
 from tilepd.router.state import RouterState
 from tilepd.router.stops import StopStringMatcher
@@ -34,6 +43,8 @@ log = logging.getLogger("tilepd.router")
 
 BUSY_RETRY_S = 1.0  # a node that still finishes its last request answers busy for a moment
 IDLE_WAIT_S = 5.0  # how long a cancelled node may take to report idle before the lease is returned anyway
+JOIN_KV_TIMEOUT_S = 10.0  # a join after a finished prefill: the KV is on its way
+JOIN_INTERRUPTED_KV_TIMEOUT_S = 3.0  # a join after an interrupted prefill: the KV may never come
 
 
 @dataclass(frozen=True)
@@ -108,7 +119,7 @@ class LowLatencyRun:
         self.request_id = request_id
         self.transfer_id = f"tx-{uuid.uuid4().hex}"
         self.token = secrets.token_hex(16)
-        self.stage = "start"  # start -> prefilled -> decoding -> idle
+        self.stage = "start"  # start -> prefilled -> decoding -> idle; "refused": prefill answered an error
         self.first_token: int | None = None
         self.prompt_tokens = 0
         self._resp: httpx.Response | None = None
@@ -134,7 +145,11 @@ class LowLatencyRun:
             body = {"model": self.state.config.served_model_name, "prompt": self.plan.prompt_ids, "max_tokens": 1,
                     "stream": False, "logprobs": 1, "kv_transfer_params": self.marker(),
                     "skip_special_tokens": self.plan.skip_special_tokens, **self._sampling()}
-            prefill = await prefill_first_token(self.state.client, self.state.next_prefill_url(), body, self.request_id)
+            try:
+                prefill = await prefill_first_token(self.state.client, self.state.next_prefill_url(), body, self.request_id)
+            except (RouterError, PassThroughError):
+                self.stage = "refused"
+                raise
             self.stage = "prefilled"
             self.first_token, self.prompt_tokens = prefill.first_token, prefill.prompt_tokens
             t_prefill = time.perf_counter()
@@ -198,7 +213,7 @@ class LowLatencyRun:
         if self._settled:
             return
         self._settled = True
-        if self.stage == "idle":
+        if self.stage in ("idle", "refused"):
             self._close_resp_soon()
             self.lease.release()
             return
@@ -212,10 +227,11 @@ class LowLatencyRun:
         node = self.lease.node
         t0 = time.perf_counter()
         try:
+            freed = False
             if self.stage == "prefilled":
-                freed = await self._release_slot()
-            else:
-                freed = False
+                freed = await self._join_and_free(JOIN_KV_TIMEOUT_S)
+            elif self.stage == "start":
+                freed = await self._join_and_free(JOIN_INTERRUPTED_KV_TIMEOUT_S)
             if not freed:
                 await cancel_decode(self.state.client, node.base_url, self.transfer_id)
                 if self._resp is not None:
@@ -228,16 +244,18 @@ class LowLatencyRun:
             log.info("req=%s event=lease_returned node=%s stage=%s settle_ms=%.1f", self.request_id, node.name, self.stage,
                      (time.perf_counter() - t0) * 1e3)
 
-    async def _release_slot(self) -> bool:
-        """Free a slot whose KV was sent but will not be decoded: /v1/decode with max_tokens 0."""
+    async def _join_and_free(self, kv_timeout_s: float) -> bool:
+        """Join this transfer with a one-step decode whose output is thrown away; True once the slot is ours no more."""
         node = self.lease.node
-        body = {"transfer_id": self.transfer_id, "token": self.token, "first_token": self.first_token,
-                "prompt_tokens": self.prompt_tokens, "max_tokens": 0, "stream": False}
+        body = {"transfer_id": self.transfer_id, "token": self.token, "first_token": self.first_token or 0,
+                "prompt_tokens": len(self.plan.prompt_ids), "max_tokens": 1, "stream": False, "kv_timeout_s": kv_timeout_s}
         try:
-            resp = await self.state.client.post(f"{node.base_url}/v1/decode", json=body, headers={"x-request-id": self.request_id})
+            resp = await self.state.client.post(f"{node.base_url}/v1/decode", json=body, headers={"x-request-id": self.request_id},
+                                                 timeout=kv_timeout_s + 5.0)
         except httpx.HTTPError:
             return False
-        return resp.status_code == 200
+        # 200 decoded, 504 the KV never came, 499 cancelled: in each case the node freed the slot
+        return resp.status_code in (200, 499, 504)
 
     async def _wait_idle(self) -> None:
         node = self.lease.node

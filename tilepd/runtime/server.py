@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ def load_config(path: Path) -> DecodeServerConfig:
 def engine_geometry(engine: Any) -> CacheGeometry:
     """The engine's cache geometry, from its ModelSpec (INTERFACES §1)."""
     spec = engine.config
-    dtype = getattr(spec, "cache_dtype", None) or getattr(engine, "cache_dtype", None) or getattr(spec, "dtype", None)
+    dtype = getattr(engine, "cache_dtype", None) or getattr(spec, "cache_dtype", None)
     if isinstance(dtype, str):
         dtype = _DTYPES.get(dtype.removeprefix("torch."), torch.float32)
     return geometry_from_spec(spec, dtype if isinstance(dtype, torch.dtype) else torch.float32)
@@ -49,8 +51,16 @@ def serve(config: DecodeServerConfig) -> None:
     dtype = None if config.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla") else config.kv_cache_dtype
     log.info("event=loading_engine node=%s weights=%s device=%s max_seq_len=%d", config.name, config.weights_dir,
              config.device, config.max_seq_len)
-    engine = load_engine(config.weights_dir, device=config.device, max_seq_len=config.max_seq_len, dtype=dtype)
-    svc = DecodeService(config, engine, engine_geometry(engine)).start()
+    # the engine is built on the thread that will run it (CUDA graphs are captured there)
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    t0 = time.perf_counter()
+    engine = worker.submit(
+        load_engine, config.weights_dir, device=config.device, max_seq_len=config.max_seq_len, dtype=dtype,
+        use_cuda_graph=config.cuda_graphs if config.device == "cuda" else None,
+        num_speculative_tokens=config.num_speculative_tokens,
+    ).result()
+    log.info("event=engine_loaded node=%s seconds=%.1f", config.name, time.perf_counter() - t0)
+    svc = DecodeService(config, engine, engine_geometry(engine), worker=worker).start()
     app = build_app(svc)
     try:
         uvicorn.run(app, host=config.bind_host, port=config.http_port, log_level="warning", access_log=False)

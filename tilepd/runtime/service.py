@@ -57,7 +57,8 @@ class DecodeOutcome:
 
 class DecodeService:
     def __init__(self, config: DecodeServerConfig, engine: Any, geometry: CacheGeometry, *,
-                 receiver: TransportReceiver | None = None, kv_types: tuple[Any, Any] | None = None):
+                 receiver: TransportReceiver | None = None, kv_types: tuple[Any, Any] | None = None,
+                 worker: ThreadPoolExecutor | None = None):
         self.config = config
         self.engine = engine
         self.geometry = geometry
@@ -78,7 +79,7 @@ class DecodeService:
             node_name=config.name, bind_host=config.bind_host, port=config.ctrl_port, allowed_senders=config.allowed_senders,
         )
         self.metrics = DecodeMetrics(self.slot, lambda: self.ctrl.frames_rejected)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.last: dict[str, float] = {}
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="slot-reaper", daemon=True)

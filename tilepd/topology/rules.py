@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from tilepd.topology.families import MTP_FAMILIES, canonical_family, known_families
-from tilepd.topology.schema import DecodeNode, NativeDecodeHost, PrefillHost, Topology, _Host
+from tilepd.topology.schema import DecodeNode, NativeDecodeHost, PrefillHost, Topology, HostBase
 
 Loc = tuple[str | int, ...]
 
@@ -42,7 +42,7 @@ def loc_str(loc: Loc) -> str:
     return out
 
 
-def host_entries(topo: Topology) -> Iterator[tuple[Loc, str, _Host]]:
+def host_entries(topo: Topology) -> Iterator[tuple[Loc, str, HostBase]]:
     """Every host entry with its field path and role."""
     for i, p in enumerate(topo.prefill):
         yield ("prefill", i), "prefill", p
@@ -53,7 +53,7 @@ def host_entries(topo: Topology) -> Iterator[tuple[Loc, str, _Host]]:
     yield ("router",), "router", topo.router
 
 
-def uses_gpus(entry: _Host) -> bool:
+def uses_gpus(entry: HostBase) -> bool:
     if isinstance(entry, (PrefillHost, NativeDecodeHost)):
         return entry.gpus > 0
     if isinstance(entry, DecodeNode):
@@ -101,7 +101,7 @@ def duplicate_hosts(topo: Topology) -> Iterator[Violation]:
 
 def host_conflicts(topo: Topology) -> Iterator[Violation]:
     """Entries on the same address agree on how to reach it (ssh) and where its files live (base_dir)."""
-    first: dict[str, tuple[Loc, _Host]] = {}
+    first: dict[str, tuple[Loc, HostBase]] = {}
     for loc, _role, entry in host_entries(topo):
         if entry.address not in first:
             first[entry.address] = (loc, entry)

