@@ -1,0 +1,87 @@
+"""Decode-server fixtures: a real `python -m tilepd.runtime` process on free ports, and KV payloads from HF."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DecodeNode:
+    proc: subprocess.Popen
+    http: str
+    ctrl_port: int
+    log: Path
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.http, timeout=60)
+
+
+def start_node(python: str, weights: Path, tmp: Path, transport: str = "tcp", family: str = "llama",
+               kv_timeout_s: float = 3.0, max_seq_len: int = 512) -> DecodeNode:
+    http_port, ctrl_port = free_port(), free_port()
+    log = tmp / f"decode-{transport}.log"
+    argv = [python, "-m", "tilepd.runtime", "--weights", str(weights), "--family", family, "--max-seq-len", str(max_seq_len),
+            "--host", "127.0.0.1", "--http-port", str(http_port), "--ctrl-port", str(ctrl_port), "--transport", transport,
+            "--kv-timeout-s", str(kv_timeout_s), "--name", f"test-{transport}"]
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    node = DecodeNode(proc, f"http://127.0.0.1:{http_port}", ctrl_port, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"decode server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(node.http + "/health", timeout=1).status_code == 200:
+                return node
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_node(node)
+    raise RuntimeError(f"decode server not healthy in 120 s:\n{log.read_text()[-3000:]}")
+
+
+def stop_node(node: DecodeNode) -> None:
+    if node.proc.poll() is None:
+        node.proc.terminate()
+        try:
+            node.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tiny_llama: Path):
+    from transformers import AutoModelForCausalLM
+    import torch
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llama_node(python_exe: str, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    node = start_node(python_exe, tiny_llama, tmp_path_factory.mktemp("node"))
+    yield node
+    stop_node(node)
+
+
+def wire_payload(layers, layout) -> np.ndarray:
+    from tilepd.runtime.convert import to_wire
+
+    return np.frombuffer(to_wire(layers, layout), np.uint8).copy()

@@ -1,0 +1,185 @@
+"""The decode server as a real process: KV in over the control protocol, tokens out over HTTP.
+
+KV states come from HF transformers' prefill of the same tiny Llama (what vLLM's
+prefill computes), packed in vLLM's block layout; the decoded tokens must equal
+HF's own greedy continuation.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from hf_engine import hf_greedy, hf_prefill_kv
+from conftest import start_node, stop_node, wire_payload
+from tilepd.control.layout import CacheLayout
+from tilepd.control.sender import KVSender
+from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.transport import Buffer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = {
+    "short": [5, 17, 42],
+    "one_block": list(range(20, 36)),  # exactly one 16-token block
+    "multi_block": [(i * 7) % 300 + 5 for i in range(70)],
+}
+
+
+def _layout(model, block_size: int = 16, order: str = "BHNC", dtype: str = "float32") -> CacheLayout:
+    c = model.config
+    hd = c.hidden_size // c.num_attention_heads
+    return CacheLayout(kind="attn", num_layers=c.num_hidden_layers, block_size=block_size, num_heads=c.num_key_value_heads,
+                       entry_width=2 * hd, dtype=dtype, order=order, head_size_k=hd, head_size_v=hd)
+
+
+def _handoff(node, model, prompt, tid, *, transport="tcp", layout=None, token="tok"):
+    """Prefill with HF, send the KV like the connector does; returns the first token."""
+    layout = layout or _layout(model)
+    first, layers = hf_prefill_kv(model, prompt)
+    staging = wire_payload(layers, layout)
+    cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=node.ctrl_port, http_port=1),),
+                               transport=TransportConfig(name=transport), model_family="llama", max_seq_len=512)
+    sender = KVSender(cfg, layout, Buffer.from_array(staging))
+    nb = layout.blocks_for(len(prompt))
+    try:
+        r = sender.send(("127.0.0.1", node.ctrl_port), tid, token, len(prompt), nb,
+                        [l * nb * layout.block_bytes for l in range(layout.num_layers)])
+    finally:
+        sender.close()
+    assert r.ok, r
+    return first
+
+
+def _body(tid, first, prompt, **kw):
+    return {"transfer_id": tid, "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 8,
+            "ignore_eos": True, "stream": False, **kw}
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_decode_matches_hf_greedy(llama_node, hf_llama, name) -> None:
+    prompt = PROMPTS[name]
+    first = _handoff(llama_node, hf_llama, prompt, f"tx-{name}")
+    with llama_node.client() as c:
+        r = c.post("/v1/decode", json=_body(f"tx-{name}", first, prompt))
+    assert r.status_code == 200, r.text
+    ref = hf_greedy(hf_llama, prompt, 9)
+    assert [first] + r.json()["tokens"] == ref
+    assert r.json()["finish_reason"] == "length" and r.json()["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("order,block_size", [("BNHC", 16), ("BHNC", 128)])
+def test_other_orders_and_block_sizes(llama_node, hf_llama, order, block_size) -> None:
+    prompt = PROMPTS["multi_block"]
+    tid = f"tx-{order}-{block_size}"
+    first = _handoff(llama_node, hf_llama, prompt, tid, layout=_layout(hf_llama, block_size, order))
+    with llama_node.client() as c:
+        r = c.post("/v1/decode", json=_body(tid, first, prompt))
+    assert [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 9)
+
+
+def test_decode_request_first_then_kv_streams_ndjson(llama_node, hf_llama) -> None:
+    """The decode request reserves the slot and waits; the KV arrives afterwards; tokens stream."""
+    prompt = PROMPTS["multi_block"]
+    first, _ = hf_prefill_kv(hf_llama, prompt)
+    lines: list[dict] = []
+
+    def client() -> None:
+        with llama_node.client() as c, c.stream("POST", "/v1/decode", json=_body("tx-stream", first, prompt, stream=True)) as r:
+            assert r.headers["content-type"].startswith("application/x-ndjson")
+            lines.extend(json.loads(line) for line in r.iter_lines() if line)
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 10
+    with llama_node.client() as c:
+        while c.get("/status").json()["state"] != "reserved" and time.monotonic() < deadline:
+            time.sleep(0.02)
+    _handoff(llama_node, hf_llama, prompt, "tx-stream")
+    t.join(30)
+    assert [x["token"] for x in lines[:-1]] == hf_greedy(hf_llama, prompt, 9)[1:]
+    assert lines[-1]["done"] and lines[-1]["finish_reason"] == "length" and "decode_ms" in lines[-1]["timings"]
+
+
+def test_kv_that_never_arrives_answers_504_and_frees_the_slot(llama_node) -> None:
+    with llama_node.client() as c:
+        t = time.monotonic()
+        r = c.post("/v1/decode", json=_body("tx-lost", 1, [1, 2, 3], kv_timeout_s=0.5))
+        assert r.status_code == 504 and r.json()["error"]["code"] == "kv_timeout"
+        assert time.monotonic() - t < 10
+        assert c.get("/status").json()["state"] == "free"
+
+
+def test_busy_token_mismatch_and_parameter_errors(llama_node, hf_llama) -> None:
+    with llama_node.client() as c:
+        holder = threading.Thread(target=c.post, args=("/v1/decode",), kwargs={"json": _body("tx-hold", 1, [1, 2], kv_timeout_s=2)})
+        holder.start()
+        deadline = time.monotonic() + 10
+        while c.get("/status").json()["transfer_id"] != "tx-hold" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        busy = c.post("/v1/decode", json=_body("tx-other", 1, [1, 2]))
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "busy"
+        mismatch = c.post("/v1/decode", json={**_body("tx-hold", 1, [1, 2]), "token": "wrong"})
+        assert mismatch.status_code == 409 and mismatch.json()["error"]["code"] == "bad_token"
+        holder.join(10)
+        unknown = c.post("/v1/decode", json={**_body("t", 1, [1]), "best_of": 3})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "best_of"
+        bad = c.post("/v1/decode", json={**_body("t", 1, [1]), "top_p": 2})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+        long = c.post("/v1/decode", json={**_body("t", 1, [1]), "max_tokens": 10_000})
+        assert long.status_code == 400 and long.json()["error"]["param"] == "max_tokens"
+        nope = c.post("/v1/decode", json={**_body("t", 1, [1]), "logprobs": 2})
+        assert nope.status_code == 501 and nope.json()["error"]["param"] == "logprobs"
+        assert c.get("/status").json()["state"] == "free"
+
+
+def test_cancel_stops_a_running_decode(llama_node, hf_llama) -> None:
+    prompt = PROMPTS["short"]
+    first = _handoff(llama_node, hf_llama, prompt, "tx-cancel")
+    lines: list[dict] = []
+    with llama_node.client() as c, c.stream("POST", "/v1/decode", json=_body("tx-cancel", first, prompt, stream=True, max_tokens=400)) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            lines.append(json.loads(line))
+            if len(lines) == 3:
+                with llama_node.client() as c2:
+                    assert c2.post("/v1/cancel", json={"transfer_id": "tx-cancel"}).json()["cancelled"] is True
+    assert lines[-1]["done"] and lines[-1]["finish_reason"] == "cancelled"
+    assert lines[-1]["completion_tokens"] < 400
+    with llama_node.client() as c:
+        assert c.get("/status").json()["state"] == "free"
+
+
+def test_status_metrics_capabilities(llama_node, hf_llama) -> None:
+    prompt = PROMPTS["short"]
+    first = _handoff(llama_node, hf_llama, prompt, "tx-metrics")
+    with llama_node.client() as c:
+        assert c.post("/v1/decode", json=_body("tx-metrics", first, prompt)).status_code == 200
+        st = c.get("/status").json()
+        assert st["state"] == "free" and st["transfers_total"] >= 1 and st["last"]["tokens"] == 8
+        assert {"wait_ms", "convert_ms", "inject_ms", "decode_ms", "tokens_per_s"} <= set(st["last"])
+        caps = c.get("/capabilities").json()
+        assert caps["protocol_version"] == 1 and caps["transport"] == "tcp" and caps["layout"]["num_heads"] == 2
+        m = c.get("/metrics").text
+        for name in ("tilepd_decode_transfers_total", "tilepd_decode_transfer_bytes_total", "tilepd_decode_kv_wait_seconds_count",
+                     "tilepd_decode_convert_seconds_count", "tilepd_decode_inject_seconds_count",
+                     "tilepd_decode_decode_seconds_count", "tilepd_decode_tokens_per_second"):
+            assert name in m
+    log = llama_node.log.read_text()
+    assert "event=complete transfer_id=tx-metrics" in log and "event=decode_done transfer_id=tx-metrics" in log
+
+
+def test_nixl_handoff_matches_hf_greedy(python_exe, tiny_llama, hf_llama, tmp_path) -> None:
+    node = start_node(python_exe, tiny_llama, tmp_path, transport="nixl")
+    try:
+        prompt = PROMPTS["multi_block"]
+        first = _handoff(node, hf_llama, prompt, "tx-nixl", transport="nixl")
+        with node.client() as c:
+            r = c.post("/v1/decode", json=_body("tx-nixl", first, prompt))
+        assert [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 9)
+    finally:
+        stop_node(node)
