@@ -27,7 +27,7 @@ from tilepd.plan.service_configs import (
 )
 from tilepd.topology.families import canonical_family
 from tilepd.topology.rules import CURRENT_PYTHON, is_cpu, is_loopback
-from tilepd.topology.schema import DecodeNode, Topology, HostBase
+from tilepd.topology.schema import DecodeNode, HostBase, Topology
 
 RDMA_TRANSPORTS = frozenset({"nixl", "mooncake"})
 HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0}
