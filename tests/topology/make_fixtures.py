@@ -41,6 +41,9 @@ fx("absolute-path", "  hf_path: /models/tiny\n", "  hf_path: models/tiny" + M + 
 fx("extra-args-conflict", '    extra_args: ["--max-num-seqs", "64"]\n', '    extra_args:\n      - --max-num-seqs\n      - "64"\n      - --max-model-len=8192' + M + "\n")
 fx("host-conflict__base-dir", "  address: 10.1.0.4\n  port: 9000\n", "  address: 10.1.0.2\n  base_dir: /srv/other" + M + "\n  port: 9000\n")
 fx("install-python", "  name: router\n", "  name: router\n  install: operator" + M + "\n")
+# 560 decode nodes with 200-character DNS names: the allowlist no longer fits one argv word
+_long = "".join(f"  - {{name: x{i}, address: node-{i:04d}.{'x' * 180}.example, gpu: {{type: B200, count: 2}}}}\n" for i in range(560))
+fx("argv-limit", "\ndecode:\n", "\ndecode:" + M + "\n" + _long)
 # schema findings
 fx("schema__unknown-key", "    ctrl_port: 5556\n", "    ctrl_prot: 5556" + M + "\n")
 fx("schema__missing", "  - name: p0\n    address: 10.1.0.1\n    gpus: 2\n    port: 8000\n", "  - name: p0" + M + "\n    address: 10.1.0.1\n    gpus: 2\n")

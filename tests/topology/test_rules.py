@@ -36,6 +36,7 @@ CASES: dict[str, tuple[str, str]] = {
     "absolute-path": ("absolute-path", "path 'models/tiny' must be absolute"),
     "extra-args-conflict": ("extra-args-conflict", "--max-model-len is set by the plan"),
     "install-python": ("install-python", "install operator needs `python`"),
+    "argv-limit": ("argv-limit", "with 561 decode nodes the prefill's --kv-transfer-config would be about"),
     "schema__unknown-key": ("schema.unknown-key", "unknown key 'ctrl_prot'; did you mean 'ctrl_port'?"),
     "schema__missing": ("schema.missing", "required key 'port' is missing"),
     "schema__invalid": ("schema.invalid", "Input should be 'systemd' or 'process'; did you mean 'process'?"),

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from pydantic_core import to_json
+
 from tilepd.topology.families import MTP_FAMILIES, canonical_family, known_families
 from tilepd.topology.schema import DecodeNode, NativeDecodeHost, PrefillHost, Topology, HostBase
 
@@ -340,6 +342,25 @@ def extra_args(topo: Topology) -> Iterator[Violation]:
                     )
 
 
+MAX_ARG_STRLEN = 131072  # Linux: the longest single argv word exec() accepts
+_ARGV_HEADROOM = 2048  # the rest of the kv-transfer-config around the allowlist
+
+
+def argv_limit(topo: Topology) -> Iterator[Violation]:
+    """The prefill's --kv-transfer-config (it lists every decode node) fits in one argv word (Linux: 128 KiB)."""
+    from tilepd.plan.service_configs import DecodeEndpoint  # here, not at the top: tilepd.plan imports this module
+
+    allowlist = [DecodeEndpoint(name=d.name, host=d.address, ctrl_port=d.ctrl_port, http_port=d.http_port).model_dump() for d in topo.decode]
+    size = len(to_json(allowlist)) + _ARGV_HEADROOM
+    if size > MAX_ARG_STRLEN:
+        yield Violation(
+            ("decode",),
+            f"with {len(topo.decode)} decode nodes the prefill's --kv-transfer-config would be about {size} bytes, over Linux's "
+            f"{MAX_ARG_STRLEN}-byte limit for one argument; split the pool into several deployments or shorten node names/addresses",
+            "argv-limit",
+        )
+
+
 def install_python(topo: Topology) -> Iterator[Violation]:
     """An operator-provided environment must say where its interpreter is."""
     for loc, _role, entry in host_entries(topo):
@@ -364,6 +385,7 @@ RULES: dict[str, Rule] = {
     "absolute-path": absolute_paths,
     "extra-args-conflict": extra_args,
     "install-python": install_python,
+    "argv-limit": argv_limit,
 }
 
 

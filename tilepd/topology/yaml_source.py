@@ -40,10 +40,17 @@ class SourceMap:
     file: str
     keys: dict[Loc, tuple[int, int]] = field(default_factory=dict)
     values: dict[Loc, tuple[int, int]] = field(default_factory=dict)
+    containers: set[Loc] = field(default_factory=set)  # locs whose value is a mapping or a list
 
-    def position(self, loc: Loc, prefer_key: bool = False) -> tuple[int, int]:
-        """Best position for `loc`: the value (or key), else the nearest ancestor's."""
+    def position(self, loc: Loc, prefer_key: bool | None = None) -> tuple[int, int]:
+        """Best position for `loc`, else the nearest ancestor's.
+
+        A scalar is pointed at by its value; a mapping or list by its key (a block
+        collection's value starts on the next line, which reads as the wrong place).
+        """
         loc = tuple(loc)
+        if prefer_key is None:
+            prefer_key = loc in self.containers
         while True:
             first, second = (self.keys, self.values) if prefer_key else (self.values, self.keys)
             if loc in first:
@@ -69,6 +76,7 @@ class _Builder:
     def build(self, node: yaml.Node, loc: Loc) -> Any:
         self.smap.values[loc] = _pos(node)
         if isinstance(node, yaml.MappingNode):
+            self.smap.containers.add(loc)
             self.loader.flatten_mapping(node)  # resolves `<<` merge keys like SafeLoader does
             out: dict[Any, Any] = {}
             for key_node, value_node in node.value:
@@ -85,6 +93,7 @@ class _Builder:
                 out[name] = self.build(value_node, child)
             return out
         if isinstance(node, yaml.SequenceNode):
+            self.smap.containers.add(loc)
             return [self.build(item, loc + (i,)) for i, item in enumerate(node.value)]
         if node.tag == _STR_TAG:
             return node.value  # the common case, without the constructor's bookkeeping
