@@ -97,3 +97,10 @@ def test_real_process_validate() -> None:
     assert f"{path}:32:18: decode[0].max_seq_len: d0 holds 2048 tokens" in proc.stderr
     proc = subprocess.run([*cmd, "validate", GLM], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in examples_dir().glob("*.yaml")))
+def test_validate_passes_every_example(runner: CliRunner, example: str) -> None:
+    result = runner.invoke(app, ["validate", str(examples_dir() / example), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["valid"] is True
