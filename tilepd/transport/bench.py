@@ -35,8 +35,9 @@ from tilepd.transport.registry import make_receiver, make_sender
 class ReceiverProcess:
     """A receiver in its own process (real sockets / real NIXL agents between two processes)."""
 
-    def __init__(self, name: str, nbytes: int, python: str | None = None):
-        argv = [python or sys.executable, "-m", "tilepd.transport.bench", "serve", "--transport", name, "--nbytes", str(nbytes)]
+    def __init__(self, name: str, nbytes: int, python: str | None = None, protocol: str = "rdma"):
+        argv = [python or sys.executable, "-m", "tilepd.transport.bench", "serve", "--transport", name, "--nbytes", str(nbytes),
+                "--mooncake-protocol", protocol]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         line = self.proc.stdout.readline()
         if not line:
@@ -69,11 +70,14 @@ class ReceiverProcess:
                 self.proc.wait()
 
 
-def raw_bandwidth(name: str, nbytes: int, repeats: int = 3, warmup: int = 1) -> dict[str, Any]:
-    """Bytes/s of one `nbytes` write between this process and a receiver process (GB/s = 1e9 B/s)."""
-    cfg = TransportConfig(name=name)  # type: ignore[arg-type]
+def raw_bandwidth(name: str, nbytes: int, repeats: int = 3, warmup: int = 1, protocol: str = "rdma") -> dict[str, Any]:
+    """Bytes/s of one `nbytes` write between this process and a receiver process (GB/s = 1e9 B/s).
+
+    `protocol` is mooncake's ("rdma" or "tcp"); the other transports ignore it.
+    """
+    cfg = TransportConfig(name=name, mooncake_protocol=protocol)  # type: ignore[arg-type]
     data = np.random.default_rng(0).integers(0, 256, size=nbytes, dtype=np.uint8)
-    rx = ReceiverProcess(name, nbytes)
+    rx = ReceiverProcess(name, nbytes, protocol=protocol)
     sender = make_sender(cfg, name="tilepd-bench")
     try:
         sender.register(Buffer.from_array(data))
@@ -97,8 +101,8 @@ def raw_bandwidth(name: str, nbytes: int, repeats: int = 3, warmup: int = 1) -> 
             "median_gbps": nbytes / statistics.median(runs) / 1e9, "checksum_ok": ok}
 
 
-def _serve(name: str, nbytes: int) -> int:
-    cfg = TransportConfig(name=name)  # type: ignore[arg-type]
+def _serve(name: str, nbytes: int, protocol: str) -> int:
+    cfg = TransportConfig(name=name, mooncake_protocol=protocol)  # type: ignore[arg-type]
     # the protocol owns stdout: anything a library prints (NIXL logs) goes to stderr
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -130,14 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="run a receiver (used by raw_bandwidth)")
     s.add_argument("--transport", required=True)
     s.add_argument("--nbytes", type=int, required=True)
+    s.add_argument("--mooncake-protocol", default="rdma")
     r = sub.add_parser("run", help="measure raw bandwidth")
     r.add_argument("--transport", default="tcp")
     r.add_argument("--mib", type=int, default=256)
     r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--mooncake-protocol", default="rdma")
     a = ap.parse_args(argv)
     if a.cmd == "serve":
-        return _serve(a.transport, a.nbytes)
-    print(json.dumps(raw_bandwidth(a.transport, a.mib << 20, a.repeats)))
+        return _serve(a.transport, a.nbytes, a.mooncake_protocol)
+    print(json.dumps(raw_bandwidth(a.transport, a.mib << 20, a.repeats, protocol=a.mooncake_protocol)))
     return 0
 
 
