@@ -119,4 +119,5 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps({"out": str(out.absolute()), "topology_hash": the_plan.topology_hash, "files": [str(p) for p in written]}, indent=2))
         else:
-            typer.echo(f"wrote {len(written)} files for {len(the_plan.hosts)} hosts to {out.absolute()}")
+            n = len(the_plan.hosts)
+            typer.echo(f"wrote {len(written)} files for {n} host{'s' if n != 1 else ''} to {out.absolute()}")
