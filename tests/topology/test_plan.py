@@ -108,3 +108,9 @@ def test_operator_env_wins_and_hosts_sorted() -> None:
     env = plan.service("decode-d0").env
     assert env["PYTHONUNBUFFERED"] == "0" and env["EXTRA"] == "x y"
     assert [h.name for h in plan.hosts] == sorted(h.name for h in plan.hosts)
+
+
+def test_topology_hash_ignores_key_order_in_free_form_maps() -> None:
+    a = BASE.replace("    http_port: 5557\n", '    http_port: 5557\n    env: {A: "1", B: "2"}\n')
+    b = BASE.replace("    http_port: 5557\n", '    env: {B: "2", A: "1"}\n    http_port: 5557\n')
+    assert topology_hash(load_topology_text(a, "a.yaml")) == topology_hash(load_topology_text(b, "b.yaml"))

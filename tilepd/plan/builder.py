@@ -7,6 +7,7 @@ hashes can detect drift between what was deployed and what the file now says.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from collections import defaultdict
 from typing import Any
@@ -40,8 +41,9 @@ def sha256_json(value: Any) -> str:
 
 
 def topology_hash(topo: Topology) -> str:
-    """Hash of the normalised topology (defaults filled in, key order irrelevant, comments ignored)."""
-    return sha256_json(topo.model_dump(mode="json", by_alias=True))
+    """Hash of the normalised topology (defaults filled in, key order and comments irrelevant)."""
+    data = json.dumps(topo.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(data.encode()).hexdigest()
 
 
 class _Planner:
