@@ -183,3 +183,43 @@ def test_nixl_handoff_matches_hf_greedy(python_exe, tiny_llama, hf_llama, tmp_pa
         assert [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 9)
     finally:
         stop_node(node)
+
+
+def test_mla_latent_handoff_into_deepseek_node(python_exe, tiny_deepseek, tmp_path) -> None:
+    """MLA: a latent cache produced by one tilepd engine travels in vLLM's block layout into the node's engine.
+
+    Engine A (in this process) decodes a sequence; its latent cache for that prefix is packed as vLLM's
+    MLA cache ([blocks, 1, 16, 576]), sent over tcp, and the node must continue exactly as engine A does.
+    """
+    import torch
+
+    from tilepd.engine import KVState, SamplingParams, load_engine
+
+    eng = load_engine(tiny_deepseek, device="cpu", max_seq_len=512, num_speculative_tokens=0)
+    width = eng.config.kv_lora_rank + eng.config.qk_rope_head_dim
+    eng.inject(KVState(seq_len=1, layers=[torch.zeros(1, 1, width) for _ in eng.model.caches]))
+    gen = eng.decode(7, 40, SamplingParams(ignore_eos=True), lambda t: None).tokens
+    seq_len = eng.seq_len
+    prefix = [c[:seq_len].clone() for c in eng.model.caches]
+    ref = eng.decode(gen[-1], 8, SamplingParams(ignore_eos=True), lambda t: None).tokens
+
+    layout = CacheLayout(kind="mla", num_layers=len(prefix), block_size=16, num_heads=1, entry_width=width, dtype="float32",
+                         kv_lora_rank=eng.config.kv_lora_rank, rope_dim=eng.config.qk_rope_head_dim)
+    staging = wire_payload(prefix, layout)
+    node = start_node(python_exe, tiny_deepseek, tmp_path, family="deepseek_v3")
+    try:
+        cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=node.ctrl_port, http_port=1),),
+                                   transport=TransportConfig(name="tcp"), model_family="deepseek_v3", max_seq_len=512)
+        sender = KVSender(cfg, layout, Buffer.from_array(staging))
+        nb = layout.blocks_for(seq_len)
+        r = sender.send(("127.0.0.1", node.ctrl_port), "tx-mla", "tok", seq_len, nb,
+                        [l * nb * layout.block_bytes for l in range(layout.num_layers)])
+        sender.close()
+        assert r.ok, r
+        with node.client() as c:
+            out = c.post("/v1/decode", json={"transfer_id": "tx-mla", "token": "tok", "first_token": gen[-1], "prompt_tokens": seq_len,
+                                             "max_tokens": 8, "ignore_eos": True, "stream": False})
+        assert out.status_code == 200, out.text
+        assert out.json()["tokens"] == ref
+    finally:
+        stop_node(node)
