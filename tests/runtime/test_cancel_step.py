@@ -1,0 +1,79 @@
+"""/v1/cancel stops a decode within one engine step.
+
+Uses the TEST-ONLY HF engine with a fixed delay per step, in-process behind a real
+uvicorn server and real sockets, so "within one step" can be asserted from token
+counts instead of timing: after the cancel call returns, at most one more token
+may be produced (the step that was already running).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from conftest import free_port, wire_payload
+from hf_engine import HFEngine, KVState, SamplingParams, hf_prefill_kv
+from tilepd.control.layout import CacheLayout
+from tilepd.control.sender import KVSender
+from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
+from tilepd.runtime.geometry import geometry_from_spec
+from tilepd.runtime.http_api import build_app
+from tilepd.runtime.service import DecodeService
+from tilepd.transport import Buffer
+
+
+@pytest.fixture(scope="module")
+def slow_node(tiny_llama):
+    eng = HFEngine(tiny_llama, step_delay_s=0.05)
+    cfg = DecodeServerConfig(name="slow", served_model_name="tiny", family="llama", weights_dir=tiny_llama, max_seq_len=512,
+                             device="cpu", bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=free_port(), ctrl_port=0,
+                             transport=TransportConfig(name="tcp"), kv_timeout_s=5)
+    svc = DecodeService(cfg, eng, geometry_from_spec(eng.config, torch.float32), kv_types=(KVState, SamplingParams)).start()
+    server = uvicorn.Server(uvicorn.Config(build_app(svc), host="127.0.0.1", port=cfg.http_port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield svc, eng, f"http://127.0.0.1:{cfg.http_port}"
+    server.should_exit = True
+    th.join(10)
+    svc.close()
+
+
+def test_cancel_within_one_step(slow_node) -> None:
+    svc, eng, base = slow_node
+    c = eng.config
+    layout = CacheLayout(kind="attn", num_layers=c.num_layers, block_size=16, num_heads=c.num_kv_heads, entry_width=2 * c.head_dim,
+                         dtype="float32", head_size_k=c.head_dim, head_size_v=c.head_dim)
+    prompt = [3, 14, 15, 92, 65]
+    first, layers = hf_prefill_kv(eng.model, prompt)
+    staging = wire_payload(layers, layout)
+    ecfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=svc.ctrl.port, http_port=1),),
+                                transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
+    sender = KVSender(ecfg, layout, Buffer.from_array(staging))
+    assert sender.send(("127.0.0.1", svc.ctrl.port), "tx-c", "tok", len(prompt), 1, [0, layout.block_bytes]).ok
+    sender.close()
+    tokens_at_cancel = None
+    lines = []
+    body = {"transfer_id": "tx-c", "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 200,
+            "ignore_eos": True}
+    with httpx.Client(base_url=base, timeout=30) as cl, cl.stream("POST", "/v1/decode", json=body) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            lines.append(json.loads(line))
+            if len(lines) == 4:
+                with httpx.Client(base_url=base) as c2:
+                    assert c2.post("/v1/cancel", json={"transfer_id": "tx-c"}).json()["cancelled"]
+                tokens_at_cancel = eng.produced  # read after the cancel call returned
+    last = lines[-1]
+    assert last["finish_reason"] == "cancelled"
+    # tokens generated when the cancel returned + at most the one step that was running
+    assert last["completion_tokens"] <= tokens_at_cancel + 1
+    assert svc.slot.snapshot()["state"] == "free"
