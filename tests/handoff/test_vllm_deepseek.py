@@ -10,7 +10,7 @@ import pytest
 from tilepd.connector.launch import kv_transfer_config
 
 from .cases import PROMPT_LENGTHS, check_greedy_equal
-from .stack import connector_config, decode_config, dump_logs, events, start_decode, start_prefill
+from .stack import MLA_ARGS, connector_config, decode_config, dump_logs, events, start_decode, start_prefill
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -23,7 +23,7 @@ def stack(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         node = start_decode(decode_config("ds-tcp", "deepseek_v3", tiny_deepseek, "tcp", work), work)
         started.append(node.server)
         extra = connector_config("deepseek_v3", [node.endpoint], "tcp")
-        vllm = start_prefill(tiny_deepseek, work / "vllm.log", kv_transfer_config(extra))
+        vllm = start_prefill(tiny_deepseek, work / "vllm.log", kv_transfer_config(extra), extra=MLA_ARGS)
         started.append(vllm)
         yield {"vllm": vllm, "node": node, "model": str(tiny_deepseek)}
     finally:

@@ -123,7 +123,7 @@ def start_process(argv: list[str], log_path: Path, health_url: str, *, timeout: 
 
 
 def start_vllm(model_dir: Path | str, log_path: Path, *, kv_config: dict[str, Any] | None,
-               extra_args: Sequence[str] = (), python: str = sys.executable, timeout: float = 300.0,
+               extra_args: Sequence[str] = (), python: str = sys.executable, timeout: float = 600.0,
                env: dict[str, str] | None = None) -> Server:
     port = free_port()
     argv = vllm_argv(python, model_dir, port, kv_config=kv_config, extra_args=extra_args)

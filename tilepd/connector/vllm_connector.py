@@ -105,7 +105,8 @@ class _Staged:
     layers_done: set[int]
     t_start: float
     cuda_event: Any = None
-    extract_ms: float = 0.0
+    extract_ms: float = 0.0  # time spent copying (what the connector adds to the step)
+    window_ms: float = 0.0  # first layer copy -> handed to the sender (spans the forward)
 
 
 def parse_extra_config(raw: dict[str, Any] | None) -> ConnectorExtraConfig:
@@ -256,9 +257,11 @@ class TilePDConnector(KVConnectorBase_V1):
 
     def _copy_layer(self, st: _Staged, layer: int) -> None:
         assert self._cache is not None and self._pool is not None
+        t0 = time.perf_counter()
         n = st.kernel_ids.numel()
         gather_blocks(self._cache.physical_views[layer], st.kernel_ids, self._pool.layer_bytes(st.slot, layer, n))
         st.layers_done.add(layer)
+        st.extract_ms += (time.perf_counter() - t0) * 1e3
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         layer = self._layer_index.get(layer_name)
@@ -281,10 +284,10 @@ class TilePDConnector(KVConnectorBase_V1):
             if self._cache.device.type == "cuda":
                 st.cuda_event = torch.cuda.Event()
                 st.cuda_event.record()
-            st.extract_ms = (time.perf_counter() - st.t_start) * 1e3
+            st.window_ms = (time.perf_counter() - st.t_start) * 1e3
             self.events.count(staged=1)
             self.events.event("staged", st.spec.req_id, transfer_id=st.spec.marker.transfer_id, seq_len=st.spec.seq_len,
-                              blocks=st.kernel_ids.numel(), extract_ms=st.extract_ms)
+                              blocks=st.kernel_ids.numel(), extract_ms=st.extract_ms, window_ms=st.window_ms)
             self._jobs.put(st)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -310,7 +313,7 @@ class TilePDConnector(KVConnectorBase_V1):
         spec, m = st.spec, st.spec.marker
         if st.cuda_event is not None:
             st.cuda_event.synchronize()
-        queued_ms = (time.perf_counter() - st.t_start) * 1e3 - st.extract_ms
+        queued_ms = (time.perf_counter() - st.t_start) * 1e3 - st.window_ms
         n = st.kernel_ids.numel()
         src = [st.slot.offset + layer * self._pool.region_stride for layer in range(self._pool.layout.num_layers)]
         res = self._sender.send((m.host, m.ctrl_port), m.transfer_id, m.token, spec.seq_len, n, src)
