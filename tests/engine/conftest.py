@@ -68,3 +68,12 @@ def llama_ref(tiny_llama: Path) -> Reference:
 @pytest.fixture(scope="session")
 def deepseek_ref(tiny_deepseek: Path) -> Reference:
     return hf_reference(tiny_deepseek, "deepseek_v3", STEPS)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny batch-1 models run ~50x faster on one thread when the 2 cores are shared with other tests."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
