@@ -35,7 +35,7 @@ def decode_server(
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype"),
 ) -> None:
     """Run a tilepd decode node: control port for KV handoff, HTTP API on --http-port."""
-    from tilepd.runtime.server import load_config, serve, setup_logging
+    from tilepd.runtime.server import EngineLoadError, load_config, serve, setup_logging
 
     try:
         if config is not None:
@@ -59,7 +59,14 @@ def decode_server(
         typer.echo(f"decode-server: {config or 'flags'}: {where}: {err['msg']}", err=True)
         raise typer.Exit(int(ExitCode.INPUT)) from exc
     setup_logging(cfg.log_file)
-    serve(cfg)
+    try:
+        serve(cfg)
+    except EngineLoadError as exc:
+        typer.echo(f"decode-server: {exc}", err=True)
+        raise typer.Exit(int(ExitCode.INPUT)) from exc
+    except OSError as exc:
+        typer.echo(f"decode-server: {exc}", err=True)
+        raise typer.Exit(int(ExitCode.ERROR)) from exc
 
 
 def register(app: typer.Typer) -> None:

@@ -19,6 +19,10 @@ log = logging.getLogger("tilepd.runtime")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class EngineLoadError(Exception):
+    """The engine could not load the configured weights (message names the folder and the cause)."""
+
+
 def setup_logging(log_file: Path | None = None) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file is not None:
@@ -54,13 +58,22 @@ def serve(config: DecodeServerConfig) -> None:
     # the engine is built on the thread that will run it (CUDA graphs are captured there)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     t0 = time.perf_counter()
-    engine = worker.submit(
-        load_engine, config.weights_dir, device=config.device, max_seq_len=config.max_seq_len, dtype=dtype,
-        use_cuda_graph=config.cuda_graphs if config.device == "cuda" else None,
-        num_speculative_tokens=config.num_speculative_tokens,
-    ).result()
+    try:
+        engine = worker.submit(
+            load_engine, config.weights_dir, device=config.device, max_seq_len=config.max_seq_len, dtype=dtype,
+            use_cuda_graph=config.cuda_graphs if config.device == "cuda" else None,
+            num_speculative_tokens=config.num_speculative_tokens,
+        ).result()
+    except Exception as exc:  # noqa: BLE001 - whatever the loader raises, the node cannot start
+        worker.shutdown(wait=False)
+        raise EngineLoadError(f"cannot load the {config.family} engine from {config.weights_dir}: {type(exc).__name__}: {exc}") from exc
     log.info("event=engine_loaded node=%s seconds=%.1f", config.name, time.perf_counter() - t0)
-    svc = DecodeService(config, engine, engine_geometry(engine), worker=worker).start()
+    try:
+        svc = DecodeService(config, engine, engine_geometry(engine), worker=worker).start()
+    except OSError as exc:
+        worker.shutdown(wait=False)
+        raise OSError(f"cannot open the control or data port ({config.bind_host}:{config.ctrl_port}, transport "
+                      f"{config.transport.name}): {exc}") from exc
     app = build_app(svc)
     try:
         uvicorn.run(app, host=config.bind_host, port=config.http_port, log_level="warning", access_log=False)
