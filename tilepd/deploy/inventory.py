@@ -60,26 +60,35 @@ def service_spec(plan: Plan, service: Service) -> ServiceSpec:
     )
 
 
-def _copied_files(plan: Plan, host: HostPlan, render_dir: Path) -> list[dict[str, Any]]:
-    """Rendered files of this host and where they go (same relative path under base_dir)."""
+HOST_DIRS = ("run", "logs", "config", "env")
+
+
+def _rendered_files(host: HostPlan, render_dir: Path) -> list[dict[str, Any]]:
+    """Rendered files of this host, with where they go (same relative path under base_dir)."""
     root = render_dir / "hosts" / host.name
     out = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root)
         if path.is_dir() or rel.parts[0] in _NOT_COPIED:
             continue
-        out.append({"src": str(path), "dest": f"{host.base_dir}/{rel.as_posix()}", "mode": "0644"})
+        out.append({"path": f"{host.base_dir}/{rel.as_posix()}", "content": path.read_text(), "mode": "0644"})
     return out
 
 
 def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> dict[str, Any]:
     py = host.environments[0].python if host.environments else host.services[0].python
-    files = _copied_files(plan, host, render_dir)
+    files = _rendered_files(host, render_dir)
+    secrets = False
     services = []
     for svc in host.services:
         if svc.kind != "daemon":
             continue
         spec = service_spec(plan, svc)
+        secrets = secrets or bool(secret_env(svc))
+        # process mode reads the spec; systemd mode reads the env file (both 0600)
+        files.append({"path": spec_file(host, svc), "content": spec.model_dump_json(indent=2) + "\n", "mode": "0600"})
+        if plan.services_mode == "systemd":
+            files.append({"path": f"{host.base_dir}/env/{svc.name}.env", "content": env_file_text(spec.env), "mode": "0600"})
         services.append(
             {
                 "name": svc.name,
@@ -87,9 +96,7 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
                 "unit": svc.unit,
                 "unit_src": str(render_dir / "hosts" / host.name / "units" / svc.unit),
                 "spec_file": spec_file(host, svc),
-                "spec": spec.model_dump(mode="json"),
-                "env_file": f"{host.base_dir}/env/{svc.name}.env",
-                "env_text": env_file_text(spec.env),
+                "config_hash": spec.config_hash,
             }
         )
     oneshots = {s.role for s in host.services if s.kind == "oneshot"}
@@ -99,7 +106,8 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
         "tilepd_python": py,
         "tilepd_version": plan.tilepd_version,
         "tilepd_install": host.environments[0].install if host.environments else "operator",
-        "tilepd_files": files,
+        "tilepd_bundle": {"dirs": [f"{host.base_dir}/{d}" for d in HOST_DIRS], "files": files},
+        "tilepd_bundle_secret": secrets,
         "tilepd_deploy_services": services,
         "tilepd_model": {
             "hf_path": m.hf_path,

@@ -123,40 +123,54 @@ def tail(path: Path, n: int = 20) -> list[str]:
 # --- verbs ---------------------------------------------------------------------------
 
 
+def _systemctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=120)
+
+
 def _systemd_state(spec: ServiceSpec) -> dict[str, Any]:
-    """Run state of a systemd unit plus the config hash recorded in its unit file."""
+    """Run state of the service's systemd unit."""
     props: dict[str, str] = {}
     try:
-        out = subprocess.run(
-            ["systemctl", "show", "-p", "ActiveState", "-p", "MainPID", str(spec.unit)], capture_output=True, text=True, timeout=10
-        ).stdout
+        out = _systemctl("show", "-p", "ActiveState", "-p", "MainPID", str(spec.unit)).stdout
         props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     except (OSError, subprocess.TimeoutExpired):
         pass
-    recorded = None
-    if spec.unit_path is not None:
-        try:
-            for line in spec.unit_path.read_text().splitlines():
-                if line.startswith("# tilepd-config-hash:"):
-                    recorded = line.split(":", 1)[1].strip()
-        except FileNotFoundError:
-            pass
-    running = props.get("ActiveState") in ("active", "activating", "reloading")
     pid = int(props.get("MainPID", "0") or 0)
-    return {"running": running, "pid": pid or None, "config_hash": recorded, "tilepd_version": __version__ if recorded else None}
+    return {"running": props.get("ActiveState") in ("active", "activating", "reloading"), "pid": pid or None}
+
+
+def _write_state(spec: ServiceSpec, pid: int) -> None:
+    st = _proc_stat(pid) if pid else None
+    state = {
+        "pid": pid,
+        "pgid": pid,
+        "start_ticks": st[2] if st else 0,
+        "config_hash": spec.config_hash,
+        "tilepd_version": __version__,
+        "started_at": time.time(),
+        "argv": spec.argv,
+        "mode": spec.mode,
+    }
+    spec.state_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = spec.state_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, spec.state_file)
+    if spec.mode == "process":
+        spec.pid_file.write_text(f"{pid}\n")
 
 
 def status(spec: ServiceSpec) -> dict[str, Any]:
-    if spec.mode == "systemd":
-        st = _systemd_state(spec)
-        return {"name": spec.name, **st, "hash_matches": st["config_hash"] == spec.config_hash, "started_at": None,
-                "log_file": str(spec.log_file), "changed": False}  # fmt: skip
     state = _read_state(spec)
-    running = _alive(state)
+    if spec.mode == "systemd":
+        sd = _systemd_state(spec)
+        running, pid = sd["running"], sd["pid"]
+    else:
+        running = _alive(state)
+        pid = int(state["pid"]) if running and state else None
     return {
         "name": spec.name,
         "running": running,
-        "pid": int(state["pid"]) if running and state else None,
+        "pid": pid,
         "config_hash": state.get("config_hash") if state else None,
         "hash_matches": bool(state and state.get("config_hash") == spec.config_hash),
         "tilepd_version": state.get("tilepd_version") if state else None,
@@ -169,12 +183,15 @@ def status(spec: ServiceSpec) -> dict[str, Any]:
 def start(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
     """Start the service unless it already runs with the same config hash (then changed=False)."""
     state = _read_state(spec)
-    if _alive(state) and state and state.get("config_hash") == spec.config_hash:
+    running = _systemd_state(spec)["running"] if spec.mode == "systemd" else _alive(state)
+    if running and state and state.get("config_hash") == spec.config_hash:
         return {**status(spec), "action": "none"}
-    restarting = _alive(state)
+    action = "restart" if running else "start"
     if check:
-        return {**status(spec), "changed": True, "action": "restart" if restarting else "start"}
-    if restarting:
+        return {**status(spec), "changed": True, "action": action}
+    if spec.mode == "systemd":
+        return _start_unit(spec, action)
+    if running:
         stop(spec)
     _clear(spec)
     for d in (spec.log_file.parent, spec.pid_file.parent, spec.cwd):
@@ -182,7 +199,7 @@ def start(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k in _INHERITED_ENV or k.startswith("LC_")}
     env.update(spec.env)
     with open(spec.log_file, "ab") as log:
-        log.write(f"--- tilepd {__version__}: starting {spec.name} ({spec.config_hash[:12]}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
+        log.write(f"--- tilepd {__version__}: starting {spec.name} ({spec.config_hash[:19]}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
         log.flush()
         proc = subprocess.Popen(
             spec.argv,
@@ -194,25 +211,24 @@ def start(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
             start_new_session=True,  # own session and process group: survives the SSH session, stops as a group
             close_fds=True,
         )
-    st = _proc_stat(proc.pid)
-    new_state = {
-        "pid": proc.pid,
-        "pgid": proc.pid,
-        "start_ticks": st[2] if st else 0,
-        "config_hash": spec.config_hash,
-        "tilepd_version": __version__,
-        "started_at": time.time(),
-        "argv": spec.argv,
-    }
-    tmp = spec.state_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(new_state))
-    os.replace(tmp, spec.state_file)
-    spec.pid_file.write_text(f"{proc.pid}\n")
-    return {**status(spec), "changed": True, "action": "restart" if restarting else "start"}
+    _write_state(spec, proc.pid)
+    return {**status(spec), "changed": True, "action": action}
+
+
+def _start_unit(spec: ServiceSpec, action: str) -> dict[str, Any]:
+    """systemd mode: enable and (re)start the unit the playbook installed; record the hash it runs with."""
+    for args in (("enable", str(spec.unit)), ("restart", str(spec.unit))):
+        r = _systemctl(*args)
+        if r.returncode != 0:
+            return {"name": spec.name, "changed": True, "failed": True, "msg": f"systemctl {' '.join(args)}: {r.stderr.strip()}"}
+    _write_state(spec, _systemd_state(spec)["pid"] or 0)
+    return {**status(spec), "changed": True, "action": action}
 
 
 def stop(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
     """SIGTERM the service's process group, SIGKILL what is left after stop_timeout_s."""
+    if spec.mode == "systemd":
+        return _stop_unit(spec, check=check)
     state = _read_state(spec)
     if not _alive(state):
         if not check:
@@ -236,6 +252,19 @@ def stop(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
     left = _group_members(pgid)
     _clear(spec)
     return {"name": spec.name, "changed": True, "running": bool(left), "action": "stop", "pid": state["pid"], "signal": signal_used, "left": left}
+
+
+def _stop_unit(spec: ServiceSpec, *, check: bool) -> dict[str, Any]:
+    running = _systemd_state(spec)["running"]
+    if check or not running:
+        if not check:
+            _clear(spec)
+        return {"name": spec.name, "changed": running, "running": running, "action": "stop" if running else "none"}
+    for args in (("stop", str(spec.unit)), ("disable", str(spec.unit))):
+        _systemctl(*args)
+    _clear(spec)
+    left = _systemd_state(spec)["running"]
+    return {"name": spec.name, "changed": True, "running": left, "action": "stop"}
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
