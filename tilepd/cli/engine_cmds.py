@@ -7,7 +7,6 @@ from pathlib import Path
 
 import typer
 
-from tilepd.cli._unavailable import not_yet
 from tilepd.cli.exitcodes import ExitCode
 
 dev_app = typer.Typer(name="dev", help="Developer helpers: tiny deterministic models for tests and demos.", no_args_is_help=True)
@@ -33,10 +32,69 @@ def tiny_model(
         typer.echo(f"wrote tiny {family} model to {path}")
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("convert-weights", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _convert_weights() -> None:
-        """(not yet available)"""
-        not_yet("convert-weights")
+def _fail(code: ExitCode, message: str) -> None:
+    typer.echo(f"tilepd convert-weights: {message}", err=True)
+    raise typer.Exit(int(code))
 
+
+def convert_weights_cmd(
+    topology: Path | None = typer.Argument(None, help="Topology file: convert for every decode node (instead of --model-dir/--out)."),
+    model_dir: Path | None = typer.Option(None, "--model-dir", help="HF checkpoint directory (config.json + *.safetensors)."),
+    out: Path | None = typer.Option(None, "--out", help="Output directory of the tilepd runtime weights."),
+    family: str | None = typer.Option(None, "--family", help="Expected family (llama | deepseek_v3); checked against config.json."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (fp8: GEMV weights with per-tensor scales)."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel ranks: one rank<r>.safetensors shard per rank."),
+    force: bool = typer.Option(False, "--force", help="Convert even when the manifest says the inputs are unchanged."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per conversion instead of a progress bar."),
+) -> None:
+    """Convert an HF safetensors checkpoint into tilepd's runtime format (skips when already up to date)."""
+    from tilepd.weights.convert import convert_weights
+    from tilepd.weights.source import WeightsError
+
+    if family is not None:
+        from tilepd.topology.families import canonical_family
+
+        family = canonical_family(family) or family
+    try:
+        if topology is not None:
+            if model_dir or out:
+                _fail(ExitCode.USAGE, "give either a TOPOLOGY file or --model-dir/--out, not both")
+            results = _convert_topology(topology, as_json, force)
+        else:
+            if model_dir is None or out is None:
+                _fail(ExitCode.USAGE, "--model-dir and --out are required (or give a TOPOLOGY file)")
+            results = [({"model_dir": str(model_dir)}, convert_weights(model_dir, out, family=family, dtype=dtype, tp=tp, progress=not as_json, force=force))]
+    except WeightsError as e:
+        _fail(ExitCode.INPUT, f"{e} (no manifest written)")
+    except ValueError as e:
+        _fail(ExitCode.USAGE, str(e))
+    for info, r in results:
+        if as_json:
+            typer.echo(json.dumps({**info, "out": str(r.out_dir), "skipped": r.skipped, "seconds": round(r.seconds, 3),
+                                   "tensors": r.tensors, "bytes": r.bytes_written, "files": r.files}))
+        elif r.skipped:
+            typer.echo(f"{r.out_dir}: up to date (manifest matches the sources), skipped in {r.seconds:.2f} s")
+        else:
+            typer.echo(f"{r.out_dir}: wrote {r.tensors} tensors, {r.bytes_written / 1e9:.3f} GB in {r.seconds:.1f} s")
+
+
+def _convert_topology(path: Path, as_json: bool, force: bool) -> list:
+    from tilepd.topology.errors import TopologyError, TopologyFileError
+    from tilepd.weights.topology_convert import jobs_from_topology, run_job
+
+    try:
+        jobs = jobs_from_topology(path)
+    except TopologyError as e:
+        _fail(ExitCode.INVALID, str(e))
+    except TopologyFileError as e:
+        _fail(ExitCode.INPUT, str(e))
+    out = []
+    for job in jobs:
+        info = {"nodes": list(job.nodes), "model_dir": str(job.hf_path), "dtype": job.dtype, "tp": job.tp}
+        out.append((info, run_job(job, progress=not as_json, force=force)))
+    return out
+
+
+def register(app: typer.Typer) -> None:
+    app.command("convert-weights")(convert_weights_cmd)
     app.add_typer(dev_app, name="dev")

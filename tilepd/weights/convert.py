@@ -62,6 +62,22 @@ def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, 
     return entries
 
 
+def _read_spec(model_dir: Path) -> ModelSpec:
+    import json
+
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise WeightsError(f"{model_dir}: no config.json (not an HF checkpoint directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{cfg_path}:{e.lineno}: invalid JSON ({e.msg})") from e
+    try:
+        return spec_from_hf_config(cfg)
+    except (KeyError, ValueError) as e:
+        raise WeightsError(f"{cfg_path}: {e}") from e
+
+
 def convert_weights(
     model_dir: Path, out_dir: Path, *, family: str | None = None, dtype: str = "bf16", tp: int = 1,
     progress: bool = True, force: bool = False,
@@ -73,7 +89,10 @@ def convert_weights(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
-    options = {"family": family, "dtype": dtype, "tp": tp}
+    spec0 = _read_spec(model_dir)
+    if family is not None and spec0.family != family:
+        raise WeightsError(f"{model_dir}/config.json: model_type {spec0.model_type!r} is family {spec0.family!r}, not {family!r}")
+    options = {"family": spec0.family, "dtype": dtype, "tp": tp}
     if not force:
         skip, refreshed = is_up_to_date(read_manifest(out_dir), model_dir, out_dir, options)
         if skip:
@@ -84,8 +103,6 @@ def convert_weights(
     (out_dir / MANIFEST).unlink(missing_ok=True)
     with Checkpoint(model_dir) as ck:
         spec = spec_from_hf_config(ck.config(), ck.generation_config())
-        if family is not None and spec.family != family:
-            raise WeightsError(f"{model_dir}/config.json: model_type {spec.model_type!r} is family {spec.family!r}, not {family!r}")
         layout = family_layout(spec, ck.names())
         missing = sorted({s for t in layout for s in t.sources} - ck.names())
         if missing:
@@ -152,4 +169,5 @@ def _write_ranks(layout, ck, spec, tp, dtype, fp8, entries, out_dir: Path, progr
                 writer.abort()
                 raise
             os.replace(tmp, out_dir / rank_file(rank))
+        bar.update(task, description=f"converted ({tp} rank{'s' if tp > 1 else ''})")
     return written

@@ -35,6 +35,9 @@ def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, ra
         if (weights_dir / "config.json").is_file():
             return _load_hf(weights_dir, device, dtype)
         raise WeightsError(f"{weights_dir}: neither converted weights (manifest.json) nor an HF checkpoint (config.json)")
+    if manifest["tp"] > 1:
+        raise WeightsError(f"{weights_dir}: converted for tp={manifest['tp']}; the engine runs one rank (tp=1) so far - "
+                           "convert with --tp 1 for a single-GPU decode node")
     if rank >= manifest["tp"]:
         raise WeightsError(f"{weights_dir}: converted for tp={manifest['tp']}, rank {rank} does not exist")
     spec = spec_from_hf_config(manifest["model_config"], manifest.get("generation_config"))
