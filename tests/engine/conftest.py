@@ -1,79 +1,42 @@
-"""Engine test fixtures. HF transformers as the reference: prefix KV in tilepd's native layout, greedy tokens and per-step logits."""
+"""Engine test fixtures: HF reference runs shared by the module tests."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
-from tilepd.engine import KVState
-
-PROMPT = "Once upon a time there was a little engine that"
-
-
-@dataclass
-class Reference:
-    prompt_ids: list[int]
-    state: KVState
-    tokens: list[int]  # tokens[0] = the token sampled at the end of prefill ("first_token")
-    logits: list[torch.Tensor]  # logits[i] produced tokens[i]
-
-
-def _interleave(k_rot: torch.Tensor) -> torch.Tensor:
-    """HF's DeepSeek rope returns [even-rotated | odd-rotated]; vLLM's MLA cache keeps pairs interleaved."""
-    half = k_rot.shape[-1] // 2
-    out = torch.empty_like(k_rot)
-    out[..., 0::2] = k_rot[..., :half]
-    out[..., 1::2] = k_rot[..., half:]
-    return out
-
-
-def native_state(past, family: str, seq_len: int) -> KVState:
-    layers = []
-    for layer in past.layers:
-        k, v = layer.keys[0], layer.values[0]  # [H, T, D]
-        if family == "llama":
-            layers.append(torch.cat([k, v], dim=-1).permute(1, 0, 2).contiguous())
-        else:  # keys = normalised latent [1, T, r]; values = roped k_pe [1, T, rope]
-            layers.append(torch.cat([k, _interleave(v)], dim=-1).permute(1, 0, 2).contiguous())
-    return KVState(seq_len=seq_len, layers=layers)
-
-
-def hf_reference(model_dir: Path, family: str, new_tokens: int, prompt: str = PROMPT) -> Reference:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tok(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        pre = model(ids, use_cache=True)
-        state = native_state(pre.past_key_values, family, ids.shape[1])
-        out = model.generate(ids, max_new_tokens=new_tokens + 1, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
-    return Reference(ids[0].tolist(), state, tokens, [lg[0].float() for lg in out.logits])
-
-
-import pytest
+from tilepd.dev.hf_reference import Reference, hf_reference
 
 STEPS = 64
 
 
+@contextmanager
+def one_torch_thread():
+    """Tiny batch-1 models run ~50x faster on one thread when the 2 cores are shared with other tests."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def llama_ref(tiny_llama: Path) -> Reference:
-    return hf_reference(tiny_llama, "llama", STEPS)
+    with one_torch_thread():
+        return hf_reference(tiny_llama, "llama", STEPS)
 
 
 @pytest.fixture(scope="session")
 def deepseek_ref(tiny_deepseek: Path) -> Reference:
-    return hf_reference(tiny_deepseek, "deepseek_v3", STEPS)
+    with one_torch_thread():
+        return hf_reference(tiny_deepseek, "deepseek_v3", STEPS)
 
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
-    """Tiny batch-1 models run ~50x faster on one thread when the 2 cores are shared with other tests."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield

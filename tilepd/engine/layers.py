@@ -7,10 +7,10 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF computes it (statistics in float32, output in x's dtype, then the weight)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    """RMSNorm (statistics in float32 as HF computes them); one fused kernel where torch has it."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -3,16 +3,46 @@
 Weights come in tilepd's converted layout: fused `wqkv` (q, k, v rows) and `w13` (gate, up rows), so
 each layer runs two fused GEMVs plus `wo` and `w2`. The cache of layer i is [max_seq_len, Hkv, 2*D]
 (K then V per head), exactly the native KVState layout, so inject is one copy per layer.
+
+A layer is two pure functions around the cache write (`attn_in`, `attn_out_mlp`): every layer calls
+the same two, so `torch.compile` (optional, GPU) compiles each once and fuses the small element-wise
+ops; the cache write stays outside the compiled code so the cache is never copied.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.layers import cached_attention, length_mask, rms_norm, swiglu
+from tilepd.engine.layers import cached_attention, length_mask, rms_norm
 from tilepd.engine.rope import apply_rope_neox, rope_table
 from tilepd.engine.spec import ModelSpec
+
+
+def attn_in(x: torch.Tensor, norm_w: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, q_norm: torch.Tensor | None,
+            k_norm: torch.Tensor | None, cs: torch.Tensor, eps: float, nh: int, nkv: int, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm, fused QKV GEMV, (QK-norm), RoPE on q and k together. Returns q [T, nh, hd] and kv [T, nkv, 2*hd]."""
+    t = x.shape[0]
+    qkv = F.linear(rms_norm(x, norm_w, eps), wqkv, bqkv)
+    qk = qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd)
+    v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+    if q_norm is not None:
+        qk = torch.cat([rms_norm(qk[:, :nh], q_norm, eps), rms_norm(qk[:, nh:], k_norm, eps)], dim=1)
+    qk = apply_rope_neox(qk, cs)
+    return qk[:, :nh], torch.cat([qk[:, nh:], v], dim=-1)
+
+
+def attn_out_mlp(x: torch.Tensor, q: torch.Tensor, window: torch.Tensor, mask: torch.Tensor, wo: torch.Tensor, mlp_norm: torch.Tensor,
+                 w13: torch.Tensor, w2: torch.Tensor, scale: float, eps: float, hd: int) -> torch.Tensor:
+    """Attention over the cache window, output projection + residual, norm, SwiGLU MLP + residual."""
+    t = x.shape[0]
+    out = cached_attention(q, window[..., :hd], window[..., hd:], mask, scale)
+    x = x + F.linear(out.reshape(t, -1).to(x.dtype), wo)
+    gu = F.linear(rms_norm(x, mlp_norm, eps), w13)
+    g, u = gu.chunk(2, dim=-1)
+    return x + F.linear(F.silu(g) * u, w2)
 
 
 class LlamaModel:
@@ -29,37 +59,30 @@ class LlamaModel:
         self.rope = rope_table(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, max_seq_len, device)
         self.lm_head = weights["embed"] if spec.tie_word_embeddings else weights["lm_head"]
         self.scale = spec.head_dim**-0.5
-        self._split = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)
+        self.layer_weights = [
+            tuple(weights.get(f"layers.{i}.{n}") for n in ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm", "w13", "w2"))
+            for i in range(spec.num_layers)
+        ]
+        self.attn_in: Callable = attn_in
+        self.attn_out_mlp: Callable = attn_out_mlp
 
-    def _attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        s, w, p = self.spec, self.w, f"layers.{i}."
-        t = x.shape[0]
-        qkv = F.linear(x, w[p + "wqkv"], w.get(p + "bqkv"))
-        q, k, v = qkv.split(self._split, dim=-1)
-        q = q.view(t, s.num_heads, s.head_dim)
-        k = k.view(t, s.num_kv_heads, s.head_dim)
-        v = v.view(t, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q = rms_norm(q, w[p + "q_norm"], s.rms_norm_eps)
-            k = rms_norm(k, w[p + "k_norm"], s.rms_norm_eps)
-        q, k = apply_rope_neox(q, cs), apply_rope_neox(k, cs)
-        cache = self.caches[i]
-        cache.index_copy_(0, positions, torch.cat([k, v], dim=-1).to(cache.dtype))
-        window = cache[: mask.shape[1]]
-        out = cached_attention(q, window[..., : s.head_dim], window[..., s.head_dim :], mask, self.scale)
-        return F.linear(out.reshape(t, -1).to(x.dtype), w[p + "wo"])
+    def compile(self, mode: str | None = None) -> None:
+        """torch.compile the two per-layer functions (each compiled once, reused by every layer)."""
+        self.attn_in = torch.compile(attn_in, mode=mode, dynamic=False)
+        self.attn_out_mlp = torch.compile(attn_out_mlp, mode=mode, dynamic=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions: [T] long on device; attn_len: static cache window (> max position).
 
         Returns (logits [T, V] float32, final hidden [T, hidden])."""
-        s, w = self.spec, self.w
-        x = F.embedding(tokens, w["embed"])
+        s = self.spec
+        eps, nh, nkv, hd = s.rms_norm_eps, s.num_heads, s.num_kv_heads, s.head_dim
+        x = F.embedding(tokens, self.w["embed"])
         cs = self.rope.index_select(0, positions)
         mask = length_mask(positions, attn_len)
-        for i in range(s.num_layers):
-            p = f"layers.{i}."
-            x = x + self._attention(i, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps), positions, cs, mask)
-            x = x + swiglu(rms_norm(x, w[p + "mlp_norm"], s.rms_norm_eps), w[p + "w13"], w[p + "w2"])
-        h = rms_norm(x, w["norm"], s.rms_norm_eps)
+        for cache, (an, wqkv, bqkv, qn, kn, wo, mn, w13, w2) in zip(self.caches, self.layer_weights):
+            q, kv = self.attn_in(x, an, wqkv, bqkv, qn, kn, cs, eps, nh, nkv, hd)
+            cache.index_copy_(0, positions, kv.to(cache.dtype))
+            x = self.attn_out_mlp(x, q, cache[:attn_len], mask, wo, mn, w13, w2, self.scale, eps, hd)
+        h = rms_norm(x, self.w["norm"], eps)
         return F.linear(h, self.lm_head).float(), h
