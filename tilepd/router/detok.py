@@ -6,6 +6,12 @@ The offset method decodes a small window of recent tokens twice, with and withou
 new ones, and emits only the difference once it no longer ends in a replacement
 character. The window is primed with the prompt's last tokens, as vLLM does, so the
 first generated token gets the same spacing as in vLLM's own output.
+
+For fast (Rust) tokenizers the router uses `tokenizers.decoders.DecodeStream`, primed
+with the prompt, exactly as vLLM's own detokenizer does: the two then agree byte for byte
+even on invalid UTF-8 (random tiny models produce it), where the offset method and
+DecodeStream differ in when a replacement character is emitted. The offset method
+serves every other tokenizer.
 """
 
 from __future__ import annotations
@@ -57,3 +63,36 @@ class IncrementalDetokenizer:
             self._prefix_offset -= drop
             self._read_offset -= drop
         return delta
+
+
+class StreamDetokenizer:
+    """vLLM's fast path: the tokenizer library's own incremental decoder, primed with the prompt."""
+
+    def __init__(self, backend: object, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._backend, token_id) or ""
+        except Exception as exc:  # tokenizers raises this on non-monotonic invalid UTF-8; vLLM restarts the stream
+            if not str(exc).startswith("Invalid prefix encountered"):
+                raise
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
+            return self._stream.step(self._backend, token_id) or ""
+
+
+def make_detokenizer(tokenizer: object, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer | StreamDetokenizer:
+    """The detokenizer vLLM would use for this tokenizer: DecodeStream when it can, else the offset method."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        try:
+            return StreamDetokenizer(backend, prompt_ids, skip_special_tokens)
+        except (ImportError, TypeError):  # tokenizers too old for a primed DecodeStream
+            pass
+    return IncrementalDetokenizer(make_decoder(tokenizer, skip_special_tokens), prompt_ids)

