@@ -75,6 +75,20 @@ def _rendered_files(host: HostPlan, render_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _flag(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
+
+def convert_options(topo: Topology, host: HostPlan, convert: Service) -> dict[str, Any]:
+    """dtype and TP of the conversion: the plan's argv when it says, else what the node computes in
+    (float32 on a `cpu` node, bfloat16 on GPUs), as `tilepd convert-weights TOPOLOGY` does."""
+    node_cpu = any(d.address == host.name and d.gpu.type.lower() == "cpu" for d in topo.decode)
+    return {
+        "dtype": _flag(convert.argv, "--dtype") or ("fp32" if node_cpu else "bf16"),
+        "tp": int(_flag(convert.argv, "--tp") or topo.model.tensor_parallel.decode),
+    }
+
+
 def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> dict[str, Any]:
     py = host.environments[0].python if host.environments else host.services[0].python
     files = _rendered_files(host, render_dir)
@@ -100,6 +114,7 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
             }
         )
     oneshots = {s.role for s in host.services if s.kind == "oneshot"}
+    convert = next((s for s in host.services if s.role == "convert"), None)
     m = topo.model
     return {
         "ansible_python_interpreter": py,
@@ -114,7 +129,8 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
             "weights_path": m.weights_path,
             "family": canonical_family(m.family),
             "generate_tiny": m.generate_tiny if "tiny_model" in oneshots else None,
-            "convert": "convert" in oneshots,
+            "convert": convert is not None,
+            **(convert_options(topo, host, convert) if convert is not None else {}),
         },
     }
 

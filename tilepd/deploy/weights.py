@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
 import json
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,47 +64,27 @@ def ensure_tiny(family: str, out: Path, *, seed: int = 0, check: bool = False) -
     return {"changed": True, "path": str(out), "action": "generate"}
 
 
-def _manifest_digest(out: Path) -> str | None:
-    """Hash of every manifest-like file at the top of a converted-weights folder (None if none)."""
-    files = sorted(p for p in out.glob("*manifest*") if p.is_file()) if out.is_dir() else []
-    if not files:
-        return None
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()
+def ensure_converted(hf: Path, out: Path, *, family: str, dtype: str, tp: int = 1, check: bool = False) -> dict[str, Any]:
+    """Convert `hf` into `out` unless the converter's manifest says these inputs are already there."""
+    from tilepd.weights.convert import convert_weights
+    from tilepd.weights.manifest import is_up_to_date, read_manifest
+    from tilepd.weights.source import WeightsError
 
-
-def _family_of(hf: Path) -> str:
-    cfg = json.loads((hf / "config.json").read_text())
-    from tilepd.topology import canonical_family
-
-    model_type = str(cfg.get("model_type", ""))
-    return canonical_family({"deepseek_v3": "deepseek_v3", "deepseek_v32": "dsv32", "glm_moe_dsa": "glm5"}.get(model_type, model_type))
-
-
-def ensure_converted(hf: Path, out: Path, *, family: str | None = None, check: bool = False) -> dict[str, Any]:
-    """Run `tilepd convert-weights` into `out`; changed only when the manifest changed.
-
-    The converter itself skips when its manifest matches its inputs; this wrapper
-    just observes whether it did anything.
-    """
-    before = _manifest_digest(out)
     if check:
-        # Without running the converter we can only tell "never converted".
-        return {"changed": before is None, "path": str(out), "action": "convert" if before is None else "none"}
-    if not (hf / "config.json").exists():
-        return {"changed": False, "failed": True, "msg": f"HF checkpoint {hf} has no config.json"}
-    fam = family or _family_of(hf)
-    argv = [sys.executable, "-m", "tilepd", "convert-weights", "--model-dir", str(hf), "--out", str(out), "--family", fam]
-    with _locked(out):
-        proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        msg = (proc.stderr or proc.stdout).strip()[-2000:]
-        return {"changed": False, "failed": True, "rc": proc.returncode, "msg": f"convert-weights failed ({proc.returncode}): {msg}"}
-    after = _manifest_digest(out)
-    return {"changed": after != before, "path": str(out), "action": "convert" if after != before else "none"}
+        if not (hf / "config.json").exists():
+            return {"changed": True, "path": str(out), "action": "convert (checkpoint not there yet)"}
+        try:
+            up_to_date, _ = is_up_to_date(read_manifest(out), hf, out, {"family": family, "dtype": dtype, "tp": tp})
+        except (OSError, ValueError) as e:
+            return {"changed": True, "path": str(out), "action": f"convert ({e})"}
+        return {"changed": not up_to_date, "path": str(out), "action": "none" if up_to_date else "convert"}
+    try:
+        with _locked(out):  # decode nodes on one machine share the path
+            result = convert_weights(hf, out, family=family, dtype=dtype, tp=tp, progress=False)
+    except (WeightsError, ValueError, OSError) as e:
+        return {"changed": False, "failed": True, "msg": f"convert-weights {hf} -> {out}: {e} (no manifest written)"}
+    return {"changed": not result.skipped, "path": str(out), "action": "none" if result.skipped else "convert",
+            "seconds": round(result.seconds, 3), "tensors": result.tensors}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("convert", help="convert HF weights unless the manifest matches")
     c.add_argument("--hf", type=Path, required=True)
     c.add_argument("--out", type=Path, required=True)
-    c.add_argument("--family")
+    c.add_argument("--family", required=True)
+    c.add_argument("--dtype", default="bf16")
+    c.add_argument("--tp", type=int, default=1)
     c.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     if args.verb == "tiny":
         result = ensure_tiny(args.family, args.out, seed=args.seed, check=args.check)
     else:
-        result = ensure_converted(args.hf, args.out, family=args.family, check=args.check)
+        result = ensure_converted(args.hf, args.out, family=args.family, dtype=args.dtype, tp=args.tp, check=args.check)
     print(json.dumps(result))
     return 1 if result.get("failed") else 0
 
