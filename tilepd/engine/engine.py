@@ -69,7 +69,7 @@ class Engine:
         self.graph_step = None
         if use_cuda_graph is None:
             use_cuda_graph = device.type == "cuda"
-        if use_cuda_graph:
+        if use_cuda_graph:  # on CPU: the graph's static-shape body, run eagerly (tests)
             from tilepd.engine.cuda_graph import GraphStep
 
             self.graph_step = GraphStep(model, self.sampler, self.io, max_seq_len)
@@ -83,6 +83,10 @@ class Engine:
     @property
     def cache_dtype(self) -> torch.dtype:
         return self.model.caches[0].dtype
+
+    def warmup(self, max_windows: int | None = None) -> int:
+        """Capture the greedy decode graphs ahead of the first request (CUDA); returns how many exist."""
+        return self.graph_step.warmup(True, max_windows) if self.graph_step is not None else 0
 
     def reset(self) -> None:
         """Forget the current request (the cache is overwritten by the next inject; no clearing needed)."""
