@@ -19,9 +19,9 @@ def test_coalesce_merges_contiguous_segments() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tcp", "nixl"])
-def test_two_process_write_checksums(name: str) -> None:
-    r = raw_bandwidth(name, 32 << 20, repeats=2, warmup=1)
+def test_raw_bandwidth_between_two_processes_checks_bytes() -> None:
+    """The bench entry point bench/handoff.py calls (nixl's two-process path is covered by the next test)."""
+    r = raw_bandwidth("tcp", 32 << 20, repeats=2, warmup=1)
     assert r["checksum_ok"], r
     assert r["best_gbps"] > 0
 
