@@ -36,3 +36,15 @@ def test_static_step_equals_eager(family: str, request: pytest.FixtureRequest) -
     eager = load_engine(model_dir, device="cpu", max_seq_len=300, dtype="float32", use_cuda_graph=False, num_speculative_tokens=0)
     eager.inject(ref.state)
     assert sampled[0] == sampled[1] == eager.decode(ref.tokens[0], 20, SamplingParams(temperature=0.8, top_p=0.9, seed=5), lambda t: None).tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("include_attention", [True, False])
+def test_torch_compiled_layers_give_the_same_tokens(include_attention: bool, tiny_llama: Path, llama_ref) -> None:
+    """The GPU benchmark's compile variants, checked on CPU (inductor's C++ backend)."""
+    eng = load_engine(tiny_llama, device="cpu", max_seq_len=128, dtype="float32", use_cuda_graph=True)
+    eng.graph_step.buckets = [64, 128]
+    eng.model.compile(include_attention=include_attention)
+    eng.inject(llama_ref.state)
+    res = eng.decode(llama_ref.tokens[0], 16, SamplingParams(ignore_eos=True), lambda t: None)
+    assert res.tokens == llama_ref.tokens[1:17]

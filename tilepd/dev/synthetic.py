@@ -70,3 +70,77 @@ def make_synthetic_llama(out_dir: Path, *, hidden: int = 1024, layers: int = 4, 
             del t
         writer.close()
     return out_dir
+
+
+def hf_tensor_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """HF checkpoint tensor names and shapes a ModelSpec implies (llama or deepseek_v3, incl. MTP layers)."""
+    from tilepd.weights.layout import family_layout
+
+    s = spec
+    h = s.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for t in family_layout(s, set()):
+        for name in t.sources:
+            shapes[name] = _hf_shape(name, s, h)
+    return shapes
+
+
+def _hf_shape(name: str, s, h: int) -> tuple[int, ...]:
+    leaf = name.removesuffix(".weight").removesuffix(".bias")
+    is_bias = name.endswith(".bias")
+    last = leaf.rsplit(".", 1)[-1]
+    if last in ("embed_tokens", "lm_head", "head"):
+        return (s.vocab_size, h)
+    if last in ("input_layernorm", "post_attention_layernorm", "norm", "enorm", "hnorm"):
+        return (h,)
+    if s.family == "llama":
+        hd, nh, nkv = s.head_dim, s.num_heads, s.num_kv_heads
+        rows = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}
+        if last in rows:
+            return (rows[last],) if is_bias else (rows[last], h)
+        table = {"o_proj": (h, nh * hd), "gate_proj": (s.intermediate_size, h), "up_proj": (s.intermediate_size, h),
+                 "down_proj": (h, s.intermediate_size), "q_norm": (hd,), "k_norm": (hd,)}
+        return table[last]
+    qk = s.qk_nope_head_dim + s.qk_rope_head_dim
+    expert = ".experts." in name or ".shared_experts." in name
+    inter = s.moe_intermediate_size * (s.n_shared_experts if ".shared_experts." in name else 1) if expert else s.intermediate_size
+    table = {
+        "q_a_proj": (s.q_lora_rank or 0, h), "q_a_layernorm": (s.q_lora_rank or 0,), "q_b_proj": (s.num_heads * qk, s.q_lora_rank or 0),
+        "q_proj": (s.num_heads * qk, h), "kv_a_proj_with_mqa": (s.kv_lora_rank + s.qk_rope_head_dim, h),
+        "kv_a_layernorm": (s.kv_lora_rank,), "kv_b_proj": (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
+        "o_proj": (h, s.num_heads * s.v_head_dim), "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter),
+        "gate": (s.n_routed_experts, h), "e_score_correction_bias": (s.n_routed_experts,), "eh_proj": (h, 2 * h),
+    }
+    if name.endswith("e_score_correction_bias"):
+        return table["e_score_correction_bias"]
+    return table[last]
+
+
+def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """tilepd runtime weights with random values, built directly on `device` (no checkpoint, no disk).
+
+    Each HF-named source tensor is drawn from its own seeded generator, so a tensor read twice (kv_b_proj
+    feeds W_UK and W_UV) is the same both times, and only one layer's sources exist at a time."""
+    import zlib
+
+    from tilepd.weights.build import build_chunks, cast_chunk
+    from tilepd.weights.layout import family_layout
+
+    shapes = hf_tensor_shapes(spec)
+
+    def get(name: str) -> torch.Tensor:
+        shape = shapes[name]
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if name.endswith("e_score_correction_bias"):
+            return torch.randn(shape, generator=gen, device=device) * 0.01
+        if len(shape) == 1:
+            return torch.ones(shape, device=device, dtype=dtype)
+        std = 1.0 if "embed_tokens" in name else shape[-1] ** -0.5
+        return (torch.randn(shape, generator=gen, device=device, dtype=dtype) * std)
+
+    out: dict[str, torch.Tensor] = {}
+    for t in family_layout(spec, set()):
+        chunks = [cast_chunk(t, c, dtype, False)[0] for c in build_chunks(t, get, spec, 0, 1)]
+        out[t.name] = torch.stack(chunks) if t.stacked else chunks[0]
+        del chunks
+    return out
