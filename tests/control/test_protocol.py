@@ -22,8 +22,8 @@ from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, Tr
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
 from tilepd.runtime.slot import Slot, State
-from tilepd.transport import Buffer
-from tilepd.transport.tcp import TcpReceiver
+from tilepd.transport import Buffer, TransportError
+from tilepd.transport.tcp import TcpReceiver, TcpSender
 
 MAX = 256
 GEOM = CacheGeometry("llama", "attn", num_layers=2, num_heads=2, entry_width=64, head_size_k=32, head_size_v=32)
@@ -37,9 +37,11 @@ def node():
     buf = np.zeros(cap, np.uint8)
     rx = TcpReceiver("127.0.0.1", 0)
     rx.register(Buffer.from_array(buf))
-    slot = Slot(on_arm=rx.arm, on_disarm=rx.disarm)
+    holder: list[ControlServer] = []
+    slot = Slot(on_arm=rx.arm, on_disarm=rx.disarm, on_revoke=lambda conn_id: holder[0].revoke(conn_id))
     srv = ControlServer(slot=slot, receiver=rx, max_seq_len=MAX, node_name="n0",
                         check_layout=lambda lay: check_layout(lay, GEOM, max_seq_len=MAX, capacity=cap)).start()
+    holder.append(srv)
     yield SimpleNamespace(buf=buf, rx=rx, slot=slot, srv=srv, port=srv.port)
     srv.close()
     rx.close()
@@ -233,4 +235,52 @@ def test_sender_killed_mid_transfer_leaves_the_slot_reusable(node) -> None:
     staging, nb = _payload(LAYOUT, 40, seed=3)
     sender = KVSender(_config(node.port), LAYOUT, Buffer.from_array(staging))
     _send_and_check(node, sender, staging, "next", 40, nb)
+    sender.close()
+
+
+class _GatedSender(TcpSender):
+    """FAULT INJECTION: a real tcp sender whose write waits for a gate, so the test can take the slot
+    away while the write is in flight (a real write cannot be held mid-flight on demand)."""
+
+    def __init__(self, gate: threading.Event):
+        super().__init__()
+        self.gate = gate
+        self.wrote = threading.Event()
+
+    def write(self, peer, segments, *, generation, transfer_id):
+        from tilepd.transport.base import ThreadHandle
+
+        inner_write = super().write
+
+        def run(abort: threading.Event) -> int:
+            self.gate.wait(10)
+            if abort.is_set():
+                raise TransportError("aborted before writing")
+            self.wrote.set()
+            return inner_write(peer, segments, generation=generation, transfer_id=transfer_id).wait(10)
+
+        return ThreadHandle(run, name="gated")
+
+
+def test_revoked_transfer_aborts_the_in_flight_write(node) -> None:
+    """Cancelling a transfer mid-write closes its control connection; the sender aborts before any byte lands."""
+    gate = threading.Event()
+    staging, nb = _payload(LAYOUT, 40)
+    transport = _GatedSender(gate)
+    sender = KVSender(_config(node.port), LAYOUT, Buffer.from_array(staging), transport=transport)
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(sender.send(("127.0.0.1", node.port), "rev", "tok", 40, nb,
+                                                                [0, nb * LAYOUT.block_bytes])))
+    th.start()
+    deadline = time.monotonic() + 10
+    while node.slot.state != State.TRANSFERRING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert node.slot.cancel("rev")  # admit-only reservation: the slot frees at once and revokes the connection
+    th.join(10)
+    gate.set()
+    res = out[0]
+    assert not res.ok and res.code == "revoked" and "revoked" in res.message
+    assert not transport.wrote.is_set() and not node.buf.any()
+    # the sender reconnects and the next transfer goes through
+    _send_and_check(node, sender, staging, "after", 40, nb)
     sender.close()

@@ -31,6 +31,7 @@ is final and its message says what to change.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -58,7 +59,7 @@ from tilepd.control.messages import (
     parse_message,
 )
 from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint
-from tilepd.transport.base import Buffer, Peer, Segment, TransportError, TransportSender
+from tilepd.transport.base import Buffer, Peer, Segment, TransportError, TransportSender, WriteHandle
 from tilepd.transport.registry import make_sender
 
 log = logging.getLogger("tilepd.control.sender")
@@ -75,12 +76,16 @@ MAX_BACKOFF_S = 1.0
 class SendResult:
     ok: bool
     transfer_id: str
-    code: str | None = None  # an ErrorCode value, "transport", "connect" or "not_allowed"
+    code: str | None = None  # an ErrorCode value, "transport", "connect", "not_allowed" or "revoked"
     message: str = ""
     generation: int | None = None
     bytes: int = 0
     attempts: int = 0  # admit attempts (1 + busy retries)
     timings: dict[str, float] = field(default_factory=dict)  # hello_ms, admit_ms, wire_ms, done_ms, total_ms
+
+
+class _Revoked(TransportError):
+    """The decode node closed the control connection mid-write: it gave the slot away."""
 
 
 class _Channel:
@@ -251,6 +256,22 @@ class KVSender:
                 segs.extend(Segment(int(off), dst0 + i * bb, bb) for i, off in enumerate(spec))
         return segs
 
+    def _wait_wire(self, ch: _Channel, handle: WriteHandle, transfer_id: str) -> int:
+        """Wait for the write; abort it at once if the decode node closes our control connection (it revoked
+        the transfer: timeout or cancel), so a one-sided writer does not land bytes in a slot that moved on."""
+        deadline = time.monotonic() + WIRE_TIMEOUT_S
+        while not handle.finished(0.002):
+            readable, _, _ = select.select([ch.sock], [], [], 0)
+            if readable:
+                handle.abort()
+                handle.finished(5.0)
+                raise _Revoked(f"transfer {transfer_id}: the decode node revoked the transfer (closed the control "
+                                     "connection mid-write); write aborted")
+            if time.monotonic() > deadline:
+                handle.abort()
+                raise TransportError(f"transfer {transfer_id}: write did not complete within {WIRE_TIMEOUT_S:g} s")
+        return handle.wait(0)
+
     def _send_locked(self, key, res: SendResult, transfer_id: str, token: str, seq_len: int, num_blocks: int,
                      src: Sequence[SourceSpec], t0: float) -> SendResult:
         admit = dump(Admit(transfer_id=transfer_id, token=token, seq_len=seq_len, num_blocks=num_blocks, sender_rank=self.sender_rank))
@@ -297,7 +318,12 @@ class KVSender:
         nbytes = 0
         try:
             segs = self._segments(reply, num_blocks, src)
-            nbytes = self.transport.write(ch.peer, segs, generation=accept_gen, transfer_id=transfer_id).wait(WIRE_TIMEOUT_S)
+            nbytes = self._wait_wire(ch, self.transport.write(ch.peer, segs, generation=accept_gen, transfer_id=transfer_id),
+                                     transfer_id)
+        except _Revoked as exc:
+            res.timings["wire_ms"] = (time.perf_counter() - t_wire) * 1e3
+            self._drop(key)
+            return self._fail(res, "revoked", str(exc), t0)
         except (TransportError, ProtocolError) as exc:
             error = str(exc)
         res.timings["wire_ms"] = (time.perf_counter() - t_wire) * 1e3

@@ -67,7 +67,7 @@ class ControlServer:
         self.port: int = self._listener.getsockname()[1]
         self._ids = itertools.count(1)
         self._closed = False
-        self._socks: set[socket.socket] = set()
+        self._socks: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
         self.frames_rejected = 0
         self._thread = threading.Thread(target=self._accept_loop, name="ctrl-accept", daemon=True)
@@ -84,10 +84,21 @@ class ControlServer:
         except OSError:
             pass
         with self._lock:
-            socks = list(self._socks)
+            socks = list(self._socks.values())
         for s in socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def revoke(self, conn_id: int) -> None:
+        """Close the control connection of a transfer the slot took away; its sender aborts the write."""
+        with self._lock:
+            sock = self._socks.get(conn_id)
+        if sock is not None:
+            log.info("event=revoked conn=%d", conn_id)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -109,7 +120,7 @@ class ControlServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn_id = next(self._ids)
             with self._lock:
-                self._socks.add(sock)
+                self._socks[conn_id] = sock
             threading.Thread(target=self._serve, args=(sock, addr, conn_id), name=f"ctrl-{conn_id}", daemon=True).start()
 
     def _serve(self, sock: socket.socket, addr: tuple[str, int], conn_id: int) -> None:
@@ -147,7 +158,7 @@ class ControlServer:
         finally:
             self.slot.sender_gone(conn_id)
             with self._lock:
-                self._socks.discard(sock)
+                self._socks.pop(conn_id, None)
             try:
                 sock.close()
             except OSError:

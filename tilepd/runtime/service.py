@@ -73,7 +73,8 @@ class DecodeService:
             allowed_senders=config.allowed_senders, name=f"tilepd-decode-{config.name}",
         )
         self.receiver.register(Buffer.from_array(self.recv_buf))
-        self.slot = Slot(on_arm=self.receiver.arm, on_disarm=self.receiver.disarm, orphan_timeout_s=config.kv_timeout_s)
+        self.slot = Slot(on_arm=self.receiver.arm, on_disarm=self.receiver.disarm, orphan_timeout_s=config.kv_timeout_s,
+                         on_revoke=lambda conn_id: self.ctrl.revoke(conn_id))
         self.ctrl = ControlServer(
             slot=self.slot, receiver=self.receiver, max_seq_len=config.max_seq_len, check_layout=self._check_layout,
             node_name=config.name, bind_host=config.bind_host, port=config.ctrl_port, allowed_senders=config.allowed_senders,

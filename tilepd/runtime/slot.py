@@ -69,6 +69,7 @@ class Slot:
         on_arm: Callable[[int, str, int], None] = lambda g, t, n: None,
         on_disarm: Callable[[], None] = lambda: None,
         orphan_timeout_s: float = 30.0,
+        on_revoke: Callable[[int], None] = lambda conn_id: None,
     ):
         self._cv = threading.Condition()
         self.state = State.FREE
@@ -76,6 +77,9 @@ class Slot:
         # generations start from the clock so a restarted node never reuses one
         self._next_generation = int(time.time() * 1000) << 4
         self._on_arm, self._on_disarm = on_arm, on_disarm
+        # called with the control connection of a transfer taken away mid-transfer (timeout, cancel):
+        # closing it makes the sender abort its write, so a one-sided writer stops early
+        self._on_revoke = on_revoke
         self.orphan_timeout_s = orphan_timeout_s
         self.transfers_total = 0
         self.bytes_total = 0
@@ -231,6 +235,8 @@ class Slot:
     def _free_locked(self, reason: str) -> None:
         cur = self.current
         self._on_disarm()
+        if cur is not None and self.state == State.TRANSFERRING and cur.conn_id is not None:
+            self._on_revoke(cur.conn_id)
         self.current = None
         self.state = State.FREE
         log.info("event=freed transfer_id=%s reason=%s", cur.transfer_id if cur else None, reason)

@@ -107,6 +107,10 @@ class WriteHandle(ABC):
     def abort(self) -> None:  # noqa: B027 - optional
         """Best effort: stop a write that is still in flight."""
 
+    def finished(self, timeout: float = 0.0) -> bool:
+        """True once the write ended (well or not); waits up to `timeout` without aborting."""
+        return True
+
 
 class DoneHandle(WriteHandle):
     """A write that already finished (synchronous transports)."""
@@ -153,6 +157,9 @@ class ThreadHandle(WriteHandle):
 
     def abort(self) -> None:
         self._abort.set()
+
+    def finished(self, timeout: float = 0.0) -> bool:
+        return self._done.wait(timeout)
 
 
 class Peer(ABC):
