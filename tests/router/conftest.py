@@ -8,6 +8,9 @@ NIXL params is also "vLLM alone", the reference for greedy output.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,6 +37,7 @@ class Stack:
         self.endpoint: DecodeEndpoint | None = None
         self.prefill: Server | None = None
         self.native: Server | None = None
+        self.native_prefill_url: str | None = None  # default: the prefill (MultiConnector serves both pools)
 
     @property
     def decode_url(self) -> str:
@@ -42,7 +46,7 @@ class Stack:
 
     def config(self, *, native: bool, **overrides: object) -> RouterConfig:
         assert self.prefill is not None and self.endpoint is not None
-        native_urls = (self.prefill.url, self.native.url) if (native and self.native is not None) else None
+        native_urls = (self.native_prefill_url or self.prefill.url, self.native.url) if (native and self.native is not None) else None
         return router_config(self.model, self.prefill.url, [self.endpoint], native=native_urls, **overrides)  # type: ignore[arg-type]
 
 
@@ -51,6 +55,10 @@ def router_stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     if not _engine_available():
         pytest.skip("tilepd.engine.load_engine is not in this build yet: no decode node can start")
     stack = Stack(tiny_llama, tmp_path_factory.mktemp("router-stack"))
+    reuse = os.environ.get("TILEPD_ROUTER_TEST_REUSE")
+    if reuse:  # development only: servers someone already started (JSON: model, prefill, native, decode endpoint+pid)
+        yield _reused(stack, json.loads(Path(reuse).read_text()))
+        return
     try:
         stack.decode, stack.endpoint = start_decode_node(tiny_llama, stack.workdir)
         stack.servers.append(stack.decode)
@@ -61,6 +69,19 @@ def router_stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         yield stack
     finally:
         stop_all(stack.servers)
+
+
+def _reused(stack: Stack, info: dict) -> Stack:
+    class _Proc:
+        pid = info["decode_pid"]
+
+    stack.model = Path(info["model"])
+    stack.prefill = Server(subprocess.Popen(["true"]), info["prefill"], Path("/dev/null"))
+    stack.native = Server(subprocess.Popen(["true"]), info["native"], Path("/dev/null"))
+    stack.decode = Server(_Proc(), f"http://127.0.0.1:{info['decode']['http_port']}", Path("/dev/null"))  # type: ignore[arg-type]
+    stack.endpoint = DecodeEndpoint(**info["decode"])
+    stack.native_prefill_url = info.get("native_prefill")
+    return stack
 
 
 @pytest.fixture(scope="session")
