@@ -34,12 +34,24 @@ class DecodeNode:
 
 
 def start_node(python: str, weights: Path, tmp: Path, transport: str = "tcp", family: str = "llama",
-               kv_timeout_s: float = 3.0, max_seq_len: int = 512) -> DecodeNode:
+               kv_timeout_s: float = 3.0, max_seq_len: int = 512, use_config_file: bool = False) -> DecodeNode:
+    """Start `python -m tilepd.runtime` from flags, or from a DecodeServerConfig file as the plan renders it."""
     http_port, ctrl_port = free_port(), free_port()
     log = tmp / f"decode-{transport}.log"
-    argv = [python, "-m", "tilepd.runtime", "--weights", str(weights), "--family", family, "--max-seq-len", str(max_seq_len),
-            "--host", "127.0.0.1", "--http-port", str(http_port), "--ctrl-port", str(ctrl_port), "--transport", transport,
-            "--kv-timeout-s", str(kv_timeout_s), "--name", f"test-{transport}"]
+    if use_config_file:
+        from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
+
+        cfg = DecodeServerConfig(name=f"test-{transport}", served_model_name="tiny", family=family, weights_dir=weights,
+                                 max_seq_len=max_seq_len, device="cpu", bind_host="127.0.0.1", advertise_host="127.0.0.1",
+                                 http_port=http_port, ctrl_port=ctrl_port, transport=TransportConfig(name=transport),
+                                 kv_timeout_s=kv_timeout_s, log_file=tmp / f"decode-{transport}.file.log")
+        cfg_file = tmp / "decode.json"
+        cfg_file.write_text(cfg.model_dump_json(indent=2))
+        argv = [python, "-m", "tilepd.runtime", "--config", str(cfg_file)]
+    else:
+        argv = [python, "-m", "tilepd.runtime", "--weights", str(weights), "--family", family, "--max-seq-len", str(max_seq_len),
+                "--host", "127.0.0.1", "--http-port", str(http_port), "--ctrl-port", str(ctrl_port), "--transport", transport,
+                "--kv-timeout-s", str(kv_timeout_s), "--name", f"test-{transport}"]
     proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
     node = DecodeNode(proc, f"http://127.0.0.1:{http_port}", ctrl_port, log)
     deadline = time.monotonic() + 120
@@ -76,7 +88,7 @@ def hf_llama(tiny_llama: Path):
 
 @pytest.fixture(scope="module")
 def llama_node(python_exe: str, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
-    node = start_node(python_exe, tiny_llama, tmp_path_factory.mktemp("node"))
+    node = start_node(python_exe, tiny_llama, tmp_path_factory.mktemp("node"), use_config_file=True)
     yield node
     stop_node(node)
 

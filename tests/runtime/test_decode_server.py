@@ -169,7 +169,7 @@ def test_status_metrics_capabilities(llama_node, hf_llama) -> None:
                      "tilepd_decode_convert_seconds_count", "tilepd_decode_inject_seconds_count",
                      "tilepd_decode_decode_seconds_count", "tilepd_decode_tokens_per_second"):
             assert name in m
-    log = llama_node.log.read_text()
+    log = llama_node.log.with_suffix(".file.log").read_text()  # the config's log_file
     assert "event=complete transfer_id=tx-metrics" in log and "event=decode_done transfer_id=tx-metrics" in log
 
 

@@ -6,8 +6,9 @@ Each write carries a notification `tilepd:<transfer_id>:<generation>`; the
 receiver counts a transfer as landed only when that notification arrives (it is
 ordered after the data), so a `done` from a writer of another generation cannot
 complete a slot. One-sided writes cannot be filtered by the target: a stale
-writer is stopped by the control channel (its connection is closed when its
-generation is revoked and the sender aborts the in-flight request).
+writer is stopped by the control channel instead (the decode node closes the
+connection of a transfer it revokes, and `KVSender` then aborts the in-flight
+request: releasing a NIXL request that is still in progress aborts it).
 """
 
 from __future__ import annotations
