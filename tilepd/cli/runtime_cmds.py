@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from pydantic import ValidationError
 
 from tilepd.cli.exitcodes import ExitCode
+from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
 
 
-def _config_from_flags(**kw: object) -> "object":
-    from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
-
+def _config_from_flags(**kw: Any) -> DecodeServerConfig:
     transport = TransportConfig(name=kw.pop("transport"), data_port=kw.pop("data_port"))
     return DecodeServerConfig(transport=transport, **{k: v for k, v in kw.items() if v is not None})
 
