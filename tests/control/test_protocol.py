@@ -284,3 +284,17 @@ def test_revoked_transfer_aborts_the_in_flight_write(node) -> None:
     # the sender reconnects and the next transfer goes through
     _send_and_check(node, sender, staging, "after", 40, nb)
     sender.close()
+
+
+def test_a_longer_connector_limit_is_fine_until_a_request_does_not_fit(node) -> None:
+    """Decode nodes may hold fewer tokens than the connector allows: refused per admit (too_long), not at hello."""
+    staging, nb = _payload(LAYOUT, 40)
+    cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n0", host="127.0.0.1", ctrl_port=node.port, http_port=1),),
+                               transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=4 * MAX)
+    sender = KVSender(cfg, LAYOUT, Buffer.from_array(staging))
+    _send_and_check(node, sender, staging, "fits", 40, nb)
+    node.slot.release(node.slot.current)
+    long_nb = LAYOUT.blocks_for(MAX + 1)
+    r = sender.send(("127.0.0.1", node.port), "long", "tok", MAX + 1, long_nb, [0, 0])
+    assert not r.ok and r.code == "too_long" and f"max_seq_len {MAX}" in r.message
+    sender.close()

@@ -22,7 +22,7 @@ def check_protocol(remote: int, *, local_side: str, remote_side: str, remote_ver
         )
 
 
-def check_hello(hello: Hello, *, transport: str, max_seq_len: int) -> None:
+def check_hello(hello: Hello, *, transport: str, max_seq_len: int | None = None) -> None:
     """Decode-node side: protocol, layout version and transport must match this node."""
     check_protocol(hello.protocol, local_side="decode node", remote_side="prefill connector", remote_version=hello.tilepd_version)
     if hello.layout.layout_version != LAYOUT_VERSION:
@@ -38,12 +38,8 @@ def check_hello(hello: Hello, *, transport: str, max_seq_len: int) -> None:
             f"{transport!r}: set the same transport name for the prefill hosts' connector "
             f"(kv_connector_extra_config.transport.name) and the decode node (its config's transport.name)",
         )
-    if hello.max_seq_len > max_seq_len:
-        raise ProtocolError(
-            ErrorCode.TOO_LONG,
-            f"the prefill connector allows prompts of up to {hello.max_seq_len} tokens but this decode node holds "
-            f"{max_seq_len}: raise the decode node's max_seq_len or lower the connector's max_seq_len",
-        )
+    # max_seq_len is not compared here: decode nodes of one model may hold fewer tokens than the
+    # connector allows; an admit whose seq_len does not fit is refused with too_long instead.
 
 
 def check_hello_ok(reply: HelloOk, *, transport: str) -> None:
