@@ -48,8 +48,7 @@ def convert_weights_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per conversion instead of a progress bar."),
 ) -> None:
     """Convert an HF safetensors checkpoint into tilepd's runtime format (skips when already up to date)."""
-    from tilepd.weights.convert import convert_weights
-    from tilepd.weights.source import WeightsError
+    from tilepd.weights.errors import WeightsError
 
     if family is not None:
         from tilepd.topology.families import canonical_family
@@ -63,7 +62,7 @@ def convert_weights_cmd(
         else:
             if model_dir is None or out is None:
                 _fail(ExitCode.USAGE, "--model-dir and --out are required (or give a TOPOLOGY file)")
-            results = [({"model_dir": str(model_dir)}, convert_weights(model_dir, out, family=family, dtype=dtype, tp=tp, progress=not as_json, force=force))]
+            results = [({"model_dir": str(model_dir)}, _convert_one(model_dir, out, family, dtype, tp, as_json, force))]
     except WeightsError as e:
         _fail(ExitCode.INPUT, f"{e} (no manifest written)")
     except ValueError as e:
@@ -76,6 +75,21 @@ def convert_weights_cmd(
             typer.echo(f"{r.out_dir}: up to date (manifest matches the sources), skipped in {r.seconds:.2f} s")
         else:
             typer.echo(f"{r.out_dir}: wrote {r.tensors} tensors, {r.bytes_written / 1e9:.3f} GB in {r.seconds:.1f} s")
+
+
+def _convert_one(model_dir: Path, out: Path, family: str | None, dtype: str, tp: int, as_json: bool, force: bool):
+    """Torch-free skip check first: an unchanged re-run answers without importing torch."""
+    import time
+    from types import SimpleNamespace
+
+    from tilepd.weights.skip import resolve_options, try_skip
+
+    t0 = time.perf_counter()
+    if not force and try_skip(model_dir, out, resolve_options(model_dir, family, dtype, tp)):
+        return SimpleNamespace(out_dir=out, skipped=True, seconds=time.perf_counter() - t0, tensors=0, bytes_written=0, files=[])
+    from tilepd.weights.convert import convert_weights
+
+    return convert_weights(model_dir, out, family=family, dtype=dtype, tp=tp, progress=not as_json, force=True)
 
 
 def _convert_topology(path: Path, as_json: bool, force: bool) -> list:

@@ -1,10 +1,23 @@
-"""tilepd's batch-1 decode engine (INTERFACES §1): load_engine, KVState, SamplingParams, DecodeResult."""
+"""tilepd's batch-1 decode engine (INTERFACES §1): load_engine, KVState, SamplingParams, DecodeResult.
 
-from tilepd.engine.engine import CAPABILITIES, Engine, load_engine
-from tilepd.engine.spec import ModelSpec, spec_from_hf_config, spec_from_model_dir
-from tilepd.engine.types import DecodeResult, KVState, SamplingParams
+Names are resolved lazily so that torch-free users (the CLI's skip path, config readers) can import
+`tilepd.engine.spec` without paying for torch.
+"""
 
-__all__ = [
-    "CAPABILITIES", "DecodeResult", "Engine", "KVState", "ModelSpec", "SamplingParams", "load_engine",
-    "spec_from_hf_config", "spec_from_model_dir",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CAPABILITIES": "tilepd.engine.engine", "Engine": "tilepd.engine.engine", "load_engine": "tilepd.engine.engine",
+    "ModelSpec": "tilepd.engine.spec", "spec_from_hf_config": "tilepd.engine.spec", "spec_from_model_dir": "tilepd.engine.spec",
+    "DecodeResult": "tilepd.engine.types", "KVState": "tilepd.engine.types", "SamplingParams": "tilepd.engine.types",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'tilepd.engine' has no attribute {name!r}")

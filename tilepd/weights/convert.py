@@ -20,10 +20,9 @@ import torch
 from tilepd.engine.spec import ModelSpec, spec_from_hf_config
 from tilepd.weights.build import FP8, build_chunks, cast_chunk, out_shape
 from tilepd.weights.layout import LAYOUT_VERSION, OutTensor, expected_shape, family_layout
-from tilepd.weights.manifest import (
-    CONVERTER_VERSION, FORMAT, MANIFEST, is_up_to_date, read_manifest, source_entry, source_files, write_manifest_atomically,
-)
+from tilepd.weights.manifest import CONVERTER_VERSION, FORMAT, MANIFEST, source_entry, source_files, write_manifest_atomically
 from tilepd.weights.safetensors_writer import StreamingSafetensorsWriter
+from tilepd.weights.skip import resolve_options, try_skip
 from tilepd.weights.source import Checkpoint, WeightsError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
@@ -62,22 +61,6 @@ def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, 
     return entries
 
 
-def _read_spec(model_dir: Path) -> ModelSpec:
-    import json
-
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise WeightsError(f"{model_dir}: no config.json (not an HF checkpoint directory)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{cfg_path}:{e.lineno}: invalid JSON ({e.msg})") from e
-    try:
-        return spec_from_hf_config(cfg)
-    except (KeyError, ValueError) as e:
-        raise WeightsError(f"{cfg_path}: {e}") from e
-
-
 def convert_weights(
     model_dir: Path, out_dir: Path, *, family: str | None = None, dtype: str = "bf16", tp: int = 1,
     progress: bool = True, force: bool = False,
@@ -85,20 +68,9 @@ def convert_weights(
     """Convert (or skip when the manifest says the same inputs were already converted)."""
     t0 = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {tp}")
-    spec0 = _read_spec(model_dir)
-    if family is not None and spec0.family != family:
-        raise WeightsError(f"{model_dir}/config.json: model_type {spec0.model_type!r} is family {spec0.family!r}, not {family!r}")
-    options = {"family": spec0.family, "dtype": dtype, "tp": tp}
-    if not force:
-        skip, refreshed = is_up_to_date(read_manifest(out_dir), model_dir, out_dir, options)
-        if skip:
-            if refreshed is not None:
-                write_manifest_atomically(out_dir, refreshed)
-            return ConvertResult(out_dir, True, time.perf_counter() - t0)
+    options = resolve_options(model_dir, family, dtype, tp)
+    if not force and try_skip(model_dir, out_dir, options):
+        return ConvertResult(out_dir, True, time.perf_counter() - t0)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)
     with Checkpoint(model_dir) as ck:

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 
-class WeightsError(Exception):
-    """A checkpoint or converted-weights directory is missing, incomplete or corrupt (CLI exit code 4)."""
+from tilepd.weights.errors import WeightsError  # noqa: E402  (re-exported: callers import it from here)
 
 
 TORCH_DTYPES = {
