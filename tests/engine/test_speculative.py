@@ -62,3 +62,21 @@ def test_speculative_stops_mid_round_on_stop_token(tiny_deepseek: Path, deepseek
     assert res.tokens == truth[: stop_at + 1] and res.finish_reason == "stop"
     res = _decode(engine, deepseek_ref, steps=7)
     assert res.tokens == truth[:7] and res.finish_reason == "length"
+
+
+def test_state_with_mtp_layer_kv_is_accepted(tiny_deepseek: Path, deepseek_ref) -> None:
+    """A prefill that ran the MTP layer ships its KV as one more layer; decoding stays exact greedy."""
+    import torch
+
+    from tilepd.engine import KVState
+
+    engine = load_engine(tiny_deepseek, device="cpu", max_seq_len=256, dtype="float32", num_speculative_tokens=2)
+    st = deepseek_ref.state
+    extra = torch.randn_like(st.layers[0])
+    engine.inject(KVState(st.seq_len, [*st.layers, extra]))
+    assert int(engine.model.mtp_start) == 0
+    assert torch.equal(engine.model.mtp_caches[0][: st.seq_len], extra)
+    res = engine.decode(deepseek_ref.tokens[0], 16, SamplingParams(ignore_eos=True), lambda t: None)
+    assert res.tokens == deepseek_ref.tokens[1:17]
+    with pytest.raises(ValueError, match="with the MTP layers"):
+        engine.inject(KVState(st.seq_len, st.layers[:1]))

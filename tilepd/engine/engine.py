@@ -93,10 +93,18 @@ class Engine:
         self.seq_len = 0
 
     def inject(self, state: KVState) -> None:
-        """Copy a prefix in the native layout into positions [0, state.seq_len) of every layer's cache."""
-        caches = self.model.caches
+        """Copy a prefix in the native layout into positions [0, state.seq_len) of every layer's cache.
+
+        deepseek_v3 with MTP: a state may carry num_layers + num_mtp_layers tensors (a prefill that ran
+        the draft layer); then the MTP layer sees the whole prefix, else only what it decoded itself."""
+        caches = list(self.model.caches)
+        mtp_caches = list(getattr(self.model, "mtp_caches", []))
+        with_mtp = bool(mtp_caches) and len(state.layers) == len(caches) + len(mtp_caches)
+        if with_mtp:
+            caches += mtp_caches
         if len(state.layers) != len(caches):
-            raise ValueError(f"KVState has {len(state.layers)} layers, the model has {len(caches)}")
+            extra = f" (or {len(caches) + len(mtp_caches)} with the MTP layers)" if mtp_caches else ""
+            raise ValueError(f"KVState has {len(state.layers)} layers, the model has {len(caches)}{extra}")
         if not 0 < state.seq_len < self.max_seq_len:
             raise ValueError(f"KVState seq_len {state.seq_len} must be in [1, max_seq_len={self.max_seq_len})")
         want = tuple(caches[0].shape[1:])
@@ -105,7 +113,7 @@ class Engine:
                 raise ValueError(f"KVState layer {i}: shape {list(src.shape)}, expected {[state.seq_len, *want]}")
             dst[: state.seq_len].copy_(src, non_blocking=True)
         if hasattr(self.model, "mtp_start"):
-            self.model.mtp_start.fill_(state.seq_len)
+            self.model.mtp_start.fill_(0 if with_mtp else state.seq_len)
         self.seq_len = state.seq_len
 
     def decode(self, first_token: int, max_tokens: int, sampling: SamplingParams, on_token: Callable[[int], None],
