@@ -30,7 +30,8 @@ class DeepseekV3Model:
         self.mtp_caches = [torch.zeros(max_seq_len, 1, width, dtype=cache_dtype, device=device) for _ in range(spec.num_mtp_layers if self.has_mtp else 0)]
         # The MTP layer only has KV for positions it processed itself (the prefill did not run it).
         self.mtp_start = torch.zeros(1, dtype=torch.long, device=device)
-        self.rope = rope_table(spec.qk_rope_head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, max_seq_len, device)
+        self.rope = rope_table(spec.qk_rope_head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, max_seq_len,
+                               device, weights["embed"].dtype, interleaved=spec.rope_interleave)
         self.scale = (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(spec.rope_scaling)
         self._rope_fn = apply_rope_interleaved if spec.rope_interleave else apply_rope_neox
 

@@ -61,7 +61,8 @@ class LlamaModel:
             torch.zeros(max_seq_len, spec.num_kv_heads, 2 * spec.head_dim, dtype=cache_dtype, device=device)
             for _ in range(spec.num_layers)
         ]
-        self.rope = rope_table(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, max_seq_len, device)
+        dtype = weights["embed"].dtype
+        self.rope = rope_table(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, max_seq_len, device, dtype)
         self.lm_head = weights["embed"] if spec.tie_word_embeddings else weights["lm_head"]
         self.scale = spec.head_dim**-0.5
         self.layer_weights = [

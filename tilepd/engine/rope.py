@@ -73,26 +73,33 @@ def yarn_softmax_scale(scaling: dict[str, Any] | None) -> float:
     return _yarn_mscale(float(scaling["factor"]), m) ** 2 if m else 1.0
 
 
-def rope_table(dim: int, base: float, scaling: dict[str, Any] | None, max_pos: int, n: int, device: torch.device) -> torch.Tensor:
-    """[n, dim] float32 table: cos in [:, :dim/2], sin in [:, dim/2:] (one gather per step by position)."""
+def rope_table(dim: int, base: float, scaling: dict[str, Any] | None, max_pos: int, n: int, device: torch.device,
+               dtype: torch.dtype = torch.float32, interleaved: bool = False) -> torch.Tensor:
+    """[n, 2, dim] table in the compute dtype: row 0 = cos per channel, row 1 = sin with the rotation's
+    sign folded in, laid out for the channel order (half-split for Llama, pairs for DeepSeek). A step then
+    applies RoPE as x * cos + swap(x) * sin: three kernels, gathered by position once per step."""
     inv, mult = rope_inv_freq(dim, base, scaling, max_pos)
     freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
-    return torch.cat([freqs.cos() * mult, freqs.sin() * mult], dim=-1).to(device)
+    cos, sin = freqs.cos() * mult, freqs.sin() * mult
+    if interleaved:
+        cos_full = cos.repeat_interleave(2, dim=-1)
+        sin_signed = torch.stack([-sin, sin], dim=-1).flatten(-2)
+    else:
+        cos_full = torch.cat([cos, cos], dim=-1)
+        sin_signed = torch.cat([-sin, sin], dim=-1)
+    return torch.stack([cos_full, sin_signed], dim=1).to(device=device, dtype=dtype)
 
 
 def apply_rope_neox(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-    """Llama/Qwen (rotate-half) RoPE. x [T, H, D], cs [T, D] (cos|sin halves); computed in float32."""
-    half = x.shape[-1] // 2
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """Llama/Qwen (rotate-half) RoPE. x [T, H, D]; cs [T, 2, D] from rope_table(interleaved=False)."""
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    return torch.addcmul(x * cs[:, None, 0], swapped, cs[:, None, 1])
 
 
 def apply_rope_interleaved(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-    """DeepSeek (GPT-J, pairwise) RoPE, output kept interleaved as vLLM's MLA cache holds it. x [T, H, D]."""
-    half = x.shape[-1] // 2
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
-    xf = x.float()
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2).to(x.dtype)
+    """DeepSeek (GPT-J, pairwise) RoPE, output kept interleaved as vLLM's MLA cache holds it.
+    x [T, H, D]; cs [T, 2, D] from rope_table(interleaved=True)."""
+    t, h, d = x.shape
+    swapped = x.reshape(t, h, d // 2, 2).flip(3).view(t, h, d)
+    return torch.addcmul(x * cs[:, None, 0], swapped, cs[:, None, 1])
