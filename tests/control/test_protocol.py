@@ -40,7 +40,7 @@ def node():
     holder: list[ControlServer] = []
     slot = Slot(on_arm=rx.arm, on_disarm=rx.disarm, on_revoke=lambda conn_id: holder[0].revoke(conn_id))
     srv = ControlServer(slot=slot, receiver=rx, max_seq_len=MAX, node_name="n0",
-                        check_layout=lambda lay: check_layout(lay, GEOM, max_seq_len=MAX, capacity=cap)).start()
+                        check_layout=lambda lay, tp: check_layout(lay, GEOM, max_seq_len=MAX, capacity=cap, tp_size=tp)).start()
     holder.append(srv)
     yield SimpleNamespace(buf=buf, rx=rx, slot=slot, srv=srv, port=srv.port)
     srv.close()
@@ -203,8 +203,16 @@ def test_stale_done_from_a_foreign_connection_is_ignored(node) -> None:
         assert recv_frame(s)["type"] == "hello_ok"
         send_frame(s, {"type": "admit", "transfer_id": "t1", "token": "tok", "seq_len": 10, "num_blocks": 1})
         acc = recv_frame(s)
+        stale = {"type": "done", "transfer_id": "t1", "generation": acc["generation"] - 1, "bytes": 0, "ok": True}
         with socket.create_connection(("127.0.0.1", node.port), timeout=5) as foreign:
-            send_frame(foreign, {"type": "done", "transfer_id": "t1", "generation": acc["generation"] - 1, "bytes": 0, "ok": True})
+            send_frame(foreign, stale)  # no hello: refused and closed
+            assert recv_frame(foreign)["code"] == "not_ready" and _closed(foreign)
+        with socket.create_connection(("127.0.0.1", node.port), timeout=5) as foreign:
+            send_frame(foreign, _hello())
+            assert recv_frame(foreign)["type"] == "hello_ok"
+            send_frame(foreign, stale)  # a late done of an older generation
+            assert recv_frame(foreign)["ok"] is False
+            send_frame(foreign, {**stale, "generation": acc["generation"]})  # right generation, but this connection never admitted
             assert recv_frame(foreign)["ok"] is False
         assert node.slot.state == State.TRANSFERRING
         # a bad token does not take the slot either

@@ -69,3 +69,21 @@ def test_fp8_ds_mla_dequantises_latent_and_keeps_rope() -> None:
     expect_latent = torch.cat([torch.full((t, 128), 2.0 * s) for s in (0.5, 1.0, 2.0, 4.0)], dim=1)
     assert torch.equal(out[:, 0, :512], expect_latent)
     assert torch.equal(out[:, 0, 512:], rope.float())
+
+
+def test_tensor_parallel_shards_are_concatenated_by_rank() -> None:
+    shard = CacheLayout(kind="attn", num_layers=2, block_size=4, num_heads=1, entry_width=4, dtype="float32", order="BNHC",
+                        head_size_k=2, head_size_v=2)
+    seq, max_seq, tp = 6, 8, 2
+    full = _layers(seq, 2, 4)
+    stride = shard.region_stride(max_seq)
+    buf = torch.zeros(tp * shard.buffer_bytes(max_seq), dtype=torch.uint8)
+    nb = shard.blocks_for(seq)
+    for r in range(tp):
+        wire = np.frombuffer(to_wire([x[:, r:r + 1] for x in full], shard), np.uint8)
+        for l in range(2):
+            start = (r * 2 + l) * stride
+            buf[start:start + nb * shard.block_bytes] = torch.from_numpy(wire[l * nb * shard.block_bytes:(l + 1) * nb * shard.block_bytes].copy())
+    out = convert(buf, shard, max_seq, seq, torch.float32, tp_size=tp)
+    for a, b in zip(out, full):
+        assert torch.equal(a, b)

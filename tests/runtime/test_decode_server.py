@@ -223,3 +223,50 @@ def test_mla_latent_handoff_into_deepseek_node(python_exe, tiny_deepseek, tmp_pa
         assert out.json()["tokens"] == ref
     finally:
         stop_node(node)
+
+
+def test_prefill_tensor_parallel_ranks_each_send_their_heads(llama_node, hf_llama) -> None:
+    """TP=2 prefill: each rank holds one of the two KV heads and sends it on its own connection, at the same
+    time; the node waits for both ranks and decodes exactly as HF does."""
+    prompt = PROMPTS["multi_block"]
+    first, layers = hf_prefill_kv(hf_llama, prompt)
+    full = _layout(hf_llama)
+    shard = full.model_copy(update={"num_heads": 1})
+    cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=llama_node.ctrl_port, http_port=1),),
+                               transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
+    nb = shard.blocks_for(len(prompt))
+    results: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        staging = wire_payload([x[:, r:r + 1, :] for x in layers], shard)
+        sender = KVSender(cfg, shard, Buffer.from_array(staging), sender_rank=r, tp_size=2)
+        results[r] = sender.send(("127.0.0.1", llama_node.ctrl_port), "tx-tp2", "tok", len(prompt), nb,
+                                 [l * nb * shard.block_bytes for l in range(shard.num_layers)])
+        sender.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(res.ok for res in results.values()), results
+    with llama_node.client() as c:
+        r = c.post("/v1/decode", json=_body("tx-tp2", first, prompt))
+    assert [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 9)
+
+
+def test_prefill_tp_rank_that_never_sends_fails_the_transfer(llama_node, hf_llama) -> None:
+    """One rank of two sends; the other never does: the decode request times out (504) and the slot frees."""
+    prompt = PROMPTS["short"]
+    first, layers = hf_prefill_kv(hf_llama, prompt)
+    shard = _layout(hf_llama).model_copy(update={"num_heads": 1})
+    cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=llama_node.ctrl_port, http_port=1),),
+                               transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
+    staging = wire_payload([x[:, :1, :] for x in layers], shard)
+    sender = KVSender(cfg, shard, Buffer.from_array(staging), sender_rank=0, tp_size=2)
+    assert sender.send(("127.0.0.1", llama_node.ctrl_port), "tx-half", "tok", len(prompt), 1, [0, shard.block_bytes]).ok
+    sender.close()
+    with llama_node.client() as c:
+        r = c.post("/v1/decode", json=_body("tx-half", first, prompt, kv_timeout_s=0.5))
+        assert r.status_code == 504
+        assert c.get("/status").json()["state"] == "free"

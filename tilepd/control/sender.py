@@ -318,8 +318,9 @@ class KVSender:
         nbytes = 0
         try:
             segs = self._segments(reply, num_blocks, src)
-            nbytes = self._wait_wire(ch, self.transport.write(ch.peer, segs, generation=accept_gen, transfer_id=transfer_id),
-                                     transfer_id)
+            # the write's name carries the rank: a receiver tells the ranks' writes of one transfer apart
+            handle = self.transport.write(ch.peer, segs, generation=accept_gen, transfer_id=f"{transfer_id}/{self.sender_rank}")
+            nbytes = self._wait_wire(ch, handle, transfer_id)
         except _Revoked as exc:
             res.timings["wire_ms"] = (time.perf_counter() - t_wire) * 1e3
             self._drop(key)

@@ -34,9 +34,11 @@ def _dequant_fp8_ds_mla(tok_bytes: torch.Tensor, out_dtype: torch.dtype) -> torc
     return torch.cat([latent, rope], dim=-1).to(out_dtype)
 
 
-def layer_bytes(buf: torch.Tensor, layout: CacheLayout, max_seq_len: int, layer: int, num_blocks: int) -> torch.Tensor:
-    """The uint8 slice of the receive buffer holding `num_blocks` blocks of `layer`."""
-    start = layer * layout.region_stride(max_seq_len)
+def layer_bytes(buf: torch.Tensor, layout: CacheLayout, max_seq_len: int, layer: int, num_blocks: int,
+                rank: int = 0) -> torch.Tensor:
+    """The uint8 slice of the receive buffer holding `num_blocks` blocks of `layer` sent by TP rank `rank`."""
+    stride = layout.region_stride(max_seq_len)
+    start = (rank * layout.num_layers + layer) * stride
     return buf[start:start + num_blocks * layout.block_bytes]
 
 
@@ -62,11 +64,19 @@ def convert_layer(raw: torch.Tensor, layout: CacheLayout, seq_len: int, out_dtyp
 
 
 def convert(buf: torch.Tensor, layout: CacheLayout, max_seq_len: int, seq_len: int, out_dtype: torch.dtype,
-            device: torch.device | str | None = None) -> list[torch.Tensor]:
-    """All layers of one received transfer, in the engine's native layout."""
+            device: torch.device | str | None = None, tp_size: int = 1) -> list[torch.Tensor]:
+    """All layers of one received transfer, in the engine's native layout.
+
+    With tp_size > 1 rank r's heads sit in their own regions (after the r-1 ranks before it) and are
+    concatenated in rank order, which is how tensor parallelism splits KV heads.
+    """
     nb = layout.blocks_for(seq_len)
-    return [convert_layer(layer_bytes(buf, layout, max_seq_len, l, nb), layout, seq_len, out_dtype, device)
-            for l in range(layout.num_layers)]
+    out = []
+    for l in range(layout.num_layers):
+        parts = [convert_layer(layer_bytes(buf, layout, max_seq_len, l, nb, r), layout, seq_len, out_dtype, device)
+                 for r in range(tp_size)]
+        out.append(parts[0] if tp_size == 1 else torch.cat(parts, dim=1))
+    return out
 
 
 def to_wire(layers: list[torch.Tensor], layout: CacheLayout) -> bytes:

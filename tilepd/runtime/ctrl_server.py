@@ -52,7 +52,7 @@ class ControlServer:
         slot: Slot,
         receiver: TransportReceiver,
         max_seq_len: int,
-        check_layout: Callable[[CacheLayout], None],
+        check_layout: Callable[[CacheLayout, int], None],
         node_name: str = "",
         bind_host: str = "127.0.0.1",
         port: int = 0,
@@ -125,7 +125,7 @@ class ControlServer:
 
     def _serve(self, sock: socket.socket, addr: tuple[str, int], conn_id: int) -> None:
         peer = f"{addr[0]}:{addr[1]}"
-        layout: CacheLayout | None = None
+        hello: Hello | None = None
         try:
             sock.settimeout(IDLE_TIMEOUT_S)
             while True:
@@ -138,17 +138,20 @@ class ControlServer:
                     log.warning("event=bad_frame peer=%s conn=%d reason=%s", peer, conn_id, exc)
                     return
                 if isinstance(msg, Hello):
-                    reply, layout = self._hello(msg, peer, conn_id)
+                    reply, hello = self._hello(msg, peer, conn_id)
                     send_frame(sock, reply)
                     if reply["type"] == "error":
                         return
                 elif isinstance(msg, Admit):
-                    if layout is None:
+                    if hello is None:
                         send_frame(sock, dump(Error(code=ErrorCode.NOT_READY, message="send hello before admit")))
                         return
-                    send_frame(sock, self._admit(msg, layout, peer, conn_id))
+                    send_frame(sock, self._admit(msg, hello, peer, conn_id))
                 elif isinstance(msg, Done):
-                    send_frame(sock, self._done(msg, peer))
+                    if hello is None:
+                        send_frame(sock, dump(Error(code=ErrorCode.NOT_READY, message="send hello before done")))
+                        return
+                    send_frame(sock, self._done(msg, hello, peer, conn_id))
                 else:
                     self.frames_rejected += 1
                     log.warning("event=bad_frame peer=%s conn=%d reason=unexpected_%s", peer, conn_id, msg.type)
@@ -165,23 +168,27 @@ class ControlServer:
                 pass
 
     # -- messages ---------------------------------------------------------------------
-    def _hello(self, msg: Hello, peer: str, conn_id: int) -> tuple[dict, CacheLayout | None]:
+    def _hello(self, msg: Hello, peer: str, conn_id: int) -> tuple[dict, Hello | None]:
         try:
             check_hello(msg, transport=self.receiver.name, max_seq_len=self.max_seq_len)
-            self.check_layout(msg.layout)
+            if msg.sender_rank >= msg.tp_size:
+                raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"sender_rank {msg.sender_rank} is not below tp_size {msg.tp_size}")
+            self.check_layout(msg.layout, msg.tp_size)
             self.receiver.add_peer(msg.transport.metadata)
         except ProtocolError as exc:
             log.warning("event=hello_refused peer=%s conn=%d code=%s message=%s", peer, conn_id, exc.code.value, exc.message)
             return dump(Error(code=exc.code, message=exc.message)), None
         stride = msg.layout.region_stride(self.max_seq_len)
-        regions = [Region(layer=i, offset=i * stride, length=stride) for i in range(msg.layout.num_layers)]
+        base = msg.sender_rank * msg.layout.num_layers * stride
+        regions = [Region(layer=i, offset=base + i * stride, length=stride) for i in range(msg.layout.num_layers)]
         log.info("event=hello peer=%s conn=%d rank=%d layout=%s transport=%s", peer, conn_id, msg.sender_rank,
                  msg.layout.layout_id, msg.transport.name)
         reply = HelloOk(protocol=PROTOCOL_VERSION, transport=TransportInfo(name=self.receiver.name, metadata=self.receiver.describe()),
                         regions=regions, busy=self.slot.busy, node=self.node_name)
-        return dump(reply), msg.layout
+        return dump(reply), msg
 
-    def _admit(self, msg: Admit, layout: CacheLayout, peer: str, conn_id: int) -> dict:
+    def _admit(self, msg: Admit, hello: Hello, peer: str, conn_id: int) -> dict:
+        layout, tp, rank = hello.layout, hello.tp_size, hello.sender_rank
         def reject(code: ErrorCode, message: str) -> dict:
             level = logging.INFO if code in RETRYABLE else logging.WARNING
             log.log(level, "event=admit_rejected transfer_id=%s peer=%s code=%s message=%s", msg.transfer_id, peer, code.value, message)
@@ -191,28 +198,35 @@ class ControlServer:
             return reject(ErrorCode.TOO_LONG, f"seq_len {msg.seq_len} exceeds this decode node's max_seq_len {self.max_seq_len}")
         if msg.num_blocks != layout.blocks_for(msg.seq_len):
             return reject(ErrorCode.LAYOUT_MISMATCH, f"num_blocks {msg.num_blocks} != ceil(seq_len {msg.seq_len} / block_size {layout.block_size})")
+        if msg.sender_rank != rank:
+            return reject(ErrorCode.MALFORMED, f"admit says sender_rank {msg.sender_rank} but this connection's hello said {rank}")
         stride = layout.region_stride(self.max_seq_len)
-        # bytes land in layer regions; the receiver is armed up to the end of the last region used
-        expected = layout.num_layers * msg.num_blocks * layout.block_bytes
-        limit = (layout.num_layers - 1) * stride + msg.num_blocks * layout.block_bytes
+        # rank r's layer regions follow those of ranks 0..r-1; the receiver is armed up to the last region used
+        expected = tp * layout.num_layers * msg.num_blocks * layout.block_bytes
+        limit = ((tp - 1) * layout.num_layers + layout.num_layers - 1) * stride + msg.num_blocks * layout.block_bytes
         try:
             gen = self.slot.admit(msg.transfer_id, msg.token, msg.seq_len, msg.num_blocks, expected, layout, conn_id,
-                                  arm_limit=limit)
+                                  arm_limit=limit, sender_rank=rank, tp_size=tp)
         except SlotError as exc:
             return reject(ErrorCode(exc.code), exc.message)
-        return dump(Accept(transfer_id=msg.transfer_id, generation=gen, dst=Dst(base=0, region_stride=stride, block_bytes=layout.block_bytes)))
+        base = rank * layout.num_layers * stride
+        return dump(Accept(transfer_id=msg.transfer_id, generation=gen, dst=Dst(base=base, region_stride=stride, block_bytes=layout.block_bytes)))
 
-    def _done(self, msg: Done, peer: str) -> dict:
+    def _done(self, msg: Done, hello: Hello, peer: str, conn_id: int) -> dict:
         cur = self.slot.current
-        if msg.ok and cur is not None and cur.generation == msg.generation and cur.transfer_id == msg.transfer_id:
-            if msg.bytes != cur.expected_bytes:
+        rank = hello.sender_rank
+        if msg.ok and cur is not None and cur.generation == msg.generation and cur.transfer_id == msg.transfer_id \
+                and cur.conn_ids.get(rank) == conn_id:
+            want = cur.expected_bytes // max(cur.tp_size, 1)
+            if msg.bytes != want:
                 ok, why = self.slot.complete(msg.transfer_id, msg.generation, False,
-                                             f"sender reported {msg.bytes} bytes, expected {cur.expected_bytes}")
+                                             f"rank {rank} reported {msg.bytes} bytes, expected {want}", sender_rank=rank,
+                                             conn_id=conn_id)
                 return dump(Ack(transfer_id=msg.transfer_id, ok=False, message=why))
-            if not self.receiver.wait_received(msg.generation, cur.expected_bytes, DATA_DRAIN_TIMEOUT_S):
+            if not self.receiver.wait_received(msg.generation, want, DATA_DRAIN_TIMEOUT_S, key=f"{msg.transfer_id}/{rank}"):
                 ok, why = self.slot.complete(msg.transfer_id, msg.generation, False,
-                                             f"only {self.receiver.bytes_received()} bytes landed of {cur.expected_bytes}")
+                                             f"rank {rank}'s {want} bytes did not land", sender_rank=rank, conn_id=conn_id)
                 return dump(Ack(transfer_id=msg.transfer_id, ok=False, message=why))
-        ok, why = self.slot.complete(msg.transfer_id, msg.generation, msg.ok, msg.error)
+        ok, why = self.slot.complete(msg.transfer_id, msg.generation, msg.ok, msg.error, sender_rank=rank, conn_id=conn_id)
         log.info("event=done transfer_id=%s peer=%s generation=%d ok=%s accepted=%s", msg.transfer_id, peer, msg.generation, msg.ok, ok)
         return dump(Ack(transfer_id=msg.transfer_id, ok=ok, message=why))

@@ -95,8 +95,12 @@ def recv_buffer_bytes(geom: CacheGeometry, max_seq_len: int, kv_cache_dtype: str
     return geom.num_layers * (max_seq_len + MAX_BLOCK_SLACK) * wire_token_bytes(geom, kv_cache_dtype, device)
 
 
-def check_layout(layout: CacheLayout, geom: CacheGeometry, *, max_seq_len: int, capacity: int) -> None:
-    """Raise ProtocolError(layout_mismatch) naming the first field that differs."""
+def check_layout(layout: CacheLayout, geom: CacheGeometry, *, max_seq_len: int, capacity: int, tp_size: int = 1) -> None:
+    """Raise ProtocolError(layout_mismatch) naming the first field that differs.
+
+    With prefill tensor parallelism (tp_size > 1, attention only) each rank holds num_heads/tp_size
+    heads and sends its own share; the MLA latent is the same on every rank, so only rank 0 sends it.
+    """
 
     def bad(field: str, theirs: Any, ours: Any) -> ProtocolError:
         return ProtocolError(
@@ -109,11 +113,12 @@ def check_layout(layout: CacheLayout, geom: CacheGeometry, *, max_seq_len: int, 
         raise bad("kind", layout.kind, geom.kind)
     if layout.num_layers != geom.num_layers:
         raise bad("num_layers", layout.num_layers, geom.num_layers)
-    if layout.num_heads != geom.num_heads:
-        hint = " (prefill tensor parallelism shards KV heads; this build needs the full head set per sender)" \
-            if layout.num_heads < geom.num_heads else ""
-        raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"the prefill cache holds {layout.num_heads} KV heads per layer, "
-                            f"this decode node's model has {geom.num_heads}{hint}")
+    if layout.kind == "mla" and tp_size > 1:
+        raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"an MLA latent cache is the same on every prefill TP rank: send it "
+                            f"from rank 0 only, with tp_size 1 (got tp_size {tp_size})")
+    if layout.num_heads * tp_size != geom.num_heads:
+        raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"the prefill cache holds {layout.num_heads} KV heads per layer on each of "
+                            f"{tp_size} TP rank(s), this decode node's model has {geom.num_heads}")
     if geom.kind == "attn":
         if (layout.head_size_k, layout.head_size_v) != (geom.head_size_k, geom.head_size_v):
             raise bad("head_size_k/v", (layout.head_size_k, layout.head_size_v), (geom.head_size_k, geom.head_size_v))
@@ -122,7 +127,7 @@ def check_layout(layout: CacheLayout, geom: CacheGeometry, *, max_seq_len: int, 
             raise bad("kv_lora_rank/rope_dim", (layout.kv_lora_rank, layout.rope_dim), (geom.kv_lora_rank, geom.rope_dim))
     if layout.dtype == "fp8_ds_mla" and geom.kind != "mla":
         raise bad("dtype", layout.dtype, "an attention cache")
-    need = layout.buffer_bytes(max_seq_len)
+    need = layout.buffer_bytes(max_seq_len) * tp_size
     if need > capacity:
         raise ProtocolError(
             ErrorCode.LAYOUT_MISMATCH,

@@ -106,8 +106,8 @@ class DecodeService:
         while not self._stop.wait(1.0):
             self.slot.reap_orphans()
 
-    def _check_layout(self, layout: CacheLayout) -> None:
-        check_layout(layout, self.geometry, max_seq_len=self.config.max_seq_len, capacity=self.capacity)
+    def _check_layout(self, layout: CacheLayout, tp_size: int = 1) -> None:
+        check_layout(layout, self.geometry, max_seq_len=self.config.max_seq_len, capacity=self.capacity, tp_size=tp_size)
 
     # -- views ----------------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:
@@ -132,7 +132,7 @@ class DecodeService:
         kv_state_cls, sampling_cls = self.kv_types or _engine_types()
         t0 = time.perf_counter()
         layers = convert(self.recv_buf, transfer.layout, self.config.max_seq_len, transfer.seq_len,
-                         self.geometry.cache_dtype, self.device)
+                         self.geometry.cache_dtype, self.device, tp_size=transfer.tp_size)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()

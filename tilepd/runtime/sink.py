@@ -46,8 +46,8 @@ def run_sink(transport: str, nbytes: int, max_seq_len: int) -> None:
     rx.register(Buffer.from_array(buf))
     slot = _AutoFreeSlot(on_arm=rx.arm, on_disarm=rx.disarm)
 
-    def check(layout: CacheLayout) -> None:
-        if layout.buffer_bytes(max_seq_len) > nbytes:
+    def check(layout: CacheLayout, tp_size: int) -> None:
+        if layout.buffer_bytes(max_seq_len) * tp_size > nbytes:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"layout needs {layout.buffer_bytes(max_seq_len)} bytes, sink has {nbytes}")
 
     srv = ControlServer(slot=slot, receiver=rx, max_seq_len=max_seq_len, check_layout=check, node_name="sink").start()

@@ -52,7 +52,10 @@ class Transfer:
     reserved_at: float = field(default_factory=time.monotonic)
     http_joined: bool = False
     generation: int | None = None
-    conn_id: int | None = None
+    conn_id: int | None = None  # rank 0's control connection (kept for logs and single-rank callers)
+    tp_size: int = 1  # prefill ranks that each send their share of the KV heads
+    conn_ids: dict[int, int] = field(default_factory=dict)  # sender rank -> control connection
+    done_ranks: set[int] = field(default_factory=set)
     seq_len: int = 0
     num_blocks: int = 0
     expected_bytes: int = 0
@@ -163,8 +166,13 @@ class Slot:
 
     # -- control side -----------------------------------------------------------------
     def admit(self, transfer_id: str, token: str, seq_len: int, num_blocks: int, expected_bytes: int,
-              layout: Any, conn_id: int, arm_limit: int | None = None) -> int:
-        """Grant a generation for this transfer (arms the transport), or raise SlotError."""
+              layout: Any, conn_id: int, arm_limit: int | None = None, *, sender_rank: int = 0, tp_size: int = 1) -> int:
+        """Grant a generation for this transfer (arms the transport), or raise SlotError.
+
+        With tp_size > 1 every prefill rank admits the same transfer id; the first admit draws the
+        generation and arms the receiver, the other ranks join it. `expected_bytes` counts all ranks.
+        A rank that admits twice (it reconnected) starts a new generation for the whole transfer.
+        """
         with self._cv:
             cur = self.current
             if self.state == State.FREE:
@@ -174,31 +182,55 @@ class Slot:
                     raise SlotError("bad_token", f"token does not match the decode request for transfer {transfer_id}")
                 if self.state not in (State.RESERVED, State.TRANSFERRING):
                     raise SlotError("unknown_transfer", f"transfer {transfer_id} is already {self.state.value}; duplicate admit ignored")
+                if self.state == State.TRANSFERRING and (tp_size != cur.tp_size or seq_len != cur.seq_len):
+                    raise SlotError("layout_mismatch", f"rank {sender_rank} admits transfer {transfer_id} with tp_size {tp_size} "
+                                    f"and seq_len {seq_len}; rank(s) {sorted(cur.conn_ids)} admitted {cur.tp_size} and {cur.seq_len}")
             else:
                 raise SlotError("busy", f"decode node busy with transfer {cur.transfer_id if cur else '?'} ({self.state.value})")
+            if self.state == State.TRANSFERRING and sender_rank not in cur.conn_ids:
+                cur.conn_ids[sender_rank] = conn_id  # another rank of the same transfer joins its generation
+                if sender_rank == 0:
+                    cur.conn_id = conn_id
+                log.info("event=admitted transfer_id=%s generation=%d rank=%d/%d", transfer_id, cur.generation, sender_rank, tp_size)
+                return cur.generation  # type: ignore[return-value]
             gen = self._next_generation
             self._next_generation += 1
             if self.state == State.TRANSFERRING:
-                log.info("event=readmit transfer_id=%s old_generation=%s generation=%d", transfer_id, cur.generation, gen)
-            cur.generation, cur.conn_id = gen, conn_id
+                log.info("event=readmit transfer_id=%s old_generation=%s generation=%d rank=%d", transfer_id, cur.generation, gen, sender_rank)
+            cur.generation, cur.tp_size = gen, tp_size
+            cur.conn_ids, cur.done_ranks = {sender_rank: conn_id}, set()
+            cur.conn_id = conn_id if sender_rank == 0 else None
             cur.seq_len, cur.num_blocks, cur.expected_bytes, cur.layout = seq_len, num_blocks, expected_bytes, layout
             cur.admitted_at = time.monotonic()
             self.state = State.TRANSFERRING
             self._on_arm(gen, transfer_id, expected_bytes if arm_limit is None else arm_limit)
-            log.info("event=admitted transfer_id=%s generation=%d seq_len=%d bytes=%d", transfer_id, gen, seq_len, expected_bytes)
+            log.info("event=admitted transfer_id=%s generation=%d rank=%d/%d seq_len=%d bytes=%d", transfer_id, gen, sender_rank,
+                     tp_size, seq_len, expected_bytes)
             self._cv.notify_all()
             return gen
 
-    def complete(self, transfer_id: str, generation: int, ok: bool, error: str | None = None) -> tuple[bool, str]:
-        """The sender's `done`; returns (accepted, message). Stale generations are ignored."""
+    def complete(self, transfer_id: str, generation: int, ok: bool, error: str | None = None, *,
+                 sender_rank: int = 0, conn_id: int | None = None) -> tuple[bool, str]:
+        """A sender rank's `done`; returns (accepted, message). Stale generations are ignored.
+
+        The transfer is complete once every rank that the first admit announced has said done. With
+        `conn_id`, only the control connection that admitted this rank may say done (or fail it).
+        """
         with self._cv:
             cur = self.current
-            if cur is None or cur.transfer_id != transfer_id or cur.generation != generation or self.state != State.TRANSFERRING:
-                log.info("event=done_ignored transfer_id=%s generation=%d reason=stale_or_unknown", transfer_id, generation)
+            if cur is None or cur.transfer_id != transfer_id or cur.generation != generation or self.state != State.TRANSFERRING \
+                    or sender_rank not in cur.conn_ids or (conn_id is not None and cur.conn_ids[sender_rank] != conn_id):
+                log.info("event=done_ignored transfer_id=%s generation=%d rank=%d reason=stale_or_unknown", transfer_id, generation,
+                         sender_rank)
                 return False, f"transfer {transfer_id} generation {generation} does not own the slot"
             if not ok:
-                self._fail_locked(f"sender reported a failed transfer: {error or 'no reason given'}")
+                self._fail_locked(f"sender rank {sender_rank} reported a failed transfer: {error or 'no reason given'}")
                 return False, "failure recorded"
+            cur.done_ranks.add(sender_rank)
+            if len(cur.done_ranks) < cur.tp_size:
+                log.info("event=rank_done transfer_id=%s generation=%d rank=%d done=%d/%d", transfer_id, generation, sender_rank,
+                         len(cur.done_ranks), cur.tp_size)
+                return True, ""
             self.state = State.COMPLETE
             cur.completed_at = time.monotonic()
             self.transfers_total += 1
@@ -212,8 +244,11 @@ class Slot:
         """The control connection that was granted the current transfer closed before done."""
         with self._cv:
             cur = self.current
-            if cur is not None and cur.conn_id == conn_id and self.state == State.TRANSFERRING:
-                self._fail_locked("the sender's control connection closed mid-transfer")
+            if cur is None or self.state != State.TRANSFERRING:
+                return
+            ranks = [r for r, c in cur.conn_ids.items() if c == conn_id and r not in cur.done_ranks]
+            if ranks:
+                self._fail_locked(f"the sender's control connection (rank {ranks[0]}) closed mid-transfer")
 
     def reap_orphans(self) -> None:
         """Free a slot an admit claimed but no decode request joined in time."""
@@ -235,8 +270,9 @@ class Slot:
     def _free_locked(self, reason: str) -> None:
         cur = self.current
         self._on_disarm()
-        if cur is not None and self.state == State.TRANSFERRING and cur.conn_id is not None:
-            self._on_revoke(cur.conn_id)
+        if cur is not None and self.state == State.TRANSFERRING:
+            for conn in set(cur.conn_ids.values()):
+                self._on_revoke(conn)
         self.current = None
         self.state = State.FREE
         log.info("event=freed transfer_id=%s reason=%s", cur.transfer_id if cur else None, reason)

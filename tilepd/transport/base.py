@@ -221,8 +221,11 @@ class TransportReceiver(ABC):
         """Accept no bytes (slot free, cancelled or complete)."""
 
     @abstractmethod
-    def wait_received(self, generation: int, nbytes: int, timeout: float) -> bool:
-        """After the sender's `done`: True once `nbytes` of this generation have landed."""
+    def wait_received(self, generation: int, nbytes: int, timeout: float, key: str = "") -> bool:
+        """After a sender's `done`: True once its `nbytes` of this generation have landed.
+
+        `key` names the write (`<transfer_id>/<sender_rank>`, what the sender passed as transfer_id).
+        """
 
     def bytes_received(self) -> int:
         return 0

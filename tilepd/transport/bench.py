@@ -120,7 +120,7 @@ def _serve(name: str, nbytes: int, protocol: str) -> int:
             print("armed", file=out, flush=True)
         elif cmd[0] == "check":
             gen, n = int(cmd[1]), int(cmd[2])
-            landed = rx.wait_received(gen, n, 30.0)
+            landed = rx.wait_received(gen, n, 30.0, key="bench")
             print(json.dumps({"landed": landed, "sha256": hashlib.sha256(buf[:n].tobytes()).hexdigest()}), file=out, flush=True)
     rx.close()
     return 0

@@ -155,7 +155,7 @@ class MooncakeReceiver(TransportReceiver):
         with self._cv:
             self._generation = None
 
-    def wait_received(self, generation: int, nbytes: int, timeout: float) -> bool:
+    def wait_received(self, generation: int, nbytes: int, timeout: float, key: str = "") -> bool:
         with self._cv:
             if self._generation != generation:
                 return False

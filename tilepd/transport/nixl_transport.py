@@ -193,8 +193,8 @@ class NixlReceiver(TransportReceiver):
         with self._lock:
             self._generation = None
 
-    def wait_received(self, generation: int, nbytes: int, timeout: float) -> bool:
-        want = _notif(self._transfer_id, generation)
+    def wait_received(self, generation: int, nbytes: int, timeout: float, key: str = "") -> bool:
+        want = _notif(key or self._transfer_id, generation)
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:

@@ -201,7 +201,7 @@ class TcpReceiver(TransportReceiver):
             if c.thread is not None and c.thread is not threading.current_thread():
                 c.thread.join(timeout=5.0)
 
-    def wait_received(self, generation: int, nbytes: int, timeout: float) -> bool:
+    def wait_received(self, generation: int, nbytes: int, timeout: float, key: str = "") -> bool:
         with self._lock:
             return self._lock.wait_for(
                 lambda: self._received.get(generation, -1) >= nbytes or self._generation != generation, timeout
