@@ -164,7 +164,9 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
             n = args.tokens if variant != "eager" else max(4, args.tokens // 4)
             try:
                 ms = time_engine(engine, spec, c, n, device, dtype)
-                rows.append(Row(variant, c, n, ms, 100 * floors[c] / ms))
+                gs = engine.graph_step
+                extra = {"capture_error": gs.capture_error} if gs is not None and gs.capture_error else {}
+                rows.append(Row(variant + (" (graph capture failed)" if extra else ""), c, n, ms, 100 * floors[c] / ms, extra=extra))
             except Exception as e:
                 rows.append(Row(variant, c, n, error=f"{type(e).__name__}: {e}"))
                 traceback.print_exc(file=sys.stderr)

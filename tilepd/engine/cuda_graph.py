@@ -13,10 +13,13 @@ Without CUDA (`capture=False`) the same static-shape body runs eagerly, which is
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 
 from tilepd.engine.sampling import SamplerState, greedy
+
+log = logging.getLogger(__name__)
 
 
 def default_buckets(max_seq_len: int, smallest: int = 256, ratio: float = 1.25, align: int = 256) -> list[int]:
@@ -41,6 +44,7 @@ class GraphStep:
         self.capture = io.token.device.type == "cuda" if capture is None else capture
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.capture_error: str | None = None
 
     def window(self, needed: int) -> int:
         return self.buckets[min(bisect.bisect_left(self.buckets, needed), len(self.buckets) - 1)]
@@ -57,7 +61,17 @@ class GraphStep:
         if not self.capture:
             self._body(attn_len, use_greedy)
             return io.token
-        graph = self.graphs.get((attn_len, use_greedy)) or self._capture(attn_len, use_greedy)
+        graph = self.graphs.get((attn_len, use_greedy))
+        if graph is None:
+            try:
+                graph = self._capture(attn_len, use_greedy)
+            except Exception as e:  # never fail a request over a graph: run the same body uncaptured
+                log.warning("event=cuda_graph_capture_failed window=%d error=%s; decoding without graphs", attn_len, e)
+                torch.cuda.synchronize()
+                self.capture = False
+                self.capture_error = f"{type(e).__name__}: {e}"
+                self._body(attn_len, use_greedy)
+                return io.token
         graph.replay()
         return io.token
 

@@ -84,6 +84,7 @@ class Engine:
     def cache_dtype(self) -> torch.dtype:
         return self.model.caches[0].dtype
 
+    @torch.no_grad()
     def warmup(self, max_windows: int | None = None) -> int:
         """Capture the greedy decode graphs ahead of the first request (CUDA); returns how many exist."""
         return self.graph_step.warmup(True, max_windows) if self.graph_step is not None else 0
@@ -92,6 +93,7 @@ class Engine:
         """Forget the current request (the cache is overwritten by the next inject; no clearing needed)."""
         self.seq_len = 0
 
+    @torch.no_grad()
     def inject(self, state: KVState) -> None:
         """Copy a prefix in the native layout into positions [0, state.seq_len) of every layer's cache.
 
@@ -116,6 +118,7 @@ class Engine:
             self.model.mtp_start.fill_(0 if with_mtp else state.seq_len)
         self.seq_len = state.seq_len
 
+    @torch.no_grad()
     def decode(self, first_token: int, max_tokens: int, sampling: SamplingParams, on_token: Callable[[int], None],
                cancel: threading.Event | None = None) -> DecodeResult:
         """Generate up to max_tokens tokens after first_token (fed at position seq_len)."""
