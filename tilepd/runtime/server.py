@@ -69,7 +69,9 @@ def serve(config: DecodeServerConfig) -> None:
         raise EngineLoadError(f"cannot load the {config.family} engine from {config.weights_dir}: {type(exc).__name__}: {exc}") from exc
     log.info("event=engine_loaded node=%s seconds=%.1f", config.name, time.perf_counter() - t0)
     try:
-        svc = DecodeService(config, engine, engine_geometry(engine), worker=worker).start()
+        svc = DecodeService(config, engine, engine_geometry(engine), worker=worker)
+        log.info("event=engine_warm node=%s seconds=%.2f", config.name, svc.warm_up())
+        svc.start()
     except OSError as exc:
         worker.shutdown(wait=False)
         raise OSError(f"cannot open the control or data port ({config.bind_host}:{config.ctrl_port}, transport "

@@ -87,6 +87,23 @@ class DecodeService:
         self.ready = False
 
     # -- lifecycle ------------------------------------------------------------------
+    def warm_up(self, tokens: int = 4) -> float:
+        """Run one tiny decode on the engine thread before serving, so the first request does not pay
+        one-time costs (CUDA graph capture, kernel autotuning, lazy allocations). Returns seconds."""
+        kv_state_cls, sampling_cls = self.kv_types or _engine_types()
+        g = self.geometry
+
+        def run() -> None:
+            layers = [torch.zeros(1, g.num_heads, g.entry_width, dtype=g.cache_dtype, device=self.device) for _ in range(g.num_layers)]
+            self.engine.inject(kv_state_cls(seq_len=1, layers=layers))
+            self.engine.decode(0, tokens, sampling_cls(ignore_eos=True), lambda t: None, None)
+            if hasattr(self.engine, "reset"):
+                self.engine.reset()
+
+        t0 = time.perf_counter()
+        self.worker.submit(run).result()
+        return time.perf_counter() - t0
+
     def start(self) -> "DecodeService":
         self.ctrl.start()
         self._reaper.start()
