@@ -182,15 +182,19 @@ def build_model(spec: ModelSpec, weights: dict[str, torch.Tensor], max_seq_len: 
 
 
 def load_engine(weights_dir, device: str = "cpu", max_seq_len: int = 4096, dtype: str | None = None, *,
-                use_cuda_graph: bool | None = None, num_speculative_tokens: int | None = None) -> Engine:
+                use_cuda_graph: bool | None = None, num_speculative_tokens: int | None = None, cpu_threads: int = 1) -> Engine:
     """Load converted weights (or an HF checkpoint, converted in memory) and allocate the static cache.
 
     dtype: compute and cache dtype (default bfloat16 on CUDA, float32 on CPU). num_speculative_tokens:
     MTP drafts per step for deepseek_v3 checkpoints with an MTP layer (default 1 when present; 0 disables).
+    cpu_threads: on CPU, torch's intra-op threads for this process (the CPU path serves tiny test/demo
+    models, whose batch-1 GEMVs only lose from threads, badly so on shared cores); 0 leaves torch's setting.
     """
     from tilepd.weights.loader import load_weights
 
     dev = torch.device(device)
+    if dev.type == "cpu" and cpu_threads > 0:
+        torch.set_num_threads(cpu_threads)
     name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     if name not in _DTYPES:
         raise ValueError(f"dtype {name!r} not supported (choose from {', '.join(sorted(_DTYPES))})")
