@@ -306,3 +306,19 @@ def test_a_longer_connector_limit_is_fine_until_a_request_does_not_fit(node) -> 
     r = sender.send(("127.0.0.1", node.port), "long", "tok", MAX + 1, long_nb, [0, 0])
     assert not r.ok and r.code == "too_long" and f"max_seq_len {MAX}" in r.message
     sender.close()
+
+
+def test_sender_outside_allowed_senders_is_refused(node) -> None:
+    """allowed_senders (the prefill hosts of the topology): any other address gets not_allowed and a closed socket."""
+    srv = ControlServer(slot=node.slot, receiver=node.rx, max_seq_len=MAX, check_layout=lambda lay, tp: None,
+                        allowed_senders=("10.77.0.1",)).start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+            reply = recv_frame(s)
+            assert reply["code"] == "not_allowed" and "127.0.0.1" in reply["message"] and _closed(s)
+        staging, nb = _payload(LAYOUT, 10)
+        r = KVSender(_config(srv.port), LAYOUT, Buffer.from_array(staging)).send(("127.0.0.1", srv.port), "t", "k", 10, nb, [0, 0])
+        assert not r.ok and r.code == "not_allowed"
+    finally:
+        srv.close()
+    assert node.slot.state == State.FREE
