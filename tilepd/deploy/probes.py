@@ -140,8 +140,23 @@ def _transfers(decodes: list[Service]) -> int:
     return total
 
 
-def canary(plan: Plan, served_model: str, *, timeout_s: float = 120.0, max_tokens: int = 8) -> CanaryResult:
-    """One chat request through the router; it must return tokens and move a decode node's transfer counter."""
+def canary(plan: Plan, served_model: str, *, timeout_s: float = 120.0, max_tokens: int = 8, attempts: int = 3) -> CanaryResult:
+    """One chat request through the router; it must return tokens and move a decode node's transfer counter.
+
+    A cold vLLM can take long over its first request (lazy warm-up), long enough for the
+    decode node to give up on the KV; a retryable failure (5xx, timeout) is retried.
+    """
+    result = _canary_once(plan, served_model, timeout_s=timeout_s, max_tokens=max_tokens)
+    for attempt in range(2, attempts + 1):
+        if result.ok or not result.extra.get("retryable"):
+            break
+        time.sleep(1.0)
+        result = _canary_once(plan, served_model, timeout_s=timeout_s, max_tokens=max_tokens)
+        result.extra["attempt"] = attempt
+    return result
+
+
+def _canary_once(plan: Plan, served_model: str, *, timeout_s: float, max_tokens: int) -> CanaryResult:
     services = [s for h in plan.hosts for s in h.services]
     router = next((s for s in services if s.role == "router"), None)
     decodes = [s for s in services if s.role == "decode"]
@@ -162,10 +177,13 @@ def canary(plan: Plan, served_model: str, *, timeout_s: float = 120.0, max_token
     try:
         r = httpx.post(f"{base_url(router)}/v1/chat/completions", json=body, headers=headers, timeout=timeout_s)
     except httpx.HTTPError as e:
-        return CanaryResult(False, f"router did not answer the canary: {type(e).__name__}: {e}", failed_service=router.name)
+        return CanaryResult(False, f"router did not answer the canary: {type(e).__name__}: {e}", failed_service=router.name, extra={"retryable": True})
     seconds = time.monotonic() - t0
     if r.status_code != 200:
-        return CanaryResult(False, f"router answered HTTP {r.status_code}: {r.text[:500]}", failed_service=router.name, seconds=seconds)
+        return CanaryResult(
+            False, f"router answered HTTP {r.status_code}: {r.text[:500]}", failed_service=router.name, seconds=seconds,
+            extra={"retryable": r.status_code >= 500 or r.status_code == 429},
+        )  # fmt: skip
     data = r.json()
     text = ((data.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
     tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
