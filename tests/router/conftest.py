@@ -96,3 +96,17 @@ def start_router_proc(router_stack: Stack) -> Iterator[Callable[..., tuple[Serve
 
     yield start
     stop_all(started)
+
+
+@pytest.fixture(scope="session")
+def plain_router(router_stack: Stack, start_router_proc: Callable[..., tuple[Server, RouterConfig]]) -> tuple[str, RouterConfig]:
+    """A router with the low-latency pool only (queue timeout 2 s), shared by every module."""
+    srv, cfg = start_router_proc(router_stack.config(native=False, queue_timeout_s=2.0))
+    return srv.url, cfg
+
+
+@pytest.fixture(scope="session")
+def native_router(router_stack: Stack, start_router_proc: Callable[..., tuple[Server, RouterConfig]]) -> tuple[str, RouterConfig]:
+    """A router with the native pool as fallback and `<model>-native` routed there."""
+    srv, cfg = start_router_proc(router_stack.config(native=True, queue_timeout_s=2.0))
+    return srv.url, cfg

@@ -17,7 +17,7 @@ from .stack import MODEL_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-BODY = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+BODY = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
 
 
 async def _burst(url: str, n: int) -> list[tuple[int, str, float, dict[str, str]]]:
@@ -45,9 +45,11 @@ def _wait(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["429", "native-fallback"])
-def test_twenty_concurrent_requests_one_node(router_stack: Stack, start_router_proc: Callable[..., Any], native: bool) -> None:
-    srv, cfg = start_router_proc(router_stack.config(native=native, queue_timeout_s=2.0))
-    results = asyncio.run(_burst(srv.url, 20))
+def test_twenty_concurrent_requests_one_node(router_stack: Stack, plain_router: tuple[str, Any], native_router: tuple[str, Any],
+                                             native: bool) -> None:
+    url, cfg = native_router if native else plain_router
+    assert cfg.queue_timeout_s == 2.0 and len(cfg.decode_nodes) == 1
+    results = asyncio.run(_burst(url, 20))
     codes = [r[0] for r in results]
     assert codes.count(200) >= 1
     for status, route, elapsed, headers in results:
@@ -61,14 +63,14 @@ def test_twenty_concurrent_requests_one_node(router_stack: Stack, start_router_p
         assert any(r[1] == "native" for r in results)
     else:
         assert 429 in codes
-    assert _wait(lambda: _all_idle(router_stack, srv.url)), "a lease leaked"
+    assert _wait(lambda: _all_idle(router_stack, url)), "a lease leaked"
 
 
-def test_client_dropping_mid_stream_frees_the_node_within_a_second(router_stack: Stack, start_router_proc: Callable[..., Any]) -> None:
-    srv, _ = start_router_proc(router_stack.config(native=False))
+def test_client_dropping_mid_stream_frees_the_node_within_a_second(router_stack: Stack, plain_router: tuple[str, Any]) -> None:
+    url, _ = plain_router
     body = {**BODY, "max_tokens": 600, "stream": True}
     with httpx.Client(timeout=60) as client:
-        with client.stream("POST", srv.url + "/v1/completions", json=body) as resp:
+        with client.stream("POST", url + "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()
             got = [next(lines) for _ in range(6)]
@@ -79,8 +81,8 @@ def test_client_dropping_mid_stream_frees_the_node_within_a_second(router_stack:
     assert _wait(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
     freed_s = time.monotonic() - dropped
     assert freed_s < 1.0, f"decode node still busy {freed_s:.2f}s after the client left"
-    assert _wait(lambda: _all_idle(router_stack, srv.url), 5.0)
-    again = httpx.post(srv.url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
+    assert _wait(lambda: _all_idle(router_stack, url), 5.0)
+    again = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
 
 
@@ -102,21 +104,21 @@ def test_api_keys_and_body_limit(router_stack: Stack, start_router_proc: Callabl
     assert httpx.get(srv.url + "/v1/models").status_code == 401
 
 
-def test_unhealthy_node_leaves_rotation_and_is_probed_back(router_stack: Stack, start_router_proc: Callable[..., Any]) -> None:
+def test_unhealthy_node_leaves_rotation_and_is_probed_back(router_stack: Stack, native_router: tuple[str, Any]) -> None:
     """SIGSTOP makes the real node miss its health checks (no fake needed); SIGCONT brings it back."""
-    srv, _ = start_router_proc(router_stack.config(native=True))
+    url, _ = native_router
     assert router_stack.decode is not None
     pid = router_stack.decode.proc.pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        assert _wait(lambda: not httpx.get(srv.url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
-        r = httpx.post(srv.url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
+        assert _wait(lambda: not httpx.get(url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
+        r = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
         assert (r.headers["x-tilepd-route"], r.headers["x-tilepd-route-reason"]) == ("native", "no_node_in_rotation")
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert _wait(lambda: httpx.get(srv.url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
-    r = httpx.post(srv.url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
+    assert _wait(lambda: httpx.get(url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
+    r = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.headers["x-tilepd-route"] == "low_latency"
-    metrics = httpx.get(srv.url + "/metrics").text
+    metrics = httpx.get(url + "/metrics").text
     assert 'tilepd_router_breaker_transitions_total{node="d0",state="open"} 1.0' in metrics

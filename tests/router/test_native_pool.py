@@ -19,9 +19,9 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def router(router_stack: Stack, start_router_proc: Callable[..., Any]) -> tuple[OpenAI, str]:
-    srv, _ = start_router_proc(router_stack.config(native=True))
-    return OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0), srv.url
+def router(native_router: tuple[str, Any]) -> tuple[OpenAI, str]:
+    url, _ = native_router
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300), url
 
 
 def _alone(stack: Stack, **body: Any) -> dict[str, Any]:
@@ -81,13 +81,13 @@ def test_chat_fallback_and_client_kv_params_never_reach_the_decode_node(router: 
     assert 'tilepd_router_routes_total{reason="model",route="native"}' in metrics
 
 
-def test_without_native_pool_the_refusal_names_the_parameter(router_stack: Stack, start_router_proc: Callable[..., Any]) -> None:
-    srv, _ = start_router_proc(router_stack.config(native=False))
-    r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+def test_without_native_pool_the_refusal_names_the_parameter(plain_router: tuple[str, Any]) -> None:
+    url, _ = plain_router
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
                                                             "response_format": {"type": "json_object"}})
     assert r.status_code == 501
     assert r.json()["error"]["param"] == "response_format" and r.json()["error"]["code"] == "unsupported_parameter"
     assert r.headers["x-tilepd-route-reason"] == "unsupported:response_format"
-    native = httpx.post(srv.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"},
+    native = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"},
                         headers={"x-tilepd-latency-class": "native"})
     assert native.status_code == 400 and native.json()["error"]["code"] == "native_pool_not_configured"

@@ -20,9 +20,9 @@ CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "conte
 
 
 @pytest.fixture(scope="module")
-def router(router_stack: Stack, start_router_proc: Callable[..., Any]) -> tuple[OpenAI, str]:
-    srv, _ = start_router_proc(router_stack.config(native=False))
-    return OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0), srv.url
+def router(plain_router: tuple[str, Any]) -> tuple[OpenAI, str]:
+    url, _ = plain_router
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300), url
 
 
 def _vllm(stack: Stack, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +153,7 @@ def test_models_health_metrics_and_prefill_errors_pass_through(router: tuple[Ope
     assert bad.json()["error"]["message"] == direct.json()["error"]["message"]
     metrics = httpx.get(url + "/metrics").text
     assert 'tilepd_router_routes_total{reason="default",route="low_latency"}' in metrics
-    assert "tilepd_router_nodes_in_rotation 1.0" in metrics
+    assert "tilepd_router_nodes_in_rotation" in metrics and "tilepd_router_ttft_seconds_bucket" in metrics
     with pytest.raises(Exception) as err:
         client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3, n=2)
     assert getattr(err.value, "status_code", None) == 501 and "'n'" in str(err.value)
