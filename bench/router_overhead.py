@@ -75,6 +75,7 @@ def router_request(client: httpx.Client, router_url: str, tokens: int) -> tuple[
 
 def relay_cost_per_token(model_dir: Path, n: int = 20000) -> float:
     """Seconds of router CPU per relayed token: detokenise, stop strings, SSE chunk (no network)."""
+    from tilepd.router.backends import parse_line
     from tilepd.router.lowlatency import EnginePlan, _TextState
     from tilepd.router.prompts import PromptRenderer
     from tilepd.router.responses import ResponseWriter
@@ -87,10 +88,10 @@ def relay_cost_per_token(model_dir: Path, n: int = 20000) -> float:
                       include_stop_str_in_output=False, stop_token_ids=[], ignore_eos=True, skip_special_tokens=True)
     text = _TextState(plan, _State)  # type: ignore[arg-type]
     writer = ResponseWriter("completions", MODEL_NAME)
-    line = b'{"token": %d}\n'
+    line = b'{"token": %d}'
     t0 = time.perf_counter()
     for i in range(n):
-        tok = json.loads(line % ids[i % len(ids)])["token"]
+        tok = parse_line(line % ids[i % len(ids)])["token"]
         out = text.consume(tok)
         if out:
             writer.text_chunk(out)
@@ -102,28 +103,37 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reuse", type=Path, help="JSON naming a running prefill and decode node (model, prefill, decode{...}) "
+                    "instead of starting them; the router is always started here")
     args = ap.parse_args()
 
     from tilepd.dev.tiny_model import make_tiny_model
+    from tilepd.plan.service_configs import DecodeEndpoint
 
     work = Path(tempfile.mkdtemp(prefix="tilepd-bench-router-"))
-    model = make_tiny_model("llama", work / "tiny-llama")
     servers = []
     try:
-        decode, node = start_decode_node(model, work)
-        servers.append(decode)
-        prefill = start_prefill(model, work, [node], with_nixl=False)
-        servers.append(prefill)
-        cfg = router_config(model, prefill.url, [node])
+        if args.reuse:
+            info = json.loads(args.reuse.read_text())
+            model, node = Path(info["model"]), DecodeEndpoint(**info["decode"])
+            prefill_url = info["prefill"]
+        else:
+            model = make_tiny_model("llama", work / "tiny-llama")
+            decode, node = start_decode_node(model, work)
+            servers.append(decode)
+            prefill = start_prefill(model, work, [node], with_nixl=False)
+            servers.append(prefill)
+            prefill_url = prefill.url
+        cfg = router_config(model, prefill_url, [node])
         router = start_router(cfg, work)
         servers.append(router)
         with httpx.Client(timeout=120) as client:
             for _ in range(args.warmup):
-                direct_request(client, prefill.url, node, args.tokens)
+                direct_request(client, prefill_url, node, args.tokens)
                 router_request(client, router.url, args.tokens)
             d_req, r_req, d_gap, r_gap = [], [], [], []
             for _ in range(args.requests):  # interleaved: both see the same machine load
-                t, gaps = direct_request(client, prefill.url, node, args.tokens)
+                t, gaps = direct_request(client, prefill_url, node, args.tokens)
                 d_req.append(t)
                 d_gap += gaps
                 t, gaps = router_request(client, router.url, args.tokens)

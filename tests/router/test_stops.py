@@ -63,3 +63,12 @@ def test_match_is_not_searched_again_in_old_text() -> None:
     m.feed("xa")
     m.feed("b")
     assert m.hit is not None and m.text == "x"
+
+
+def test_decode_stream_lines_parse_fast_and_exactly() -> None:
+    from tilepd.router.backends import parse_line
+
+    assert parse_line(b'{"token": 42}') == {"token": 42}
+    assert parse_line(b'{"token": 42, "extra": 1}') == {"token": 42, "extra": 1}
+    done = b'{"done": true, "finish_reason": "stop", "completion_tokens": 3, "timings": {}}'
+    assert parse_line(done)["finish_reason"] == "stop"

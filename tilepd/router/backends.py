@@ -81,12 +81,33 @@ async def open_decode(client: httpx.AsyncClient, node: str, base_url: str, body:
     return resp
 
 
+_TOKEN_PREFIX = b'{"token": '
+
+
+def parse_line(line: bytes) -> dict[str, Any]:
+    """One NDJSON line; the per-token shape `{"token": N}` is parsed without the JSON machinery."""
+    if line.startswith(_TOKEN_PREFIX) and line.endswith(b"}"):
+        try:
+            return {"token": int(line[len(_TOKEN_PREFIX):-1])}
+        except ValueError:
+            pass
+    return json.loads(line)
+
+
 async def decode_lines(node: str, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The NDJSON lines of a decode stream, parsed."""
+    """The NDJSON lines of a decode stream, parsed; several lines in one read cost one wake-up."""
+    pending = b""
     try:
-        async for line in resp.aiter_lines():
-            if line:
-                yield json.loads(line)
+        async for chunk in resp.aiter_bytes():
+            pending += chunk
+            if b"\n" not in chunk:
+                continue
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line:
+                    yield parse_line(line)
+        if pending.strip():
+            yield parse_line(pending.strip())
     except httpx.HTTPError as exc:
         raise DecodeNodeError(node, 0, "stream_broken", f"{type(exc).__name__}: {exc}") from exc
 
