@@ -36,6 +36,8 @@ class CacheGeometry:
     kv_lora_rank: int | None = None
     rope_dim: int | None = None
     cache_dtype: torch.dtype = torch.float32
+    # MTP draft layers whose cache a prefill may also send (after the main layers), deepseek_v3 only
+    num_mtp_layers: int = 0
 
     def describe(self) -> dict[str, Any]:
         d = {"family": self.family, "kind": self.kind, "num_layers": self.num_layers, "num_heads": self.num_heads,
@@ -71,7 +73,9 @@ def geometry_from_spec(spec: Any, cache_dtype: torch.dtype) -> CacheGeometry:
         return CacheGeometry(family, "attn", layers, heads, 2 * hd, head_size_k=hd, head_size_v=hd, cache_dtype=cache_dtype)
     rank = int(_get(spec, "kv_lora_rank"))
     rope = int(_get(spec, "qk_rope_head_dim", "rope_dim"))
-    return CacheGeometry(family, "mla", layers, 1, rank + rope, kv_lora_rank=rank, rope_dim=rope, cache_dtype=cache_dtype)
+    mtp = int(_get(spec, "num_mtp_layers", "num_nextn_predict_layers") or 0)
+    return CacheGeometry(family, "mla", layers, 1, rank + rope, kv_lora_rank=rank, rope_dim=rope, cache_dtype=cache_dtype,
+                         num_mtp_layers=mtp)
 
 
 def geometry_from_hf_config(model_dir: Path, cache_dtype: torch.dtype = torch.float32) -> CacheGeometry:
@@ -92,7 +96,8 @@ def wire_token_bytes(geom: CacheGeometry, kv_cache_dtype: str, device: str) -> i
 
 
 def recv_buffer_bytes(geom: CacheGeometry, max_seq_len: int, kv_cache_dtype: str, device: str) -> int:
-    return geom.num_layers * (max_seq_len + MAX_BLOCK_SLACK) * wire_token_bytes(geom, kv_cache_dtype, device)
+    layers = geom.num_layers + geom.num_mtp_layers
+    return layers * (max_seq_len + MAX_BLOCK_SLACK) * wire_token_bytes(geom, kv_cache_dtype, device)
 
 
 def check_layout(layout: CacheLayout, geom: CacheGeometry, *, max_seq_len: int, capacity: int, tp_size: int = 1) -> None:
@@ -111,8 +116,9 @@ def check_layout(layout: CacheLayout, geom: CacheGeometry, *, max_seq_len: int, 
 
     if layout.kind != geom.kind:
         raise bad("kind", layout.kind, geom.kind)
-    if layout.num_layers != geom.num_layers:
-        raise bad("num_layers", layout.num_layers, geom.num_layers)
+    if layout.num_layers not in (geom.num_layers, geom.num_layers + geom.num_mtp_layers):
+        ours = geom.num_layers if not geom.num_mtp_layers else f"{geom.num_layers} (or {geom.num_layers + geom.num_mtp_layers} with MTP)"
+        raise bad("num_layers", layout.num_layers, ours)
     if layout.kind == "mla" and tp_size > 1:
         raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"an MLA latent cache is the same on every prefill TP rank: send it "
                             f"from rank 0 only, with tp_size 1 (got tp_size {tp_size})")

@@ -94,6 +94,8 @@ class DecodeService:
         g = self.geometry
 
         def run() -> None:
+            if hasattr(self.engine, "warmup"):  # the engine knows what to prepare (CUDA graphs)
+                self.engine.warmup()
             layers = [torch.zeros(1, g.num_heads, g.entry_width, dtype=g.cache_dtype, device=self.device) for _ in range(g.num_layers)]
             self.engine.inject(kv_state_cls(seq_len=1, layers=layers))
             self.engine.decode(0, tokens, sampling_cls(ignore_eos=True), lambda t: None, None)
