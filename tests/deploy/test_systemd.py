@@ -1,0 +1,57 @@
+"""systemd mode: the units the playbook installs pass `systemd-analyze verify`, carry the
+restart policy, env file and (for RDMA transports) unlimited locked memory; the
+playbook's systemd path runs in --check without touching /etc (systemd is not PID 1
+here, so units cannot be started in tests: process mode is what runs)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.deploy import topo
+from tests.deploy.cli import tilepd
+from tilepd.deploy import deployment
+
+
+def _systemd(data: dict) -> dict:
+    data["deployment"]["services"] = "systemd"
+    return data
+
+
+def _units(tmp_path: Path, data: dict) -> list[Path]:
+    dep = deployment.load(topo.write(data, tmp_path / f"{data['deployment']['name']}.yaml"), state_dir=tmp_path / data["deployment"]["name"])
+    deployment.render(dep)
+    return sorted((dep.render_dir / "hosts").rglob("units/*.service"))
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (Debian package: systemd)")
+def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    local = _units(tmp_path, _systemd(topo.local_topology(tmp_path / "l", name="t-sd-local")))
+    lab = _units(tmp_path, _systemd(topo.lab_topology(tmp_path / "lab", tmp_path / "key", name="t-sd-lab")))
+    rdma = topo.local_topology(tmp_path / "n", name="t-sd-nixl")
+    rdma["transport"] = {"name": "nixl"}
+    nixl = _units(tmp_path, _systemd(rdma))
+    units = local + lab + nixl
+    assert len(units) >= 12
+    r = subprocess.run(["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for unit in units:
+        text = unit.read_text()
+        assert "EnvironmentFile=" in text and "ExecStart=/" in text
+        if "Type=simple" in text:
+            assert "Restart=on-failure" in text
+    assert all("LimitMEMLOCK=infinity" in u.read_text() for u in nixl)
+
+
+@pytest.mark.slow
+def test_systemd_playbook_path_in_check_mode_touches_nothing(tmp_path: Path) -> None:
+    data = _systemd(topo.local_topology(tmp_path, name="t-sd-check"))
+    file = topo.write(data, tmp_path / "sd.yaml")
+    r = tilepd(tmp_path / "home", "up", str(file), "--check", "--only", "router")
+    assert r.rc == 0, r
+    assert r.changed() >= 1, r
+    assert not Path("/etc/systemd/system/tilepd-router.service").exists()
+    assert not Path(data["deployment"]["base_dir"]).exists()
