@@ -144,6 +144,8 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
     variants = ["graph"] + ([] if args.no_compile else ["compile+graph", "compile(no-attn)+graph"]) + ["eager"]
     if device.type != "cuda":
         variants = ["static", "eager"]  # the graph's body without capture; eager
+    if args.variants:
+        variants = args.variants
     for variant in variants:
         model = engine = None
         try:
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=None, help="generated tokens per timed decode (default 256)")
     ap.add_argument("--hf-tokens", type=int, default=None, help="tokens for HF generate (default 32)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="engine variants to run (graph, compile+graph, compile(no-attn)+graph, eager; on CPU 'static' = graph body)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--compile-mode", default=None, help='torch.compile mode, e.g. "max-autotune-no-cudagraphs"')
     ap.add_argument("--spec-tokens", type=int, default=2, help="MTP drafts per step (dsv3 models)")

@@ -65,6 +65,7 @@ def test_deepseek_has_mla_moe_and_mtp_layout(tiny_deepseek: Path) -> None:
         assert f"model.layers.{n}.{part}.weight" in names
 
 
+@pytest.mark.slow
 def test_cli_writes_a_model(tmp_path: Path, python_exe: str) -> None:
     r = subprocess.run(
         [python_exe, "-m", "tilepd", "dev", "tiny-model", "llama", str(tmp_path / "m"), "--json"],

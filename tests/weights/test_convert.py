@@ -43,6 +43,7 @@ def test_converted_weights_decode_like_the_hf_checkpoint(fixture: str, request: 
     assert _greedy(tmp_path / "w") == _greedy(src)
 
 
+@pytest.mark.slow
 def test_second_run_skips_and_touch_rehashes(tiny_llama: Path, tmp_path: Path, python_exe: str) -> None:
     src = tmp_path / "src"
     src.mkdir()
@@ -93,6 +94,7 @@ def _copy_with(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["missing", "nan", "shape", "truncated"])
 def test_corrupt_checkpoint_is_a_clear_error_and_leaves_no_manifest(fault: str, tiny_llama: Path, tmp_path: Path, python_exe: str) -> None:
     name = "model.layers.1.mlp.up_proj.weight"
@@ -174,6 +176,7 @@ def test_fp8_weights_dequantise_close(tiny_deepseek: Path, tmp_path: Path) -> No
     assert torch.equal(w8["layers.1.gate_bias"], w32["layers.1.gate_bias"])
 
 
+@pytest.mark.slow
 def test_topology_form_converts_once_per_weights_path(tmp_path: Path, repo_root: Path, python_exe: str) -> None:
     text = (repo_root / "topology_examples" / "local.yaml").read_text().replace("/tmp/tilepd-local", str(tmp_path / "dep"))
     topo = tmp_path / "local.yaml"
