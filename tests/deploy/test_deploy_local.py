@@ -136,3 +136,51 @@ def test_bad_topology_exits_3(tmp_path: Path) -> None:
     r = tilepd(tmp_path / "home", "up", str(topo.write(data, tmp_path / "bad.yaml")))
     assert r.rc == 3, r
     assert tilepd(tmp_path / "home", "up", str(tmp_path / "missing.yaml")).rc == 4
+
+
+def test_logs_follow_streams_and_stops_cleanly(deployed: Deployed) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, TILEPD_HOME=str(deployed.home))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tilepd", "logs", str(deployed.file), "--role", "router", "-f", "-n", "2"],
+        stdout=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert p.stdout is not None
+        first = p.stdout.readline()
+        assert first.startswith("127.0.0.1/router | "), first
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(timeout=30)
+    time.sleep(0.5)
+    log_file = str(Path(deployed.base) / "logs" / "router.log")
+    assert [c for _, c in processes_mentioning(log_file) if c.startswith("tail ")] == []
+
+
+def test_api_key_reaches_the_router_and_never_the_ansible_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    secret = "sk-tilepd-test-" + "7f3a9c1e5b"
+    monkeypatch.setenv("TILEPD_TEST_ROUTER_KEY", secret)
+    data = topo.local_topology(tmp_path, name="t-secret")
+    data["router"]["api_key"] = {"env": "TILEPD_TEST_ROUTER_KEY"}
+    file = topo.write(data, tmp_path / "topology.yaml")
+    home = tmp_path / "home"
+    try:
+        up = tilepd(home, "up", str(file), "--only", "router")
+        assert up.rc == 0, up
+        url = f"http://127.0.0.1:{data['router']['port']}/v1/models"
+        assert httpx.get(url, timeout=10).status_code == 401
+        assert httpx.get(url, headers={"Authorization": f"Bearer {secret}"}, timeout=10).status_code == 200
+        assert secret not in up.out
+        artifacts = home / "t-secret" / "runner" / "artifacts"
+        leaked = [p for p in artifacts.rglob("*") if p.is_file() and secret in p.read_text(errors="replace")]
+        assert leaked == []
+    finally:
+        tilepd(home, "down", str(file))
+    assert processes_mentioning(data["deployment"]["base_dir"]) == []
