@@ -232,9 +232,9 @@ class TcpReceiver(TransportReceiver):
             _tune(sock)
             conn = _Conn(sock, addr)
             conn.thread = threading.Thread(target=self._serve, args=(conn,), name=f"tcp-recv-{addr[0]}:{addr[1]}", daemon=True)
-            with self._lock:
+            with self._lock:  # started under the lock: disarm() only ever joins started threads
                 self._conns.add(conn)
-            conn.thread.start()
+                conn.thread.start()
 
     def _serve(self, conn: _Conn) -> None:
         sock = conn.sock
