@@ -192,3 +192,17 @@ def test_topology_form_converts_once_per_weights_path(tmp_path: Path, repo_root:
     bad = tmp_path / "bad.yaml"
     bad.write_text(text.replace("apiVersion: tilepd/v1", "apiVersion: tilepd/v9"))
     assert _cli(python_exe, str(bad)).returncode == ExitCode.INVALID
+
+
+def test_tp_shards_deepseek_split_heads_and_expert_columns(tiny_deepseek: Path, tmp_path: Path) -> None:
+    convert_weights(tiny_deepseek, tmp_path / "tp1", dtype="fp32", progress=False)
+    convert_weights(tiny_deepseek, tmp_path / "tp2", dtype="fp32", tp=2, progress=False)
+    full = SafetensorsFile(tmp_path / "tp1" / "rank0.safetensors")
+    for r in range(2):
+        f = SafetensorsFile(tmp_path / "tp2" / f"rank{r}.safetensors")
+        for name, dim in (("layers.1.w_uk", 0), ("layers.1.w_uv", 0), ("layers.1.wq_b", 0), ("layers.1.wo", 1), ("layers.1.experts_w2", 2)):
+            assert torch.equal(f.read(name), full.read(name).chunk(2, dim=dim)[r]), name
+        g, u = full.read("layers.1.experts_w13").chunk(2, dim=1)
+        assert torch.equal(f.read("layers.1.experts_w13"), torch.cat([g.chunk(2, dim=1)[r], u.chunk(2, dim=1)[r]], dim=1))
+        for name in ("layers.1.wkv_a", "layers.1.gate", "layers.1.gate_bias", "layers.1.kv_a_norm"):
+            assert torch.equal(f.read(name), full.read(name)), name

@@ -29,14 +29,16 @@ def _interleave(k_rot: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def native_state(past, family: str, seq_len: int) -> KVState:
+def native_state(past, family: str, seq_len: int, rope_interleave: bool = True) -> KVState:
+    """HF cache -> KVState in the engine's native layout (DeepSeek k_pe re-interleaved when the model's
+    RoPE is interleaved, as vLLM stores it)."""
     layers = []
     for layer in past.layers:
         k, v = layer.keys[0], layer.values[0]  # [H, T, D]
         if family == "llama":
             layers.append(torch.cat([k, v], dim=-1).permute(1, 0, 2).contiguous())
         else:  # keys = normalised latent [1, T, r]; values = roped k_pe [1, T, rope]
-            layers.append(torch.cat([k, _interleave(v)], dim=-1).permute(1, 0, 2).contiguous())
+            layers.append(torch.cat([k, _interleave(v) if rope_interleave else v], dim=-1).permute(1, 0, 2).contiguous())
     return KVState(seq_len=seq_len, layers=layers)
 
 
