@@ -8,7 +8,7 @@ Tensor-parallel shards split each part before fusing, so every rank's fused tens
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tilepd.engine.spec import ModelSpec
 
@@ -24,7 +24,6 @@ class OutTensor:
     keep_fp32: bool = False  # router weights and biases stay float32 (HF routes in float32)
     quantizable: bool = False  # a GEMV weight that may be stored as fp8 with a scale
     mla: str | None = None  # "uk" | "uv": split kv_b_proj per head into [H, nope, rank] / [H, v, rank]
-    meta: dict = field(default_factory=dict, compare=False)
 
     @property
     def sources(self) -> list[str]:
