@@ -9,7 +9,7 @@ On a GPU (the target: one NVIDIA H200):
 Everything is built on the device with random bf16 weights: no download, no disk. Figures printed:
 the measured read bandwidth (GB/s), the floor per token = (weight bytes a step reads + KV bytes at that
 context) / read bandwidth, and ms/token + % of floor for each engine variant: `graph` (whole step in a
-CUDA graph), `compile+graph` (per-layer torch.compile, then the graph; skipped with --no-compile),
+CUDA graph; attention through torch SDPA), `graph[bmm]` (same, attention as two batched GEMVs), `compile+graph` (per-layer torch.compile, then the graph; skipped with --no-compile),
 `eager` (no graph, fewer tokens), and HF transformers `generate` (eager, batch 1, fewer tokens).
 Each variant is isolated: a failure is reported in its row and the rest still run.
 
@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
+from tilepd.engine import layers  # noqa: E402
 from tilepd.engine.engine import Engine, build_model  # noqa: E402
 from tilepd.engine.spec import ModelSpec, spec_from_hf_config  # noqa: E402
 from tilepd.engine.types import KVState, SamplingParams  # noqa: E402
@@ -141,13 +142,14 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
     rows: list[Row] = []
     max_ctx = max(args.contexts)
     windows = sorted({c + args.tokens + 16 for c in args.contexts})
-    variants = ["graph"] + ([] if args.no_compile else ["compile+graph", "compile(no-attn)+graph"]) + ["eager"]
+    variants = ["graph", "graph[bmm]"] + ([] if args.no_compile else ["compile+graph", "compile(no-attn)+graph"]) + ["eager"]
     if device.type != "cuda":
-        variants = ["static", "eager"]  # the graph's body without capture; eager
+        variants = ["static", "static[bmm]", "eager"]  # the graph's body without capture; eager
     if args.variants:
         variants = args.variants
     for variant in variants:
         model = engine = None
+        layers.ATTENTION_IMPL["default"] = "bmm" if variant.endswith("[bmm]") else "sdpa"
         try:
             model = build_model(spec, weights, max_ctx + args.tokens + 16, device, dtype)
             if variant.startswith("compile"):
@@ -174,6 +176,7 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
                 traceback.print_exc(file=sys.stderr)
             print(f"  {rows[-1]}", file=sys.stderr, flush=True)
         del engine, model
+        layers.ATTENTION_IMPL["default"] = "sdpa"
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -19,8 +19,18 @@ def test_buckets_cover_and_end_at_max() -> None:
     assert default_buckets(100) == [100]
 
 
+@pytest.fixture(params=["sdpa", "bmm"])
+def attention_impl(request: pytest.FixtureRequest):
+    from tilepd.engine import layers
+
+    before = layers.ATTENTION_IMPL["default"]
+    layers.ATTENTION_IMPL["default"] = request.param
+    yield request.param
+    layers.ATTENTION_IMPL["default"] = before
+
+
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_static_step_equals_eager(family: str, request: pytest.FixtureRequest) -> None:
+def test_static_step_equals_eager(family: str, attention_impl: str, request: pytest.FixtureRequest) -> None:
     model_dir: Path = request.getfixturevalue("tiny_llama" if family == "llama" else "tiny_deepseek")
     ref = request.getfixturevalue("llama_ref" if family == "llama" else "deepseek_ref")
     eng = load_engine(model_dir, device="cpu", max_seq_len=300, dtype="float32", use_cuda_graph=True, num_speculative_tokens=0)
