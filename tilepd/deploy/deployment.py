@@ -114,7 +114,18 @@ def run(
         check=check,
         on_event=on_event,
         known_hosts=dep.known_hosts,
+        secret_env=secret_env_names(dep.plan),
     )
+
+
+def secret_env_names(plan: Plan) -> tuple[str, ...]:
+    """Operator environment variables that hold secrets (the router's API key)."""
+    names = []
+    for h in plan.hosts:
+        for s in h.services:
+            if s.role == "router" and (s.config or {}).get("api_key_env"):
+                names.append(s.config["api_key_env"])
+    return tuple(names)
 
 
 def exit_code(result: PlaybookResult) -> ExitCode:

@@ -171,6 +171,7 @@ def run_playbook(
     on_event: Callable[[TaskEvent], None] | None = None,
     forks: int = 10,
     known_hosts: Path | None = None,
+    secret_env: tuple[str, ...] = (),
 ) -> PlaybookResult:
     """Run `playbooks/<playbook>` against the generated inventory; never raises on task failure."""
     import ansible_runner  # heavy import, only when deploying
@@ -198,23 +199,29 @@ def run_playbook(
         "ANSIBLE_ROLES_PATH": str(playbooks_dir() / "roles"),
     }
     cmdline = "--check" if check else None
-    r = ansible_runner.run(
-        private_data_dir=str(private_dir),
-        project_dir=str(playbooks_dir()),
-        playbook=playbook,
-        inventory=str(inventory),
-        extravars=extravars or {},
-        limit=limit,
-        tags=tags,
-        cmdline=cmdline,
-        envvars=envvars,
-        forks=forks,
-        quiet=True,
-        event_handler=digest,
-        settings={"suppress_ansible_output": True},
-        rotate_artifacts=5,
-        suppress_env_files=True,
-    )
+    # ansible-runner records the environment of ansible-playbook in artifacts/<id>/command:
+    # keep secrets the operator exported (e.g. the router's API key) out of it.
+    hidden = {name: os.environ.pop(name) for name in secret_env if name in os.environ}
+    try:
+        r = ansible_runner.run(
+            private_data_dir=str(private_dir),
+            project_dir=str(playbooks_dir()),
+            playbook=playbook,
+            inventory=str(inventory),
+            extravars=extravars or {},
+            limit=limit,
+            tags=tags,
+            cmdline=cmdline,
+            envvars=envvars,
+            forks=forks,
+            quiet=True,
+            event_handler=digest,
+            settings={"suppress_ansible_output": True},
+            rotate_artifacts=5,
+            suppress_env_files=True,
+        )
+    finally:
+        os.environ.update(hidden)
     result.status = r.status
     result.rc = r.rc
     return result
