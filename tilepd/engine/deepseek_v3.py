@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.layers import cached_attention, length_mask, rms_norm, swiglu
+from tilepd.engine.layers import attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.moe import moe
 from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table, yarn_softmax_scale
 from tilepd.engine.spec import ModelSpec
@@ -65,7 +65,7 @@ class DeepseekV3Model:
         s, w = self.spec, self.w
         x = F.embedding(tokens, w["embed"])
         cs = self.rope.index_select(0, positions)
-        mask = length_mask(positions, attn_len)
+        mask = attention_bias(length_mask(positions, attn_len), s.num_heads, x.dtype)
         for i in range(s.num_layers):
             x = self._layer(f"layers.{i}.", self.caches[i], x, positions, cs, mask, i >= s.first_k_dense_replace)
         h = rms_norm(x, w["norm"], s.rms_norm_eps)
@@ -81,7 +81,7 @@ class DeepseekV3Model:
         x = F.linear(torch.cat([e, hp], dim=-1), w[p + "eh_proj"])
         cs = self.rope.index_select(0, positions)
         mask = length_mask(positions, attn_len)
-        mask = mask & (torch.arange(attn_len, device=positions.device) >= self.mtp_start)[None, :]
+        mask = attention_bias(mask & (torch.arange(attn_len, device=positions.device) >= self.mtp_start)[None, :], s.num_heads, x.dtype)
         x = self._layer(p, self.mtp_caches[k], x, positions, cs, mask, True)
         h = rms_norm(x, w[p + "head_norm"], s.rms_norm_eps)
         return F.linear(h, w["lm_head"]).float(), h

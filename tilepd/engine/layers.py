@@ -24,18 +24,25 @@ def length_mask(positions: torch.Tensor, attn_len: int) -> torch.Tensor:
     return slots[None, :] <= positions[:, None]
 
 
+def attention_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [group*T, L] (0 / -inf) for query rows ordered (group member, token); built once per
+    step and shared by every layer, so no layer converts a bool mask itself."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.repeat(group, 1)
+
+
 # "sdpa": torch's fused attention (on CUDA the memory-efficient kernel, which handles long caches well);
 # "bmm": two batched GEMVs and a softmax, plain and portable. Both read the cache in place.
 ATTENTION_IMPL = {"default": "sdpa"}
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
                      impl: str | None = None) -> torch.Tensor:
     """Grouped attention of T queries over a static cache window.
 
     q [T, H, Dk]; k [L, Hkv, Dk] and v [L, Hkv, Dv] may be strided views of the cache (no copy);
-    mask [T, L]. Query heads of one KV group are stacked as query rows (GQA as MQA per group), so each
-    K/V head is read once and no per-head expansion of the cache is materialised. Returns [T, H, Dv].
+    bias [g*T, L] from attention_bias. Query heads of one KV group are stacked as query rows (GQA as MQA
+    per group), so each K/V head is read once and no per-head copy of the cache is made. Returns [T, H, Dv].
     """
     t, h, dk = q.shape
     hkv = k.shape[1]
@@ -43,11 +50,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     qg = q.view(t, hkv, g, dk).permute(1, 2, 0, 3).reshape(hkv, g * t, dk).to(k.dtype)
     kt, vt = k.permute(1, 0, 2), v.permute(1, 0, 2)  # [Hkv, L, D] views
     if (impl or ATTENTION_IMPL["default"]) == "sdpa":
-        rows_mask = mask.repeat(g, 1)  # rows ordered (group member, token)
-        out = F.scaled_dot_product_attention(qg[None], kt[None], vt[None], attn_mask=rows_mask[None, None], scale=scale)[0]
+        out = F.scaled_dot_product_attention(qg[None], kt[None], vt[None], attn_mask=bias.to(qg.dtype)[None, None], scale=scale)[0]
     else:
-        scores = torch.matmul(qg * scale, kt.transpose(1, 2)).float()  # [Hkv, g*T, L]
-        scores = scores.view(hkv, g, t, -1).masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(hkv, g * t, -1)
+        scores = torch.matmul(qg * scale, kt.transpose(1, 2)).float() + bias  # [Hkv, g*T, L]
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.matmul(probs, vt)  # [Hkv, g*T, Dv]
     return out.view(hkv, g, t, -1).permute(2, 0, 1, 3).reshape(t, h, -1)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.layers import cached_attention, length_mask, rms_norm
+from tilepd.engine.layers import attention_bias, cached_attention, length_mask, rms_norm
 from tilepd.engine.rope import apply_rope_neox, rope_table
 from tilepd.engine.spec import ModelSpec
 
@@ -92,7 +92,7 @@ class LlamaModel:
         eps, nh, nkv, hd = s.rms_norm_eps, s.num_heads, s.num_kv_heads, s.head_dim
         x = F.embedding(tokens, self.w["embed"])
         cs = self.rope.index_select(0, positions)
-        mask = length_mask(positions, attn_len)
+        mask = attention_bias(length_mask(positions, attn_len), nh // nkv, x.dtype)
         for cache, (an, wqkv, bqkv, qn, kn, wo, mn, w13, w2) in zip(self.caches, self.layer_weights):
             q, kv = self.attn_in(x, an, wqkv, bqkv, qn, kn, cs, eps, nh, nkv, hd)
             cache.index_copy_(0, positions, kv.to(cache.dtype))
