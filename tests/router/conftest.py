@@ -14,12 +14,13 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tilepd.connector.launch import Server
 from tilepd.plan.service_configs import DecodeEndpoint, RouterConfig
 
-from .stack import router_config, start_decode_node, start_native_decode, start_prefill, start_router, stop_all
+from .stack import MODEL_NAME, router_config, start_decode_node, start_native_decode, start_prefill, start_router, stop_all
 
 
 def _engine_available() -> bool:
@@ -66,9 +67,28 @@ def router_stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         stack.servers.append(stack.prefill)
         stack.native = start_native_decode(tiny_llama, stack.workdir)
         stack.servers.append(stack.native)
+        _warm_up(stack)
         yield stack
     finally:
         stop_all(stack.servers)
+
+
+def _warm_up(stack: Stack) -> None:
+    """vLLM's first requests are slow (lazy init); on a loaded machine slow enough that a decode node
+    reaps the admitted KV as orphaned before the router's decode call comes. One request down each
+    path before the tests keeps their timing about the router, not about vLLM's warm-up."""
+    assert stack.prefill is not None and stack.native is not None and stack.endpoint is not None
+    plain = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": 2, "logprobs": 1, "temperature": 0}
+    for url in (stack.prefill.url, stack.native.url):
+        httpx.post(url + "/v1/completions", json=plain, timeout=600).raise_for_status()
+    ep = stack.endpoint
+    marker = {"tilepd": {"host": ep.host, "ctrl_port": ep.ctrl_port, "transfer_id": "tx-warmup", "token": "warmup"}}
+    r = httpx.post(stack.prefill.url + "/v1/completions", json={**plain, "max_tokens": 1, "kv_transfer_params": marker}, timeout=600)
+    r.raise_for_status()
+    first = int(r.json()["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
+    body = {"transfer_id": "tx-warmup", "token": "warmup", "first_token": first, "prompt_tokens": 4, "max_tokens": 2,
+            "stream": False, "kv_timeout_s": 120}
+    httpx.post(stack.decode_url + "/v1/decode", json=body, timeout=300).raise_for_status()
 
 
 def _reused(stack: Stack, info: dict) -> Stack:

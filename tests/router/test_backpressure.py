@@ -122,3 +122,19 @@ def test_unhealthy_node_leaves_rotation_and_is_probed_back(router_stack: Stack, 
     assert r.status_code == 200 and r.headers["x-tilepd-route"] == "low_latency"
     metrics = httpx.get(url + "/metrics").text
     assert 'tilepd_router_breaker_transitions_total{node="d0",state="open"} 1.0' in metrics
+
+
+def test_router_shutdown_mid_stream_frees_the_node(router_stack: Stack, start_router_proc: Callable[..., Any]) -> None:
+    """SIGTERM while a decode streams: the router cancels it on the way down; the node is free and serves again."""
+    srv, _ = start_router_proc(router_stack.config(native=False))
+    body = {**BODY, "max_tokens": 600, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", srv.url + "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            for _ in range(4):
+                next(lines)
+            assert httpx.get(router_stack.decode_url + "/status").json()["busy"]
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+            srv.proc.wait(30)
+    assert _wait(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
+    assert "event=stopped" in srv.log_text()

@@ -236,6 +236,7 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
                                                            headers={"retry-after": str(RETRY_AFTER_S)})) from None
     state.metrics.lease_wait_seconds.observe(lease.waited_s)
     run = LowLatencyRun(state, plan, lease, rid)
+    run.user = req.user
     events = run.events()
     writer = ResponseWriter(endpoint, req.model or state.config.served_model_name)
     headers = {**_route_headers(route, rid), "x-tilepd-node": lease.node.name}
@@ -341,9 +342,10 @@ def _finish_log(state: RouterState, route: Route, rid: str, run: LowLatencyRun, 
     _count(state, route, status, t0)
     if fin is not None:
         state.metrics.completion_tokens.inc(fin.completion_tokens)
-    log.info("req=%s event=done route=%s reason=%s node=%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%s finish=%s ms=%.1f",
-             rid, route.pool, route.reason, run.lease.node.name, status, outcome, run.prompt_tokens,
-             fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", (time.perf_counter() - t0) * 1e3)
+    log.info("req=%s event=done route=%s reason=%s node=%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%s finish=%s "
+             "ms=%.1f user=%s", rid, route.pool, route.reason, run.lease.node.name, status, outcome, run.prompt_tokens,
+             fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", (time.perf_counter() - t0) * 1e3,
+             run.user or "-")
 
 
 async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, Any], route: Route, rid: str, t0: float) -> Response:

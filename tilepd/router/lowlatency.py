@@ -126,6 +126,7 @@ class LowLatencyRun:
         self.prompt_tokens = 0
         self._resp: httpx.Response | None = None
         self._settled = False
+        self.user: str | None = None  # the client's end-user id, for the log line
         lease.node.transfer_id = self.transfer_id
 
     def marker(self) -> dict[str, Any]:
