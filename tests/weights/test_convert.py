@@ -181,17 +181,17 @@ def test_topology_form_converts_once_per_weights_path(tmp_path: Path, repo_root:
     text = (repo_root / "topology_examples" / "local.yaml").read_text().replace("/tmp/tilepd-local", str(tmp_path / "dep"))
     topo = tmp_path / "local.yaml"
     topo.write_text(text)
-    r = _cli(python_exe, str(topo), "--json")
+    r = _cli(python_exe, str(topo), "--local", "--json")
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(lines) == 1 and lines[0]["dtype"] == "fp32" and lines[0]["skipped"] is False
     weights = tmp_path / "dep" / "models" / "tiny-llama-tilepd"
     assert (weights / "manifest.json").is_file()
-    again = _cli(python_exe, str(topo), "--json")
+    again = _cli(python_exe, str(topo), "--local", "--json")
     assert json.loads(again.stdout.splitlines()[0])["skipped"] is True
     bad = tmp_path / "bad.yaml"
     bad.write_text(text.replace("apiVersion: tilepd/v1", "apiVersion: tilepd/v9"))
-    assert _cli(python_exe, str(bad)).returncode == ExitCode.INVALID
+    assert _cli(python_exe, str(bad), "--local").returncode == ExitCode.INVALID
 
 
 def test_tp_shards_deepseek_split_heads_and_expert_columns(tiny_deepseek: Path, tmp_path: Path) -> None:

@@ -46,8 +46,13 @@ def convert_weights_cmd(
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel ranks: one rank<r>.safetensors shard per rank."),
     force: bool = typer.Option(False, "--force", help="Convert even when the manifest says the inputs are unchanged."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per conversion instead of a progress bar."),
+    local: bool = typer.Option(False, "--local", help="TOPOLOGY form: convert here, for every decode node, instead of on the nodes through Ansible."),
+    limit: str | None = typer.Option(None, "--limit", help="TOPOLOGY form (Ansible): only these hosts (Ansible limit pattern)."),
+    check: bool = typer.Option(False, "--check", help="TOPOLOGY form (Ansible): report what would be converted, change nothing."),
 ) -> None:
-    """Convert an HF safetensors checkpoint into tilepd's runtime format (skips when already up to date)."""
+    """Convert an HF safetensors checkpoint into tilepd's runtime format (skips when already up to date).
+
+    With a TOPOLOGY file, every decode node converts its own copy through Ansible (the same playbooks as `tilepd up`); --local converts on this machine instead."""
     from tilepd.weights.errors import WeightsError
 
     if family is not None:
@@ -58,6 +63,10 @@ def convert_weights_cmd(
         if topology is not None:
             if model_dir or out:
                 _fail(ExitCode.USAGE, "give either a TOPOLOGY file or --model-dir/--out, not both")
+            if not local:
+                from tilepd.deploy.convert import convert_on_nodes
+
+                raise typer.Exit(convert_on_nodes(topology, limit=limit, check=check))
             results = _convert_topology(topology, as_json, force)
         else:
             if model_dir is None or out is None:
