@@ -32,7 +32,8 @@ def attention_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.
 
 
 # "sdpa": torch's fused attention (on CUDA the memory-efficient kernel, which handles long caches well);
-# "bmm": two batched GEMVs and a softmax, plain and portable. Both read the cache in place.
+# "bmm": two batched GEMVs and a softmax, plain and portable; "triton": split-KV kernel (CUDA only, else
+# sdpa). All read the cache in place.
 ATTENTION_IMPL = {"default": "sdpa"}
 
 
@@ -44,12 +45,20 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     bias [g*T, L] from attention_bias. Query heads of one KV group are stacked as query rows (GQA as MQA
     per group), so each K/V head is read once and no per-head copy of the cache is made. Returns [T, H, Dv].
     """
+    impl = impl or ATTENTION_IMPL["default"]
+    if impl == "triton" and q.is_cuda:  # split-KV kernel (attention.py); set by compiled.accelerate on CUDA
+        from tilepd.engine.attention import split_kv_attention, supports
+
+        if supports(q.shape[-1], v.shape[-1]):
+            return split_kv_attention(q, k, v, bias, scale)
+    if impl == "triton":
+        impl = "sdpa"
     t, h, dk = q.shape
     hkv = k.shape[1]
     g = h // hkv
     qg = q.view(t, hkv, g, dk).permute(1, 2, 0, 3).reshape(hkv, g * t, dk).to(k.dtype)
     kt, vt = k.permute(1, 0, 2), v.permute(1, 0, 2)  # [Hkv, L, D] views
-    if (impl or ATTENTION_IMPL["default"]) == "sdpa":
+    if impl == "sdpa":
         out = F.scaled_dot_product_attention(qg[None], kt[None], vt[None], attn_mask=bias.to(qg.dtype)[None, None], scale=scale)[0]
     else:
         scores = torch.matmul(qg * scale, kt.transpose(1, 2)).float() + bias  # [Hkv, g*T, L]
