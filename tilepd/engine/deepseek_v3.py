@@ -35,6 +35,14 @@ class DeepseekV3Model:
         self.scale = (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(spec.rope_scaling)
         self._rope_fn = apply_rope_interleaved if spec.rope_interleave else apply_rope_neox
 
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (tensor parallelism overrides this with a vocab-parallel lookup)."""
+        return F.embedding(tokens, self.w["embed"])
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[T, V] float32 logits (tensor parallelism overrides this with a vocab-parallel head)."""
+        return F.linear(h, self.w["lm_head"]).float()
+
     def _attention(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, w = self.spec, self.w
         t, r = x.shape[0], s.kv_lora_rank
@@ -63,20 +71,20 @@ class DeepseekV3Model:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Main model on T tokens. Returns (logits [T, V] float32, final-normed hidden [T, h])."""
         s, w = self.spec, self.w
-        x = F.embedding(tokens, w["embed"])
+        x = self._embed(tokens)
         cs = self.rope.index_select(0, positions)
         mask = attention_bias(length_mask(positions, attn_len), s.num_heads, x.dtype)
         for i in range(s.num_layers):
             x = self._layer(f"layers.{i}.", self.caches[i], x, positions, cs, mask, i >= s.first_k_dense_replace)
         h = rms_norm(x, w["norm"], s.rms_norm_eps)
-        return F.linear(h, w["lm_head"]).float(), h
+        return self._logits(h), h
 
     def mtp_forward(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, attn_len: int, k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP module k: embedding of token t_{i+1} with the hidden state of position i -> logits for t_{i+2}.
 
         Follows vLLM's convention: the module runs at position i (the position of prev_hidden)."""
         s, w, p = self.spec, self.w, f"mtp.{k}."
-        e = rms_norm(F.embedding(tokens, w["embed"]), w[p + "enorm"], s.rms_norm_eps)
+        e = rms_norm(self._embed(tokens), w[p + "enorm"], s.rms_norm_eps)
         hp = rms_norm(prev_hidden, w[p + "hnorm"], s.rms_norm_eps)
         x = F.linear(torch.cat([e, hp], dim=-1), w[p + "eh_proj"])
         cs = self.rope.index_select(0, positions)
@@ -84,4 +92,4 @@ class DeepseekV3Model:
         mask = attention_bias(mask & (torch.arange(attn_len, device=positions.device) >= self.mtp_start)[None, :], s.num_heads, x.dtype)
         x = self._layer(p, self.mtp_caches[k], x, positions, cs, mask, True)
         h = rms_norm(x, w[p + "head_norm"], s.rms_norm_eps)
-        return F.linear(h, w["lm_head"]).float(), h
+        return self._logits(h), h
