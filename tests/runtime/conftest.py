@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +11,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 
 def free_port() -> int:
     with socket.socket() as s:

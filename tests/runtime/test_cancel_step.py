@@ -17,8 +17,8 @@ import pytest
 import torch
 import uvicorn
 
-from conftest import free_port, wire_payload
-from hf_engine import HFEngine, KVState, SamplingParams, hf_prefill_kv
+from tests.runtime.conftest import free_port, wire_payload
+from tests.runtime.hf_engine import HFEngine, KVState, SamplingParams, hf_prefill_kv
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import KVSender
 from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from hf_engine import hf_greedy, hf_prefill_kv
-from conftest import start_node, stop_node, wire_payload
+from tests.runtime.hf_engine import hf_greedy, hf_prefill_kv
+from tests.runtime.conftest import start_node, stop_node, wire_payload
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import KVSender
 from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
