@@ -9,7 +9,10 @@ On a GPU (the target: one NVIDIA H200):
 Everything is built on the device with random bf16 weights: no download, no disk. Figures printed:
 the measured read bandwidth (GB/s), the floor per token = (weight bytes a step reads + KV bytes at that
 context) / read bandwidth, and ms/token + % of floor for each engine variant: `graph` (whole step in a
-CUDA graph; attention through torch SDPA), `graph[bmm]` (same, attention as two batched GEMVs), `compile+graph` (per-layer torch.compile, then the graph; skipped with --no-compile),
+CUDA graph; attention through torch SDPA), `graph[triton]` / `graph[bmm]` (same, attention through the
+split-KV Triton kernel / as two batched GEMVs), `speed-path` (what `load_engine(device="cuda")` uses:
+compiled.accelerate = torch.compile'd layers around the Triton attention, in the graph),
+`compile+graph` (per-layer torch.compile including SDPA attention, then the graph; skipped with --no-compile),
 `eager` (no graph, fewer tokens), and HF transformers `generate` (eager, batch 1, fewer tokens).
 Each variant is isolated: a failure is reported in its row and the rest still run.
 
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
 from tilepd.engine import layers  # noqa: E402
+from tilepd.engine.compiled import accelerate  # noqa: E402
 from tilepd.engine.engine import Engine, build_model  # noqa: E402
 from tilepd.engine.spec import ModelSpec, spec_from_hf_config  # noqa: E402
 from tilepd.engine.types import KVState, SamplingParams  # noqa: E402
@@ -142,23 +146,27 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
     rows: list[Row] = []
     max_ctx = max(args.contexts)
     windows = sorted({c + args.tokens + 16 for c in args.contexts})
-    variants = ["graph", "graph[bmm]"] + ([] if args.no_compile else ["compile+graph", "compile(no-attn)+graph"]) + ["eager"]
+    variants = ["speed-path", "graph", "graph[triton]"] + ([] if args.no_compile else ["compile+graph"]) + ["eager"]
     if device.type != "cuda":
         variants = ["static", "static[bmm]", "eager"]  # the graph's body without capture; eager
     if args.variants:
         variants = args.variants
     for variant in variants:
         model = engine = None
-        layers.ATTENTION_IMPL["default"] = "bmm" if variant.endswith("[bmm]") else "sdpa"
+        layers.ATTENTION_IMPL["default"] = next((impl for impl in ("bmm", "triton") if variant.endswith(f"[{impl}]")), "sdpa")
+        path = None
         try:
             model = build_model(spec, weights, max_ctx + args.tokens + 16, device, dtype)
-            if variant.startswith("compile"):
+            if variant == "speed-path":  # exactly what load_engine(device="cuda") turns on
+                path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode)
+            elif variant.startswith("compile"):
                 if not hasattr(model, "compile"):
                     raise RuntimeError(f"no compiled path for family {spec.family}")
                 model.compile(mode=args.compile_mode, include_attention=variant == "compile+graph")
             engine = Engine(model, spec, device, max_ctx + args.tokens + 16, use_cuda_graph=variant != "eager", num_speculative_tokens=0)
             if engine.graph_step is not None:
                 engine.graph_step.buckets = windows
+                engine.graph_step.fallbacks = list(path.fallbacks) if path is not None else []
         except Exception as e:  # one variant failing must not sink the run
             for c in args.contexts:
                 rows.append(Row(variant, c, 0, error=f"{type(e).__name__}: {e}"))
@@ -170,7 +178,10 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
                 ms = time_engine(engine, spec, c, n, device, dtype)
                 gs = engine.graph_step
                 extra = {"capture_error": gs.capture_error} if gs is not None and gs.capture_error else {}
-                rows.append(Row(variant + (" (graph capture failed)" if extra else ""), c, n, ms, 100 * floors[c] / ms, extra=extra))
+                if path is not None:
+                    extra["path"] = path.name + (f" (fell back: {len(path.fallbacks) - len(gs.fallbacks)} step(s))" if gs.fallbacks != path.fallbacks else "")
+                failed = gs is not None and not gs.capture and device.type == "cuda"
+                rows.append(Row(variant + (" (graph capture failed)" if failed else ""), c, n, ms, 100 * floors[c] / ms, extra=extra))
             except Exception as e:
                 rows.append(Row(variant, c, n, error=f"{type(e).__name__}: {e}"))
                 traceback.print_exc(file=sys.stderr)
@@ -244,7 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-tokens", type=int, default=None, help="tokens for HF generate (default 32)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="engine variants to run (graph, compile+graph, compile(no-attn)+graph, eager; on CPU 'static' = graph body)")
+                    help="engine variants to run (speed-path, graph, graph[triton], graph[bmm], compile+graph, compile(no-attn)+graph, "
+                         "compile(no-attn)+graph[triton], eager; on CPU 'static' = graph body)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--compile-mode", default=None, help='torch.compile mode, e.g. "max-autotune-no-cudagraphs"')
     ap.add_argument("--spec-tokens", type=int, default=2, help="MTP drafts per step (dsv3 models)")

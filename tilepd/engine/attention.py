@@ -23,7 +23,7 @@ _TARGET_PROGRAMS = 2 * 132  # ~2 waves on an H200 (132 SMs); more splits only ad
 @triton.jit
 def _split_kernel(Q, K, V, B, O, LSE, L, M, CHUNK, scale,
                   s_qh, s_qm, s_kl, s_kh, s_vl, s_vh, s_bm, s_oh, s_os, s_om, s_lh, s_ls,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr):
     h = tl.program_id(0)
     s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -44,13 +44,13 @@ def _split_kernel(Q, K, V, B, O, LSE, L, M, CHUNK, scale,
         if tl.max(tl.max(b, axis=1), axis=0) > float("-inf"):  # skip blocks no query row can see
             k = tl.load(K + h * s_kh + offs_n[:, None] * s_kl + offs_dk[None, :], mask=nmask[:, None], other=0.0)
             v = tl.load(V + h * s_vh + offs_n[:, None] * s_vl + offs_dv[None, :], mask=nmask[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * scale + b
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + b
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(qk - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / safe_l[:, None]
@@ -100,7 +100,8 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
         qg, k, v, bias, part, lse, length, m, chunk, scale,
         qg.stride(0), qg.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), bias.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, DK=dk, DV=dv, num_warps=4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, DK=dk, DV=dv, PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2)
     _merge_kernel[(hkv * m,)](
         part, lse, out, splits, m, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), BLOCK_S=max(2, triton.next_power_of_2(splits)), DV=dv, num_warps=4)

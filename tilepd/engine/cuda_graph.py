@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -45,6 +46,7 @@ class GraphStep:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_error: str | None = None
+        self.fallbacks: list[Callable[[], str]] = []  # compiled.accelerate's undo steps, tried in order
 
     def window(self, needed: int) -> int:
         return self.buckets[min(bisect.bisect_left(self.buckets, needed), len(self.buckets) - 1)]
@@ -63,17 +65,31 @@ class GraphStep:
             return io.token
         graph = self.graphs.get((attn_len, use_greedy))
         if graph is None:
-            try:
-                graph = self._capture(attn_len, use_greedy)
-            except Exception as e:  # never fail a request over a graph: run the same body uncaptured
-                log.warning("event=cuda_graph_capture_failed window=%d error=%s; decoding without graphs", attn_len, e)
-                torch.cuda.synchronize()
-                self.capture = False
-                self.capture_error = f"{type(e).__name__}: {e}"
+            graph = self._capture_or_fall_back(attn_len, use_greedy)
+            if graph is None:  # never fail a request over a graph: run the same body uncaptured
                 self._body(attn_len, use_greedy)
                 return io.token
         graph.replay()
         return io.token
+
+    def _capture_or_fall_back(self, attn_len: int, use_greedy: bool) -> torch.cuda.CUDAGraph | None:
+        """Capture; on failure undo one speed-path step (compiled.accelerate) and retry, then give up on graphs."""
+        while True:
+            token, position = self.io.token.clone(), self.io.position.clone()
+            try:
+                return self._capture(attn_len, use_greedy)
+            except Exception as e:
+                torch.cuda.synchronize()
+                self.io.token.copy_(token)
+                self.io.position.copy_(position)
+                self.capture_error = f"{type(e).__name__}: {e}"
+                if not self.fallbacks:
+                    log.warning("event=cuda_graph_capture_failed window=%d error=%s; decoding without graphs", attn_len, e)
+                    self.capture = False
+                    return None
+                what = self.fallbacks.pop(0)()
+                self.graphs.clear()  # graphs captured so far may hold the path just undone
+                log.warning("event=speed_path_fallback window=%d error=%s; %s", attn_len, e, what)
 
     def _capture(self, attn_len: int, use_greedy: bool) -> torch.cuda.CUDAGraph:
         io = self.io
@@ -102,8 +118,8 @@ class GraphStep:
         saved_tok, saved_pos = self.io.token.clone(), self.io.position.clone()
         self.io.position.zero_()
         for n in self.buckets[:max_windows]:
-            if (n, use_greedy) not in self.graphs:
-                self._capture(n, use_greedy)
+            if (n, use_greedy) not in self.graphs and self._capture_or_fall_back(n, use_greedy) is None:
+                break
         self.io.token.copy_(saved_tok)
         self.io.position.copy_(saved_pos)
         torch.cuda.synchronize()

@@ -75,6 +75,7 @@ class Engine:
             self.graph_step = GraphStep(model, self.sampler, self.io, max_seq_len)
         self.num_speculative_tokens = num_speculative_tokens if getattr(model, "has_mtp", False) else 0
         self.last_spec_stats: dict[str, float] = {}
+        self.speed_path = "graph" if self.graph_step is not None and device.type == "cuda" else "eager"
 
     @property
     def capabilities(self) -> dict[str, bool]:
@@ -182,13 +183,16 @@ def build_model(spec: ModelSpec, weights: dict[str, torch.Tensor], max_seq_len: 
 
 
 def load_engine(weights_dir, device: str = "cpu", max_seq_len: int = 4096, dtype: str | None = None, *,
-                use_cuda_graph: bool | None = None, num_speculative_tokens: int | None = None, cpu_threads: int = 1) -> Engine:
+                use_cuda_graph: bool | None = None, num_speculative_tokens: int | None = None, cpu_threads: int = 1,
+                speed_path: bool = True) -> Engine:
     """Load converted weights (or an HF checkpoint, converted in memory) and allocate the static cache.
 
     dtype: compute and cache dtype (default bfloat16 on CUDA, float32 on CPU). num_speculative_tokens:
     MTP drafts per step for deepseek_v3 checkpoints with an MTP layer (default 1 when present; 0 disables).
     cpu_threads: on CPU, torch's intra-op threads for this process (the CPU path serves tiny test/demo
     models, whose batch-1 GEMVs only lose from threads, badly so on shared cores); 0 leaves torch's setting.
+    speed_path: on CUDA with graphs, compiled.accelerate (Triton split-KV attention + torch.compile'd
+    layers, each undone by itself if it fails at the first capture); engine.speed_path names what is on.
     """
     from tilepd.weights.loader import load_weights
 
@@ -204,4 +208,13 @@ def load_engine(weights_dir, device: str = "cpu", max_seq_len: int = 4096, dtype
     model = build_model(spec, weights, max_seq_len, dev, torch_dtype)
     if num_speculative_tokens is None:
         num_speculative_tokens = 1 if getattr(model, "has_mtp", False) else 0
-    return Engine(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph, num_speculative_tokens=num_speculative_tokens)
+    path = None
+    if speed_path and dev.type == "cuda" and use_cuda_graph is not False:
+        from tilepd.engine.compiled import accelerate
+
+        path = accelerate(model)
+    engine = Engine(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph, num_speculative_tokens=num_speculative_tokens)
+    if path is not None and engine.graph_step is not None:
+        engine.graph_step.fallbacks = list(path.fallbacks)
+        engine.speed_path = path.name
+    return engine

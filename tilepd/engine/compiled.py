@@ -1,0 +1,74 @@
+"""The engine's CUDA speed path: which kernels a model's decode step uses, with fallbacks.
+
+`accelerate(model)` switches a freshly built model to the fastest path measured on an H200
+(bench/decode_speed.py, docs/PERFORMANCE.md): attention through the split-KV Triton kernel
+(attention.py) and the per-layer element-wise work fused by torch.compile, with the cache-reading
+attention left outside the compiled code (so one compilation serves every cache-window bucket and the
+cache is never copied). Compilation and Triton builds only happen at the first graph capture; if that
+fails, GraphStep applies the returned fallbacks one at a time (first drop torch.compile, then the
+Triton attention) and captures again, so a request never fails over a speed path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tilepd.engine import layers
+
+log = logging.getLogger(__name__)
+
+_SWAPPED = ("attn_in", "attn_out_mlp", "post_attn")
+
+
+@dataclass
+class SpeedPath:
+    """What `accelerate` turned on (`parts`, for logs and the bench) and how to undo it, in the order GraphStep tries."""
+
+    parts: list[str] = field(default_factory=list)
+    fallbacks: list[Callable[[], str]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.parts) or "plain"
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, compile_mode: str | None = None) -> SpeedPath:
+    """Turn on the speed path for `model` (CUDA only; call before the first graph capture)."""
+    path = SpeedPath()
+    if triton_attention and _triton_available():
+        before = layers.ATTENTION_IMPL["default"]
+        layers.ATTENTION_IMPL["default"] = "triton"
+        path.parts.append("triton-attn")
+
+        def undo_triton() -> str:
+            layers.ATTENTION_IMPL["default"] = before
+            return f"attention back to {before}"
+
+        path.fallbacks.insert(0, undo_triton)
+    if compile_layers and hasattr(model, "compile"):
+        saved = {name: getattr(model, name) for name in _SWAPPED if hasattr(model, name)}
+        try:
+            model.compile(mode=compile_mode, include_attention=False)
+        except Exception as e:  # compile() itself only wraps functions; real failures come at capture
+            log.warning("event=torch_compile_unavailable error=%s", e)
+        else:
+            path.parts.insert(0, "compile(no-attn)")
+
+            def undo_compile() -> str:
+                for name, fn in saved.items():
+                    setattr(model, name, fn)
+                return "torch.compile dropped"
+
+            path.fallbacks.insert(0, undo_compile)
+    path.parts.append("graph")
+    return path
