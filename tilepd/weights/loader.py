@@ -24,22 +24,23 @@ def _to_device(name: str, t: torch.Tensor, scale: torch.Tensor | None, device: t
     return t.to(device=device, dtype=torch.float32 if keep else dtype)
 
 
-def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """(spec, name -> device tensor). A directory with manifest.json is read as converted weights; an HF
-    checkpoint (config.json + *.safetensors, no manifest) is converted in memory with the same layout."""
+def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0, tp: int = 1) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """(spec, name -> device tensor) of tensor-parallel rank `rank` of `tp`. A directory with manifest.json
+    is read as converted weights (its tp must equal `tp`); an HF checkpoint (config.json + *.safetensors,
+    no manifest) is converted in memory with the same layout and sharding."""
+    if not 0 <= rank < tp:
+        raise WeightsError(f"rank {rank} does not exist with tp={tp}")
     weights_dir = Path(weights_dir)
     manifest = read_manifest(weights_dir)
     if manifest is None:
         if (weights_dir / MANIFEST).exists():
             raise WeightsError(f"{weights_dir / MANIFEST}: not a tilepd weights manifest (re-run convert-weights)")
         if (weights_dir / "config.json").is_file():
-            return _load_hf(weights_dir, device, dtype)
+            return _load_hf(weights_dir, device, dtype, rank, tp)
         raise WeightsError(f"{weights_dir}: neither converted weights (manifest.json) nor an HF checkpoint (config.json)")
-    if manifest["tp"] > 1:
-        raise WeightsError(f"{weights_dir}: converted for tp={manifest['tp']}; the engine runs one rank (tp=1) so far - "
-                           "convert with --tp 1 for a single-GPU decode node")
-    if rank >= manifest["tp"]:
-        raise WeightsError(f"{weights_dir}: converted for tp={manifest['tp']}, rank {rank} does not exist")
+    if manifest["tp"] != tp:
+        raise WeightsError(f"{weights_dir}: converted for tp={manifest['tp']}, the decode node runs tp={tp} - "
+                           f"re-run convert-weights with --tp {tp} (or set the node's tp_size to {manifest['tp']})")
     spec = spec_from_hf_config(manifest["model_config"], manifest.get("generation_config"))
     f = SafetensorsFile(weights_dir / f"rank{rank}.safetensors")
     want = set(manifest["layout"]["tensors"])
@@ -54,12 +55,12 @@ def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, ra
     return spec, out
 
 
-def _load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+def _load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0, tp: int = 1) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     with Checkpoint(model_dir) as ck:
         spec = spec_from_hf_config(ck.config(), ck.generation_config())
         out = {}
         for t in family_layout(spec, ck.names()):
-            chunks = [cast_chunk(t, c, dtype, False)[0] for c in build_chunks(t, ck.get, spec, 0, 1)]
+            chunks = [cast_chunk(t, c, dtype, False)[0] for c in build_chunks(t, ck.get, spec, rank, tp)]
             x = torch.stack(chunks) if t.stacked else chunks[0]
             out[t.name] = x.to(device)
     return spec, out
