@@ -18,8 +18,8 @@ from rich.table import Table
 
 from tilepd.cli.exitcodes import ExitCode
 
-console = Console(stderr=False)
-err = Console(stderr=True)
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 DEFAULT_TOPOLOGY = "local.yaml"
 

@@ -20,7 +20,7 @@ def convert_on_nodes(topology_path: Path | str, *, limit: str | None = None, che
     from tilepd.deploy.progress import Progress, summary_table
     from tilepd.topology import TopologyError, TopologyFileError
 
-    console = console or Console()
+    console = console or Console(soft_wrap=True)
     try:
         dep = deployment.load(Path(topology_path))
     except TopologyFileError as e:

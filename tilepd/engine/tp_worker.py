@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = load_rank_engine(Path(opts.pop("weights_dir")), tp, **opts)
         log.info("event=tp_rank_ready rank=%d size=%d", a.rank, a.size)
         serve_rank(engine, tp)
+    except (RuntimeError, dist.DistError) as exc:  # rank 0 gone (killed, crashed): nothing left to serve
+        log.error("event=tp_rank_exit rank=%d reason=%s", a.rank, str(exc).splitlines()[0][:300])
+        return 1
     finally:
         dist.destroy_process_group()
     return 0

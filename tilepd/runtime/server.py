@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -44,23 +45,58 @@ def engine_geometry(engine: Any) -> CacheGeometry:
     return geometry_from_spec(spec, dtype if isinstance(dtype, torch.dtype) else torch.float32)
 
 
+def start_engine(weights_dir: Path, tp_size: int, **kwargs: Any) -> Any:
+    """One rank in this process (tp_size 1), or rank 0 here driving tp_size-1 worker processes in lockstep
+    (tilepd.engine.tp_engine); both have the engine API of INTERFACES §1."""
+    if tp_size == 1:
+        from tilepd.engine import load_engine
+
+        return load_engine(weights_dir, **kwargs)
+    from tilepd.engine.tp_engine import launch_tp_engine
+
+    return launch_tp_engine(weights_dir, tp_size, **kwargs)
+
+
+def close_engine(engine: Any) -> None:
+    """Stop a tensor-parallel engine's worker ranks (a one-rank engine holds nothing to stop)."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the original exit
+            log.warning("event=engine_close_failed error=%s", exc)
+
+
+def stop_engine_on_shutdown(app: Any, engine: Any) -> None:
+    """Close the engine (stop TP worker ranks) in the app's lifespan shutdown: uvicorn re-raises SIGTERM
+    after its graceful shutdown, so code after `uvicorn.run` does not run on a signal."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any):
+        async with inner(a) as state:
+            yield state
+        close_engine(engine)
+
+    app.router.lifespan_context = lifespan
+
+
 def serve(config: DecodeServerConfig) -> None:
     """Blocking: load the engine, open the control port, serve HTTP until SIGINT/SIGTERM."""
     import uvicorn
 
-    from tilepd.engine import load_engine
     from tilepd.runtime.http_api import build_app
     from tilepd.runtime.service import DecodeService
 
     dtype = None if config.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla") else config.kv_cache_dtype
-    log.info("event=loading_engine node=%s weights=%s device=%s max_seq_len=%d", config.name, config.weights_dir,
-             config.device, config.max_seq_len)
+    log.info("event=loading_engine node=%s weights=%s device=%s max_seq_len=%d tp_size=%d", config.name, config.weights_dir,
+             config.device, config.max_seq_len, config.tp_size)
     # the engine is built on the thread that will run it (CUDA graphs are captured there)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     t0 = time.perf_counter()
     try:
         engine = worker.submit(
-            load_engine, config.weights_dir, device=config.device, max_seq_len=config.max_seq_len, dtype=dtype,
+            start_engine, config.weights_dir, config.tp_size, device=config.device, max_seq_len=config.max_seq_len, dtype=dtype,
             use_cuda_graph=config.cuda_graphs if config.device == "cuda" else None,
             num_speculative_tokens=config.num_speculative_tokens,
         ).result()
@@ -74,11 +110,14 @@ def serve(config: DecodeServerConfig) -> None:
         svc.start()
     except OSError as exc:
         worker.shutdown(wait=False)
+        close_engine(engine)
         raise OSError(f"cannot open the control or data port ({config.bind_host}:{config.ctrl_port}, transport "
                       f"{config.transport.name}): {exc}") from exc
     app = build_app(svc)
+    stop_engine_on_shutdown(app, engine)
     try:
         uvicorn.run(app, host=config.bind_host, port=config.http_port, log_level="warning", access_log=False)
     finally:
         svc.close()
+        close_engine(engine)
         log.info("event=stopped node=%s", config.name)
