@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _print_table(report: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape  # variant names like graph[triton] are not markup tags
     from rich.table import Table
 
     bw = report["bandwidth"]
@@ -324,9 +325,9 @@ def _print_table(report: dict) -> None:
     for r in report["rows"]:
         floor = report["floor"].get(str(r["context"]), {}).get("ms_per_token")
         note = r["error"] or (", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["extra"].items()))
-        table.add_row(r["variant"], str(r["context"]), str(r["tokens"]),
+        table.add_row(escape(r["variant"]), str(r["context"]), str(r["tokens"]),
                       f"{r['ms_per_token']:.3f}" if r["ms_per_token"] else "-", f"{floor:.3f}" if floor else "-",
-                      f"{r['pct_of_floor']:.1f}%" if r["pct_of_floor"] else "-", note[:80])
+                      f"{r['pct_of_floor']:.1f}%" if r["pct_of_floor"] else "-", escape(note[:80]))
     Console(width=160).print(table)
 
 
