@@ -36,8 +36,14 @@ def test_unpacked_blocks_are_token_major_k_then_v(isa: str, dtype: torch.dtype, 
     pool = StagingPool(pc.layout, max_seq_len=4 * block, num_slots=1)
     slot = pool.acquire()
     ids = torch.tensor(pc.kernel_block_ids([4, 1, 3], seq))
+    assert pc.block_perm_is_kt_v == (isa in ("vec", "vec16"))
     for l in range(layers):
-        gather_blocks(pc.physical_views[l], ids, pool.layer_bytes(slot, l, 3), pc.block_perm)
+        gather_blocks(pc.physical_views[l], ids, pool.layer_bytes(slot, l, 3), pc.block_perm)  # generic gather
+        wire = pool.layer_bytes(slot, l, 3).view(dtype).view(3, heads, block, 2 * d).clone()
+        if pc.block_perm_is_kt_v:  # fast path gives the same bytes
+            pool.layer_bytes(slot, l, 3).zero_()
+            gather_blocks(pc.physical_views[l], ids, pool.layer_bytes(slot, l, 3), pc.block_perm, (heads, block, d))
+            assert torch.equal(pool.layer_bytes(slot, l, 3).view(dtype).view(3, heads, block, 2 * d), wire)
         wire = pool.layer_bytes(slot, l, 3).view(dtype).view(3, heads, block, 2 * d)  # BHNC, K|V
         tokens = wire.permute(0, 2, 1, 3).reshape(3 * block, heads, 2 * d)[:seq]
         assert torch.equal(tokens[..., :d], keys[l]) and torch.equal(tokens[..., d:], vals[l])

@@ -60,3 +60,25 @@ def probe_block_perm(num_heads: int, block_size: int, head_size: int, dtype: tor
     perm = torch.empty(total, dtype=torch.long)
     perm[codes] = torch.arange(total, dtype=torch.long)
     return perm
+
+
+def kt_v_perm(num_heads: int, block_size: int, head_size: int) -> torch.Tensor:
+    """The permutation of the `vec`/`vec16` packing: per head, K transposed [D, N], then V [N, D]."""
+    h, n, d = num_heads, block_size, head_size
+    phys = torch.arange(h * n * 2 * d, dtype=torch.long).view(h, 2, n * d)
+    k = phys[:, 0].view(h, d, n).transpose(1, 2)  # [H, N, D]: physical index of K[n, d]
+    v = phys[:, 1].view(h, n, d)
+    return torch.cat([k, v], dim=-1).reshape(-1)
+
+
+def unpack_kt_v(packed: torch.Tensor, out: torch.Tensor, num_heads: int, block_size: int, head_size: int) -> None:
+    """Fast path for the K-transposed packing: two strided copies instead of an element gather.
+
+    packed: [nb, H*N*2D] physical blocks; out: [nb, H*N*2D] wire blocks (token-major K|V).
+    """
+    h, n, d = num_heads, block_size, head_size
+    nb = packed.shape[0]
+    kv = packed.view(nb, h, 2, n * d)
+    dst = out.view(nb, h, n, 2 * d)
+    dst[..., :d].copy_(kv[:, :, 0].view(nb, h, d, n).transpose(-1, -2))
+    dst[..., d:].copy_(kv[:, :, 1].view(nb, h, n, d))

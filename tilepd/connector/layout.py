@@ -75,6 +75,8 @@ class PagedCache:
     device: torch.device
     # when the backend packs a block's interior (CPU_ATTN): wire_block = physical_block.flatten()[block_perm]
     block_perm: torch.Tensor | None = None
+    # the perm is CPU_ATTN's K-transposed packing: unpack with strided copies (fast path)
+    block_perm_is_kt_v: bool = False
 
     def kernel_block_ids(self, sched_block_ids: list[int], seq_len: int) -> list[int]:
         """Kernel block ids holding tokens [0, seq_len) in request order."""
@@ -208,6 +210,11 @@ def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts,
         if order != "BHNC" or block_perm.numel() != h * n * c:
             raise UnsupportedCacheLayout(f"block unpacking needs a block-contiguous BHNC cache of {h * n * c} elements")
         block_perm = block_perm.to(first.device)
+        from tilepd.connector.cpu_attn import kt_v_perm
+
+        kt_v = layout.kind == "attn" and torch.equal(block_perm.cpu(), kt_v_perm(h, n, layout.head_size_k or 0))
+    else:
+        kt_v = False
     perm = (0, 1, 2, 3) if layout.order == "BHNC" else (0, 2, 1, 3)
     views = [kv_caches[nm].permute(*perm) for nm in names]
     return PagedCache(
@@ -217,6 +224,7 @@ def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts,
         blocks_per_sched_block=facts.scheduler_block_size // n,
         device=first.device,
         block_perm=block_perm,
+        block_perm_is_kt_v=kt_v,
     )
 
 

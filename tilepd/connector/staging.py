@@ -81,7 +81,7 @@ class StagingPool:
 
 
 def gather_blocks(src_view: torch.Tensor, block_ids: torch.Tensor, dst_bytes: torch.Tensor,
-                  block_perm: torch.Tensor | None = None) -> None:
+                  block_perm: torch.Tensor | None = None, kt_v_dims: tuple[int, int, int] | None = None) -> None:
     """Copy blocks `block_ids` of one layer's physical-order view into `dst_bytes`, block after block.
 
     `src_view` is [num_blocks, d1, d2, C] whose dims follow memory order, so each
@@ -101,7 +101,11 @@ def gather_blocks(src_view: torch.Tensor, block_ids: torch.Tensor, dst_bytes: to
     flat = torch.as_strided(raw, (raw.shape[0], elems), (raw.stride(0), 1))  # block interior is one run
     packed = torch.index_select(flat, 0, block_ids)
     out = dst_bytes.view(raw.dtype).view(n, elems)
-    if packed.device == out.device:
+    if kt_v_dims is not None and packed.device == out.device:
+        from tilepd.connector.cpu_attn import unpack_kt_v
+
+        unpack_kt_v(packed, out, *kt_v_dims)
+    elif packed.device == out.device:
         torch.index_select(packed, 1, block_perm, out=out)
     else:
         out.copy_(torch.index_select(packed, 1, block_perm), non_blocking=True)

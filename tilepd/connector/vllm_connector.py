@@ -234,7 +234,7 @@ class TilePDConnector(KVConnectorBase_V1):
         self._thread.start()
         self.events.event(
             "registered", None, layout=cache.layout.layout_id, device=cache.device,
-            unpack="cpu_attn" if cache.block_perm is not None else "none", transport=self.config.transport.name,
+            unpack=("cpu_attn_kt_v" if cache.block_perm_is_kt_v else "cpu_attn_perm") if cache.block_perm is not None else "none", transport=self.config.transport.name,
             staging_bytes=self._pool.buffer.numel(), staging_slots=self._pool.num_slots, rank=rank, tp_size=tp,
         )
 
@@ -269,8 +269,10 @@ class TilePDConnector(KVConnectorBase_V1):
         assert self._cache is not None and self._pool is not None
         t0 = time.perf_counter()
         n = st.kernel_ids.numel()
+        lay = self._cache.layout
+        kt_v = (lay.num_heads, lay.block_size, lay.head_size_k or 0) if self._cache.block_perm_is_kt_v else None
         gather_blocks(self._cache.physical_views[layer], st.kernel_ids, self._pool.layer_bytes(st.slot, layer, n),
-                      self._cache.block_perm)
+                      self._cache.block_perm, kt_v)
         st.layers_done.add(layer)
         st.extract_ms += (time.perf_counter() - t0) * 1e3
 
