@@ -25,6 +25,13 @@ fx("port-collision__decode", "    http_port: 5557\n", "    http_port: 5556" + M 
 fx("port-collision__tcp-data", NATIVE, "", "  name: nixl\n", "  name: tcp\n", "    http_port: 5557\n", "    http_port: 5557\n    data_port: 5556" + M + "\n")
 fx("tp-gpus", "    gpus: 2\n    port: 8000\n", "    gpus: 1" + M + "\n    port: 8000\n")
 fx("tp-gpus__decode", "    gpu: {type: B200, count: 2}\n", "    gpu:\n      type: B200\n      count: 1" + M + "\n")
+_LLAMA = ("  family: deepseek_v3\n", "  family: llama\n  generate_tiny: llama\n", "  kv_cache_dtype: {prefill: fp8_ds_mla, decode: fp8}\n", "",
+          "  speculative:\n    prefill: {method: mtp, num_speculative_tokens: 1}\n    decode: {method: mtp, num_speculative_tokens: 1}\n", "")
+fx("tp-heads", *_LLAMA, "  tensor_parallel: {prefill: 2, decode: 2}\n", "  tensor_parallel:\n    prefill: 2\n    decode: 4" + M + "\n",
+   "    gpu: {type: B200, count: 2}\n", "    gpu: {type: B200, count: 4}\n")
+fx("tp-heads__mla", "  family: deepseek_v3\n", "  family: deepseek_v3\n  generate_tiny: deepseek_v3\n",
+   "  tensor_parallel: {prefill: 2, decode: 2}\n", "  tensor_parallel:\n    prefill: 2\n    decode: 8" + M + "\n",
+   "    gpu: {type: B200, count: 2}\n", "    gpu: {type: B200, count: 8}\n")
 fx("decode-device", "    gpu: {type: B200, count: 2}\n", "    gpu: {type: cpu}\n    recv_buffer: vram" + M + "\n", "  tensor_parallel: {prefill: 2, decode: 2}\n", "  tensor_parallel: {prefill: 2, decode: 1}\n")
 fx("max-seq-len", "    http_port: 5557\n", "    http_port: 5557\n    max_seq_len: 2048" + M + "\n")
 fx("kv-cache-dtype", "  kv_cache_dtype: {prefill: fp8_ds_mla, decode: fp8}\n", "  kv_cache_dtype:\n    prefill: fp8_ds_mla\n    decode: auto" + M + "\n")

@@ -23,6 +23,8 @@ CASES: dict[str, tuple[str, str]] = {
     "port-collision__tcp-data": ("port-collision", "port 5556 (tcp data port) on 10.1.0.2"),
     "tp-gpus": ("tp-gpus", "model.tensor_parallel.prefill=2 needs 2 GPUs but p0 has 1"),
     "tp-gpus__decode": ("tp-gpus", "model.tensor_parallel.decode=2 needs 2 GPUs but d0 has 1"),
+    "tp-heads": ("tp-heads", "model.tensor_parallel.decode=4 does not divide num_key_value_heads=2 of the tiny llama model"),
+    "tp-heads__mla": ("tp-heads", "model.tensor_parallel.decode=8 does not divide num_attention_heads=4 of the tiny deepseek_v3 model"),
     "decode-device": ("decode-device", "recv_buffer vram needs a GPU"),
     "max-seq-len": ("max-seq-len", "d0 holds 2048 tokens but the connector and prefill are told model.max_seq_len=4096"),
     "kv-cache-dtype": ("kv-cache-dtype", "prefill fp8_ds_mla -> decode auto cannot be carried for MLA models"),

@@ -241,6 +241,16 @@ def _deepseek_weights(cfg: dict, init: _Init) -> None:
         init.tensors[p + "shared_head.head.weight"] = init.tensors["lm_head.weight"].clone()
 
 
+def tiny_config(family: str) -> dict:
+    """The config.json `make_tiny_model` writes for `family` (vocab_size: the tokenizer's target size), so
+    `validate` can check head counts against TP sizes before the model exists."""
+    if family == "llama":
+        return _llama_config(TOKENIZER_VOCAB)
+    if family == "deepseek_v3":
+        return _deepseek_config(TOKENIZER_VOCAB)
+    raise ValueError(f"no tiny model for family {family!r} (choose from {', '.join(FAMILIES)})")
+
+
 def make_tiny_model(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     """Write a tiny random HF checkpoint of `family` into `out_dir` and return `out_dir`.
 

@@ -8,9 +8,10 @@ loader turns that into file:line:col.
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from pydantic_core import to_json
 
@@ -169,6 +170,45 @@ def tp_vs_gpus(topo: Topology) -> Iterator[Violation]:
                 yield Violation(("decode", i, "gpu"), f"model.tensor_parallel.decode={tp.decode} but {d.name} is a cpu node, which runs TP 1 only", "tp-gpus")
         elif tp.decode > d.gpu.count:
             yield Violation(("decode", i, "gpu", "count"), f"model.tensor_parallel.decode={tp.decode} needs {tp.decode} GPUs but {d.name} has {d.gpu.count}", "tp-gpus")
+
+
+def _model_config(topo: Topology) -> tuple[dict, str] | None:
+    """The HF config whose head counts the TP sizes must divide, and where it came from: the tiny model's
+    (generate_tiny), else `<hf_path>/config.json` when this machine can read it; None when neither."""
+    if topo.model.generate_tiny:
+        from tilepd.dev.tiny_model import tiny_config
+
+        return tiny_config(topo.model.generate_tiny), f"the tiny {topo.model.generate_tiny} model"
+    path = Path(topo.model.hf_path) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return (cfg, str(path)) if isinstance(cfg, dict) else None
+
+
+def tp_heads(topo: Topology) -> Iterator[Violation]:
+    """The KV handoff maps prefill TP to decode TP: attention KV heads split evenly on both sides (MLA's latent is replicated, its heads split on decode)."""
+    found = _model_config(topo)
+    if found is None:  # no config here to read: the decode node refuses an uneven split when it starts
+        return
+    cfg, src = found
+    tp = topo.model.tensor_parallel
+    nh = int(cfg.get("num_attention_heads") or 0)
+    nkv = int(cfg.get("num_key_value_heads") or nh)
+    mla = canonical_family(topo.model.family) == "deepseek_v3"
+    for role, size in (("prefill", tp.prefill), ("decode", tp.decode)):
+        if size == 1:
+            continue
+        if not mla and nkv % size:
+            yield Violation(("model", "tensor_parallel", role),
+                            f"model.tensor_parallel.{role}={size} does not divide num_key_value_heads={nkv} of {src}: the KV handoff "
+                            f"splits attention KV heads evenly across the prefill ranks and across the decode ranks; use a size that divides {nkv}",
+                            "tp-heads")
+        elif role == "decode" and nh % size:
+            yield Violation(("model", "tensor_parallel", role),
+                            f"model.tensor_parallel.decode={size} does not divide num_attention_heads={nh} of {src}: each decode rank "
+                            f"runs an equal share of the heads; use a size that divides {nh}", "tp-heads")
 
 
 def decode_device(topo: Topology) -> Iterator[Violation]:
@@ -374,6 +414,7 @@ RULES: dict[str, Rule] = {
     "host-conflict": host_conflicts,
     "port-collision": port_collisions,
     "tp-gpus": tp_vs_gpus,
+    "tp-heads": tp_heads,
     "decode-device": decode_device,
     "max-seq-len": max_seq_len,
     "kv-cache-dtype": kv_cache_dtypes,
