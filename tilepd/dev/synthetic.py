@@ -116,8 +116,9 @@ def _hf_shape(name: str, s, h: int) -> tuple[int, ...]:
     return table[last]
 
 
-def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """tilepd runtime weights with random values, built directly on `device` (no checkpoint, no disk).
+def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed: int = 0, rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
+    """tilepd runtime weights with random values, built directly on `device` (no checkpoint, no disk);
+    with tp > 1 only tensor-parallel rank `rank`'s shard is kept (as `convert-weights --tp` writes it).
 
     Each HF-named source tensor is drawn from its own seeded generator, so a tensor read twice (kv_b_proj
     feeds W_UK and W_UV) is the same both times, and only one layer's sources exist at a time."""
@@ -140,7 +141,7 @@ def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed:
 
     out: dict[str, torch.Tensor] = {}
     for t in family_layout(spec, set()):
-        chunks = [cast_chunk(t, c, dtype, False)[0] for c in build_chunks(t, get, spec, 0, 1)]
+        chunks = [cast_chunk(t, c, dtype, False)[0] for c in build_chunks(t, get, spec, rank, tp)]
         out[t.name] = torch.stack(chunks) if t.stacked else chunks[0]
         del chunks
     return out
