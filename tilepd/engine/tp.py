@@ -13,8 +13,8 @@ Megatron-style split, matching the shards `convert-weights --tp N` writes (tilep
   same hidden state on every rank, so every rank picks the same experts. EP pays off at large batches,
   which this batch-1 engine does not run.
 - vocab: the embedding and lm_head are **vocab-parallel** (rows split, as convert-weights writes them).
-  A replicated head would cost every rank the full V x hidden read each step (DeepSeek-V3: 0.9 GiB bf16,
-  ~7% of a rank's per-step read at TP 8) and that much memory; vocab-parallel reads 1/N and pays one
+  A replicated head would cost every rank the full V x hidden read each step (DeepSeek-V3: 1.85 GB bf16,
+  +20% on a rank's ~9 GB per-step read at TP 8) and that much memory; vocab-parallel reads 1/N and pays one
   all-gather of V/N float32 logits per rank (~64 KiB at TP 8 for V=129k), which is far cheaper. The lookup
   masks foreign ids and all-reduces (one extra small all-reduce per step).
 - MLA's latent cache is replicated: every rank holds the full [seq, 1, r + rope] latent, because every head
