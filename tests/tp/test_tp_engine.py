@@ -57,14 +57,18 @@ def test_two_ranks_match_one_rank(family: str, request: pytest.FixtureRequest) -
 
 
 @pytest.mark.slow
-def test_deepseek_two_ranks_without_mtp_match(tp_deepseek: dict[int, Path]) -> None:
-    """Plain greedy steps (no MTP speculation) on 2 ranks against plain greedy on 1 rank."""
-    tp = launch_tp_engine(tp_deepseek[2], 2, max_seq_len=128, num_speculative_tokens=0)
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_graph_step_body_on_two_ranks_matches(family: str, request: pytest.FixtureRequest) -> None:
+    """The CUDA-graph step's static-shape body (run eagerly on CPU), all-reduces inside, plain greedy (no MTP)
+    on 2 ranks against plain greedy on 1 rank."""
+    weights = request.getfixturevalue("tp_llama" if family == "llama" else "tp_deepseek")
+    tp = launch_tp_engine(weights[2], 2, max_seq_len=128, num_speculative_tokens=0, use_cuda_graph=True)
     try:
+        assert tp.local.graph_step is not None
         state = random_state(tp.config, 12, seed=2)
         tp.inject(state)
         got = tp.decode(5, N_TOKENS, GREEDY, lambda t: None).tokens
-        assert got == _reference(tp_deepseek[1], state, 5, num_speculative_tokens=0)
+        assert got == _reference(weights[1], state, 5, num_speculative_tokens=0)
     finally:
         tp.close()
 
