@@ -76,3 +76,17 @@ def test_graph_step_body_on_two_ranks_matches(family: str, request: pytest.Fixtu
 def test_uneven_split_is_refused_before_starting_ranks(tp_llama: dict[int, Path]) -> None:
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         launch_tp_engine(tp_llama[1], 4, max_seq_len=64)
+
+
+@pytest.mark.slow
+def test_dead_worker_rank_is_reported_not_hung(tp_llama: dict[int, Path]) -> None:
+    """A worker rank that dies (killed here: a crash cannot be produced on demand) fails the next call with
+    a message naming the rank, instead of rank 0 waiting forever in a collective."""
+    tp = launch_tp_engine(tp_llama[2], 2, max_seq_len=64)
+    try:
+        tp.workers[0].kill()
+        tp.workers[0].wait(10)
+        with pytest.raises(RuntimeError, match=r"rank 1 \(exit -9\)"):
+            tp.inject(random_state(tp.config, 4))
+    finally:
+        tp.close()
