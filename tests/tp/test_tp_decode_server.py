@@ -125,11 +125,13 @@ def test_llama_tp2_node_matches_one_rank(python_exe: str, tiny_llama: Path, tp_l
             node.send(layout, layers, f"tx-p{prefill_tp}", "llama", prefill_tp)
             out = node.decode(f"tx-p{prefill_tp}", first, len(prompt))
             assert out["tokens"] == want, f"prefill tp {prefill_tp}"
+        workers[0].kill()  # a rank that dies (a crash cannot be produced on demand): the node says so
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(node.url + "/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert health.status_code == 503 and "rank 1 (exit -9)" in health.json()["reason"]
     finally:
         node.stop()
-    assert "event=tp_rank_exit" not in node.log.read_text(), "rank 1 was not stopped by rank 0"
-    gone, alive = psutil.wait_procs(workers, timeout=10)
-    assert not alive, "the worker rank outlived the server"
 
 
 def test_deepseek_tp2_node_matches_one_rank(python_exe: str, tp_deepseek: dict[int, Path], tmp_path: Path) -> None:
@@ -146,7 +148,11 @@ def test_deepseek_tp2_node_matches_one_rank(python_exe: str, tp_deepseek: dict[i
                          kv_lora_rank=s.kv_lora_rank, rope_dim=s.qk_rope_head_dim)
     node = Node(python_exe, tp_deepseek[2], "deepseek_v3", tmp_path, tp_size=2)
     try:
+        workers = node.workers()
         node.send(layout, prefix, "tx-mla", "deepseek_v3")
         assert node.decode("tx-mla", gen[-1], seq_len)["tokens"] == want
     finally:
         node.stop()
+    assert "event=tp_rank_exit" not in node.log.read_text(), "rank 1 was not stopped by rank 0"
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert len(gone) == 1 and not alive, "the worker rank outlived the server"

@@ -185,14 +185,19 @@ class TPEngine:
     def seq_len(self) -> int:
         return self.local.seq_len
 
-    def _check_workers(self) -> None:
+    def health_problem(self) -> str | None:
+        """Why this engine cannot serve (a worker rank exited), or None."""
         dead = [(r + 1, w.returncode) for r, w in enumerate(self.workers) if w.poll() is not None]
         if dead:
-            raise RuntimeError(f"tensor-parallel worker rank(s) exited: {', '.join(f'rank {r} (exit {c})' for r, c in dead)}")
+            return f"tensor-parallel worker rank(s) exited: {', '.join(f'rank {r} (exit {c})' for r, c in dead)}"
+        return "tensor-parallel engine is closed" if self._closed else None
+
+    def _check_workers(self) -> None:
+        problem = self.health_problem()
+        if problem:
+            raise RuntimeError(problem)
 
     def _command(self, *cmd: Any) -> None:
-        if self._closed:
-            raise RuntimeError("tensor-parallel engine is closed")
         self._check_workers()
         _bcast_cmd(self.tp, list(cmd))
 

@@ -101,6 +101,9 @@ def build_app(svc: DecodeService) -> FastAPI:
     async def health() -> JSONResponse:
         if not svc.ready:
             return JSONResponse({"status": "starting"}, status_code=503)
+        problem = svc.health_problem()
+        if problem:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/capabilities")

@@ -142,6 +142,11 @@ class DecodeService:
             "tilepd_version": __version__,
         }
 
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (a tensor-parallel worker rank died), or None; /health answers 503 with it."""
+        check = getattr(self.engine, "health_problem", None)
+        return check() if check is not None else None
+
     def status(self) -> dict[str, Any]:
         snap = self.slot.snapshot()
         return {**snap, "last": self.last, "transfers_total": self.slot.transfers_total, "bytes_total": self.slot.bytes_total}
