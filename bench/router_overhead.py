@@ -127,32 +127,40 @@ def main() -> None:
         cfg = router_config(model, prefill_url, [node])
         router = start_router(cfg, work)
         servers.append(router)
+        short, long_ = 2, args.tokens
         with httpx.Client(timeout=120) as client:
             for _ in range(args.warmup):
-                direct_request(client, prefill_url, node, args.tokens)
-                router_request(client, router.url, args.tokens)
-            d_req, r_req, d_gap, r_gap = [], [], [], []
-            for _ in range(args.requests):  # interleaved: both see the same machine load
-                t, gaps = direct_request(client, prefill_url, node, args.tokens)
-                d_req.append(t)
-                d_gap += gaps
-                t, gaps = router_request(client, router.url, args.tokens)
-                r_req.append(t)
-                r_gap += gaps
+                direct_request(client, prefill_url, node, long_)
+                router_request(client, router.url, long_)
+            runs: dict[tuple[str, int], list[float]] = {(w, n): [] for w in ("direct", "router") for n in (short, long_)}
+            gaps: dict[str, list[float]] = {"direct": [], "router": []}
+            for _ in range(args.requests):  # interleaved: both paths see the same machine load
+                for n in (short, long_):
+                    t, g = direct_request(client, prefill_url, node, n)
+                    runs["direct", n].append(t)
+                    gaps["direct"] += g if n == long_ else []
+                    t, g = router_request(client, router.url, n)
+                    runs["router", n].append(t)
+                    gaps["router"] += g if n == long_ else []
         relay_s = relay_cost_per_token(model)
     finally:
         stop_all(servers)
 
     ms = 1e3
-    print(f"router overhead, {args.requests} requests x {args.tokens} tokens each way, tiny llama, interleaved")
-    print(f"{'':28}{'direct':>10}{'router':>10}{'added':>10}")
-    for name, d, r in (("request p50 (ms)", pct(d_req, .5), pct(r_req, .5)), ("request p99 (ms)", pct(d_req, .99), pct(r_req, .99)),
-                       ("token gap p50 (ms)", pct(d_gap, .5), pct(r_gap, .5)), ("token gap p99 (ms)", pct(d_gap, .99), pct(r_gap, .99))):
-        print(f"{name:28}{d * ms:10.3f}{r * ms:10.3f}{(r - d) * ms:10.3f}")
-    added_per_token = (statistics.mean(r_req) - statistics.mean(d_req)) / args.tokens
-    print(f"{'mean added / token (ms)':28}{'':20}{added_per_token * ms:10.3f}")
+    print(f"router overhead: {args.requests} rounds, each {short} and {long_} tokens, direct and via the router, interleaved")
+    print(f"{'':34}{'direct':>10}{'router':>10}{'added':>10}")
+    for n in (short, long_):
+        for q in (0.5, 0.99):
+            d, r = pct(runs["direct", n], q), pct(runs["router", n], q)
+            print(f"{f'request, {n} tokens, p{int(q * 100)} (ms)':34}{d * ms:10.3f}{r * ms:10.3f}{(r - d) * ms:10.3f}")
+    for q in (0.5, 0.99):
+        d, r = pct(gaps["direct"], q), pct(gaps["router"], q)
+        print(f"{f'gap between tokens p{int(q * 100)} (ms)':34}{d * ms:10.3f}{r * ms:10.3f}{(r - d) * ms:10.3f}")
+    slope = {w: (statistics.median(runs[w, long_]) - statistics.median(runs[w, short])) / (long_ - short) for w in ("direct", "router")}
+    print(f"{'per-token slope (ms/token)':34}{slope['direct'] * ms:10.3f}{slope['router'] * ms:10.3f}"
+          f"{(slope['router'] - slope['direct']) * ms:10.3f}")
     print(f"relay cost in-process: {relay_s * 1e6:.1f} us/token -> {1 / relay_s:,.0f} tokens/s on one core")
-    print(f"ratio router/direct (p50 request): {pct(r_req, .5) / pct(d_req, .5):.3f}")
+    print(f"ratio router/direct (p50 request, {short} tokens): {pct(runs['router', short], .5) / pct(runs['direct', short], .5):.3f}")
 
 
 if __name__ == "__main__":
