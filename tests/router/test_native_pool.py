@@ -3,7 +3,6 @@ by header, and as the fallback for what the low-latency engine cannot honour; ev
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import httpx
