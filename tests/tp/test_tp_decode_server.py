@@ -29,15 +29,20 @@ N_TOKENS = 32
 
 
 class Node:
-    def __init__(self, python: str, weights: Path, family: str, tmp: Path, tp_size: int) -> None:
+    def __init__(self, python: str, weights: Path, family: str, tmp: Path, tp_size: int, use_flags: bool = False) -> None:
+        """From a DecodeServerConfig file as the plan renders it, or from the development flags (--tp-size)."""
         self.http_port, self.ctrl_port = free_port(), free_port()
-        cfg = DecodeServerConfig(name=f"tp{tp_size}", served_model_name="tiny", family=family, weights_dir=weights, max_seq_len=MAX_SEQ,
-                                 device="cpu", tp_size=tp_size, bind_host="127.0.0.1", advertise_host="127.0.0.1",
-                                 http_port=self.http_port, ctrl_port=self.ctrl_port, transport=TransportConfig(name="tcp"), kv_timeout_s=10)
-        (tmp / "decode.json").write_text(cfg.model_dump_json())
+        if use_flags:
+            argv = [python, "-m", "tilepd.runtime", "--weights", str(weights), "--family", family, "--max-seq-len", str(MAX_SEQ),
+                    "--http-port", str(self.http_port), "--ctrl-port", str(self.ctrl_port), "--tp-size", str(tp_size)]
+        else:
+            cfg = DecodeServerConfig(name=f"tp{tp_size}", served_model_name="tiny", family=family, weights_dir=weights, max_seq_len=MAX_SEQ,
+                                     device="cpu", tp_size=tp_size, bind_host="127.0.0.1", advertise_host="127.0.0.1",
+                                     http_port=self.http_port, ctrl_port=self.ctrl_port, transport=TransportConfig(name="tcp"), kv_timeout_s=10)
+            (tmp / "decode.json").write_text(cfg.model_dump_json())
+            argv = [python, "-m", "tilepd.runtime", "--config", str(tmp / "decode.json")]
         self.log = tmp / "decode.log"
-        self.proc = subprocess.Popen([python, "-m", "tilepd.runtime", "--config", str(tmp / "decode.json")],
-                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.http_port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -146,7 +151,7 @@ def test_deepseek_tp2_node_matches_one_rank(python_exe: str, tp_deepseek: dict[i
     want = eng.decode(gen[-1], N_TOKENS, SamplingParams(ignore_eos=True), lambda t: None).tokens
     layout = CacheLayout(kind="mla", num_layers=len(prefix), block_size=16, num_heads=1, entry_width=width, dtype="float32",
                          kv_lora_rank=s.kv_lora_rank, rope_dim=s.qk_rope_head_dim)
-    node = Node(python_exe, tp_deepseek[2], "deepseek_v3", tmp_path, tp_size=2)
+    node = Node(python_exe, tp_deepseek[2], "deepseek_v3", tmp_path, tp_size=2, use_flags=True)
     try:
         workers = node.workers()
         node.send(layout, prefix, "tx-mla", "deepseek_v3")

@@ -32,6 +32,7 @@ def decode_server(
     data_port: Optional[int] = typer.Option(None, "--data-port", help="tcp: data port (default: any free port)"),
     kv_timeout_s: float = typer.Option(30.0, "--kv-timeout-s"),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype"),
+    tp_size: int = typer.Option(1, "--tp-size", min=1, help="Tensor-parallel ranks (GPUs on cuda); weights converted with --tp N."),
 ) -> None:
     """Run a tilepd decode node: control port for KV handoff, HTTP API on --http-port."""
     from tilepd.runtime.server import EngineLoadError, load_config, serve, setup_logging
@@ -47,7 +48,7 @@ def decode_server(
                 name=name, served_model_name=weights.name, family=family, weights_dir=weights, max_seq_len=max_seq_len,
                 device=device, bind_host=host, advertise_host=advertise_host or host, http_port=http_port,
                 ctrl_port=ctrl_port, transport=transport, data_port=data_port, kv_timeout_s=kv_timeout_s,
-                kv_cache_dtype=kv_cache_dtype, recv_buffer="vram" if device == "cuda" and transport != "tcp" else "dram",
+                kv_cache_dtype=kv_cache_dtype, tp_size=tp_size, recv_buffer="vram" if device == "cuda" and transport != "tcp" else "dram",
             )
     except FileNotFoundError as exc:
         typer.echo(f"decode-server: config file not found: {exc.filename}", err=True)
