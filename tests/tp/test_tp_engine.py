@@ -48,6 +48,14 @@ def test_two_ranks_match_one_rank(family: str, request: pytest.FixtureRequest) -
         state2 = random_state(tp.config, 9, seed=1)
         tp.inject(state2)
         assert tp.decode(3, N_TOKENS, GREEDY, lambda t: None).tokens == _reference(weights[1], state2, 3)
+        # A token callback that raises stops every rank (not only rank 0) and reaches the caller; the
+        # ranks stay in step for the next request.
+        def boom(tok: int) -> None:
+            raise ConnectionError("client went away")
+
+        tp.inject(state2)
+        with pytest.raises(ConnectionError):
+            tp.decode(3, N_TOKENS, GREEDY, boom)
         # A sampled decode without a seed: every rank draws the same tokens (rank 0 hands out the seed).
         tp.inject(state2)
         sampled = tp.decode(3, 8, SamplingParams(temperature=1.0, ignore_eos=True), lambda t: None)

@@ -43,7 +43,7 @@ TIMEOUT = timedelta(minutes=10)
 class SyncedCancel:
     """A cancel event every rank agrees on: rank 0 reads the real event and broadcasts it on every check."""
 
-    def __init__(self, tp: TPGroup, event: threading.Event | None) -> None:
+    def __init__(self, tp: TPGroup, event: Any) -> None:
         self.tp = tp
         self.event = event
         self.flag = torch.zeros(1, dtype=torch.int32)
@@ -248,12 +248,32 @@ class TPEngine:
                cancel: threading.Event | None = None) -> DecodeResult:
         if not sampling.greedy and sampling.seed is None:  # one seed for all ranks: the same draw everywhere
             sampling = SamplingParams(**{**asdict(sampling), "seed": random.getrandbits(62)})
+        # A callback that raises must not leave rank 0's loop early while the workers step on: it stops
+        # every rank at the next cancel check instead, and is re-raised once all ranks are done.
+        failed: list[BaseException] = []
+        stop = threading.Event()
+
+        def emit(tok: int) -> None:
+            if failed:
+                return
+            try:
+                on_token(tok)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the ranks are in step again
+                failed.append(exc)
+                stop.set()
+
+        class _Either:
+            def is_set(self) -> bool:
+                return stop.is_set() or (cancel is not None and cancel.is_set())
+
         with self._lock:
             self._command("decode", int(first_token), int(max_tokens), asdict(sampling))
-            result = self.local.decode(first_token, max_tokens, sampling, on_token, SyncedCancel(self.tp, cancel))
+            result = self.local.decode(first_token, max_tokens, sampling, emit, SyncedCancel(self.tp, _Either()))
             if not tokens_agree(self.tp, result.tokens):
                 raise RuntimeError("tensor-parallel ranks decoded different tokens (lockstep lost); the engine must be restarted")
-            return result
+        if failed:
+            raise failed[0]
+        return result
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the workers and leave the process group (idempotent)."""
