@@ -157,7 +157,7 @@ def test_tp_shards_split_fused_tensors_per_part(tiny_llama: Path, tmp_path: Path
         g, u = full.read("layers.0.w13").chunk(2)
         assert torch.equal(f.read("layers.0.w13"), torch.cat([g.chunk(2)[r], u.chunk(2)[r]]))
         assert torch.equal(f.read("norm"), full.read("norm"))
-    with pytest.raises(WeightsError, match="tp=2"):  # TP execution is later work: refuse, do not mis-load
+    with pytest.raises(WeightsError, match="tp=2"):  # a tp=2 conversion on a one-rank engine: refuse, do not mis-load
         load_engine(tmp_path / "tp2", device="cpu", max_seq_len=16)
 
 
