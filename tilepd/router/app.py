@@ -343,9 +343,9 @@ def _finish_log(state: RouterState, route: Route, rid: str, run: LowLatencyRun, 
     if fin is not None:
         state.metrics.completion_tokens.inc(fin.completion_tokens)
     log.info("req=%s event=done route=%s reason=%s node=%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%s finish=%s "
-             "ms=%.1f user=%s", rid, route.pool, route.reason, run.lease.node.name, status, outcome, run.prompt_tokens,
+             "ms=%.1f prefill_ms=%s user=%s", rid, route.pool, route.reason, run.lease.node.name, status, outcome, run.prompt_tokens,
              fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", (time.perf_counter() - t0) * 1e3,
-             run.user or "-")
+             f"{fin.timings['prefill_ms']:.1f}" if fin and "prefill_ms" in fin.timings else "-", run.user or "-")
 
 
 async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, Any], route: Route, rid: str, t0: float) -> Response:
