@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tilepd.engine.deepseek_v3 import DeepseekV3Model
 from tilepd.engine.layers import attention_bias, cached_attention, length_mask, rms_norm, swiglu
-from tilepd.engine.llama import LlamaModel, attn_in
+from tilepd.engine.llama import LlamaModel
 from tilepd.engine.moe import moe
 from tilepd.engine.spec import ModelSpec
 
