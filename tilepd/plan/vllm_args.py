@@ -80,6 +80,12 @@ def vllm_argv(
         argv += ["--kv-cache-dtype", m.kv_cache_dtype.prefill]
     if m.speculative.prefill is not None:
         argv += ["--speculative-config", speculative_json(m.speculative.prefill)]
+    if topo.native_decode:
+        # vLLM turns its hybrid KV-cache manager off under a MultiConnector whose child (ours)
+        # does not support it, and NIXL's compatibility hash covers that setting: a native
+        # decode instance left with it on refuses every transfer ("compatibility hash mismatch").
+        # Say it on both sides so the pair always agrees.
+        argv.append("--disable-hybrid-kv-cache-manager")
     argv += ["--kv-transfer-config", compact_json(kv_transfer_config)]
     argv += list(entry.extra_args)
     return argv
