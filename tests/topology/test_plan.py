@@ -59,7 +59,8 @@ def test_glm51_decode_and_router_configs_parse_as_the_contract() -> None:
     assert rcfg.native_pool is None and rcfg.routing.fallback_to_native is False
     assert rcfg.api_key_env == "TILEPD_API_KEY" and rcfg.api_key_file is None
     convert = plan.service("convert-d0")
-    assert convert.argv[1:] == ["-m", "tilepd", "convert-weights", "--model-dir", "/models/GLM-5.1", "--out", "/models/tilepd-glm5.1", "--family", "deepseek_v3"]
+    assert convert.argv[1:] == ["-m", "tilepd", "convert-weights", "--model-dir", "/models/GLM-5.1", "--out", "/models/tilepd-glm5.1", "--family", "deepseek_v3",
+                               "--tp", "8"]  # the 8xB200 node: one shard per rank
     assert convert.kind == "oneshot" and convert.stage < decode.stage
 
 

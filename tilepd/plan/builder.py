@@ -174,7 +174,8 @@ class _Planner:
         cpu = is_cpu(node)
         self.note_host(node, "decode")
         py = self.python(node)
-        convert_argv = [py, "-m", "tilepd", "convert-weights", "--model-dir", m.hf_path, "--out", m.weights_path, "--family", self.family]
+        convert_argv = [py, "-m", "tilepd", "convert-weights", "--model-dir", m.hf_path, "--out", m.weights_path, "--family", self.family,
+                        "--tp", str(m.tensor_parallel.decode)]  # per-rank shards for a TP decode node
         self.add(node.address, node, name=f"convert-{node.name}", role="convert", argv=convert_argv, env={"PYTHONUNBUFFERED": "1"}, creates=m.weights_path)
         cfg = DecodeServerConfig(
             name=node.name,
