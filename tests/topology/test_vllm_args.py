@@ -47,3 +47,13 @@ def test_vllm_accepts_planned_argv(vllm_parse, example: str, service: str, conne
         assert (args.tensor_parallel_size, args.enforce_eager, args.trust_remote_code) == (8, True, True)
         assert (args.kv_cache_dtype, args.gpu_memory_utilization) == ("fp8_ds_mla", 0.8)
         assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 1}
+
+
+def test_vllm_accepts_the_cpu_mla_workaround_flags(vllm_parse) -> None:
+    from tilepd.topology import load_topology_text
+
+    text = (examples_dir() / "local.yaml").read_text().replace("family: llama", "family: deepseek_v3").replace("generate_tiny: llama", "generate_tiny: deepseek_v3")
+    svc = build_plan(load_topology_text(text, "local-mla.yaml")).service("prefill-p0")
+    args = vllm_parse(svc.argv[3:])
+    assert str(args.attention_backend).upper().endswith("CPU_MLA")
+    assert "-rotary_embedding" in args.compilation_config.custom_ops

