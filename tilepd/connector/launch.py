@@ -19,34 +19,21 @@ from typing import Any, Sequence
 
 import httpx
 
+from tilepd.plan import vllm_args
 from tilepd.plan.service_configs import ConnectorExtraConfig
 
-CONNECTOR_NAME = "TilePDConnector"
-CONNECTOR_MODULE = "tilepd.connector.vllm_connector"
+CONNECTOR_NAME = vllm_args.CONNECTOR_CLASS
+CONNECTOR_MODULE = vllm_args.CONNECTOR_MODULE
 
 
 def kv_transfer_config(extra: ConnectorExtraConfig) -> dict[str, Any]:
-    """The `--kv-transfer-config` object for a prefill instance that hands off to tilepd."""
-    return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": extra.model_dump(mode="json"),
-    }
+    """The `--kv-transfer-config` object for a prefill instance that hands off to tilepd (what the planner renders)."""
+    return vllm_args.prefill_kv_transfer_config(extra, with_native_pool=False, cpu=True)
 
 
 def multi_with_nixl(extra: ConnectorExtraConfig) -> dict[str, Any]:
-    """MultiConnector: tilepd for marked requests, the stock NixlConnector for the native pool."""
-    return {
-        "kv_connector": "MultiConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {
-            "connectors": [
-                kv_transfer_config(extra),
-                {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"},
-            ]
-        },
-    }
+    """MultiConnector: tilepd for marked requests, the stock NixlConnector (host-memory KV) for the native pool."""
+    return vllm_args.prefill_kv_transfer_config(extra, with_native_pool=True, cpu=True)
 
 
 def vllm_argv(
