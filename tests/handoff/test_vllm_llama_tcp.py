@@ -27,6 +27,7 @@ from .stack import (
     connector_config,
     decode,
     decode_config,
+    handoff,
     dump_logs,
     events,
     last_counters,
@@ -105,6 +106,24 @@ def test_chunked_prompt_is_sent_once_after_the_last_chunk(stack: dict) -> None:
     """The 700-token prompt took several 256-token steps; exactly one extract, in the last one."""
     evs = [e for e in events(stack["vllm"]) if e.get("transfer_id") == "tcp-700"]
     assert [e["event"] for e in evs if e["event"] in ("extract_scheduled", "staged", "sent")] == ["extract_scheduled", "staged", "sent"]
+
+
+def test_fresh_chunked_prompt_is_staged_chunk_by_chunk(stack: dict) -> None:
+    """A 1000-token prompt vLLM has not seen (no prefix-cache hit) runs as 256-token steps:
+    each step stages the blocks it completed, the final step only the rest; greedy still exact."""
+    vllm, node = stack["vllm"], stack["node"]
+    ids = prompt_ids(1000, seed=4242)
+    got = handoff(vllm, stack["model"], node, ids, GEN_TOKENS, "tcp-fresh-1000")  # marked first: nothing cached
+    want, _ = complete(vllm, stack["model"], ids, GEN_TOKENS)
+    assert got == want
+    sent = wait_event(vllm, "sent", "tcp-fresh-1000")
+    evs = [e for e in events(vllm) if e.get("transfer_id") == "tcp-fresh-1000"]
+    chunks = [e for e in evs if e["event"] == "chunk_staged"]
+    # steps end at 256, 512, 768 tokens: blocks of 128 completed 2, 2, 2; the final step copies blocks 6..7
+    assert [int(e["copied"]) for e in chunks] == [2, 2, 2], chunks
+    staged = next(e for e in evs if e["event"] == "staged")
+    assert int(staged["blocks"]) == 8 and int(staged["chunks"]) == 4
+    assert int(sent["bytes"]) == 2 * 8 * (2 * 128 * 64 * 4)
 
 
 def test_unmarked_request_is_served_without_any_transfer(stack: dict) -> None:

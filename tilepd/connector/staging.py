@@ -66,9 +66,9 @@ class StagingPool:
         with self._lock:
             return len(self._free)
 
-    def layer_bytes(self, slot: StagingSlot, layer: int, num_blocks: int) -> torch.Tensor:
-        """The uint8 bytes of `num_blocks` blocks of `layer` in `slot`."""
-        start = slot.offset + layer * self.region_stride
+    def layer_bytes(self, slot: StagingSlot, layer: int, num_blocks: int, start_block: int = 0) -> torch.Tensor:
+        """The uint8 bytes of blocks [start_block, start_block + num_blocks) of `layer` in `slot`."""
+        start = slot.offset + layer * self.region_stride + start_block * self.layout.block_bytes
         return self.buffer[start : start + num_blocks * self.layout.block_bytes]
 
     def segments(self, slot: StagingSlot, num_blocks: int, dst_base: int, dst_region_stride: int) -> list[tuple[int, int, int]]:
@@ -99,7 +99,10 @@ def gather_blocks(src_view: torch.Tensor, block_ids: torch.Tensor, dst_bytes: to
         return
     elems = block_perm.numel()
     flat = torch.as_strided(raw, (raw.shape[0], elems), (raw.stride(0), 1))  # block interior is one run
-    packed = torch.index_select(flat, 0, block_ids)
+    first = _contiguous_run(block_ids)
+    # consecutive block ids (the usual case for a fresh allocation): unpack straight from the
+    # cache, no intermediate gathered copy; otherwise one vectorised gather first
+    packed = flat.narrow(0, first, n) if first is not None else torch.index_select(flat, 0, block_ids)
     out = dst_bytes.view(raw.dtype).view(n, elems)
     if kt_v_dims is not None and packed.device == out.device:
         from tilepd.connector.cpu_attn import unpack_kt_v
@@ -109,3 +112,16 @@ def gather_blocks(src_view: torch.Tensor, block_ids: torch.Tensor, dst_bytes: to
         torch.index_select(packed, 1, block_perm, out=out)
     else:
         out.copy_(torch.index_select(packed, 1, block_perm), non_blocking=True)
+
+
+def _contiguous_run(block_ids: torch.Tensor) -> int | None:
+    """The first id when `block_ids` is first, first+1, ...; else None."""
+    n = block_ids.numel()
+    if n == 0:
+        return None
+    first = int(block_ids[0])
+    if int(block_ids[-1]) - first != n - 1:
+        return None
+    if n > 2 and not torch.equal(block_ids, torch.arange(first, first + n, dtype=block_ids.dtype, device=block_ids.device)):
+        return None
+    return first

@@ -17,18 +17,26 @@ example_connector.py, nixl/ and multi_connector.py):
 - Scheduler side. `on_new_request` sees `Request.kv_transfer_params` (from the
   /v1/completions body): requests without the tilepd marker are ignored entirely.
   `build_connector_meta` runs *before* the scheduler advances num_computed_tokens,
-  so "pre-step computed + scheduled >= prompt length" identifies the step that
-  computes the last prompt token (the one step, however the prompt is chunked; a
-  preempted request just gets there again later). That step's metadata tells the
-  worker which blocks to copy. `get_num_new_matched_tokens` is always (0, False):
-  a producer loads nothing, so scheduling is untouched.
+  so every step of a claimed request's prefill tells the worker the token range it
+  computes ([pre-step computed, + scheduled)); "computed + scheduled >= prompt length"
+  marks the final step. Incremental staging (chunked prefill): each step copies the
+  blocks it *completed*, so the final step copies at most one chunk's blocks plus
+  the partial last block, not the whole prompt (the copy used to be 11-17 % of the
+  final step at 8K-32K). A preempted request restarts from token 0 (its blocks may
+  have moved) and is simply staged again. `get_num_new_matched_tokens` is always
+  (0, False): a producer loads nothing, so scheduling is untouched.
 - Worker side. `save_kv_layer(layer)` is called after each attention layer ran
   (the decorator in model_executor/layers/attention/kv_transfer_utils.py; both
   standard and MLA attention): the layer's KV for this step is in the paged cache,
-  so the layer's blocks are gathered into the staging slot right there.
+  so the layer's blocks are gathered into the staging slot right there (one
+  index_select per layer and step). A request keeps its slot across its chunks; if
+  no slot is free at its first chunk, it is deferred and staged whole in its final
+  step (the old behaviour), so a full pool never stalls a step that is not final.
   `wait_for_save` (once per step, after the forward) copies any layer the backend
   did not report (e.g. CUDA graph replay) and hands the slot to the background
   sender thread; the step returns without waiting for the network.
+- Aborts. A claimed request that finishes before its final step is listed in the
+  next step's `drops`; the worker returns its slot.
 - Freeing. The copy completes inside the step whose output finishes the request
   (vLLM calls `request_finished` only after that step's output is processed), so
   `request_finished` returns delay_free=False and `get_finished` reports nothing;
@@ -85,36 +93,60 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SendSpec:
-    """Scheduler -> worker: copy this request's blocks in this step, then send them."""
+    """Scheduler -> worker: this step computes tokens [start, end) of a claimed request.
+
+    The worker copies the blocks this step completes; with `final` it also copies the
+    partial last block and hands the slot to the sender.
+    """
 
     req_id: str
     marker: TilepdMarker
     seq_len: int
     block_ids: list[int]  # scheduler block ids, request order
+    start_tokens: int = 0  # tokens staged before this step (0: start over)
+    end_tokens: int = 0  # tokens computed after this step
+    final: bool = True
 
 
 @dataclass
 class TilePDConnectorMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
+    drops: list[str] = field(default_factory=list)  # claimed requests gone before their final step
 
 
 @dataclass
 class _Claim:
     marker: TilepdMarker
     seq_len: int
-    scheduled: bool = False
+    scheduled: bool = False  # its final step has been scheduled
+    staged_tokens: int = 0  # tokens whose steps have been scheduled (staged by the worker)
 
 
 @dataclass
 class _Staged:
+    """One claimed request's staging slot, held across its prefill steps."""
+
     spec: SendSpec
     slot: StagingSlot
-    kernel_ids: torch.Tensor
-    layers_done: set[int]
     t_start: float
+    num_blocks: int = 0  # kernel blocks staged so far, [0, num_blocks)
     cuda_event: Any = None
-    extract_ms: float = 0.0  # time spent copying (what the connector adds to the step)
+    extract_ms: float = 0.0  # time spent copying (what the connector adds to the steps)
+    final_ms: float = 0.0  # of which in the final step
     window_ms: float = 0.0  # first layer copy -> handed to the sender (spans the forward)
+    chunks: int = 0  # steps that copied blocks
+
+
+@dataclass
+class _StepCopy:
+    """The blocks one step copies for one request: kernel blocks [first_block, first_block + n)."""
+
+    st: _Staged
+    kernel_ids: torch.Tensor
+    first_block: int
+    final: bool
+    layers_done: set[int] = field(default_factory=set)
+    ms: float = 0.0
 
 
 def parse_extra_config(raw: dict[str, Any] | None) -> ConnectorExtraConfig:
@@ -140,12 +172,14 @@ class TilePDConnector(KVConnectorBase_V1):
         # scheduler side
         self._claims: dict[str, _Claim] = {}
         self._refused: dict[str, dict[str, Any]] = {}
+        self._drops: list[str] = []
         # worker side
         self._cache: PagedCache | None = None
         self._pool: StagingPool | None = None
         self._sender: Any = None
         self._layer_index: dict[str, int] = {}
-        self._step: list[_Staged] | None = None
+        self._step: list[_StepCopy] | None = None
+        self._inflight: dict[str, _Staged] = {}
         self._jobs: queue.Queue[_Staged | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -177,7 +211,8 @@ class TilePDConnector(KVConnectorBase_V1):
         return
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = TilePDConnectorMetadata()
+        meta = TilePDConnectorMetadata(drops=self._drops)
+        self._drops = []
         if not self._claims:
             return meta
         steps: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
@@ -188,13 +223,20 @@ class TilePDConnector(KVConnectorBase_V1):
             if claim is None or claim.scheduled:
                 continue
             scheduled = scheduler_output.num_scheduled_tokens.get(rid, 0)
-            if computed_before + scheduled < claim.seq_len:
-                self.events.event("chunk", rid, transfer_id=claim.marker.transfer_id, computed=computed_before + scheduled, of=claim.seq_len, level=logging.DEBUG)
+            if scheduled <= 0:
                 continue
+            if computed_before < claim.staged_tokens:  # preempted and recomputed: blocks may have moved
+                claim.staged_tokens = 0
+            end = min(computed_before + scheduled, claim.seq_len)
+            final = end >= claim.seq_len
             assert self._kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
             block_ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
+            meta.sends.append(SendSpec(rid, claim.marker, claim.seq_len, block_ids, claim.staged_tokens, end, final))
+            claim.staged_tokens = end
+            if not final:
+                self.events.event("chunk", rid, transfer_id=claim.marker.transfer_id, computed=end, of=claim.seq_len, level=logging.DEBUG)
+                continue
             claim.scheduled = True
-            meta.sends.append(SendSpec(rid, claim.marker, claim.seq_len, block_ids))
             self.events.event("extract_scheduled", rid, transfer_id=claim.marker.transfer_id, seq_len=claim.seq_len, blocks=len(block_ids))
         return meta
 
@@ -210,6 +252,8 @@ class TilePDConnector(KVConnectorBase_V1):
         if claim.scheduled:
             return False, {RESULT_KEY: {"transfer_id": tid, "state": "sending"}}
         # finished (aborted, or stopped) before its prompt was fully computed: nothing to send
+        if claim.staged_tokens:
+            self._drops.append(rid)  # the worker holds a slot with its first chunks
         self.events.count(failures=1)
         self.events.event("not_sent", rid, level=logging.WARNING, transfer_id=tid, status=str(request.status))
         return False, {RESULT_KEY: {"transfer_id": tid, "state": "not_sent", "reason": str(request.status)}}
@@ -244,56 +288,88 @@ class TilePDConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def _begin_step(self) -> list[_Staged]:
-        """Take a staging slot for every request this step finishes prefilling."""
+    def _begin_step(self) -> list[_StepCopy]:
+        """What this step copies: the blocks each claimed request's chunk completes."""
         if self._step is not None:
             return self._step
         self._step = []
         meta = self._connector_metadata
-        if not isinstance(meta, TilePDConnectorMetadata) or not meta.sends or self._cache is None:
+        if not isinstance(meta, TilePDConnectorMetadata) or self._cache is None:
             return self._step
         assert self._pool is not None
+        for rid in meta.drops:
+            gone = self._inflight.pop(rid, None)
+            if gone is not None:
+                self._pool.release(gone.slot)
+                self.events.event("dropped", rid, transfer_id=gone.spec.marker.transfer_id, blocks=gone.num_blocks)
         for spec in meta.sends:
             t0 = time.perf_counter()
-            slot = self._pool.acquire(timeout=0.0)
-            if slot is None:  # every slot still in flight: wait (logged) rather than lose the KV
-                self.events.event("staging_wait", spec.req_id, level=logging.WARNING, transfer_id=spec.marker.transfer_id)
-                slot = self._pool.acquire(timeout=None)
-            assert slot is not None
-            ids = self._cache.kernel_block_ids(spec.block_ids, spec.seq_len)
+            st = self._inflight.get(spec.req_id)
+            if st is None:
+                slot = self._pool.acquire(timeout=0.0)
+                if slot is None and spec.final:  # every slot in flight: wait (logged) rather than lose the KV
+                    self.events.event("staging_wait", spec.req_id, level=logging.WARNING, transfer_id=spec.marker.transfer_id)
+                    slot = self._pool.acquire(timeout=None)
+                if slot is None:  # a non-final chunk: defer, the final step stages it whole
+                    continue
+                st = _Staged(spec, slot, t0)
+                self._inflight[spec.req_id] = st
+            # a fresh slot, or a restart after preemption, copies from block 0
+            first = 0 if st.num_blocks == 0 or spec.start_tokens == 0 else min(spec.start_tokens // self._cache.layout.block_size, st.num_blocks)
+            st.spec = spec
+            if spec.final:
+                ids = self._cache.kernel_block_ids(spec.block_ids, spec.seq_len)
+            else:
+                ids = self._cache.kernel_block_ids(spec.block_ids, spec.end_tokens)[: spec.end_tokens // self._cache.layout.block_size]
+            ids = ids[first:]
+            if not ids and not spec.final:
+                continue
             idx = torch.tensor(ids, dtype=torch.long, device=self._cache.device)
-            self._step.append(_Staged(spec, slot, idx, set(), t0))
+            st.num_blocks = first  # until this step's copy is complete
+            self._step.append(_StepCopy(st, idx, first, spec.final))
         return self._step
 
-    def _copy_layer(self, st: _Staged, layer: int) -> None:
+    def _copy_layer(self, sc: _StepCopy, layer: int) -> None:
         assert self._cache is not None and self._pool is not None
         t0 = time.perf_counter()
-        n = st.kernel_ids.numel()
+        n = sc.kernel_ids.numel()
         lay = self._cache.layout
         kt_v = (lay.num_heads, lay.block_size, lay.head_size_k or 0) if self._cache.block_perm_is_kt_v else None
-        gather_blocks(self._cache.physical_views[layer], st.kernel_ids, self._pool.layer_bytes(st.slot, layer, n),
-                      self._cache.block_perm, kt_v)
-        st.layers_done.add(layer)
-        st.extract_ms += (time.perf_counter() - t0) * 1e3
+        if n:
+            gather_blocks(self._cache.physical_views[layer], sc.kernel_ids,
+                          self._pool.layer_bytes(sc.st.slot, layer, n, start_block=sc.first_block),
+                          self._cache.block_perm, kt_v)
+        sc.layers_done.add(layer)
+        sc.ms += (time.perf_counter() - t0) * 1e3
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
-        for st in self._begin_step():
-            if layer not in st.layers_done:
-                self._copy_layer(st, layer)
+        for sc in self._begin_step():
+            if layer not in sc.layers_done:
+                self._copy_layer(sc, layer)
 
     def wait_for_save(self) -> None:
-        staged = self._begin_step()
+        copies = self._begin_step()
         self._step = None
-        if not staged:
+        if not copies:
             return
         assert self._cache is not None
-        for st in staged:
+        for sc in copies:
             for layer in range(self._cache.layout.num_layers):
-                if layer not in st.layers_done:
-                    self._copy_layer(st, layer)
+                if layer not in sc.layers_done:
+                    self._copy_layer(sc, layer)
+            st = sc.st
+            st.num_blocks = sc.first_block + sc.kernel_ids.numel()
+            st.extract_ms += sc.ms
+            st.chunks += 1
+            if not sc.final:
+                self.events.event("chunk_staged", st.spec.req_id, transfer_id=st.spec.marker.transfer_id,
+                                  blocks=st.num_blocks, copied=sc.kernel_ids.numel(), copy_ms=sc.ms)
+                continue
+            self._inflight.pop(st.spec.req_id, None)
+            st.final_ms = sc.ms
             if self._cache.device.type == "cuda":
                 st.cuda_event = torch.cuda.Event()
                 st.cuda_event.record()
@@ -301,7 +377,8 @@ class TilePDConnector(KVConnectorBase_V1):
             self.events.count(staged=1)
             self._maybe_dump(st)
             self.events.event("staged", st.spec.req_id, transfer_id=st.spec.marker.transfer_id, seq_len=st.spec.seq_len,
-                              blocks=st.kernel_ids.numel(), extract_ms=st.extract_ms, window_ms=st.window_ms)
+                              blocks=st.num_blocks, chunks=st.chunks, extract_ms=st.final_ms, extract_total_ms=st.extract_ms,
+                              window_ms=st.window_ms)
             self._jobs.put(st)
 
     def _maybe_dump(self, st: _Staged) -> None:
@@ -311,7 +388,7 @@ class TilePDConnector(KVConnectorBase_V1):
             return
         if st.cuda_event is not None:
             st.cuda_event.synchronize()
-        n = st.kernel_ids.numel()
+        n = st.num_blocks
         data = b"".join(self._pool.layer_bytes(st.slot, l, n).numpy().tobytes() for l in range(self._pool.layout.num_layers))
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in st.spec.marker.transfer_id)
         with open(os.path.join(out, f"{safe}.bin"), "wb") as f:
@@ -341,7 +418,7 @@ class TilePDConnector(KVConnectorBase_V1):
         if st.cuda_event is not None:
             st.cuda_event.synchronize()
         queued_ms = (time.perf_counter() - st.t_start) * 1e3 - st.window_ms
-        n = st.kernel_ids.numel()
+        n = st.num_blocks
         src = [st.slot.offset + layer * self._pool.region_stride for layer in range(self._pool.layout.num_layers)]
         res = self._sender.send((m.host, m.ctrl_port), m.transfer_id, m.token, spec.seq_len, n, src)
         retries = max(res.attempts - 1, 0)
@@ -349,7 +426,7 @@ class TilePDConnector(KVConnectorBase_V1):
         if res.ok:
             self.events.count(sent=1, bytes=res.bytes, retries=retries)
             self.events.event("sent", spec.req_id, transfer_id=m.transfer_id, peer=f"{m.host}:{m.ctrl_port}", bytes=res.bytes,
-                              generation=res.generation, retries=retries, extract_ms=st.extract_ms, queued_ms=queued_ms,
+                              generation=res.generation, retries=retries, extract_ms=st.final_ms, extract_total_ms=st.extract_ms, queued_ms=queued_ms,
                               wire_ms=t.get("wire_ms", 0.0), total_ms=t.get("total_ms", 0.0))
         else:
             self.events.count(failures=1, retries=retries, refused=1 if res.code == "not_allowed" else 0)
