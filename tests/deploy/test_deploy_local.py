@@ -88,6 +88,22 @@ def test_status_flags_drift_and_degraded_services(deployed: Deployed) -> None:
     assert "degraded" in table.stdout and "stopped" in table.stdout
 
 
+def test_status_flags_a_host_running_another_tilepd_version(deployed: Deployed) -> None:
+    import json
+
+    state_file = Path(deployed.base) / "run" / "router.state.json"
+    original = state_file.read_text()
+    state = json.loads(original)
+    state["tilepd_version"] = "0.0.1"  # what an older controller would have left running
+    state_file.write_text(json.dumps(state))
+    try:
+        st = deployed.router_status()
+        assert any("tilepd 0.0.1 != controller" in d for d in st["drift"]), st
+    finally:
+        state_file.write_text(original)
+    assert deployed.router_status()["drift"] == []
+
+
 def test_changed_config_restarts_only_then_settles(deployed: Deployed) -> None:
     pid = deployed.router_status()["pid"]
     up = deployed.run("up", str(deployed.changed_file), "--only", "router")
