@@ -8,7 +8,8 @@ For each prompt length (default 1K / 8K / 32K tokens, tiny llama with a long con
   inject (decode node), and the first decode step;
 - the connector's overhead on a prefill step: the same prompts on a vLLM *with* the
   connector (marked, so the copy really happens) and one *without* it, interleaved
-  in one run, medians compared (target: < 5 %);
+  in one run, medians compared (target: < 5 %); every timed request is a prompt
+  neither instance has seen, so it is a full (chunked) prefill, not a prefix-cache hit;
 - wire time vs the transport's raw bandwidth measured in the same run
   (`tilepd.transport.bench.raw_bandwidth`, same byte count; target: >= 70 % at 32K).
 
@@ -103,11 +104,14 @@ def run(transport: str, lengths: list[int], reps: int, work: Path) -> dict[str, 
 
         rows = []
         for n in lengths:
-            ids = prompt_ids(n, seed=n)
-            complete(with_c, model, ids, 1)  # warm-up both instances at this length
-            complete(without_c, model, ids, 1)
+            warm = prompt_ids(n, seed=n)
+            complete(with_c, model, warm, 1)  # warm-up both instances at this length
+            complete(without_c, model, warm, 1)
             plain, marked, handoffs = [], [], []
             for r in range(reps):
+                # a prompt neither instance has seen: vLLM's prefix cache would otherwise skip
+                # the prefill (a repeat computes one block) and the bench would time no prefill at all
+                ids = prompt_ids(n, seed=n * 1000 + r + 1)
                 tid = f"bench-{n}-{r}"
                 ms_plain, _ = _timed(complete, without_c, model, ids, 1)
                 ms_marked, (first, _) = _timed(complete, with_c, model, ids, 1, marker(node, tid))
