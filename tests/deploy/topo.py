@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
 from ruamel.yaml import YAML
 
+from tilepd.connector.launch import free_port  # noqa: F401  (used by the deploy tests)
 from tilepd.resources import examples_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_example(name: str) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -12,10 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tilepd.connector.launch import free_port  # noqa: F401  (re-exported for the runtime tests)
 
 
 @dataclass
