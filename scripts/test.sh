@@ -6,4 +6,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/bootstrap.sh"
 cd "$root"
+# The cached venv is shared by every checkout on this machine and its editable install points at
+# whichever one bootstrapped last; this checkout's own code always comes first for the tests and
+# every process they start.
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 exec .venv/bin/python -m pytest tests -p no:cacheprovider "$@"
