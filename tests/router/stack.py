@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tilepd.plan.vllm_args import nixl_config
 from tilepd.connector.launch import Server, free_port, kv_transfer_config, multi_with_nixl, start_process, start_vllm
 from tilepd.plan.service_configs import (
     ConnectorExtraConfig,
@@ -24,8 +25,7 @@ MODEL_NAME = "tiny-llama"
 MAX_SEQ_LEN = 1024
 VLLM_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "--max-model-len", str(MAX_SEQ_LEN),
              "--served-model-name", MODEL_NAME, "--enforce-eager"]
-NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
-NIXL_PRODUCER = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+NIXL_CONSUMER = nixl_config("kv_consumer", cpu=True)  # what the planner renders for a CPU native decode
 
 
 def start_decode_node(model_dir: Path, workdir: Path, name: str = "d0", *, kv_timeout_s: float = 30.0) -> tuple[Server, DecodeEndpoint]:

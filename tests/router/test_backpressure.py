@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -44,13 +45,10 @@ def _wait(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     return False
 
 
-# KNOWN DEFECT (issue 5, open): a burst of 19 requests falling back to ONE native vLLM decode at once
-# returns a 500 for some of them (reproduced alone on a quiet box, 2026-11-29). Kept visible as an
-# xfail so CI reports it on every run; remove the mark when the native burst path is fixed.
-_NATIVE_BURST_DEFECT = pytest.mark.xfail(reason="issue 5: burst fallback to one native decode returns 500s", strict=False)
-
-
-@pytest.mark.parametrize("native", [False, pytest.param(True, marks=_NATIVE_BURST_DEFECT)], ids=["429", "native-fallback"])
+# native-fallback: 19 requests reach ONE native vLLM decode at once. On a 2-core box its first NIXL
+# handshake or KV pulls can time out; the planner's `kv_load_failure_policy: recompute` turns
+# those into local recomputes (slow, but 200s) instead of vLLM's default 500s.
+@pytest.mark.parametrize("native", [False, True], ids=["429", "native-fallback"])
 def test_twenty_concurrent_requests_one_node(router_stack: Stack, plain_router: tuple[str, Any], native_router: tuple[str, Any],
                                              native: bool) -> None:
     url, cfg = native_router if native else plain_router
@@ -92,13 +90,29 @@ def test_client_dropping_mid_stream_frees_the_node_within_a_second(router_stack:
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
 
 
+def test_client_dropping_a_non_streamed_request_frees_the_node_within_a_second(router_stack: Stack, plain_router: tuple[str, Any]) -> None:
+    url, _ = plain_router
+    with httpx.Client(timeout=httpx.Timeout(60, read=0.5)) as client:
+        with pytest.raises(httpx.ReadTimeout):  # gives up while the node is still decoding 1000 tokens
+            client.post(url + "/v1/completions", json={**BODY, "max_tokens": 1000})
+        assert httpx.get(router_stack.decode_url + "/status").json()["busy"], "decode ended before the client left"
+        dropped = time.monotonic()
+    assert _wait(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
+    freed_s = time.monotonic() - dropped
+    assert freed_s < 1.0, f"decode node still busy {freed_s:.2f}s after the client left"
+    assert _wait(lambda: _all_idle(router_stack, url), 5.0)
+    assert any("outcome=disconnected" in p.read_text() for p in Path(router_stack.workdir).glob("router-*.log"))
+
+
 def test_api_keys_and_body_limit(router_stack: Stack, start_router_proc: Callable[..., Any], tmp_path: Any) -> None:
     key_file = tmp_path / "keys"
     key_file.write_text("sk-file\n")
     cfg = router_stack.config(native=False, api_key_env="TILEPD_TEST_ROUTER_KEY", api_key_file=key_file, max_body_bytes=2048)
     srv, _ = start_router_proc(cfg, env={"TILEPD_TEST_ROUTER_KEY": "sk-env"})
     small = {**BODY, "max_tokens": 2}
-    assert httpx.post(srv.url + "/v1/completions", json=small).status_code == 401
+    refused = httpx.post(srv.url + "/v1/completions", json=small, headers={"x-request-id": "req-no-key"})
+    assert refused.status_code == 401
+    assert (refused.headers["x-tilepd-route"], refused.headers["x-request-id"]) == ("none", "req-no-key")
     assert httpx.post(srv.url + "/v1/completions", json=small, headers={"authorization": "Bearer wrong"}).status_code == 401
     for key in ("sk-env", "sk-file"):
         r = httpx.post(srv.url + "/v1/completions", json=small, headers={"authorization": f"Bearer {key}"}, timeout=60)

@@ -75,7 +75,8 @@ def test_dsv32_multiconnector_and_native_pool() -> None:
     assert [d["name"] for d in ours["kv_connector_extra_config"]["decode_allowlist"]] == ["d0", "d1"]
     assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600" and prefill.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.1.10"
     native = plan.service("native-decode-n1")
-    assert json.loads(_flag(native.argv, "--kv-transfer-config")) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    assert json.loads(_flag(native.argv, "--kv-transfer-config")) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                                                                 "kv_load_failure_policy": "recompute"}
     assert native.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert _flag(native.argv, "--kv-cache-dtype") == "fp8_ds_mla"  # NIXL pulls prefill's blocks as they are
     router = RouterConfig.model_validate(plan.service("router").config)

