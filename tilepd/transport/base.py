@@ -189,6 +189,14 @@ class TransportSender(ABC):
     def write(self, peer: Peer, segments: Sequence[Segment], *, generation: int, transfer_id: str) -> WriteHandle:
         """Start writing; segments are coalesced and bounds-checked first."""
 
+    def staged_segments(self, buf: "Buffer | None", peer: Peer, segments: Sequence[Segment]) -> tuple["Buffer", list[Segment]]:
+        """The write preamble every sender shares: a registered buffer, coalesced and bounds-checked segments."""
+        if buf is None:
+            raise TransportError("register a staging buffer before writing")
+        segs = coalesce(segments)
+        check_bounds(segs, buf.nbytes, peer.nbytes)
+        return buf, segs
+
     def disconnect(self, peer: Peer) -> None:  # noqa: B027 - optional
         """Drop a peer (after its control channel broke)."""
 

@@ -27,8 +27,6 @@ from tilepd.transport.base import (
     TransportSender,
     TransportUnavailable,
     WriteHandle,
-    check_bounds,
-    coalesce,
 )
 
 
@@ -95,12 +93,9 @@ class MooncakeSender(TransportSender):
             raise TransportError(f"mooncake peer metadata needs session, addr and nbytes; got {peer_metadata!r}") from exc
 
     def write(self, peer: Peer, segments: Sequence[Segment], *, generation: int, transfer_id: str) -> WriteHandle:
-        if self._buf is None:
-            raise TransportError("register a staging buffer before writing")
         assert isinstance(peer, MooncakePeer)
-        segs = coalesce(segments)
-        check_bounds(segs, self._buf.nbytes, peer.nbytes)
-        srcs = [self._buf.ptr + s.src for s in segs]
+        buf, segs = self.staged_segments(self._buf, peer, segments)
+        srcs = [buf.ptr + s.src for s in segs]
         dsts = [peer.addr + s.dst for s in segs]
         lens = [s.length for s in segs]
 

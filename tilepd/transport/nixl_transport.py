@@ -31,8 +31,6 @@ from tilepd.transport.base import (
     TransportSender,
     TransportUnavailable,
     WriteHandle,
-    check_bounds,
-    coalesce,
 )
 
 log = logging.getLogger("tilepd.transport.nixl")
@@ -107,12 +105,8 @@ class NixlSender(TransportSender):
             pass
 
     def write(self, peer: Peer, segments: Sequence[Segment], *, generation: int, transfer_id: str) -> WriteHandle:
-        if self._buf is None:
-            raise TransportError("register a staging buffer before writing")
         assert isinstance(peer, NixlPeer)
-        segs = coalesce(segments)
-        check_bounds(segs, self._buf.nbytes, peer.nbytes)
-        buf = self._buf
+        buf, segs = self.staged_segments(self._buf, peer, segments)
         local = self.agent.get_xfer_descs([(buf.ptr + s.src, s.length, buf.device_id) for s in segs], _mem(buf))
         remote = self.agent.get_xfer_descs([(peer.addr + s.dst, s.length, peer.dev) for s in segs], peer.mem)
         total = sum(s.length for s in segs)

@@ -30,8 +30,6 @@ from tilepd.transport.base import (
     TransportReceiver,
     TransportSender,
     WriteHandle,
-    check_bounds,
-    coalesce,
 )
 
 log = logging.getLogger("tilepd.transport.tcp")
@@ -93,12 +91,8 @@ class TcpSender(TransportSender):
             raise TransportError(f"tcp peer metadata needs host, port and nbytes; got {peer_metadata!r}") from exc
 
     def write(self, peer: Peer, segments: Sequence[Segment], *, generation: int, transfer_id: str) -> WriteHandle:
-        if self._buf is None:
-            raise TransportError("register a staging buffer before writing")
         assert isinstance(peer, TcpPeer)
-        segs = coalesce(segments)
-        check_bounds(segs, self._buf.nbytes, peer.nbytes)
-        buf = self._buf
+        buf, segs = self.staged_segments(self._buf, peer, segments)
 
         def run(abort: threading.Event) -> int:
             try:
