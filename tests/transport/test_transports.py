@@ -118,3 +118,17 @@ def test_tcp_disarm_cuts_a_writer_mid_payload() -> None:
         assert not (buf == 2).any()
     finally:
         rx.close()
+
+
+def test_closing_a_tcp_receiver_ends_its_accept_thread() -> None:
+    """close() must wake the thread blocked in accept(): close() of the socket alone leaves it there for good."""
+    import threading
+
+    from tilepd.transport.tcp import TcpReceiver
+
+    rx = TcpReceiver("127.0.0.1", 0)
+    thread = rx._accept_thread
+    assert thread.is_alive()
+    rx.close()
+    thread.join(2.0)
+    assert not thread.is_alive() and thread not in threading.enumerate()

@@ -15,7 +15,7 @@ import threading
 from typing import Callable, Sequence
 
 from tilepd.control.compat import check_hello
-from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame
+from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame, stop_listener
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import (
     PROTOCOL_VERSION,
@@ -79,10 +79,7 @@ class ControlServer:
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        stop_listener(self._listener, getattr(self, "_thread", None))
         with self._lock:
             socks = list(self._socks.values())
         for s in socks:

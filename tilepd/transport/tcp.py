@@ -21,6 +21,7 @@ import struct
 import threading
 from typing import Any, Sequence
 
+from tilepd.control.framing import stop_listener
 from tilepd.transport.base import (
     Buffer,
     Peer,
@@ -206,10 +207,7 @@ class TcpReceiver(TransportReceiver):
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        stop_listener(self._listener, getattr(self, "_accept_thread", None))
         self.disarm()
 
     # -- internals ---------------------------------------------------------------------
