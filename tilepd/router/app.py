@@ -359,7 +359,8 @@ async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, 
         resp = await serve_native(state, path, body, rid, _route_headers(route, rid))
     except (RouterError, PassThroughError) as exc:
         _count(state, route, exc.status, t0)
-        log.info("req=%s event=native_failed route=native reason=%s status=%d", rid, route.reason, exc.status)
+        detail = exc.message if isinstance(exc, RouterError) else exc.body[:300].decode("utf-8", "replace")
+        log.info("req=%s event=native_failed route=native reason=%s status=%d error=%r", rid, route.reason, exc.status, detail)
         exc.headers.update(_route_headers(route, rid))
         raise
     _count(state, route, resp.status_code, t0)
