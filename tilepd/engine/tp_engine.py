@@ -291,8 +291,27 @@ class TPEngine:
                     except subprocess.TimeoutExpired:
                         w.kill()
                         w.wait()
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+                leave_group(self.local)
+
+
+def leave_group(engine: Any, timeout_s: float = 10.0) -> None:
+    """Drop the rank's CUDA graphs (they hold the NCCL communicator), then leave the process group.
+
+    destroy_process_group() hung on H200s with graphs still captured around NCCL all-reduces; it runs
+    in a daemon thread so a communicator that will not go away cannot hang the caller (the process
+    is on its way out; the OS reclaims the rest).
+    """
+    if getattr(engine, "graph_step", None) is not None:
+        engine.graph_step = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, name="tp-leave-group", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.warning("event=tp_leave_group_timeout seconds=%.0f", timeout_s)
 
 
 def worker_argv(rank: int, size: int, port: int, options: dict[str, Any]) -> list[str]:
@@ -323,8 +342,7 @@ def launch_tp_engine(weights_dir: Path, tp_size: int, device: str = "cpu", max_s
         for w in workers:
             w.kill()
             w.wait()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group(None)
         raise
     log.info("event=tp_ready tp_size=%d device=%s workers=%s", tp_size, device, [w.pid for w in workers])
     return TPEngine(engine, tp, workers)

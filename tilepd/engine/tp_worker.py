@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tilepd.engine.tp_engine import TIMEOUT, init_group, load_rank_engine, serve_rank
+from tilepd.engine.tp_engine import TIMEOUT, init_group, leave_group, load_rank_engine, serve_rank
 
 log = logging.getLogger("tilepd.engine.tp")
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = a.store.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world_size=a.size, is_master=False, timeout=TIMEOUT)
     tp = init_group(a.rank, a.size, store, opts["device"])
+    engine = None
     try:
         engine = load_rank_engine(Path(opts.pop("weights_dir")), tp, **opts)
         log.info("event=tp_rank_ready rank=%d size=%d", a.rank, a.size)
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("event=tp_rank_exit rank=%d reason=%s", a.rank, str(exc).splitlines()[0][:300])
         return 1
     finally:
-        dist.destroy_process_group()
+        leave_group(engine)
     return 0
 
 
