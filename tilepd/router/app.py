@@ -54,11 +54,18 @@ class _Fallback(Exception):
         self.error = error
 
 
+UPSTREAM_CONNECT_RETRIES = 2
+
+
 def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
     pool = NodePool.of(config.decode_nodes)
+    # retries: only the TCP connect is retried (httpcore never re-sends a request), so a connect that
+    # timed out while a 2-core host was saturated no longer fails the request outright (seen: native
+    # decode connects timing out during a burst fallback on the CPU test box).
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=5.0, read=config.request_timeout_s, write=30.0, pool=config.queue_timeout_s + 5.0),
-        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256),
+        limits=limits, transport=httpx.AsyncHTTPTransport(retries=UPSTREAM_CONNECT_RETRIES, limits=limits),
     )
     return RouterState(config=config, client=client, renderer=PromptRenderer(config.tokenizer_dir), pool=pool,
                        metrics=RouterMetrics(pool, config.breaker_failures), keys=keys)
