@@ -17,21 +17,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.engine import KVState, SamplingParams, load_engine  # noqa: E402
+from tilepd.dev.synthetic import random_kv_state  # noqa: E402
+from tilepd.engine import SamplingParams, load_engine  # noqa: E402
 from tilepd.engine.tp_engine import launch_tp_engine  # noqa: E402
 
 GREEDY = SamplingParams(ignore_eos=True)
 
 
-def random_state(spec, seq_len: int, seed: int = 0) -> KVState:
-    g = torch.Generator().manual_seed(seed)
-    shape = (seq_len, spec.cache_heads, spec.cache_entry_width)
-    return KVState(seq_len, [torch.randn(*shape, generator=g) for _ in range(spec.num_layers)])
-
-
 def check(weights: Path, family: str, graph: bool, n: int) -> bool:
     ref = load_engine(weights / f"{family}-tp1", device="cuda:0", max_seq_len=256, dtype="float32", use_cuda_graph=graph, num_speculative_tokens=0)
-    state = random_state(ref.config, 33, seed=3)
+    state = random_kv_state(ref.config, 33, seed=3)
     ref.inject(state)
     want = ref.decode(5, n, GREEDY, lambda t: None).tokens
     del ref

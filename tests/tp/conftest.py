@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from tilepd.engine import KVState
+from tilepd.dev.synthetic import random_kv_state
 
 
 def convert(model_dir: Path, out: Path, tp: int) -> Path:
@@ -29,8 +28,4 @@ def tp_deepseek(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -
     return {tp: convert(tiny_deepseek, root / f"tp{tp}", tp) for tp in (1, 2)}
 
 
-def random_state(spec, seq_len: int, num_layers: int | None = None, seed: int = 0) -> KVState:
-    """A prefix in the native layout (INTERFACES §1) with values of the scale real caches have."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (seq_len, spec.cache_heads, spec.cache_entry_width)
-    return KVState(seq_len, [torch.randn(*shape, generator=g) for _ in range(num_layers or spec.num_layers)])
+random_state = random_kv_state  # shared with bench/tp_gpu_parity.py

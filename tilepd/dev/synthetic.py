@@ -145,3 +145,12 @@ def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed:
         out[t.name] = torch.stack(chunks) if t.stacked else chunks[0]
         del chunks
     return out
+
+
+def random_kv_state(spec, seq_len: int, num_layers: int | None = None, seed: int = 0):
+    """A prefix in the native layout (INTERFACES §1) with values of the scale real caches have."""
+    from tilepd.engine.types import KVState
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (seq_len, spec.cache_heads, spec.cache_entry_width)
+    return KVState(seq_len, [torch.randn(*shape, generator=g) for _ in range(num_layers or spec.num_layers)])
