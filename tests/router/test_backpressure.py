@@ -49,15 +49,12 @@ def _wait(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 # native-fallback: 19 requests reach ONE native vLLM decode at once. On a 2-core box its first NIXL
 # handshake or KV pulls can time out; the planner's `kv_load_failure_policy: recompute` turns
-# those into local recomputes (slow, but 200s) instead of vLLM's default 500s (fixed 2026-11-29).
-# Then, in 2 of 4 runs, some got a 502 "native decode ... unreachable: ConnectTimeout" ~40 s in (the
-# saturated box); the router now retries upstream TCP connects (httpcore retries=2) and the next run
-# passed. Kept a visible non-strict xfail (issue 5) until more runs show the 502 gone.
-_NATIVE_BURST_502 = pytest.mark.xfail(reason="issue 5: router 502s (upstream ConnectTimeout) seen when a burst falls back to one native decode",
-                                      strict=False)
+# those into local recomputes (slow, but 200s) instead of vLLM's default 500s, and the router
+# retries upstream TCP connects that time out on the saturated box (it used to answer 502).
+# Both fixed 2026-11-29; it passed in every run since: 4 alone, 1 in tests/router, 1 in the full suite.
 
 
-@pytest.mark.parametrize("native", [False, pytest.param(True, marks=_NATIVE_BURST_502)], ids=["429", "native-fallback"])
+@pytest.mark.parametrize("native", [False, True], ids=["429", "native-fallback"])
 def test_twenty_concurrent_requests_one_node(router_stack: Stack, plain_router: tuple[str, Any], native_router: tuple[str, Any],
                                              native: bool) -> None:
     url, cfg = native_router if native else plain_router
