@@ -18,11 +18,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from tilepd.plan.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
@@ -37,9 +36,10 @@ from tilepd.router.metrics import RouterMetrics
 from tilepd.router.native import serve_native
 from tilepd.router.prompts import PromptRenderer
 from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
-from tilepd.router.responses import DONE, ResponseWriter, error_chunk
+from tilepd.router.responses import DONE, EventStreamResponse, ResponseWriter, error_chunk
 from tilepd.router.routing import Route, choose_route, served_models
 from tilepd.router.state import RouterState
+from tilepd.router.upstream import Upstream
 
 log = logging.getLogger("tilepd.router")
 RETRY_AFTER_S = 1
@@ -59,14 +59,10 @@ UPSTREAM_CONNECT_RETRIES = 2
 
 def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
     pool = NodePool.of(config.decode_nodes)
-    # retries: only the TCP connect is retried (httpcore never re-sends a request), so a connect that
-    # timed out while a 2-core host was saturated no longer fails the request outright (seen: native
-    # decode connects timing out during a burst fallback on the CPU test box).
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=5.0, read=config.request_timeout_s, write=30.0, pool=config.queue_timeout_s + 5.0),
-        limits=limits, transport=httpx.AsyncHTTPTransport(retries=UPSTREAM_CONNECT_RETRIES, limits=limits),
-    )
+    # Only the TCP connect is retried (a request is never sent twice), so a connect that timed out
+    # while a 2-core host was saturated no longer fails the request outright (seen: native decode
+    # connects timing out during a burst fallback on the CPU test box).
+    client = Upstream(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s, connect_retries=UPSTREAM_CONNECT_RETRIES)
     return RouterState(config=config, client=client, renderer=PromptRenderer(config.tokenizer_dir), pool=pool,
                        metrics=RouterMetrics(pool, config.breaker_failures), keys=keys)
 
@@ -262,8 +258,7 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
     state.metrics.ttft_seconds.observe(time.perf_counter() - t0)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(state, run, events, first, writer, include_usage, route, rid, t0),
-                                 media_type="text/event-stream", headers=headers)
+        return EventStreamResponse(_sse(state, run, events, first, writer, include_usage, route, rid, t0), headers=headers)
     return await _collect_unless_disconnected(state, request, run, events, first, writer, route, rid, t0, headers)
 
 
@@ -284,17 +279,15 @@ async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[Tex
             else:
                 fin = ev
         assert fin is not None
-        yield writer.finish_chunk(fin.finish_reason, fin.stop_reason)
-        if include_usage:
-            yield writer.usage_chunk(fin.prompt_tokens, fin.completion_tokens)
-        yield DONE
+        # the events after the last text go out in one write (EventStreamResponse ends the body with it)
+        usage = writer.usage_chunk(fin.prompt_tokens, fin.completion_tokens) if include_usage else b""
+        yield writer.finish_chunk(fin.finish_reason, fin.stop_reason) + usage + DONE
         outcome = "ok"
     except (DecodeNodeError, RouterError) as exc:
         err = exc.to_router_error() if isinstance(exc, DecodeNodeError) else exc
         outcome = f"error:{err.code}"
         _note_decode_error(state, run, exc)
-        yield error_chunk(err.body())
-        yield DONE
+        yield error_chunk(err.body()) + DONE
     finally:
         run.settle_soon()
         _finish_log(state, route, rid, run, fin, 200, outcome, t0)

@@ -12,9 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from tilepd.router.errors import PassThroughError, RouterError
+from tilepd.router.upstream import Upstream, UpstreamError, UpstreamStream
 
 TOKEN_ID_PREFIX = "token_id:"
 
@@ -47,14 +46,14 @@ class DecodeNodeError(Exception):
         return RouterError(502, f"decode node {self.node} failed: {self.code}: {self.message}", type="decode_node_error", code=self.code or "decode_node_error")
 
 
-async def prefill_first_token(client: httpx.AsyncClient, url: str, body: dict[str, Any], request_id: str) -> PrefillResult:
+async def prefill_first_token(client: Upstream, url: str, body: dict[str, Any], request_id: str) -> PrefillResult:
     """POST /v1/completions with max_tokens=1; read the first token id from the logprobs."""
     try:
-        resp = await client.post(f"{url}/v1/completions", json=body, headers={"x-request-id": request_id})
-    except httpx.HTTPError as exc:
-        raise RouterError(502, f"prefill {url} unreachable: {type(exc).__name__}: {exc}", type="prefill_error", code="prefill_unreachable") from exc
-    if resp.status_code != 200:
-        raise PassThroughError(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
+        resp = await client.request("POST", f"{url}/v1/completions", body=body, headers={"x-request-id": request_id})
+    except UpstreamError as exc:
+        raise RouterError(502, f"prefill {url} unreachable: {exc}", type="prefill_error", code="prefill_unreachable") from exc
+    if resp.status != 200:
+        raise PassThroughError(resp.status, resp.content, resp.headers.get("content-type", "application/json"))
     try:
         data = resp.json()
         choice = data["choices"][0]
@@ -66,18 +65,20 @@ async def prefill_first_token(client: httpx.AsyncClient, url: str, body: dict[st
         raise RouterError(502, f"prefill {url} answered without a first token id: {exc}", type="prefill_error", code="prefill_bad_response") from exc
 
 
-async def open_decode(client: httpx.AsyncClient, node: str, base_url: str, body: dict[str, Any], request_id: str) -> httpx.Response:
+async def open_decode(client: Upstream, node: str, base_url: str, body: dict[str, Any], request_id: str) -> UpstreamStream:
     """Start a streamed /v1/decode; raise DecodeNodeError unless the node answered 200."""
-    req = client.build_request("POST", f"{base_url}/v1/decode", json=body, headers={"x-request-id": request_id})
     try:
-        resp = await client.send(req, stream=True)
-    except httpx.HTTPError as exc:
-        raise DecodeNodeError(node, 0, "unreachable", f"{type(exc).__name__}: {exc}") from exc
-    if resp.status_code != 200:
-        raw = await resp.aread()
+        resp = await client.stream("POST", f"{base_url}/v1/decode", body=body, headers={"x-request-id": request_id})
+    except UpstreamError as exc:
+        raise DecodeNodeError(node, 0, "unreachable", str(exc)) from exc
+    if resp.status != 200:
+        try:
+            raw = await resp.aread()
+        except UpstreamError as exc:
+            raw = str(exc).encode()
         await resp.aclose()
         code, message = _error_fields(raw)
-        raise DecodeNodeError(node, resp.status_code, code, message, resp.headers.get("retry-after"))
+        raise DecodeNodeError(node, resp.status, code, message, resp.headers.get("retry-after"))
     return resp
 
 
@@ -94,11 +95,11 @@ def parse_line(line: bytes) -> dict[str, Any]:
     return json.loads(line)
 
 
-async def decode_lines(node: str, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+async def decode_lines(node: str, resp: UpstreamStream) -> AsyncIterator[dict[str, Any]]:
     """The NDJSON lines of a decode stream, parsed; several lines in one read cost one wake-up."""
     pending = b""
     try:
-        async for chunk in resp.aiter_bytes():
+        async for chunk in resp.chunks():
             pending += chunk
             if b"\n" not in chunk:
                 continue
@@ -108,24 +109,24 @@ async def decode_lines(node: str, resp: httpx.Response) -> AsyncIterator[dict[st
                     yield parse_line(line)
         if pending.strip():
             yield parse_line(pending.strip())
-    except httpx.HTTPError as exc:
-        raise DecodeNodeError(node, 0, "stream_broken", f"{type(exc).__name__}: {exc}") from exc
+    except UpstreamError as exc:
+        raise DecodeNodeError(node, 0, "stream_broken", str(exc)) from exc
 
 
-async def cancel_decode(client: httpx.AsyncClient, base_url: str, transfer_id: str, timeout_s: float = 1.0) -> bool:
+async def cancel_decode(client: Upstream, base_url: str, transfer_id: str, timeout_s: float = 1.0) -> bool:
     """POST /v1/cancel; True when the node acknowledged."""
     try:
-        resp = await client.post(f"{base_url}/v1/cancel", json={"transfer_id": transfer_id}, timeout=timeout_s)
-        return resp.status_code == 200
-    except httpx.HTTPError:
+        resp = await client.request("POST", f"{base_url}/v1/cancel", body={"transfer_id": transfer_id}, timeout_s=timeout_s)
+        return resp.status == 200
+    except UpstreamError:
         return False
 
 
-async def node_status(client: httpx.AsyncClient, base_url: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
+async def node_status(client: Upstream, base_url: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
     try:
-        resp = await client.get(f"{base_url}/status", timeout=timeout_s)
-        return resp.json() if resp.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+        resp = await client.request("GET", f"{base_url}/status", timeout_s=timeout_s)
+        return resp.json() if resp.status == 200 else None
+    except (UpstreamError, ValueError):
         return None
 
 

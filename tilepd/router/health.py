@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
-
 from tilepd.router.leases import NodeState
 from tilepd.router.state import RouterState
+from tilepd.router.upstream import UpstreamError
 
 log = logging.getLogger("tilepd.router")
 PROBE_TIMEOUT_S = 1.0
@@ -22,14 +21,17 @@ PROBE_TIMEOUT_S = 1.0
 async def probe_node(state: RouterState, node: NodeState) -> None:
     client = state.client
     try:
-        resp = await client.get(f"{node.base_url}/health", timeout=PROBE_TIMEOUT_S)
-        healthy = resp.status_code == 200
-        why = f"/health answered {resp.status_code}"
+        resp = await client.request("GET", f"{node.base_url}/health", timeout_s=PROBE_TIMEOUT_S)
+        healthy = resp.status == 200
+        why = f"/health answered {resp.status}"
         if healthy and (node.capabilities is None or not node.in_rotation):
-            caps = await client.get(f"{node.base_url}/capabilities", timeout=PROBE_TIMEOUT_S)
-            caps.raise_for_status()
+            caps = await client.request("GET", f"{node.base_url}/capabilities", timeout_s=PROBE_TIMEOUT_S)
+            if caps.status != 200:
+                raise ValueError(f"/capabilities answered {caps.status}")
             node.capabilities = caps.json()
-    except (httpx.HTTPError, ValueError) as exc:
+    except UpstreamError as exc:
+        healthy, why = False, str(exc)
+    except ValueError as exc:
         healthy, why = False, f"{type(exc).__name__}: {exc}"
     if healthy:
         state.metrics.node_ok(state.pool, node)

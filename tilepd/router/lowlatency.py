@@ -30,14 +30,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from tilepd.router.backends import DecodeNodeError, cancel_decode, decode_lines, node_status, open_decode, prefill_first_token
 from tilepd.router.detok import make_detokenizer
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.leases import Lease
 from tilepd.router.state import RouterState
 from tilepd.router.stops import StopStringMatcher
+from tilepd.router.upstream import UpstreamError, UpstreamStream
 
 log = logging.getLogger("tilepd.router")
 
@@ -124,7 +123,7 @@ class LowLatencyRun:
         self.stage = "start"  # start -> prefilled -> decoding -> idle; "refused": prefill answered an error
         self.first_token: int | None = None
         self.prompt_tokens = 0
-        self._resp: httpx.Response | None = None
+        self._resp: UpstreamStream | None = None
         self._settled = False
         self.user: str | None = None  # the client's end-user id, for the log line
         lease.node.transfer_id = self.transfer_id
@@ -207,7 +206,7 @@ class LowLatencyRun:
                 return
         raise DecodeNodeError(node.name, 502, "stream_truncated", "the decode stream ended without a done line")
 
-    async def _open_decode(self, body: dict[str, Any]) -> httpx.Response:
+    async def _open_decode(self, body: dict[str, Any]) -> UpstreamStream:
         node = self.lease.node
         deadline = time.monotonic() + BUSY_RETRY_S
         while True:
@@ -263,12 +262,12 @@ class LowLatencyRun:
         body = {"transfer_id": self.transfer_id, "token": self.token, "first_token": self.first_token or 0,
                 "prompt_tokens": len(self.plan.prompt_ids), "max_tokens": 1, "stream": False, "kv_timeout_s": kv_timeout_s}
         try:
-            resp = await self.state.client.post(f"{node.base_url}/v1/decode", json=body, headers={"x-request-id": self.request_id},
-                                                 timeout=kv_timeout_s + 5.0)
-        except httpx.HTTPError:
+            resp = await self.state.client.request("POST", f"{node.base_url}/v1/decode", body=body,
+                                                    headers={"x-request-id": self.request_id}, timeout_s=kv_timeout_s + 5.0)
+        except UpstreamError:
             return False
         # 200 decoded, 504 the KV never came, 499 cancelled: in each case the node freed the slot
-        return resp.status_code in (200, 499, 504)
+        return resp.status in (200, 499, 504)
 
     async def _wait_idle(self) -> None:
         node = self.lease.node

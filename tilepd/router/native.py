@@ -13,11 +13,11 @@ import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 from starlette.responses import Response, StreamingResponse
 
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.state import RouterState
+from tilepd.router.upstream import UpstreamError
 
 # what stock vLLM's NixlConnector producer expects on a prefill that a remote decode continues
 DO_REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -37,36 +37,44 @@ async def serve_native(state: RouterState, path: str, body: dict[str, Any], requ
         prefill_body["max_completion_tokens"] = 1
     up_headers = {"x-request-id": request_id}
     try:
-        resp = await state.client.post(f"{prefill_url}{path}", json=prefill_body, headers=up_headers)
-    except httpx.HTTPError as exc:
-        raise RouterError(502, f"native prefill {prefill_url} unreachable: {type(exc).__name__}: {exc}", type="prefill_error",
+        resp = await state.client.request("POST", f"{prefill_url}{path}", body=prefill_body, headers=up_headers)
+    except UpstreamError as exc:
+        raise RouterError(502, f"native prefill {prefill_url} unreachable: {exc}", type="prefill_error",
                           code="prefill_unreachable") from exc
-    if resp.status_code != 200:
-        raise PassThroughError(resp.status_code, resp.content, resp.headers.get("content-type", "application/json"))
-    kv_params = resp.json().get("kv_transfer_params")
+    if resp.status != 200:
+        raise PassThroughError(resp.status, resp.content, resp.headers.get("content-type", "application/json"))
+    try:
+        kv_params = resp.json().get("kv_transfer_params")
+    except (ValueError, AttributeError) as exc:
+        raise RouterError(502, f"native prefill {prefill_url} answered 200 without a JSON object: {exc}", type="prefill_error",
+                          code="native_prefill_bad_response") from exc
     if not kv_params:
         raise RouterError(502, f"native prefill {prefill_url} returned no kv_transfer_params: is it started with "
                           "NixlConnector as kv_producer (or kv_both)?", type="prefill_error", code="native_prefill_no_kv_params")
     body["kv_transfer_params"] = kv_params
-    req = state.client.build_request("POST", f"{decode_url}{path}", json=body, headers=up_headers)
     try:
-        dresp = await state.client.send(req, stream=True)
-    except httpx.HTTPError as exc:
-        raise RouterError(502, f"native decode {decode_url} unreachable: {type(exc).__name__}: {exc}", type="decode_node_error",
+        dresp = await state.client.stream("POST", f"{decode_url}{path}", body=body, headers=up_headers)
+    except UpstreamError as exc:
+        raise RouterError(502, f"native decode {decode_url} unreachable: {exc}", type="decode_node_error",
                           code="native_decode_unreachable") from exc
     out_headers = {k: v for k, v in dresp.headers.items() if k.lower() not in _HOP_HEADERS}
     out_headers.update(headers)
     if not body.get("stream"):
-        raw = await dresp.aread()
-        await dresp.aclose()
-        return Response(raw, status_code=dresp.status_code, headers=out_headers)
+        try:
+            raw = await dresp.aread()
+        except UpstreamError as exc:
+            raise RouterError(502, f"native decode {decode_url} broke off: {exc}", type="decode_node_error",
+                              code="native_decode_broken") from exc
+        finally:
+            await dresp.aclose()
+        return Response(raw, status_code=dresp.status, headers=out_headers)
 
     async def relay() -> AsyncIterator[bytes]:
         try:
-            async for chunk in dresp.aiter_raw():
+            async for chunk in dresp.chunks():
                 yield chunk
         finally:
             state.spawn(dresp.aclose())  # no await here: this may run inside a cancelled request
 
-    return StreamingResponse(relay(), status_code=dresp.status_code, headers=out_headers)
+    return StreamingResponse(relay(), status_code=dresp.status, headers=out_headers)
 

@@ -38,7 +38,6 @@ def setup_logging(log_file: Path | None) -> None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", handlers=handlers, force=True)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise; the router logs its own
 
 
 def serve(config_path: Path) -> int:

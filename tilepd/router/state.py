@@ -8,19 +8,18 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from tilepd.plan.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.leases import NodePool
 from tilepd.router.metrics import RouterMetrics
 from tilepd.router.prompts import PromptRenderer
+from tilepd.router.upstream import Upstream
 
 
 @dataclass
 class RouterState:
     config: RouterConfig
-    client: httpx.AsyncClient
+    client: Upstream
     renderer: PromptRenderer
     pool: NodePool
     metrics: RouterMetrics

@@ -1,0 +1,149 @@
+"""The router's upstream client against real sockets: what is retried, what is not, and what errors say."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from tilepd.router.upstream import Upstream, UpstreamError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _serve(port: int, handler) -> asyncio.base_events.Server:
+    return await asyncio.start_server(handler, "127.0.0.1", port)
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+    return head + await reader.readexactly(length)
+
+
+def test_refused_connect_is_retried_until_the_upstream_listens() -> None:
+    """Nothing listens at first; the listener opens between the retries (at once, then 0.5 s later)."""
+    port = _free_port()
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await _read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{\"ok\": true}")
+        await writer.drain()
+        writer.close()
+
+    async def main() -> dict:
+        up = Upstream(connect_timeout_s=2.0, read_timeout_s=5.0, connect_retries=2)
+
+        async def listen_later() -> asyncio.base_events.Server:
+            await asyncio.sleep(0.2)
+            return await _serve(port, handler)
+
+        later = asyncio.ensure_future(listen_later())
+        try:
+            resp = await up.request("POST", f"http://127.0.0.1:{port}/v1/x", body={"a": 1})
+            return resp.json()
+        finally:
+            (await later).close()
+            await up.aclose()
+
+    assert asyncio.run(main()) == {"ok": True}
+    assert len(seen) == 1 and b'{"a":1}' in seen[0]
+
+
+def test_refused_connect_gives_up_after_the_retries_and_names_the_cause() -> None:
+    port = _free_port()
+
+    async def main() -> None:
+        up = Upstream(connect_timeout_s=1.0, read_timeout_s=1.0, connect_retries=1)
+        try:
+            await up.request("GET", f"http://127.0.0.1:{port}/health")
+        finally:
+            await up.aclose()
+
+    with pytest.raises(UpstreamError, match="ClientConnectorError") as info:
+        asyncio.run(main())
+    assert str(port) in str(info.value)
+
+
+def test_a_request_that_reached_the_upstream_is_never_sent_twice() -> None:
+    """The upstream reads the request and drops the connection: an error, and exactly one request seen."""
+    port = _free_port()
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await _read_request(reader))
+        writer.close()
+
+    async def main() -> None:
+        server = await _serve(port, handler)
+        up = Upstream(connect_timeout_s=1.0, read_timeout_s=2.0, connect_retries=2)
+        try:
+            await up.request("POST", f"http://127.0.0.1:{port}/v1/completions", body={"prompt": "x"})
+        finally:
+            await up.aclose()
+            server.close()
+
+    with pytest.raises(UpstreamError, match="ServerDisconnectedError"):
+        asyncio.run(main())
+    assert len(seen) == 1
+
+
+def test_a_stream_that_breaks_off_raises_upstream_error_after_the_chunks_it_sent() -> None:
+    port = _free_port()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"e\r\n{\"token\": 17}\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()  # mid-body, no terminating chunk
+
+    async def main() -> list[bytes]:
+        server = await _serve(port, handler)
+        up = Upstream(connect_timeout_s=1.0, read_timeout_s=2.0)
+        got: list[bytes] = []
+        try:
+            stream = await up.stream("POST", f"http://127.0.0.1:{port}/v1/decode", body={})
+            assert stream.status == 200
+            with pytest.raises(UpstreamError):
+                async for chunk in stream.chunks():
+                    got.append(chunk)
+            await stream.aclose()
+            assert stream.is_closed
+        finally:
+            await up.aclose()
+            server.close()
+        return got
+
+    assert b"".join(asyncio.run(main())) == b'{"token": 17}\n'
+
+
+def test_a_silent_upstream_times_out_within_the_call_bound() -> None:
+    port = _free_port()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(5)  # never answers in time
+        writer.close()
+
+    async def main() -> float:
+        server = await _serve(port, handler)
+        up = Upstream(connect_timeout_s=1.0, read_timeout_s=30.0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            with pytest.raises(UpstreamError, match="Timeout"):
+                await up.request("POST", f"http://127.0.0.1:{port}/v1/cancel", body={}, timeout_s=0.3)
+            return loop.time() - t0
+        finally:
+            await up.aclose()
+            server.close()
+
+    assert asyncio.run(main()) < 2.0
