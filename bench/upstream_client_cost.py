@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,12 +31,6 @@ uvicorn.run(app, host="127.0.0.1", port=%d, loop="uvloop", http="httptools", log
 """
 BODY = {"model": "m", "prompt": list(range(12)), "max_tokens": 1, "stream": False, "logprobs": 1,
         "kv_transfer_params": {"tilepd": {"host": "10.0.0.1", "ctrl_port": 7000, "transfer_id": "tx-" + "0" * 32, "token": "f" * 32}}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def with_httpx(url: str, calls: int) -> tuple[float, float]:
@@ -68,6 +61,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=2, help="alternate the two clients this many times")
     args = ap.parse_args()
+    from tilepd.connector.launch import free_port
+
     port = free_port()
     split = (os.cpu_count() or 1) >= 2
     server = subprocess.Popen([sys.executable, "-c", SERVER % port],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tilepd.connector.launch import free_port
 from tilepd.deploy import proc
 from tilepd.deploy.proc import ServiceSpec
 
@@ -31,14 +31,8 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spec(tmp_path: Path, *extra: str, config_hash: str = "h1", health: bool = True, **kw) -> ServiceSpec:
-    port = _free_port()
+    port = free_port()
     script = tmp_path / "server.py"
     script.write_text(_SERVER)
     return ServiceSpec(

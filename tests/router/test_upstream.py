@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
+from tilepd.connector.launch import free_port
 from tilepd.router.upstream import Upstream, UpstreamError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _serve(port: int, handler) -> asyncio.base_events.Server:
@@ -28,7 +22,7 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
 
 def test_refused_connect_is_retried_until_the_upstream_listens() -> None:
     """Nothing listens at first; the listener opens between the retries (at once, then 0.5 s later)."""
-    port = _free_port()
+    port = free_port()
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -57,7 +51,7 @@ def test_refused_connect_is_retried_until_the_upstream_listens() -> None:
 
 
 def test_refused_connect_gives_up_after_the_retries_and_names_the_cause() -> None:
-    port = _free_port()
+    port = free_port()
 
     async def main() -> None:
         up = Upstream(connect_timeout_s=1.0, read_timeout_s=1.0, connect_retries=1)
@@ -73,7 +67,7 @@ def test_refused_connect_gives_up_after_the_retries_and_names_the_cause() -> Non
 
 def test_a_request_that_reached_the_upstream_is_never_sent_twice() -> None:
     """The upstream reads the request and drops the connection: an error, and exactly one request seen."""
-    port = _free_port()
+    port = free_port()
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -95,7 +89,7 @@ def test_a_request_that_reached_the_upstream_is_never_sent_twice() -> None:
 
 
 def test_a_stream_that_breaks_off_raises_upstream_error_after_the_chunks_it_sent() -> None:
-    port = _free_port()
+    port = free_port()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
@@ -126,7 +120,7 @@ def test_a_stream_that_breaks_off_raises_upstream_error_after_the_chunks_it_sent
 
 
 def test_a_silent_upstream_times_out_within_the_call_bound() -> None:
-    port = _free_port()
+    port = free_port()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -55,10 +56,50 @@ def vllm_argv(
     return argv + list(extra_args)
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+_rng = random.SystemRandom()
+
+
+def _port_window() -> tuple[int, int] | None:
+    """Where free ports are looked for: below the kernel's ephemeral range, else above it."""
+    try:
+        lo, hi = (int(v) for v in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999  # Linux's default
+    if lo - 1 - LOWEST_PORT >= 1000:
+        return LOWEST_PORT, lo - 1
+    if 65535 - hi >= 1000:
+        return hi + 1, 65535
+    return None
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing uses now, for a server started next, never the same one twice in a process.
+
+    Not a port from bind(0): that is an ephemeral port, which any outgoing connection on the
+    machine may take as its local end before the server binds it (seen in a full test run:
+    a decode node failing with "address already in use"). The kernel never picks ports
+    outside the ephemeral range for outgoing connections, so those are drawn at random.
+    """
+    window = _port_window()
+    for _ in range(500 if window else 0):
+        port = _rng.randint(*window)  # type: ignore[misc]
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # all addresses: taken on any of them counts as taken
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no window outside the ephemeral range on this host
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 @dataclass

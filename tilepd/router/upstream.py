@@ -33,7 +33,7 @@ class UpstreamError(Exception):
     def __init__(self, url: str, exc: BaseException) -> None:
         self.url = url
         self.cause = exc
-        detail = str(exc) or "no detail"
+        detail = str(exc) or ("no answer in time" if isinstance(exc, asyncio.TimeoutError) else "no detail")
         super().__init__(f"{type(exc).__name__}: {detail}")
 
 
@@ -105,9 +105,12 @@ class Upstream:
         return self._session
 
     def _timeout_for(self, timeout_s: float | None) -> aiohttp.ClientTimeout:
+        """`timeout_s` bounds each phase (connect, each read), not the whole call, as httpx's timeouts did:
+        a total bound made health probes flap on a saturated host (a 1 s /health answer that
+        took 0.6 s to connect and 0.6 s to arrive is slow, not dead)."""
         if timeout_s is None:
             return self._timeout
-        return aiohttp.ClientTimeout(total=timeout_s, connect=min(timeout_s, self._connect_timeout_s))
+        return aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=timeout_s, sock_read=timeout_s)
 
     async def _send(self, method: str, url: str, body: Any, headers: Mapping[str, str] | None,
                     timeout_s: float | None) -> aiohttp.ClientResponse:
@@ -126,7 +129,7 @@ class Upstream:
 
     async def request(self, method: str, url: str, *, body: Any = None, headers: Mapping[str, str] | None = None,
                       timeout_s: float | None = None) -> UpstreamResponse:
-        """Send and read the whole response; `timeout_s` bounds the whole call (default: the pool's per-read timeout)."""
+        """Send and read the whole response; `timeout_s` bounds the connect and each read (default: the pool's)."""
         resp = await self._send(method, url, body, headers, timeout_s)
         try:
             content = await resp.read()
