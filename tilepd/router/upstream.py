@@ -91,7 +91,6 @@ class Upstream:
                  max_connections: int = 4096) -> None:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s,
                                               sock_read=read_timeout_s)
-        self._connect_timeout_s = connect_timeout_s
         self._retries = connect_retries
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
