@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import uvloop
@@ -33,13 +34,21 @@ BODY = {"model": "m", "prompt": list(range(12)), "max_tokens": 1, "stream": Fals
         "kv_transfer_params": {"tilepd": {"host": "10.0.0.1", "ctrl_port": 7000, "transfer_id": "tx-" + "0" * 32, "token": "f" * 32}}}
 
 
+async def per_call(call: Callable[[], Awaitable[object]], calls: int) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) per call, after one warm-up call that opens the connection."""
+    await call()
+    c0, w0 = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        await call()
+    return (time.process_time() - c0) / calls, (time.perf_counter() - w0) / calls
+
+
 async def with_httpx(url: str, calls: int) -> tuple[float, float]:
     async with httpx.AsyncClient() as client:
-        await client.post(url, json=BODY)
-        c0, w0 = time.process_time(), time.perf_counter()
-        for _ in range(calls):
-            (await client.post(url, json=BODY)).json()
-        return (time.process_time() - c0) / calls, (time.perf_counter() - w0) / calls
+        async def call() -> object:
+            return (await client.post(url, json=BODY)).json()
+
+        return await per_call(call, calls)
 
 
 async def with_upstream(url: str, calls: int) -> tuple[float, float]:
@@ -47,11 +56,10 @@ async def with_upstream(url: str, calls: int) -> tuple[float, float]:
 
     up = Upstream(connect_timeout_s=5.0, read_timeout_s=60.0)
     try:
-        await up.request("POST", url, body=BODY)
-        c0, w0 = time.process_time(), time.perf_counter()
-        for _ in range(calls):
-            (await up.request("POST", url, body=BODY)).json()
-        return (time.process_time() - c0) / calls, (time.perf_counter() - w0) / calls
+        async def call() -> object:
+            return (await up.request("POST", url, body=BODY)).json()
+
+        return await per_call(call, calls)
     finally:
         await up.aclose()
 

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from tilepd.dev.synthetic import random_kv_state
-
 
 def convert(model_dir: Path, out: Path, tp: int) -> Path:
     from tilepd.weights.convert import convert_weights
@@ -27,5 +25,3 @@ def tp_deepseek(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -
     root = tmp_path_factory.mktemp("tp-deepseek")
     return {tp: convert(tiny_deepseek, root / f"tp{tp}", tp) for tp in (1, 2)}
 
-
-random_state = random_kv_state  # shared with bench/tp_gpu_parity.py

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tp.conftest import random_state
+from tilepd.dev.synthetic import random_kv_state
 from tilepd.engine import SamplingParams, load_engine
 from tilepd.engine.tp_engine import launch_tp_engine
 
@@ -31,7 +31,7 @@ def test_two_ranks_match_one_rank(family: str, request: pytest.FixtureRequest) -
     tp = launch_tp_engine(weights[2], 2, max_seq_len=128)
     try:
         assert tp.config.family == family and tp.tp_size == 2
-        state = random_state(tp.config, 17)
+        state = random_kv_state(tp.config, 17)
         want = _reference(weights[1], state, 7)
         tp.inject(state)
         seen: list[int] = []
@@ -45,7 +45,7 @@ def test_two_ranks_match_one_rank(family: str, request: pytest.FixtureRequest) -
         tp.inject(state)
         assert tp.decode(7, N_TOKENS, GREEDY, lambda t: None, cancel).finish_reason == "cancelled"
         tp.reset()
-        state2 = random_state(tp.config, 9, seed=1)
+        state2 = random_kv_state(tp.config, 9, seed=1)
         tp.inject(state2)
         assert tp.decode(3, N_TOKENS, GREEDY, lambda t: None).tokens == _reference(weights[1], state2, 3)
         # A token callback that raises stops every rank (not only rank 0) and reaches the caller; the
@@ -73,7 +73,7 @@ def test_graph_step_body_on_two_ranks_matches(family: str, request: pytest.Fixtu
     tp = launch_tp_engine(weights[2], 2, max_seq_len=128, num_speculative_tokens=0, use_cuda_graph=True)
     try:
         assert tp.local.graph_step is not None
-        state = random_state(tp.config, 12, seed=2)
+        state = random_kv_state(tp.config, 12, seed=2)
         tp.inject(state)
         got = tp.decode(5, N_TOKENS, GREEDY, lambda t: None).tokens
         assert got == _reference(weights[1], state, 5, num_speculative_tokens=0)
@@ -95,6 +95,6 @@ def test_dead_worker_rank_is_reported_not_hung(tp_llama: dict[int, Path]) -> Non
         tp.workers[0].kill()
         tp.workers[0].wait(10)
         with pytest.raises(RuntimeError, match=r"rank 1 \(exit -9\)"):
-            tp.inject(random_state(tp.config, 4))
+            tp.inject(random_kv_state(tp.config, 4))
     finally:
         tp.close()

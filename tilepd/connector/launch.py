@@ -83,9 +83,18 @@ def free_port() -> int:
     a decode node failing with "address already in use"). The kernel never picks ports
     outside the ephemeral range for outgoing connections, so those are drawn at random.
     """
-    window = _port_window()
-    for _ in range(500 if window else 0):
-        port = _rng.randint(*window)  # type: ignore[misc]
+    port = _random_free_port(window) if (window := _port_window()) else None
+    if port is None:  # no room outside the ephemeral range on this host (or all of it taken)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
+
+
+def _random_free_port(window: tuple[int, int], tries: int = 500) -> int | None:
+    for _ in range(tries):
+        port = _rng.randint(*window)
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -93,13 +102,8 @@ def free_port() -> int:
                 s.bind(("", port))  # all addresses: taken on any of them counts as taken
             except OSError:
                 continue
-        _handed_out.add(port)
         return port
-    with socket.socket() as s:  # no window outside the ephemeral range on this host
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _handed_out.add(port)
-    return port
+    return None
 
 
 @dataclass
