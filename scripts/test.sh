@@ -10,4 +10,4 @@ cd "$root"
 # whichever one bootstrapped last; this checkout's own code always comes first for the tests and
 # every process they start.
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-exec .venv/bin/python -m pytest tests -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest tests -p no:cacheprovider --durations=20 "$@"

@@ -10,6 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+pytest_plugins = ["tests._ci_watch"]  # suite budget, early failure lines, a machine snapshot for long tests
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:

@@ -151,7 +151,8 @@ def start_process(argv: list[str], log_path: Path, health_url: str, *, timeout: 
             pass
         time.sleep(0.5)
     srv.stop()
-    raise RuntimeError(f"{health_url} not healthy after {timeout} s; log: {log_path}")
+    tail = srv.log_text()[-4000:]
+    raise RuntimeError(f"{argv[:4]}: {health_url} not healthy after {timeout} s; log {log_path} ends:\n{tail}")
 
 
 def start_vllm(model_dir: Path | str, log_path: Path, *, kv_config: dict[str, Any] | None,
