@@ -10,6 +10,7 @@ sshd processes started here (by pid) and deletes exactly the namespaces created 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -86,6 +87,8 @@ class LabNetwork:
 
     def start(self) -> "LabNetwork":
         self.root.mkdir(parents=True, exist_ok=True)
+        remove_stale_labs()
+        _claim(self.tag)
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.client_key)], check=True)
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
         _ip("link", "add", self.bridge, "type", "bridge")
@@ -218,3 +221,54 @@ class LabNetwork:
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         self._namespaces.clear()
         self._links.clear()
+        (REGISTRY / self.tag).unlink(missing_ok=True)
+
+
+# Which test run owns which lab: a run killed before its teardown (CI's time limit, a SIGKILL) leaves
+# its namespaces and bridge behind, and the next lab's addresses (10.77.0.x) would then route into the
+# dead one's namespaces, whose sshd is gone. Each lab records its owner's pid here.
+REGISTRY = Path("/run/tilepd-test-labs")
+_NETNS = re.compile(r"^tpd-([0-9a-f]{5})-host\d+$")
+
+
+def _claim(tag: str) -> None:
+    REGISTRY.mkdir(parents=True, exist_ok=True)
+    (REGISTRY / tag).write_text(str(os.getpid()))
+
+
+def _owner_pid(tag: str) -> int | None:
+    try:
+        return int((REGISTRY / tag).read_text())
+    except (OSError, ValueError):
+        return None  # no record: a lab from a run that is gone (or from before the registry existed)
+
+
+def _owner_alive(tag: str) -> bool:
+    pid = _owner_pid(tag)
+    return pid is not None and Path(f"/proc/{pid}").exists()
+
+
+def remove_stale_labs() -> list[str]:
+    """Delete the namespaces, links and processes of labs whose test run is gone; refuse to share the
+    addresses with a lab whose run is still alive. Returns the tags removed."""
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    tags = {m.group(1) for line in r.stdout.splitlines() if (m := _NETNS.match(line.split()[0] if line.split() else ""))}
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    tags |= set(re.findall(r"\d+: tpdbr([0-9a-f]{5})[:@]", links))
+    removed = []
+    for tag in sorted(tags):
+        if _owner_pid(tag) == os.getpid():
+            continue  # this process's own lab
+        if _owner_alive(tag):
+            raise RuntimeError(f"another test run (pid {_owner_pid(tag)}) holds the SSH test lab {tag} on 10.77.0.0/24; "
+                               "run one test session with SSH hosts at a time")
+        for line in r.stdout.splitlines():
+            netns = line.split()[0] if line.split() else ""
+            if netns.startswith(f"tpd-{tag}-"):
+                LabNetwork._kill_leftovers(netns)
+                subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+        for name in re.findall(rf"\d+: (tpd(?:br)?{tag}[a-z0-9]*)[:@]", links):
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+        (REGISTRY / tag).unlink(missing_ok=True)
+        removed.append(tag)
+    return removed
