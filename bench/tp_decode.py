@@ -61,27 +61,50 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
 
     cuda = args.device == "cuda"
     dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    t_start = time.perf_counter()
+
+    def phase(what: str) -> None:  # rank 0 narrates, so a run cut off by a time limit shows where it was
+        if rank == 0:
+            print(f"  [tp={size} rank 0 {time.perf_counter() - t_start:6.1f}s] {what}", file=sys.stderr, flush=True)
+
     if cuda:
         torch.cuda.set_device(dev)
     else:
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    engine = None
     try:
         dtype = torch.bfloat16 if cuda else torch.float32
         spec = spec_from_hf_config(model_config(args.model, args.layers)).with_cache_dtype(str(dtype).removeprefix("torch."))
+        phase("process group up")
         weights = random_runtime_weights(spec, dev, dtype, rank=rank, tp=size)
+        phase(f"random weights built ({sum(w.numel() * w.element_size() for w in weights.values()) / 1e9:.1f} GB on this rank)")
         tp = TPGroup(rank, size, dist.group.WORLD, dist.group.WORLD)
         tp.all_reduce(torch.zeros(1, device=dev))  # NCCL communicator up before any graph capture
         max_seq = args.context + 2 * args.tokens + 8
         model = build_tp_model(spec, weights, max_seq, dev, dtype, tp)
-        engine = Engine(model, spec, dev, max_seq, use_cuda_graph=cuda and not args.no_graph, num_speculative_tokens=0)
+        graphs = cuda and not args.no_graph
+        path = "eager"
+        if graphs and not args.plain_graph:  # what the decode server runs (load_rank_engine's speed path)
+            from tilepd.engine.compiled import accelerate
+
+            speed = accelerate(model)
+        engine = Engine(model, spec, dev, max_seq, use_cuda_graph=graphs, num_speculative_tokens=0)
+        if graphs:
+            path = "graph"
+            if not args.plain_graph and engine.graph_step is not None:
+                engine.graph_step.fallbacks = list(speed.fallbacks)
+                path = speed.name
+        phase(f"model built, path {path}")
         weight_bytes, kv_bytes = step_read_bytes(model.spec, weights, args.context)
         gen = torch.Generator(device=dev).manual_seed(1)
         shape = (args.context, *model.caches[0].shape[1:])
         state = KVState(args.context, [torch.randn(*shape, generator=gen, device=dev, dtype=dtype) * 0.5 for _ in model.caches])
         greedy = SamplingParams(ignore_eos=True)
         bw = read_bandwidth(dev, args.bw_gib)["sum_read_GBps"] if rank == 0 else 0.0
-        engine.warmup()
+        phase(f"bandwidth probe {bw:.0f} GB/s")
+        engine.warmup(max_windows=1)
+        phase("graphs captured" if graphs else "warmed up")
         engine.inject(state)
         engine.decode(0, min(args.tokens, 8), greedy, lambda t: None)
         engine.inject(state)
@@ -93,13 +116,20 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        phase(f"timed decode: {args.tokens} tokens in {elapsed:.3f} s")
+        if graphs and engine.graph_step is not None and engine.graph_step.capture_error:
+            path += f" (capture fell back: {engine.graph_step.capture_error[:120]})"
         every: list = [None] * size
         dist.all_gather_object(every, {"s": elapsed, "n": len(res.tokens), "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
-                                       "tokens": res.tokens[:8]})
+                                       "tokens": res.tokens[:8], "path": path})
         if rank == 0:
             Path(out).write_text(json.dumps({"bw_GBps": bw, "ranks": every}))
     finally:
-        dist.destroy_process_group()
+        # as the decode server leaves: graphs dropped first, destroy_process_group bounded (it hung on
+        # 2x H200 after graph decodes, both ranks inside it)
+        from tilepd.engine.tp_engine import leave_group
+
+        leave_group(engine, timeout_s=5.0 if size > 1 else 10.0)
 
 
 def run_n(args: argparse.Namespace, size: int) -> dict:
@@ -119,7 +149,7 @@ def run_n(args: argparse.Namespace, size: int) -> dict:
     ms = slowest / n * 1e3
     return {"tp": size, "tokens": n, "ms_per_token": ms, "tokens_per_s": 1e3 / ms,
             "floor_ms_per_token": floor_s * 1e3, "floor_tokens_per_s": 1 / floor_s, "pct_of_floor": 100 * floor_s * 1e3 / ms,
-            "gpu_read_GBps": data["bw_GBps"], "aggregate_read_GBps": data["bw_GBps"] * size,
+            "path": ranks[0]["path"], "gpu_read_GBps": data["bw_GBps"], "aggregate_read_GBps": data["bw_GBps"] * size,
             "step_read_GB_total": sum(r["weight_bytes"] + r["kv_bytes"] for r in ranks) / 1e9,
             "same_tokens_on_all_ranks": all(r["tokens"] == ranks[0]["tokens"] for r in ranks)}
 
@@ -134,6 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded in the timed run")
     ap.add_argument("--bw-gib", type=float, default=4.0, help="size of the bandwidth probe on GPU 0")
     ap.add_argument("--no-graph", action="store_true", help="eager steps (no CUDA graph)")
+    ap.add_argument("--plain-graph", action="store_true",
+                    help="CUDA graph of the plain step (no Triton attention / torch.compile speed path)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.device == "cuda":
@@ -161,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{r['tp']:>3} error: {r['error']}")
             else:
                 print(f"{r['tp']:>3} {r['ms_per_token']:9.2f} {r['tokens_per_s']:9.1f} {r['floor_tokens_per_s']:11.1f} "
-                      f"{r['pct_of_floor']:7.1f}% {r['aggregate_read_GBps']:10.1f}")
+                      f"{r['pct_of_floor']:7.1f}% {r['aggregate_read_GBps']:10.1f}  {r['path']}")
     return report
 
 
