@@ -4,6 +4,7 @@ tokens must equal what one rank decodes from the same state."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -26,6 +27,12 @@ pytestmark = pytest.mark.slow
 
 MAX_SEQ = 256
 N_TOKENS = 32
+# CI runs these on CPU (gloo); TILEPD_TEST_DEVICE=cuda runs the same tests on a host with 2 GPUs (NCCL, CUDA
+# graphs, fp32 so that 1 rank and 2 ranks compare exactly).
+DEVICE = os.environ.get("TILEPD_TEST_DEVICE", "cpu")
+ONE_RANK = {"device": "cuda:0", "dtype": "float32"} if DEVICE == "cuda" else {}
+if DEVICE == "cuda" and torch.cuda.device_count() < 2:
+    pytestmark = [pytest.mark.slow, pytest.mark.skip(reason="TILEPD_TEST_DEVICE=cuda needs 2 GPUs")]
 
 
 class Node:
@@ -34,10 +41,11 @@ class Node:
         self.http_port, self.ctrl_port = free_port(), free_port()
         if use_flags:
             argv = [python, "-m", "tilepd.runtime", "--weights", str(weights), "--family", family, "--max-seq-len", str(MAX_SEQ),
-                    "--http-port", str(self.http_port), "--ctrl-port", str(self.ctrl_port), "--tp-size", str(tp_size)]
+                    "--http-port", str(self.http_port), "--ctrl-port", str(self.ctrl_port), "--tp-size", str(tp_size),
+                    "--device", DEVICE, "--kv-cache-dtype", "float32"]
         else:
             cfg = DecodeServerConfig(name=f"tp{tp_size}", served_model_name="tiny", family=family, weights_dir=weights, max_seq_len=MAX_SEQ,
-                                     device="cpu", tp_size=tp_size, bind_host="127.0.0.1", advertise_host="127.0.0.1",
+                                     device=DEVICE, kv_cache_dtype="float32", tp_size=tp_size, bind_host="127.0.0.1", advertise_host="127.0.0.1",
                                      http_port=self.http_port, ctrl_port=self.ctrl_port, transport=TransportConfig(name="tcp"), kv_timeout_s=10)
             (tmp / "decode.json").write_text(cfg.model_dump_json())
             argv = [python, "-m", "tilepd.runtime", "--config", str(tmp / "decode.json")]
@@ -104,7 +112,7 @@ class Node:
 
 
 def _one_rank(weights: Path, layers: list[torch.Tensor], first: int, **kw) -> list[int]:
-    eng = load_engine(weights, max_seq_len=MAX_SEQ, **kw)
+    eng = load_engine(weights, max_seq_len=MAX_SEQ, **ONE_RANK, **kw)
     eng.inject(KVState(layers[0].shape[0], layers))
     return eng.decode(first, N_TOKENS, SamplingParams(ignore_eos=True), lambda t: None).tokens
 
@@ -141,13 +149,13 @@ def test_llama_tp2_node_matches_one_rank(python_exe: str, tiny_llama: Path, tp_l
 
 def test_deepseek_tp2_node_matches_one_rank(python_exe: str, tp_deepseek: dict[int, Path], tmp_path: Path) -> None:
     """MLA: the latent arrives once (prefill rank 0) and every decode rank holds all of it."""
-    eng = load_engine(tp_deepseek[1], max_seq_len=MAX_SEQ, num_speculative_tokens=0)
+    eng = load_engine(tp_deepseek[1], max_seq_len=MAX_SEQ, num_speculative_tokens=0, **ONE_RANK)
     s = eng.config
     width = s.kv_lora_rank + s.qk_rope_head_dim
     eng.inject(KVState(1, [torch.zeros(1, 1, width) for _ in eng.model.caches]))
     gen = eng.decode(7, 30, SamplingParams(ignore_eos=True), lambda t: None).tokens
     seq_len = eng.seq_len
-    prefix = [c[:seq_len].clone() for c in eng.model.caches]
+    prefix = [c[:seq_len].cpu().clone() for c in eng.model.caches]
     want = eng.decode(gen[-1], N_TOKENS, SamplingParams(ignore_eos=True), lambda t: None).tokens
     layout = CacheLayout(kind="mla", num_layers=len(prefix), block_size=16, num_heads=1, entry_width=width, dtype="float32",
                          kv_lora_rank=s.kv_lora_rank, rope_dim=s.qk_rope_head_dim)
