@@ -3,11 +3,11 @@ and a snapshot of the machine when one test runs long.
 
 CI stops the whole job at 90 minutes and then shows only part of what was printed; a run cut off
 there says nothing about why. So: (1) every test's timeout is capped at what is left of the suite
-budget (TILEPD_TEST_BUDGET_S, default 75 min: CI stops at 90, bootstrap included), and once it is spent the remaining tests fail at
-once, naming the budget, so pytest still ends with its summary; (2) a failing test prints its
-reason the moment it fails, not only in the summary at the end; (3) a test still running after
-TILEPD_TEST_WATCH_S (default 600 s) prints the load, CPU steal, memory and the processes it
-started, which tells a stuck test from a starved machine.
+budget (TILEPD_TEST_BUDGET_S, default 75 min: CI's 90 include the bootstrap), and once it is spent
+the remaining tests fail at once, naming the budget, so pytest still ends with its summary; (2) a
+failing test prints its reason the moment it fails, not only in the summary at the end; (3) a test
+still running after TILEPD_TEST_WATCH_S (default 600 s) prints the load, CPU steal, memory and the
+processes it started, which tells a stuck test from a starved machine.
 """
 
 from __future__ import annotations
