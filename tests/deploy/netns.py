@@ -231,21 +231,35 @@ REGISTRY = Path("/run/tilepd-test-labs")
 _NETNS = re.compile(r"^tpd-([0-9a-f]{5})-host\d+$")
 
 
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (/proc/PID/stat field 22): a pid reused later differs."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def _claim(tag: str) -> None:
     REGISTRY.mkdir(parents=True, exist_ok=True)
-    (REGISTRY / tag).write_text(str(os.getpid()))
+    (REGISTRY / tag).write_text(f"{os.getpid()} {_start_time(os.getpid())}")
 
 
-def _owner_pid(tag: str) -> int | None:
+def _owner(tag: str) -> tuple[int, str] | None:
     try:
-        return int((REGISTRY / tag).read_text())
+        pid, started = (REGISTRY / tag).read_text().split()
+        return int(pid), started
     except (OSError, ValueError):
         return None  # no record: a lab from a run that is gone (or from before the registry existed)
 
 
+def _owner_pid(tag: str) -> int | None:
+    owner = _owner(tag)
+    return owner[0] if owner else None
+
+
 def _owner_alive(tag: str) -> bool:
-    pid = _owner_pid(tag)
-    return pid is not None and Path(f"/proc/{pid}").exists()
+    owner = _owner(tag)
+    return owner is not None and _start_time(owner[0]) == owner[1]
 
 
 def remove_stale_labs() -> list[str]:

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tests.deploy.netns import REGISTRY, _claim, missing_prerequisites, remove_stale_labs
+from tests.deploy.netns import REGISTRY, _claim, _start_time, missing_prerequisites, remove_stale_labs
 
 pytestmark = pytest.mark.skipif(missing_prerequisites() is not None, reason=f"SSH test hosts unavailable: {missing_prerequisites()}")
 
@@ -37,7 +37,7 @@ def test_a_dead_runs_lab_is_removed() -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     REGISTRY.mkdir(parents=True, exist_ok=True)
-    (REGISTRY / tag).write_text(str(dead.pid))  # its owner has exited
+    (REGISTRY / tag).write_text(f"{dead.pid} 12345")  # its owner has exited
     assert _exists(tag) == (True, True)
     assert tag in remove_stale_labs()
     assert _exists(tag) == (False, False)
@@ -50,7 +50,7 @@ def test_a_live_runs_lab_is_refused_by_name_and_left_alone() -> None:
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (REGISTRY / tag).parent.mkdir(parents=True, exist_ok=True)
-        (REGISTRY / tag).write_text(str(owner.pid))
+        (REGISTRY / tag).write_text(f"{owner.pid} {_start_time(owner.pid)}")
         with pytest.raises(RuntimeError, match=rf"another test run \(pid {owner.pid}\) holds the SSH test lab {tag}"):
             remove_stale_labs()
         assert _exists(tag) == (True, True)
@@ -58,6 +58,18 @@ def test_a_live_runs_lab_is_refused_by_name_and_left_alone() -> None:
         owner.kill()
         owner.wait()
     assert tag in remove_stale_labs()  # once its owner is gone it is stale
+    assert _exists(tag) == (False, False)
+
+
+def test_a_reused_pid_does_not_keep_a_dead_runs_lab() -> None:
+    """The owner's pid now belongs to another process (this one): its start time tells them apart."""
+    import os
+
+    tag = _tag()
+    _leave_a_lab(tag)
+    REGISTRY.mkdir(parents=True, exist_ok=True)
+    (REGISTRY / tag).write_text(f"{os.getppid()} 1")  # a live pid, not the start time it had
+    assert tag in remove_stale_labs()
     assert _exists(tag) == (False, False)
 
 
