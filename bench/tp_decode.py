@@ -54,7 +54,7 @@ def model_config(name: str, layers: int | None) -> dict:
 def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, out: str) -> None:
     """One rank: random shard, TP model, warm-up decode, timed decode; rank 0 writes the gathered figures."""
     from tilepd.dev.synthetic import random_runtime_weights
-    from tilepd.engine.engine import Engine
+    from tilepd.engine.engine import engine_for
     from tilepd.engine.spec import spec_from_hf_config
     from tilepd.engine.tp import TPGroup, build_tp_model
     from tilepd.engine.types import KVState, SamplingParams
@@ -84,17 +84,10 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         max_seq = args.context + 2 * args.tokens + 8
         model = build_tp_model(spec, weights, max_seq, dev, dtype, tp)
         graphs = cuda and not args.no_graph
-        path = "eager"
-        if graphs and not args.plain_graph:  # what the decode server runs (load_rank_engine's speed path)
-            from tilepd.engine.compiled import accelerate
-
-            speed = accelerate(model)
-        engine = Engine(model, spec, dev, max_seq, use_cuda_graph=graphs, num_speculative_tokens=0)
-        if graphs:
-            path = "graph"
-            if not args.plain_graph and engine.graph_step is not None:
-                engine.graph_step.fallbacks = list(speed.fallbacks)
-                path = speed.name
+        # what the decode server runs (load_rank_engine): the speed path unless --plain-graph
+        engine = engine_for(model, spec, dev, max_seq, use_cuda_graph=graphs, num_speculative_tokens=0,
+                            speed_path=not args.plain_graph)
+        path = engine.speed_path
         phase(f"model built, path {path}")
         weight_bytes, kv_bytes = step_read_bytes(model.spec, weights, args.context)
         gen = torch.Generator(device=dev).manual_seed(1)
@@ -129,7 +122,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         # 2x H200 after graph decodes, both ranks inside it)
         from tilepd.engine.tp_engine import leave_group
 
-        leave_group(engine, timeout_s=5.0 if size > 1 else 10.0)
+        leave_group(engine, timeout_s=5.0)
 
 
 def run_n(args: argparse.Namespace, size: int) -> dict:

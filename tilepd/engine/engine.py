@@ -208,12 +208,20 @@ def load_engine(weights_dir, device: str = "cpu", max_seq_len: int = 4096, dtype
     model = build_model(spec, weights, max_seq_len, dev, torch_dtype)
     if num_speculative_tokens is None:
         num_speculative_tokens = 1 if getattr(model, "has_mtp", False) else 0
+    return engine_for(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph,
+                      num_speculative_tokens=num_speculative_tokens, speed_path=speed_path)
+
+
+def engine_for(model, spec, device: torch.device, max_seq_len: int, *, use_cuda_graph: bool | None,
+               num_speculative_tokens: int, speed_path: bool = True) -> Engine:
+    """An Engine over a built model (one rank's or the whole). On CUDA with graphs and speed_path, the model
+    first takes compiled.accelerate, whose undo steps the graph step tries one at a time if capture fails."""
     path = None
-    if speed_path and dev.type == "cuda" and use_cuda_graph is not False:
+    if speed_path and device.type == "cuda" and use_cuda_graph is not False:
         from tilepd.engine.compiled import accelerate
 
         path = accelerate(model)
-    engine = Engine(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph, num_speculative_tokens=num_speculative_tokens)
+    engine = Engine(model, spec, device, max_seq_len, use_cuda_graph=use_cuda_graph, num_speculative_tokens=num_speculative_tokens)
     if path is not None and engine.graph_step is not None:
         engine.graph_step.fallbacks = list(path.fallbacks)
         engine.speed_path = path.name

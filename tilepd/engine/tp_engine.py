@@ -74,7 +74,7 @@ def load_rank_engine(weights_dir: Path, tp: TPGroup, device: str = "cpu", max_se
 
     On CUDA each rank captures its own decode graphs with the NCCL all-reduces inside (the communicator is
     brought up eagerly first, as capture requires) and takes load_engine's speed path (compiled.accelerate)."""
-    from tilepd.engine.engine import _DTYPES, Engine
+    from tilepd.engine.engine import _DTYPES, engine_for
     from tilepd.engine.tp import build_tp_model
     from tilepd.weights.loader import load_weights
 
@@ -90,18 +90,10 @@ def load_rank_engine(weights_dir: Path, tp: TPGroup, device: str = "cpu", max_se
     model = build_tp_model(spec, weights, max_seq_len, dev, torch_dtype, tp)
     if num_speculative_tokens is None:
         num_speculative_tokens = 1 if getattr(model, "has_mtp", False) else 0
-    path = None
     if dev.type == "cuda":
         tp.all_reduce(torch.zeros(1, device=dev))  # NCCL communicator up before any graph capture
-        if speed_path and use_cuda_graph is not False:
-            from tilepd.engine.compiled import accelerate
-
-            path = accelerate(model)
-    engine = Engine(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph, num_speculative_tokens=num_speculative_tokens)
-    if path is not None and engine.graph_step is not None:
-        engine.graph_step.fallbacks = list(path.fallbacks)
-        engine.speed_path = path.name
-    return engine
+    return engine_for(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph,
+                      num_speculative_tokens=num_speculative_tokens, speed_path=speed_path)
 
 
 def _bcast_cmd(tp: TPGroup, cmd: list[Any] | None) -> list[Any]:
