@@ -25,6 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tilepd.engine.tp_engine import leave_group  # noqa: E402
+
 
 def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, out: str) -> None:
     cuda = args.device == "cuda"
@@ -34,6 +38,8 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     dtype = torch.bfloat16 if cuda else torch.float32
     heads, width = args.kv_heads, 2 * args.head_dim
+    hh = heads // size  # this rank's KV heads
+    pin = cuda and not args.pageable
     rows: list[dict] = []
 
     def sync() -> None:
@@ -43,10 +49,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
 
     try:
         for ctx in args.context:
-            cache = [torch.empty(ctx, heads // size, width, dtype=dtype, device=dev) for _ in range(args.layers)]
-            pin = cuda and not args.pageable
-            hh = heads // size
-
+            cache = [torch.empty(ctx, hh, width, dtype=dtype, device=dev) for _ in range(args.layers)]
             base = (torch.arange(ctx * heads * width) % 251).to(torch.int16).view(ctx, heads, width)
 
             def layer_values(layer: int) -> torch.Tensor:  # exact in bf16, different per layer and position
@@ -79,15 +82,12 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
                         if not torch.equal(cache[layer].cpu(), own[layer]):
                             raise AssertionError(f"{variant}: rank {rank} layer {layer} holds the wrong heads")
                         cache[layer].zero_()
-            state_bytes = args.layers * ctx * heads * width * torch.empty(0, dtype=dtype).element_size()
+            state_bytes = args.layers * ctx * heads * width * cache[0].element_size()
             rows.append({"context": ctx, "state_GB": state_bytes / 1e9, **{f"{k}_ms": v * 1e3 for k, v in times.items()}})
             del cache, whole, own
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tilepd.engine.tp_engine import leave_group
-
         leave_group(None, timeout_s=5.0)  # bounded: NCCL's destroy_process_group hung on 2x H200
 
 

@@ -24,6 +24,8 @@ BUDGET_S = float(os.environ.get("TILEPD_TEST_BUDGET_S", 75 * 60))
 WATCH_S = float(os.environ.get("TILEPD_TEST_WATCH_S", 600))
 _started = time.monotonic()
 _steal_at_start: int | None = None
+_reporter = None  # pytest's terminal reporter, set in pytest_configure
+_last_text: list[str] = []  # the last failure printed, so a fixture error repeated per test prints once
 
 
 def _elapsed() -> str:
@@ -123,23 +125,18 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if not report.failed:
         return
-    text = report.longreprtext.strip().splitlines()
-    reporter = _reporter
-    if reporter is None:
-        return
     global _last_text
-    reporter.write_line("")
-    reporter.write_line(f"[{_elapsed()}] {report.nodeid} failed in {report.when} ({report.duration:.0f} s):")
+    if _reporter is None:
+        return
+    text = report.longreprtext.strip().splitlines()
+    _reporter.write_line("")
+    _reporter.write_line(f"[{_elapsed()}] {report.nodeid} failed in {report.when} ({report.duration:.0f} s):")
     if text == _last_text:  # a module fixture's error repeats for every test that uses it
-        reporter.write_line("    (the same error as above)")
+        _reporter.write_line("    (the same error as above)")
         return
     _last_text = text
     for line in text[-12:]:
-        reporter.write_line("    " + line[:300])
-
-
-_reporter = None
-_last_text: list[str] = []
+        _reporter.write_line("    " + line[:300])
 
 
 @pytest.hookimpl(trylast=True)

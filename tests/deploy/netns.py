@@ -252,32 +252,23 @@ def _owner(tag: str) -> tuple[int, str] | None:
         return None  # no record: a lab from a run that is gone (or from before the registry existed)
 
 
-def _owner_pid(tag: str) -> int | None:
-    owner = _owner(tag)
-    return owner[0] if owner else None
-
-
-def _owner_alive(tag: str) -> bool:
-    owner = _owner(tag)
-    return owner is not None and _start_time(owner[0]) == owner[1]
-
-
 def remove_stale_labs() -> list[str]:
     """Delete the namespaces, links and processes of labs whose test run is gone; refuse to share the
     addresses with a lab whose run is still alive. Returns the tags removed."""
-    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    tags = {m.group(1) for line in r.stdout.splitlines() if (m := _NETNS.match(line.split()[0] if line.split() else ""))}
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    namespaces = [line.split()[0] for line in listed.splitlines() if line.split()]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    tags = {m.group(1) for ns in namespaces if (m := _NETNS.match(ns))}
     tags |= set(re.findall(r"\d+: tpdbr([0-9a-f]{5})[:@]", links))
     removed = []
     for tag in sorted(tags):
-        if _owner_pid(tag) == os.getpid():
+        owner = _owner(tag)
+        if owner is not None and owner[0] == os.getpid():
             continue  # this process's own lab
-        if _owner_alive(tag):
-            raise RuntimeError(f"another test run (pid {_owner_pid(tag)}) holds the SSH test lab {tag} on 10.77.0.0/24; "
+        if owner is not None and _start_time(owner[0]) == owner[1]:
+            raise RuntimeError(f"another test run (pid {owner[0]}) holds the SSH test lab {tag} on 10.77.0.0/24; "
                                "run one test session with SSH hosts at a time")
-        for line in r.stdout.splitlines():
-            netns = line.split()[0] if line.split() else ""
+        for netns in namespaces:
             if netns.startswith(f"tpd-{tag}-"):
                 LabNetwork._kill_leftovers(netns)
                 subprocess.run(["ip", "netns", "del", netns], capture_output=True)
