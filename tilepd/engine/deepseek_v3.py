@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.layers import attention_bias, cached_attention, length_mask, rms_norm, swiglu
+from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.moe import moe
 from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table, yarn_softmax_scale
 from tilepd.engine.spec import ModelSpec
@@ -41,18 +41,18 @@ class DeepseekV3Model:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[T, V] float32 logits (tensor parallelism overrides this with a vocab-parallel head)."""
-        return F.linear(h, self.w["lm_head"]).float()
+        return linear(h, self.w["lm_head"]).float()
 
     def _attention(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, w = self.spec, self.w
         t, r = x.shape[0], s.kv_lora_rank
         if s.q_lora_rank:
-            q = F.linear(rms_norm(F.linear(x, w[p + "wq_a"]), w[p + "q_a_norm"], s.rms_norm_eps), w[p + "wq_b"])
+            q = linear(rms_norm(linear(x, w[p + "wq_a"]), w[p + "q_a_norm"], s.rms_norm_eps), w[p + "wq_b"])
         else:
-            q = F.linear(x, w[p + "wq"])
+            q = linear(x, w[p + "wq"])
         q_nope, q_pe = q.view(t, s.num_heads, -1).split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         q_pe = self._rope_fn(q_pe, cs)
-        latent, k_pe = F.linear(x, w[p + "wkv_a"]).split([r, s.qk_rope_head_dim], dim=-1)
+        latent, k_pe = linear(x, w[p + "wkv_a"]).split([r, s.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, w[p + "kv_a_norm"], s.rms_norm_eps)
         k_pe = self._rope_fn(k_pe.view(t, 1, -1), cs)
         cache.index_copy_(0, positions, torch.cat([latent.view(t, 1, r), k_pe], dim=-1).to(cache.dtype))
@@ -60,7 +60,7 @@ class DeepseekV3Model:
         window = cache[: mask.shape[1]]
         out_lat = cached_attention(torch.cat([q_lat, q_pe], dim=-1), window, window[..., :r], mask, self.scale)
         out = torch.einsum("thc,hvc->thv", out_lat.to(x.dtype), w[p + "w_uv"])  # W_UV after attention
-        return F.linear(out.reshape(t, -1), w[p + "wo"])
+        return linear(out.reshape(t, -1), w[p + "wo"])
 
     def _layer(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor, is_moe: bool) -> torch.Tensor:
         s, w = self.spec, self.w
@@ -86,7 +86,7 @@ class DeepseekV3Model:
         s, w, p = self.spec, self.w, f"mtp.{k}."
         e = rms_norm(self._embed(tokens), w[p + "enorm"], s.rms_norm_eps)
         hp = rms_norm(prev_hidden, w[p + "hnorm"], s.rms_norm_eps)
-        x = F.linear(torch.cat([e, hp], dim=-1), w[p + "eh_proj"])
+        x = linear(torch.cat([e, hp], dim=-1), w[p + "eh_proj"])
         cs = self.rope.index_select(0, positions)
         mask = length_mask(positions, attn_len)
         mask = attention_bias(mask & (torch.arange(attn_len, device=positions.device) >= self.mtp_start)[None, :], s.num_heads, x.dtype)

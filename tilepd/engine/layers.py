@@ -6,6 +6,12 @@ import torch
 import torch.nn.functional as F
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias). Every projection of the decoders goes through here, so the weight format
+    (bf16/fp32 tensor, or block-scaled fp8) is decided in one place."""
+    return F.linear(x, w, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (statistics accumulated in float32); one fused kernel where torch has one (CUDA, torch >= 2.8)."""
     return F.rms_norm(x, x.shape[-1:], weight, eps)
@@ -13,9 +19,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Gate and up projections fused in one GEMV (w13 = [gate; up]), then silu(gate) * up, then down."""
-    gu = F.linear(x, w13)
+    gu = linear(x, w13)
     g, u = gu.chunk(2, dim=-1)
-    return F.linear(F.silu(g) * u, w2)
+    return linear(F.silu(g) * u, w2)
 
 
 def length_mask(positions: torch.Tensor, attn_len: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tilepd.engine.deepseek_v3 import DeepseekV3Model
-from tilepd.engine.layers import attention_bias, cached_attention, length_mask, rms_norm, swiglu
+from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.llama import LlamaModel
 from tilepd.engine.moe import moe
 from tilepd.engine.spec import ModelSpec
@@ -115,10 +115,10 @@ class TPLlamaModel(LlamaModel):
             cache.index_copy_(0, positions, kv.to(cache.dtype))
             window = cache[:attn_len]
             out = cached_attention(q, window[..., :hd], window[..., hd:], mask, self.scale)
-            x = x + tp.all_reduce(F.linear(out.reshape(x.shape[0], -1).to(x.dtype), wo))
+            x = x + tp.all_reduce(linear(out.reshape(x.shape[0], -1).to(x.dtype), wo))
             x = x + tp.all_reduce(swiglu(rms_norm(x, mn, eps), w13, w2))
         h = rms_norm(x, self.w["norm"], eps)
-        return tp.all_gather_last(F.linear(h, self.lm_head).float()), h
+        return tp.all_gather_last(linear(h, self.lm_head).float()), h
 
 
 class TPDeepseekV3Model(DeepseekV3Model):

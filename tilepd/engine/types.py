@@ -41,10 +41,15 @@ class KVState:
 
     llama: [seq_len, num_kv_heads, 2 * head_dim] (K then V); deepseek_v3: [seq_len, 1, kv_lora_rank + rope_dim]
     (normalised latent, then the roped key part, interleaved pairs as vLLM stores it).
+
+    Sparse-attention models (DSA: glm_moe_dsa, deepseek_v32) also carry the lightning indexer's keys:
+    `indexer[l]` is [seq_len, index_head_dim] for the same layers as `layers` (dequantised, roped as
+    the prefill wrote them); None for models without an indexer.
     """
 
     seq_len: int
     layers: list[torch.Tensor]
+    indexer: list[torch.Tensor] | None = None
 
 
 @dataclass
