@@ -64,6 +64,8 @@ class DecodeServerConfig(_Strict):
     cuda_graphs: bool = True
     # prefill host addresses allowed to open the control channel; empty = any
     allowed_senders: tuple[str, ...] = ()
+    # the deployment secret (tilepd.auth): None = unauthenticated (dev runs; the node warns at start)
+    secret_file: Path | None = None
     log_file: Path | None = None
 
 
@@ -119,4 +121,6 @@ class RouterConfig(_Strict):
     # decode-node health checks: a node failing `breaker_failures` in a row leaves rotation
     health_interval_s: float = Field(default=1.0, gt=0)
     breaker_failures: int = Field(default=2, ge=1)
+    # the deployment secret (tilepd.auth) the router derives decode-node credentials from
+    secret_file: Path | None = None
     log_file: Path | None = None

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
+from tilepd.auth import load_secret
 from tilepd.plan.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.backends import DecodeNodeError, cancel_decode
@@ -64,7 +65,8 @@ def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
     # connects timing out during a burst fallback on the CPU test box).
     client = Upstream(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s, connect_retries=UPSTREAM_CONNECT_RETRIES)
     return RouterState(config=config, client=client, renderer=PromptRenderer(config.tokenizer_dir), pool=pool,
-                       metrics=RouterMetrics(pool, config.breaker_failures), keys=keys)
+                       metrics=RouterMetrics(pool, config.breaker_failures), keys=keys,
+                       node_secret=load_secret(config.secret_file) if config.secret_file else None)
 
 
 def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
@@ -372,7 +374,7 @@ async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, 
 async def _shutdown(state: RouterState) -> None:
     """Cancel decodes still running on leased nodes, then close the upstream client."""
     leased = [n for n in state.pool.nodes if n.leased and n.transfer_id]
-    await asyncio.gather(*(cancel_decode(state.client, n.base_url, n.transfer_id or "") for n in leased), return_exceptions=True)
+    await asyncio.gather(*(cancel_decode(state.client, n.base_url, n.transfer_id or "", headers=state.node_headers) for n in leased), return_exceptions=True)
     pending = list(state.background)
     if pending:
         await asyncio.wait(pending, timeout=5.0)

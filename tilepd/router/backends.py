@@ -65,10 +65,11 @@ async def prefill_first_token(client: Upstream, url: str, body: dict[str, Any], 
         raise RouterError(502, f"prefill {url} answered without a first token id: {exc}", type="prefill_error", code="prefill_bad_response") from exc
 
 
-async def open_decode(client: Upstream, node: str, base_url: str, body: dict[str, Any], request_id: str) -> UpstreamStream:
+async def open_decode(client: Upstream, node: str, base_url: str, body: dict[str, Any], request_id: str,
+                      headers: dict[str, str] | None = None) -> UpstreamStream:
     """Start a streamed /v1/decode; raise DecodeNodeError unless the node answered 200."""
     try:
-        resp = await client.stream("POST", f"{base_url}/v1/decode", body=body, headers={"x-request-id": request_id})
+        resp = await client.stream("POST", f"{base_url}/v1/decode", body=body, headers={"x-request-id": request_id, **(headers or {})})
     except UpstreamError as exc:
         raise DecodeNodeError(node, 0, "unreachable", str(exc)) from exc
     if resp.status != 200:
@@ -113,10 +114,11 @@ async def decode_lines(node: str, resp: UpstreamStream) -> AsyncIterator[dict[st
         raise DecodeNodeError(node, 0, "stream_broken", str(exc)) from exc
 
 
-async def cancel_decode(client: Upstream, base_url: str, transfer_id: str, timeout_s: float = 1.0) -> bool:
+async def cancel_decode(client: Upstream, base_url: str, transfer_id: str, timeout_s: float = 1.0,
+                        headers: dict[str, str] | None = None) -> bool:
     """POST /v1/cancel; True when the node acknowledged."""
     try:
-        resp = await client.request("POST", f"{base_url}/v1/cancel", body={"transfer_id": transfer_id}, timeout_s=timeout_s)
+        resp = await client.request("POST", f"{base_url}/v1/cancel", body={"transfer_id": transfer_id}, timeout_s=timeout_s, headers=headers)
         return resp.status == 200
     except UpstreamError:
         return False

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tilepd.auth import transfer_token
 from tilepd.router.backends import DecodeNodeError, cancel_decode, decode_lines, node_status, open_decode, prefill_first_token
 from tilepd.router.detok import make_detokenizer
 from tilepd.router.errors import PassThroughError, RouterError
@@ -119,7 +120,8 @@ class LowLatencyRun:
         self.lease = lease
         self.request_id = request_id
         self.transfer_id = f"tx-{uuid.uuid4().hex}"
-        self.token = secrets.token_hex(16)
+        # with a deployment secret the token is HMAC(secret, transfer id): the node checks it without state
+        self.token = transfer_token(state.node_secret, self.transfer_id) if state.node_secret else secrets.token_hex(16)
         self.stage = "start"  # start -> prefilled -> decoding -> idle; "refused": prefill answered an error
         self.first_token: int | None = None
         self.prompt_tokens = 0
@@ -211,7 +213,7 @@ class LowLatencyRun:
         deadline = time.monotonic() + BUSY_RETRY_S
         while True:
             try:
-                return await open_decode(self.state.client, node.name, node.base_url, body, self.request_id)
+                return await open_decode(self.state.client, node.name, node.base_url, body, self.request_id, self.state.node_headers)
             except DecodeNodeError as exc:
                 if exc.status == 429 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
@@ -245,7 +247,7 @@ class LowLatencyRun:
             elif self.stage == "start":
                 freed = await self._join_and_free(JOIN_INTERRUPTED_KV_TIMEOUT_S)
             if not freed:
-                await cancel_decode(self.state.client, node.base_url, self.transfer_id)
+                await cancel_decode(self.state.client, node.base_url, self.transfer_id, headers=self.state.node_headers)
                 if self._resp is not None:
                     await self._resp.aclose()
                 await self._wait_idle()
@@ -263,7 +265,8 @@ class LowLatencyRun:
                 "prompt_tokens": len(self.plan.prompt_ids), "max_tokens": 1, "stream": False, "kv_timeout_s": kv_timeout_s}
         try:
             resp = await self.state.client.request("POST", f"{node.base_url}/v1/decode", body=body,
-                                                    headers={"x-request-id": self.request_id}, timeout_s=kv_timeout_s + 5.0)
+                                                    headers={"x-request-id": self.request_id, **self.state.node_headers},
+                                                    timeout_s=kv_timeout_s + 5.0)
         except UpstreamError:
             return False
         # 200 decoded, 504 the KV never came, 499 cancelled: in each case the node freed the slot

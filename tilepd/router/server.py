@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from tilepd.auth import SecretFileError, load_secret
 from tilepd.cli.exitcodes import ExitCode
 from tilepd.plan.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeyConfigError, ApiKeys
@@ -45,7 +46,9 @@ def serve(config_path: Path) -> int:
     try:
         config = load_config(config_path)
         keys = ApiKeys.load(config.api_key_env, config.api_key_file)
-    except (ConfigError, ApiKeyConfigError) as exc:
+        if config.secret_file is not None:
+            load_secret(config.secret_file)  # checked here so a bad file is a config error, not a traceback
+    except (ConfigError, ApiKeyConfigError, SecretFileError) as exc:
         print(f"tilepd router: {exc}", file=sys.stderr)
         return int(ExitCode.INPUT)
     setup_logging(config.log_file)

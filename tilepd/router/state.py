@@ -8,6 +8,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from tilepd.auth import node_auth_header
 from tilepd.plan.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.leases import NodePool
@@ -24,6 +25,8 @@ class RouterState:
     pool: NodePool
     metrics: RouterMetrics
     keys: ApiKeys
+    # the deployment secret (tilepd.auth): transfer tokens and decode-node credentials derive from it
+    node_secret: bytes | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     _prefill_cycle: Any = None
     _native_prefill_cycle: Any = None
@@ -34,6 +37,11 @@ class RouterState:
         native = self.config.native_pool
         self._native_prefill_cycle = itertools.cycle(native.prefill_urls if native else ("",))
         self._native_decode_cycle = itertools.cycle(native.decode_urls if native else ("",))
+
+    @property
+    def node_headers(self) -> dict[str, str]:
+        """Headers of a mutating call on a decode node ({} in an unauthenticated dev run)."""
+        return node_auth_header(self.node_secret)
 
     def next_prefill_url(self) -> str:
         return str(next(self._prefill_cycle)).rstrip("/")

@@ -70,6 +70,8 @@ class ControlServer:
         self._socks: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
         self.frames_rejected = 0
+        # (transfer_id, token) -> bool; set by the server when the deployment has a secret (tilepd.auth)
+        self.token_ok: Callable[[str, str], bool] | None = None
         self._thread = threading.Thread(target=self._accept_loop, name="ctrl-accept", daemon=True)
 
     def start(self) -> "ControlServer":
@@ -201,6 +203,8 @@ class ControlServer:
         # rank r's layer regions follow those of ranks 0..r-1; the receiver is armed up to the last region used
         expected = tp * layout.num_layers * msg.num_blocks * layout.block_bytes
         limit = ((tp - 1) * layout.num_layers + layout.num_layers - 1) * stride + msg.num_blocks * layout.block_bytes
+        if self.token_ok is not None and not self.token_ok(msg.transfer_id, msg.token):
+            return reject(ErrorCode.BAD_TOKEN, f"token of transfer {msg.transfer_id} was not minted with this deployment's secret")
         try:
             gen = self.slot.admit(msg.transfer_id, msg.token, msg.seq_len, msg.num_blocks, expected, layout, conn_id,
                                   arm_limit=limit, sender_rank=rank, tp_size=tp)

@@ -5,6 +5,10 @@ Errors before the first token are HTTP statuses with `{"error": {code, message, 
 parameter this engine cannot honour, 499 cancelled, 409 token mismatch or a second
 request for the same transfer, 502 the transfer failed (sender gone or reported an error).
 Once tokens flow, a cancel ends the stream with finish_reason "cancelled".
+
+With a deployment secret (tilepd.auth), the mutating calls (/v1/decode, /v1/cancel) need the
+router's bearer key and /v1/decode a transfer token derived from the secret; anything else is
+401 before the slot is touched. Read-only endpoints stay open: they carry no secret.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from tilepd.auth import bearer_ok, transfer_token_ok
 from tilepd.runtime.service import DecodeJob, DecodeService
 from tilepd.runtime.slot import SlotError, Transfer
 
@@ -34,6 +39,8 @@ OPTIONAL_FEATURES: dict[str, Any] = {
 }
 # Sampling parameters the engine must declare (capabilities) when set to a non-default value.
 SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop_token_ids": [], "ignore_eos": False}
+
+MUTATING_PATHS = frozenset({"/v1/decode", "/v1/cancel"})
 
 SLOT_STATUS = {"busy": 429, "bad_token": 409, "duplicate": 409, "kv_timeout": 504, "cancelled": 499, "transfer_failed": 502}
 
@@ -86,8 +93,23 @@ def _unhonoured(body: DecodeBody, caps: dict[str, Any]) -> str | None:
     return None
 
 
-def build_app(svc: DecodeService) -> FastAPI:
+def _unauthorized(message: str, code: str = "unauthorized") -> JSONResponse:
+    return _error(401, code, message, headers={"www-authenticate": "Bearer"})
+
+
+def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
+    """The node's app; with `secret`, only a caller holding the deployment secret may change its state."""
     app = FastAPI(title="tilepd decode node", docs_url=None, redoc_url=None)
+
+    if secret is not None:
+        @app.middleware("http")
+        async def _authenticate(request: Request, call_next):  # noqa: ANN202 - starlette's middleware signature
+            # before the body is parsed: a stranger learns nothing about the parameters either
+            if request.url.path in MUTATING_PATHS and not bearer_ok(secret, request.headers.get("authorization")):
+                svc.metrics.requests.labels("unauthorized").inc()
+                log.warning("event=unauthorized path=%s peer=%s", request.url.path, request.client.host if request.client else "?")
+                return _unauthorized("missing or invalid node API key (only the router may call this endpoint)")
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_req: Request, exc: RequestValidationError) -> JSONResponse:
@@ -127,6 +149,10 @@ def build_app(svc: DecodeService) -> FastAPI:
     @app.post("/v1/decode")
     async def decode(body: DecodeBody, request: Request):  # noqa: ANN202 - JSON or a stream
         tid = body.transfer_id
+        if secret is not None and not transfer_token_ok(secret, tid, body.token):
+            svc.metrics.requests.labels("unauthorized").inc()
+            log.warning("event=decode_refused transfer_id=%s code=invalid_transfer_token", tid)
+            return _unauthorized(f"token of transfer {tid} was not minted with this deployment's secret", "invalid_transfer_token")
         if not svc.ready:
             return _error(503, "not_ready", "decode node is starting")
         caps = svc.capabilities()["sampling"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tilepd.auth import load_secret, transfer_token_ok
 from tilepd.plan.service_configs import DecodeServerConfig
 from tilepd.runtime.geometry import CacheGeometry, geometry_from_spec
 
@@ -88,6 +89,11 @@ def serve(config: DecodeServerConfig) -> None:
     from tilepd.runtime.http_api import build_app
     from tilepd.runtime.service import DecodeService
 
+    # read before the engine loads: a bad secret file fails in a second, not after minutes of loading
+    secret = load_secret(config.secret_file) if config.secret_file is not None else None
+    if secret is None:
+        log.warning("event=unauthenticated node=%s no secret_file configured: anyone who reaches ports %d (HTTP) and %d (control) "
+                    "can reserve this node", config.name, config.http_port, config.ctrl_port)
     dtype = None if config.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla") else config.kv_cache_dtype
     log.info("event=loading_engine node=%s weights=%s device=%s max_seq_len=%d tp_size=%d", config.name, config.weights_dir,
              config.device, config.max_seq_len, config.tp_size)
@@ -106,6 +112,8 @@ def serve(config: DecodeServerConfig) -> None:
     log.info("event=engine_loaded node=%s seconds=%.1f", config.name, time.perf_counter() - t0)
     try:
         svc = DecodeService(config, engine, engine_geometry(engine), worker=worker)
+        if secret is not None:  # an admit must carry a token minted from the secret too (the connector relays the router's)
+            svc.ctrl.token_ok = lambda transfer_id, token: transfer_token_ok(secret, transfer_id, token)
         log.info("event=engine_warm node=%s seconds=%.2f", config.name, svc.warm_up())
         svc.start()
     except OSError as exc:
@@ -113,7 +121,7 @@ def serve(config: DecodeServerConfig) -> None:
         close_engine(engine)
         raise OSError(f"cannot open the control or data port ({config.bind_host}:{config.ctrl_port}, transport "
                       f"{config.transport.name}): {exc}") from exc
-    app = build_app(svc)
+    app = build_app(svc, secret)
     stop_engine_on_shutdown(app, engine)
     try:
         uvicorn.run(app, host=config.bind_host, port=config.http_port, log_level="warning", access_log=False)
