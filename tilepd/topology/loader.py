@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from tilepd.topology import rules
 from tilepd.topology.errors import Finding, TopologyError, TopologyFileError
 from tilepd.topology.schema import API_VERSION, Topology
-from tilepd.topology.yaml_source import Loc, SourceMap, parse_yaml
+from tilepd.topology.yaml_source import MAX_BYTES, Loc, SourceMap, parse_yaml
 
 
 def load_topology(path: str | Path) -> Topology:
@@ -24,7 +24,11 @@ def load_topology(path: str | Path) -> Topology:
     """
     file = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as fh:  # bounded: /dev/zero or a 10 GB file must not be read whole
+            raw = fh.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            raise TopologyFileError(file, f"larger than a topology file may be ({MAX_BYTES} bytes); a topology of 2,000 hosts is ~400 KB")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise TopologyFileError(file, "no such file") from None
     except IsADirectoryError:

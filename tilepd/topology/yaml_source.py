@@ -5,6 +5,12 @@ well under a second, where a pure-Python round-trip loader takes seconds) gives 
 node its start line/column. We construct plain Python values from the node tree
 ourselves and record positions in a flat index keyed by field path, so schema errors
 (pydantic locs) and rule findings both point at the exact place in the file.
+
+Input is bounded: the composer shares an anchored node between its aliases, but the
+values built here are copies, so a 1 KB file of nested aliases ("billion laughs")
+would expand without end. Building stops past MAX_VALUES values (aliases and merge
+keys included) or MAX_DEPTH levels of nesting, and the loader refuses files over
+MAX_BYTES, each with a located error.
 """
 
 from __future__ import annotations
@@ -19,6 +25,13 @@ from tilepd.topology.errors import TopologyFileError
 Loc = tuple[str | int, ...]
 
 _STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+# A topology of 2,000 hosts is ~400 KB and ~20,000 values; these bounds leave room for that
+# and stop an alias bomb within a fraction of a second and a few MB.
+MAX_BYTES = 1 << 20
+MAX_VALUES = 100_000
+MAX_DEPTH = 32
 
 
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
@@ -67,42 +80,86 @@ def _pos(node: yaml.Node) -> tuple[int, int]:
 
 
 class _Builder:
-    """Node tree -> plain dicts/lists/scalars, recording positions on the way."""
+    """Node tree -> plain dicts/lists/scalars, recording positions on the way (bounded: see the module doc)."""
 
     def __init__(self, loader: Any, smap: SourceMap):
         self.loader = loader
         self.smap = smap
+        self.values = 0
+
+    def _refuse(self, node: yaml.Node, message: str) -> TopologyFileError:
+        line, col = _pos(node)
+        return TopologyFileError(self.smap.file, message, line, col)
+
+    def _count(self, node: yaml.Node, depth: int) -> None:
+        """One more value built (or mapping merged) at nesting `depth`; refuse past the bounds."""
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise self._refuse(node, f"more than {MAX_VALUES} values once YAML aliases and merge keys are expanded; "
+                                     "a topology needs far fewer (nested aliases that multiply are refused)")
+        if depth > MAX_DEPTH:
+            raise self._refuse(node, f"nested deeper than {MAX_DEPTH} levels (aliases and merge keys included); a topology needs far fewer")
 
     def build(self, node: yaml.Node, loc: Loc) -> Any:
+        self._count(node, len(loc))
         self.smap.values[loc] = _pos(node)
         if isinstance(node, yaml.MappingNode):
             self.smap.containers.add(loc)
-            self.loader.flatten_mapping(node)  # resolves `<<` merge keys like SafeLoader does
-            out: dict[Any, Any] = {}
-            for key_node, value_node in node.value:
-                key = self.loader.construct_object(key_node, deep=True)
-                if not isinstance(key, (str, int, float, bool)) or key is None:
-                    line, col = _pos(key_node)
-                    raise TopologyFileError(self.smap.file, f"not valid YAML for a topology: unsupported mapping key {key!r}", line, col)
-                name = key if isinstance(key, str) else str(key)
-                if name in out:
-                    line, col = _pos(key_node)
-                    raise TopologyFileError(self.smap.file, f"duplicate key {name!r} in one mapping", line, col)
-                child = loc + (name,)
-                self.smap.keys[child] = _pos(key_node)
-                out[name] = self.build(value_node, child)
-            return out
+            return self._mapping(node, loc, 0)
         if isinstance(node, yaml.SequenceNode):
             self.smap.containers.add(loc)
             return [self.build(item, loc + (i,)) for i, item in enumerate(node.value)]
         if node.tag == _STR_TAG:
             return node.value  # the common case, without the constructor's bookkeeping
-        return self.loader.construct_object(node, deep=True)
+        return self._construct(node)
+
+    def _construct(self, node: yaml.Node) -> Any:
+        """A scalar by SafeLoader's rules; values its constructors reject (a 13th month) are located errors."""
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise self._refuse(node, f"not valid YAML for a topology: {node.value!r} cannot be read as {node.tag.rsplit(':', 1)[-1]} ({exc})") from None
+
+    def _mapping(self, node: yaml.MappingNode, loc: Loc, merge_depth: int) -> dict[str, Any]:
+        """A mapping; `<<` merge keys as SafeLoader reads them (own keys win; of several merged
+        mappings the first listed wins), built here so that their expansion counts against the bounds."""
+        out: dict[str, Any] = {}
+        own: set[str] = set()
+        merges: list[yaml.Node] = []
+        pairs: list[tuple[str, yaml.Node, yaml.Node]] = []
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                subs = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                if not all(isinstance(sub, yaml.MappingNode) for sub in subs):
+                    raise self._refuse(value_node, "not valid YAML for a topology: a merge key `<<` takes a mapping or a list of mappings")
+                merges.extend(subs)
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise self._refuse(key_node, "not valid YAML for a topology: a mapping key must be a plain word, not a mapping or list")
+            key = self._construct(key_node)
+            if not isinstance(key, (str, int, float, bool)):
+                raise self._refuse(key_node, f"not valid YAML for a topology: unsupported mapping key {key!r}")
+            name = key if isinstance(key, str) else str(key)
+            if name in own:
+                raise self._refuse(key_node, f"duplicate key {name!r} in one mapping")
+            own.add(name)
+            pairs.append((name, key_node, value_node))
+        for sub in reversed(merges):  # the first listed is applied last, so it wins
+            self._count(sub, len(loc) + merge_depth + 1)
+            out.update(self._mapping(sub, loc, merge_depth + 1))
+        self.smap.values[loc] = _pos(node)
+        for name, key_node, value_node in pairs:
+            child = loc + (name,)
+            self.smap.keys[child] = _pos(key_node)
+            out[name] = self.build(value_node, child)
+        return out
 
 
 def parse_yaml(text: str, file: str) -> tuple[Any, SourceMap]:
     """Parse one YAML document; raise TopologyFileError with the YAML error's position."""
     smap = SourceMap(file=file)
+    if len(text) > MAX_BYTES:  # characters, at least as many bytes
+        raise TopologyFileError(file, f"{len(text)} characters is larger than a topology file may be ({MAX_BYTES} bytes)")
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
