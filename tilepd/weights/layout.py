@@ -56,9 +56,22 @@ def llama_layout(spec: ModelSpec, present: set[str]) -> list[OutTensor]:
     return out
 
 
-def _mla_layer(spec: ModelSpec, h: str, p: str, moe: bool) -> list[OutTensor]:
+def _indexer(h: str, p: str) -> list[OutTensor]:
+    """DSA lightning indexer of one layer (replicated under tensor parallelism, as in vLLM)."""
+    i = h + "self_attn.indexer."
+    return [
+        _one(p + "idx_wq_b", i + "wq_b.weight", quantizable=True),
+        _one(p + "idx_wk", i + "wk.weight", quantizable=True),
+        _one(p + "idx_k_norm", i + "k_norm.weight"),
+        _one(p + "idx_k_norm_bias", i + "k_norm.bias"),
+        _one(p + "idx_weights_proj", i + "weights_proj.weight", keep_fp32=True),  # HF keeps it fp32 (_keep_in_fp32_modules)
+    ]
+
+
+def _mla_layer(spec: ModelSpec, h: str, p: str, moe: bool, indexer: bool = False) -> list[OutTensor]:
     a = h + "self_attn."
-    out = [
+    out = _indexer(h, p) if indexer else []
+    out += [
         _one(p + "attn_norm", h + "input_layernorm.weight"),
         _one(p + "wkv_a", a + "kv_a_proj_with_mqa.weight", quantizable=True),
         _one(p + "kv_a_norm", a + "kv_a_layernorm.weight"),
@@ -105,12 +118,12 @@ def deepseek_layout(spec: ModelSpec, present: set[str]) -> list[OutTensor]:
         _one("lm_head", "lm_head.weight", shard_dim=0),
     ]
     for i in range(spec.num_layers):
-        out += _mla_layer(spec, f"model.layers.{i}.", f"layers.{i}.", moe=i >= spec.first_k_dense_replace)
+        out += _mla_layer(spec, f"model.layers.{i}.", f"layers.{i}.", moe=i >= spec.first_k_dense_replace, indexer=spec.has_indexer(i))
     # MTP modules live at layer index num_layers + k in DeepSeek-V3 checkpoints. Their embedding and
     # output head are shared with the main model (the checkpoint repeats them), so they are not kept.
     for k in range(spec.num_mtp_layers):
         h, p = f"model.layers.{spec.num_layers + k}.", f"mtp.{k}."
-        out += _mla_layer(spec, h, p, moe=True)
+        out += _mla_layer(spec, h, p, moe=True, indexer=spec.has_indexer(spec.num_layers + k))
         out += [
             _one(p + "enorm", h + "enorm.weight"),
             _one(p + "hnorm", h + "hnorm.weight"),
@@ -152,6 +165,8 @@ def expected_shape(name: str, spec: ModelSpec) -> tuple[int, ...] | None:
             "experts_w13": (s.n_routed_experts, 2 * mi, h), "experts_w2": (s.n_routed_experts, h, mi),
             "shared_w13": (2 * mi * ns, h), "shared_w2": (h, mi * ns), "enorm": (h,), "hnorm": (h,), "head_norm": (h,),
             "eh_proj": (h, 2 * h),
+            "idx_wq_b": (s.index_n_heads * s.index_head_dim, s.q_lora_rank or 0), "idx_wk": (s.index_head_dim, h),
+            "idx_k_norm": (s.index_head_dim,), "idx_k_norm_bias": (s.index_head_dim,), "idx_weights_proj": (s.index_n_heads, h),
         }
     table.update({"embed": (v, h), "lm_head": (v, h), "norm": (h,), "attn_norm": (h,), "mlp_norm": (h,)})
     return table.get(leaf)
