@@ -5,10 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tilepd.engine.fp8 import BlockFp8, fp8_linear
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+
+def linear(x: torch.Tensor, w: torch.Tensor | BlockFp8, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ bias). Every projection of the decoders goes through here, so the weight format
-    (bf16/fp32 tensor, or block-scaled fp8) is decided in one place."""
+    (bf16/fp32 tensor, or block-scaled fp8: fp8.py) is decided in one place."""
+    if isinstance(w, BlockFp8):
+        return fp8_linear(x, w, bias)
     return F.linear(x, w, bias)
 
 
@@ -17,7 +21,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
-def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w13: torch.Tensor | BlockFp8, w2: torch.Tensor | BlockFp8) -> torch.Tensor:
     """Gate and up projections fused in one GEMV (w13 = [gate; up]), then silu(gate) * up, then down."""
     gu = linear(x, w13)
     g, u = gu.chunk(2, dim=-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tilepd.engine.fp8 import BlockFp8, fp8_expert_linear
 from tilepd.engine.layers import swiglu
 from tilepd.engine.spec import ModelSpec
 
@@ -31,13 +32,26 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, spec: ModelSp
     return ids, weights * spec.routed_scaling_factor
 
 
-def moe(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, spec: ModelSpec) -> torch.Tensor:
-    ids, weights = route(x, w[p + "gate"], w[p + "gate_bias"], spec)
-    w13 = w[p + "experts_w13"][ids]  # [T, k, 2*mi, h]
-    w2 = w[p + "experts_w2"][ids]  # [T, k, h, mi]
-    gu = torch.einsum("th,tkoh->tko", x, w13)
+def experts(x: torch.Tensor, w13: torch.Tensor | BlockFp8, w2: torch.Tensor | BlockFp8, ids: torch.Tensor) -> torch.Tensor:
+    """The selected experts' SwiGLU for each token: x [T, h], ids [T, k] -> [T, k, h] (unweighted).
+
+    Dense weights: gathered by ids ([T, k, out, in]) and applied with einsum. fp8 weights: each selected
+    expert's fp8 values and block scales are read by its device id (fp8_expert_linear)."""
+    if isinstance(w13, BlockFp8):
+        gu = fp8_expert_linear(x, w13, ids)
+    else:
+        gu = torch.einsum("th,tkoh->tko", x, w13[ids])  # w13[ids]: [T, k, 2*mi, h]
     g, u = gu.chunk(2, dim=-1)
-    y = torch.einsum("tki,tkhi->tkh", F.silu(g) * u, w2)
+    a = F.silu(g) * u
+    if isinstance(w2, BlockFp8):
+        return fp8_expert_linear(a, w2, ids)
+    return torch.einsum("tki,tkhi->tkh", a, w2[ids])  # w2[ids]: [T, k, h, mi]
+
+
+def moe(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> torch.Tensor:
+    """Routed experts (weighted by the router) plus the shared experts, for T tokens x [T, h]."""
+    ids, weights = route(x, w[p + "gate"], w[p + "gate_bias"], spec)
+    y = experts(x, w[p + "experts_w13"], w[p + "experts_w2"], ids)
     out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
     if p + "shared_w13" in w:
         out = out + swiglu(x, w[p + "shared_w13"], w[p + "shared_w2"])

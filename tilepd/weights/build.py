@@ -10,9 +10,6 @@ from tilepd.engine.spec import ModelSpec
 from tilepd.weights.layout import OutTensor
 from tilepd.weights.source import WeightsError
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
 
 def _shard_shape(shape: tuple[int, ...], dim: int | None, tp: int, name: str) -> tuple[int, ...]:
     if dim is None or tp == 1:
@@ -75,12 +72,11 @@ def build_chunks(t: OutTensor, get: Callable[[str], torch.Tensor], spec: ModelSp
         yield parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def cast_chunk(t: OutTensor, chunk: torch.Tensor, dtype: torch.dtype, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Cast to the stored dtype; fp8 GEMV weights get a per-chunk (per-tensor, per-expert) scale."""
+def cast_chunk(t: OutTensor, chunk: torch.Tensor, dtype: torch.dtype, fp8: bool = False) -> tuple[torch.Tensor, None]:
+    """Cast a dense chunk to its stored dtype (router weights stay float32). Block-scaled fp8 tensors are
+    built by fp8_build, never here (the tuple's second slot is kept for callers that unpack two values)."""
+    if fp8:
+        raise ValueError(f"{t.name}: fp8 tensors are built by tilepd.weights.fp8_build, not cast_chunk")
     if t.keep_fp32:
         return chunk.float().contiguous(), None
-    if fp8 and t.quantizable:
-        x = chunk.float()
-        scale = (x.abs().amax() / FP8_MAX).clamp_min(1e-12)
-        return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous(), scale.reshape(1)
     return chunk.to(dtype).contiguous(), None

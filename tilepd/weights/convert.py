@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from tilepd.engine.spec import ModelSpec, spec_from_hf_config
-from tilepd.weights.build import FP8, build_chunks, cast_chunk, out_shape
+from tilepd.engine.fp8 import DEFAULT_BLOCK, FP8
+from tilepd.weights import fp8_build
+from tilepd.weights.build import build_chunks, cast_chunk, out_shape
 from tilepd.weights.layout import LAYOUT_VERSION, OutTensor, expected_shape, family_layout
 from tilepd.weights.manifest import CONVERTER_VERSION, FORMAT, MANIFEST, source_entry, source_files, write_manifest_atomically
 from tilepd.weights.safetensors_writer import StreamingSafetensorsWriter
@@ -43,8 +45,16 @@ def rank_file(rank: int) -> str:
     return f"rank{rank}.safetensors"
 
 
-def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, dtype: torch.dtype, fp8: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    entries = []
+Entry = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, dtype: torch.dtype,
+             fp8: bool) -> tuple[list[Entry], dict[str, tuple[int, int]]]:
+    """(safetensors entries of one rank, block of each fp8 tensor). An fp8 tensor `x` is stored as `x`
+    (float8_e4m3fn) and `x.scale` (float32 block scales, fp8_build.plan)."""
+    entries: list[Entry] = []
+    blocks: dict[str, tuple[int, int]] = {}
+    source_block = ck.fp8_block()
     for t in layout:
         full = out_shape(t, ck.shape, spec, 1)
         want = expected_shape(t.name, spec)
@@ -54,11 +64,13 @@ def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, 
                 f"config.json implies {list(want)}"
             )
         shape = out_shape(t, ck.shape, spec, tp)
-        out_dtype = torch.float32 if t.keep_fp32 else (FP8 if fp8 and t.quantizable else dtype)
-        entries.append((t.name, out_dtype, shape))
-        if fp8 and t.quantizable and not t.keep_fp32:
-            entries.append((t.name + ".scale", torch.float32, (len(t.groups) if t.stacked else 1,)))
-    return entries
+        if fp8_build.stores_fp8(t, ck.is_fp8, fp8, source_block is not None):
+            block, scale_shape = fp8_build.plan(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
+            blocks[t.name] = block
+            entries += [(t.name, FP8, shape), (t.name + ".scale", torch.float32, scale_shape)]
+        else:
+            entries.append((t.name, torch.float32 if t.keep_fp32 else dtype, shape))
+    return entries, blocks
 
 
 def convert_weights(
@@ -81,9 +93,9 @@ def convert_weights(
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise WeightsError(f"{model_dir}: checkpoint lacks tensor(s) {', '.join(missing[:5])}{more}")
         fp8 = dtype == "fp8"
-        entries = _entries(layout, ck, spec, tp, DTYPES[dtype], fp8)
+        entries, blocks = _entries(layout, ck, spec, tp, DTYPES[dtype], fp8)
         sources = [source_entry(p, model_dir) for p in source_files(model_dir)]
-        written = _write_ranks(layout, ck, spec, tp, DTYPES[dtype], fp8, entries, out_dir, progress)
+        written = _write_ranks(layout, ck, spec, tp, DTYPES[dtype], blocks, entries, out_dir, progress)
     for name in COPIED_FILES:
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out_dir / name)
@@ -95,6 +107,7 @@ def convert_weights(
         "options": options,
         "family": spec.family,
         "dtype": dtype,
+        "weight_format": "fp8-block" if blocks else dtype,
         "tp": tp,
         "model_config": ck.config(),
         "generation_config": ck.generation_config(),
@@ -102,8 +115,10 @@ def convert_weights(
         "layout": {
             "fused": {"llama": ["wqkv = [q; k; v]", "w13 = [gate; up]"], "deepseek_v3": ["w13 = [gate; up]", "w_uk/w_uv = kv_b_proj per head"]}[spec.family],
             "tied_embeddings": spec.tie_word_embeddings,
-            "fp8_scales": "per tensor (per expert when stacked): weight = fp8 * scale" if fp8 else None,
-            "tensors": {name: {"dtype": str(dt).removeprefix("torch."), "shape": list(shape)} for name, dt, shape in entries},
+            "fp8_scales": ("block-scaled e4m3: weight[r, c] = fp8[r, c] * scale[r // block[0], c // block[1]] "
+                           "(per expert when stacked)") if blocks else None,
+            "tensors": {name: {"dtype": str(dt).removeprefix("torch."), "shape": list(shape),
+                               **({"block": list(blocks[name])} if name in blocks else {})} for name, dt, shape in entries},
         },
         "sources": sources,
         "files": files,
@@ -113,9 +128,10 @@ def convert_weights(
     return ConvertResult(out_dir, False, time.perf_counter() - t0, len(entries), written, [f["file"] for f in files])
 
 
-def _write_ranks(layout, ck, spec, tp, dtype, fp8, entries, out_dir: Path, progress: bool) -> int:
+def _write_ranks(layout, ck, spec, tp, dtype, blocks, entries, out_dir: Path, progress: bool) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    get_fp8 = fp8_build.source_reader(ck.get_raw, ck.fp8_block() or DEFAULT_BLOCK) if blocks else None
     written = 0
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress, transient=False) as bar:
@@ -126,15 +142,20 @@ def _write_ranks(layout, ck, spec, tp, dtype, fp8, entries, out_dir: Path, progr
             try:
                 for t in layout:
                     bar.update(task, description=f"rank {rank}: {t.name}")
-                    scales = []
-                    for chunk in build_chunks(t, ck.get, spec, rank, tp):
-                        data, scale = cast_chunk(t, chunk, dtype, fp8)
-                        writer.write(t.name, data)
-                        written += data.numel() * data.element_size()
-                        if scale is not None:
-                            scales.append(scale)
-                    if scales:
-                        writer.write(t.name + ".scale", torch.cat(scales))
+                    if t.name in blocks:
+                        scales = []
+                        for q in fp8_build.build(t, get_fp8, blocks[t.name], rank, tp):
+                            writer.write(t.name, q.weight)
+                            written += q.weight.numel()
+                            scales.append(q.scale)
+                        scale = torch.stack(scales) if t.stacked else scales[0]
+                        writer.write(t.name + ".scale", scale)
+                        written += scale.numel() * 4
+                    else:
+                        for chunk in build_chunks(t, ck.get, spec, rank, tp):
+                            data, _ = cast_chunk(t, chunk, dtype)
+                            writer.write(t.name, data)
+                            written += data.numel() * data.element_size()
                     bar.advance(task)
                 writer.close()
             except BaseException:

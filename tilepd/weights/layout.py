@@ -22,7 +22,7 @@ class OutTensor:
     stacked: bool = False  # True: groups stacked along a new dim 0 (experts); else exactly one group
     shard_dim: int | None = None  # per-part split for tensor parallelism; None = replicated
     keep_fp32: bool = False  # router weights and biases stay float32 (HF routes in float32)
-    quantizable: bool = False  # a GEMV weight that may be stored as fp8 with a scale
+    quantizable: bool = False  # a GEMV weight read through layers.linear: may be stored block-scaled fp8 (fp8_build.py)
     mla: str | None = None  # "uk" | "uv": split kv_b_proj per head into [H, nope, rank] / [H, v, rank]
 
     @property
@@ -127,7 +127,7 @@ def deepseek_layout(spec: ModelSpec, present: set[str]) -> list[OutTensor]:
         out += [
             _one(p + "enorm", h + "enorm.weight"),
             _one(p + "hnorm", h + "hnorm.weight"),
-            _one(p + "eh_proj", h + "eh_proj.weight", quantizable=True),
+            _one(p + "eh_proj", h + "eh_proj.weight"),  # bf16 in DeepSeek-V3's fp8 checkpoint (vLLM: nn.Linear)
             _one(p + "head_norm", h + "shared_head.norm.weight"),
         ]
     return out

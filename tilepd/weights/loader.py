@@ -7,27 +7,38 @@ from pathlib import Path
 
 import torch
 
+from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8, device_supports_fp8, kernel_available
 from tilepd.engine.spec import ModelSpec, spec_from_hf_config
-from tilepd.weights.build import FP8, build_chunks, cast_chunk
+from tilepd.weights import fp8_build
+from tilepd.weights.build import build_chunks, cast_chunk
 from tilepd.weights.layout import family_layout
 from tilepd.weights.manifest import MANIFEST, read_manifest
 from tilepd.weights.source import Checkpoint, SafetensorsFile, WeightsError
 
 
-def _to_device(name: str, t: torch.Tensor, scale: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    if t.dtype == FP8:
-        # Dequantised once at load: batch-1 decode then reads `dtype` weights (fp8 GEMV kernels: later work).
-        s = scale.to(device).float()
-        w = t.to(device).float()
-        return (w * s.view(-1, *([1] * (w.dim() - 1))) if w.dim() == 3 else w * s).to(dtype)
+Weights = dict[str, "torch.Tensor | BlockFp8"]
+
+
+def _to_device(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     keep = name.endswith(("gate", "gate_bias"))
     return t.to(device=device, dtype=torch.float32 if keep else dtype)
 
 
-def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0, tp: int = 1) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """(spec, name -> device tensor) of tensor-parallel rank `rank` of `tp`. A directory with manifest.json
-    is read as converted weights (its tp must equal `tp`); an HF checkpoint (config.json + *.safetensors,
-    no manifest) is converted in memory with the same layout and sharding."""
+def check_fp8_device(device: torch.device, where: Path) -> None:
+    """Refuse fp8 weights on a device that cannot multiply them (named), before anything is copied; on CUDA
+    also load the GEMV kernel now, so compiled/captured code never imports it."""
+    ok, why = device_supports_fp8(device)
+    if not ok:
+        raise WeightsError(f"{where}: holds block-scaled fp8 weights, but {why} - convert with --dtype bf16 for this GPU")
+    if device.type == "cuda":
+        kernel_available()
+
+
+def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0, tp: int = 1) -> tuple[ModelSpec, Weights]:
+    """(spec, name -> device tensor or BlockFp8) of tensor-parallel rank `rank` of `tp`. A directory with
+    manifest.json is read as converted weights (its tp must equal `tp`); an HF checkpoint (config.json +
+    *.safetensors, no manifest) is converted in memory with the same layout and sharding. fp8 weights stay
+    fp8 on the device (BlockFp8: values + block scales); `dtype` is the dense tensors' dtype."""
     if not 0 <= rank < tp:
         raise WeightsError(f"rank {rank} does not exist with tp={tp}")
     weights_dir = Path(weights_dir)
@@ -46,21 +57,49 @@ def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, ra
     want = set(manifest["layout"]["tensors"])
     if set(f.entries) != want:
         raise WeightsError(f"{f.path}: tensors differ from the manifest (missing {sorted(want - set(f.entries))[:5]})")
-    out = {}
+    tensors = manifest["layout"]["tensors"]
+    fp8 = {name: tuple(tensors[name].get("block") or ()) for name in f.entries if name + ".scale" in f.entries}
+    if fp8:
+        unblocked = [n for n, b in fp8.items() if len(b) != 2]
+        if unblocked:
+            raise WeightsError(f"{weights_dir / MANIFEST}: fp8 tensor {unblocked[0]} has no block size (converted by an "
+                               f"older tilepd with per-tensor scales) - re-run convert-weights")
+        check_fp8_device(device, weights_dir)
+    out: Weights = {}
     for name in f.entries:
-        if name.endswith(".scale"):
+        if name.endswith(".scale") and name.removesuffix(".scale") in fp8:
             continue
-        scale = f.read(name + ".scale") if name + ".scale" in f.entries else None
-        out[name] = _to_device(name, f.read(name), scale, device, dtype)
+        t = f.read(name)
+        if name in fp8:
+            try:
+                out[name] = BlockFp8(t, f.read(name + ".scale"), fp8[name]).to(device)
+            except ValueError as e:
+                raise WeightsError(f"{f.path}: {name}: {e}") from e
+        else:
+            out[name] = _to_device(name, t, device, dtype)
     return spec, out
 
 
-def _load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0, tp: int = 1) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+def _load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0, tp: int = 1) -> tuple[ModelSpec, Weights]:
+    """An HF checkpoint converted in memory; an fp8 checkpoint's GEMV weights stay fp8 (as convert-weights
+    --dtype fp8 would store them), everything else in `dtype`."""
     with Checkpoint(model_dir) as ck:
         spec = spec_from_hf_config(ck.config(), ck.generation_config())
-        out = {}
-        for t in family_layout(spec, ck.names()):
-            chunks = [cast_chunk(t, c, dtype, False)[0] for c in build_chunks(t, ck.get, spec, rank, tp)]
+        source_block = ck.fp8_block()
+        layout = family_layout(spec, ck.names())
+        fp8 = {t.name for t in layout if fp8_build.stores_fp8(t, ck.is_fp8, source_block is not None, True)}
+        if fp8:
+            check_fp8_device(device, model_dir)
+            get_fp8 = fp8_build.source_reader(ck.get_raw, source_block or DEFAULT_BLOCK)
+        out: Weights = {}
+        for t in layout:
+            if t.name in fp8:
+                block, _ = fp8_build.plan(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
+                parts = list(fp8_build.build(t, get_fp8, block, rank, tp))
+                w = BlockFp8(torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts]), block) if t.stacked else parts[0]
+                out[t.name] = w.to(device)
+                continue
+            chunks = [cast_chunk(t, c, dtype)[0] for c in build_chunks(t, ck.get, spec, rank, tp)]
             x = torch.stack(chunks) if t.stacked else chunks[0]
             out[t.name] = x.to(device)
     return spec, out

@@ -17,7 +17,7 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 FORMAT = "tilepd-weights"
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"  # 2: fp8 tensors carry block scales (1 had one scale per tensor)
 
 
 def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:

@@ -114,6 +114,35 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._file(name).entries[name][1]
 
+    def fp8_block(self) -> tuple[int, int] | None:
+        """(block_n, block_k) of a block-scaled fp8 checkpoint (config.json quantization_config), else None.
+        Any other quantisation is refused by name: tilepd would otherwise read its packed bytes as weights."""
+        q = self.config().get("quantization_config")
+        if q is None:
+            return None
+        where = f"{self.dir / 'config.json'}: quantization_config"
+        if q.get("quant_method") != "fp8":
+            raise WeightsError(f"{where}.quant_method {q.get('quant_method')!r} is not supported (only block-scaled 'fp8')")
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise WeightsError(f"{where}.fmt {q.get('fmt')!r} is not supported (only 'e4m3')")
+        block = q.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise WeightsError(f"{where}.weight_block_size {block!r} is not supported (per-tensor fp8; need [block_n, block_k])")
+        return int(block[0]), int(block[1])
+
+    def is_fp8(self, name: str) -> bool:
+        """A block-scaled fp8 tensor: stored float8_e4m3fn with a `<name>_scale_inv` beside it."""
+        return self._file(name).entries[name][0] == torch.float8_e4m3fn and name + "_scale_inv" in self.where
+
+    def get_raw(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(tensor as stored, its weight_scale_inv or None); fp8 values are not dequantised."""
+        t = self._file(name).read(name)
+        if t.dtype == torch.float8_e4m3fn and name + "_scale_inv" in self.where:
+            return t, self._file(name + "_scale_inv").read(name + "_scale_inv")
+        if t.is_floating_point() and t.dtype.itemsize > 1 and not bool(torch.isfinite(t).all()):
+            raise WeightsError(f"{self._file(name).path}: tensor {name!r} holds NaN or Inf values (corrupt checkpoint?)")
+        return t, None
+
     def get(self, name: str) -> torch.Tensor:
         """One tensor; float8 block-quantised sources (weight_scale_inv) dequantised; finiteness checked."""
         f = self._file(name)

@@ -1,0 +1,116 @@
+"""Triton GEMV for block-scaled fp8 weights at decode batch sizes (a few activation rows).
+
+One program computes BLOCK_N outputs of one activation row: it streams the fp8 rows of its tile once,
+converts to float32, multiplies by the activation chunk and by the tile's block scale (one load per row
+and K-chunk; BLOCK_K divides block_k, so a chunk never straddles two scales), and accumulates in float32.
+Activation rows are the fast grid axis, so the programs that share a weight tile run side by side and
+the second read comes from L2. With `ids`, row r reads expert ids[r]'s weight and scales in place (MoE:
+no gathered copy of the selected experts).
+
+Registered as the custom op `tilepd::fp8_gemv`, so torch.compile sees one opaque call and a CUDA graph
+captures the launch (the kernel is compiled at the first, uncaptured warm-up call). The op's non-CUDA
+implementation is the dequantise-then-matmul reference. Under TRITON_INTERPRET=1 the kernel itself also
+runs on CPU tensors (`launch`), which is how the CPU test checks it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - CPU installs without Triton
+    triton = None
+
+_TARGET_PROGRAMS = 2 * 132  # ~2 waves on an H200 (132 SMs)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def block_ok(block: tuple[int, int]) -> bool:
+    """The kernel needs block_k to be a power of two >= 16 (its K chunk divides it); any block_n works."""
+    bk = block[1]
+    return bk >= 16 and bk & (bk - 1) == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_gemv_kernel(X, W, S, IDS, BIAS, Y, N, K, s_xr, s_we, s_wn, s_se, s_sn, s_yr,
+                         BN: tl.constexpr, BK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        r = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        w_base = W
+        s_base = S
+        if HAS_IDS:
+            e = tl.load(IDS + r).to(tl.int64)
+            w_base = W + e * s_we
+            s_base = S + e * s_se
+        w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
+        s_rows = s_base + (rows // BN) * s_sn
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < K
+            w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(X + r * s_xr + cols, mask=cmask, other=0.0).to(tl.float32)
+            s = tl.load(s_rows + k0 // BK, mask=rmask, other=0.0)
+            acc += tl.sum(w * x[None, :], axis=1) * s
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(Y + r * s_yr + rows, acc.to(Y.dtype.element_ty), mask=rmask)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,
+           block_n: int, block_k: int) -> torch.Tensor:
+    """x [R, K]; weight [N, K] (or [E, N, K] with ids [R]); scale [(E,) nb_n, nb_k] float32 -> [R, N] in x's dtype."""
+    if triton is None:
+        raise RuntimeError("fp8 GEMV kernel needs Triton, which is not importable here")
+    if not block_ok((block_n, block_k)):
+        raise ValueError(f"fp8 GEMV kernel: block_k {block_k} must be a power of two >= 16")
+    rows, k = x.shape
+    n = weight.shape[-2]
+    if weight.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("fp8 GEMV kernel: weight and x must be contiguous along K")
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_k_tile = min(block_k, 128)
+    block_n_tile = 32 if triton.cdiv(n, 32) * rows >= _TARGET_PROGRAMS else 16
+    has_ids = ids is not None
+    grid = (rows, triton.cdiv(n, block_n_tile))
+    _fp8_gemv_kernel[grid](
+        x, weight, scale, ids if has_ids else x, bias if bias is not None else x, y, n, k,
+        x.stride(0), weight.stride(0) if has_ids else 0, weight.stride(-2), scale.stride(0) if has_ids else 0, scale.stride(-2), y.stride(0),
+        BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=block_n_tile, BLOCK_K=block_k_tile, num_warps=4,
+    )
+    return y
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,
+               block_n: int, block_k: int) -> torch.Tensor:
+    from tilepd.engine.fp8 import BlockFp8, dequantize
+
+    w = BlockFp8(weight, scale, (block_n, block_k))
+    if ids is None:
+        return torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
+    y = torch.einsum("ri,roi->ro", x, dequantize(w[ids], x.dtype))
+    return y if bias is None else y + bias
+
+
+@torch.library.custom_op("tilepd::fp8_gemv", mutates_args=())
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,
+             block_n: int, block_k: int) -> torch.Tensor:
+    """[R, N] = per row r: x[r] @ dequant(weight (expert ids[r] when given)).T (+ bias); float32 accumulation."""
+    if x.is_cuda and triton is not None:
+        return launch(x.contiguous(), weight, scale, ids, bias, block_n, block_k)
+    return _reference(x, weight, scale, ids, bias, block_n, block_k)
+
+
+@fp8_gemv.register_fake
+def _(x, weight, scale, ids, bias, block_n, block_k):  # noqa: ANN001, ANN202 - the op's shapes for torch.compile
+    return x.new_empty(x.shape[0], weight.shape[-2])
