@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -142,3 +143,53 @@ def test_cli_prints_one_json_line(tmp_path: Path, cleanup) -> None:
     bad.write_text('{"name": 1}')
     res = subprocess.run([sys.executable, "-m", "tilepd.deploy.proc", "start", "--spec", str(bad)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and json.loads(res.stdout)["failed"] is True
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = proc._proc_stat(pid)
+        if st is None or st[0] in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_main_process_leaves_orphans_that_start_and_stop_end(tmp_path: Path, cleanup) -> None:
+    """The service's children outlive a SIGKILL of its main process (as vLLM's EngineCore does):
+    `start` ends the orphaned group and starts the service again; `stop` ends orphans too."""
+    spec = _spec(tmp_path)
+    cleanup.append(spec)
+    pid = proc.start(spec)["pid"]
+    assert proc.wait_healthy(spec)["healthy"] is True
+    os.kill(pid, signal.SIGKILL)
+    assert _wait_gone(pid)
+    orphans = proc.status(spec)["orphans"]
+    assert proc.status(spec)["running"] is False and len(orphans) == 1 and orphans[0] != pid  # the grandchild lives on
+    assert proc.start(spec, check=True)["action"] == "recover" and proc._group_members(pid) == orphans  # --check moves nothing
+    res = proc.start(spec)
+    assert res["changed"] and res["action"] == "recover" and res["orphans_ended"] == orphans and res["pid"] != pid
+    assert proc._group_members(pid) == [] and proc.wait_healthy(spec)["healthy"] is True
+    assert "ended 1 orphaned process(es) of group" in spec.log_file.read_text()
+    second = res["pid"]
+    os.kill(second, signal.SIGKILL)
+    assert _wait_gone(second) and len(proc._group_members(second)) == 1
+    stopped = proc.stop(spec)
+    assert stopped["changed"] and len(stopped["orphans"]) == 1 and not stopped["running"]
+    assert proc._group_members(second) == []
+
+
+@pytest.mark.slow
+def test_a_changed_secret_file_restarts_the_service(tmp_path: Path, cleanup) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("one" * 20)
+    spec = _spec(tmp_path, secret_files=[secret])
+    cleanup.append(spec)
+    first = proc.start(spec)
+    assert proc.start(spec)["changed"] is False
+    state = spec.state_file.read_text()
+    assert "one" * 20 not in state and json.loads(state)["secrets_fingerprint"]
+    secret.write_text("two" * 20)
+    res = proc.start(spec)
+    assert res["changed"] and res["action"] == "restart" and res["pid"] != first["pid"]

@@ -7,13 +7,22 @@ one JSON line it prints, so idempotence ("already running with the same config h
 is decided here in Python rather than in shell snippets.
 
 Beside the pidfile a state file records the pid, its kernel start time (so a reused
-pid is never mistaken for ours), the process group, and the config hash the service
-was started with (drift detection in `tilepd status`).
+pid is never mistaken for ours), the process group, the config hash the service
+was started with (drift detection in `tilepd status`) and a fingerprint of the secret
+files it read at start (a rotated secret restarts it).
+
+Every service is the leader of its own process group, and every verb acts on the group:
+children re-parented to init when the main process died (vLLM's EngineCore and workers
+after a SIGKILL of the API server, still holding their ports) keep the group id, so `stop`
+ends them and `start` ends them before starting the service again. The kernel does not
+hand out a pid again while a group of that id has members, so the recorded group id
+cannot name someone else's processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -51,6 +60,8 @@ class ServiceSpec(BaseModel):
     health_url: str | None = None
     health_timeout_s: float = Field(default=180.0, gt=0)
     stop_timeout_s: float = Field(default=20.0, gt=0)
+    # files the service reads secrets from at start (paths only): their fingerprint is recorded
+    secret_files: list[Path] = Field(default_factory=list)
     # systemd mode: the unit runs the service; this module only reads its state
     mode: Literal["process", "systemd"] = "process"
     unit: str | None = None
@@ -106,6 +117,46 @@ def _alive(state: dict[str, Any] | None) -> bool:
     return st is not None and st[0] not in ("Z", "X") and st[2] == int(state["start_ticks"])
 
 
+def secrets_fingerprint(spec: ServiceSpec) -> str | None:
+    """A digest of the secret files' contents (None without any): tells a rotated secret from the one running.
+
+    A SHA-256 of high-entropy secrets reveals nothing about them; the state file holds only this.
+    """
+    if not spec.secret_files:
+        return None
+    h = hashlib.sha256(b"tilepd-secrets-fingerprint\0")
+    for path in spec.secret_files:
+        try:
+            h.update(hashlib.sha256(Path(path).read_bytes()).digest())
+        except OSError:
+            h.update(b"missing")
+    return h.hexdigest()[:16]
+
+
+def _orphans(state: dict[str, Any] | None) -> list[int]:
+    """Members of the recorded process group whose main process is gone (children re-parented to init)."""
+    if not state or _alive(state):
+        return []
+    pgid = int(state.get("pgid") or state.get("pid") or 0)
+    return _group_members(pgid) if pgid > 1 else []
+
+
+def _end_group(pgid: int, stop_timeout_s: float) -> tuple[str, list[int]]:
+    """SIGTERM the group, SIGKILL what is left after stop_timeout_s; (signal used, pids still alive)."""
+    signal_used = "SIGTERM"
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + stop_timeout_s
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _group_members(pgid):
+        signal_used = "SIGKILL"
+        _signal_group(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return signal_used, _group_members(pgid)
+
+
 def _clear(spec: ServiceSpec) -> None:
     for p in (spec.pid_file, spec.state_file):
         p.unlink(missing_ok=True)
@@ -146,6 +197,7 @@ def _write_state(spec: ServiceSpec, pid: int) -> None:
         "pgid": pid,
         "start_ticks": st[2] if st else 0,
         "config_hash": spec.config_hash,
+        "secrets_fingerprint": secrets_fingerprint(spec),
         "tilepd_version": __version__,
         "started_at": time.time(),
         "argv": spec.argv,
@@ -167,6 +219,7 @@ def status(spec: ServiceSpec) -> dict[str, Any]:
     else:
         running = _alive(state)
         pid = int(state["pid"]) if running and state else None
+    orphans = _orphans(state) if spec.mode == "process" else []
     return {
         "name": spec.name,
         "running": running,
@@ -176,23 +229,40 @@ def status(spec: ServiceSpec) -> dict[str, Any]:
         "tilepd_version": state.get("tilepd_version") if state else None,
         "started_at": state.get("started_at") if state else None,
         "log_file": str(spec.log_file),
+        # processes of the service's group whose main process died: `up` ends them and starts it again
+        "orphans": orphans,
         "changed": False,
     }
 
 
 def start(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
-    """Start the service unless it already runs with the same config hash (then changed=False)."""
+    """Start the service unless it already runs with the same config hash and secrets (then changed=False).
+
+    A service whose main process died while others of its group live on (orphans) is
+    recovered: the group is ended first, so the new one finds its ports free.
+    """
     state = _read_state(spec)
     running = _systemd_state(spec)["running"] if spec.mode == "systemd" else _alive(state)
-    if running and state and state.get("config_hash") == spec.config_hash:
+    same = bool(state and state.get("config_hash") == spec.config_hash and state.get("secrets_fingerprint") == secrets_fingerprint(spec))
+    if running and same:
         return {**status(spec), "action": "none"}
-    action = "restart" if running else "start"
+    orphans = _orphans(state) if spec.mode == "process" else []
+    action = "restart" if running else ("recover" if orphans else "start")
     if check:
         return {**status(spec), "changed": True, "action": action}
     if spec.mode == "systemd":
         return _start_unit(spec, action)
+    recovered: dict[str, Any] = {}
     if running:
         stop(spec)
+    elif orphans and state is not None:
+        pgid = int(state.get("pgid") or state["pid"])
+        signal_used, left = _end_group(pgid, spec.stop_timeout_s)
+        recovered = {"orphans_ended": orphans, "signal": signal_used}
+        _note(spec, f"main process {state['pid']} was gone; ended {len(orphans)} orphaned process(es) of group {pgid} with {signal_used}")
+        if left:
+            return {**status(spec), "changed": True, "failed": True, "action": action,
+                    "msg": f"{spec.name}: processes {left} of the dead service's group {pgid} survived SIGKILL; cannot start it again"}
     _clear(spec)
     for d in (spec.log_file.parent, spec.pid_file.parent, spec.cwd):
         d.mkdir(parents=True, exist_ok=True)
@@ -212,7 +282,14 @@ def start(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
             close_fds=True,
         )
     _write_state(spec, proc.pid)
-    return {**status(spec), "changed": True, "action": action}
+    return {**status(spec), "changed": True, "action": action, **recovered}
+
+
+def _note(spec: ServiceSpec, text: str) -> None:
+    """One supervisor line in the service's log (what happened between two runs of it)."""
+    spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(spec.log_file, "a") as log:
+        log.write(f"--- tilepd {__version__}: {text} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
 
 
 def _start_unit(spec: ServiceSpec, action: str) -> dict[str, Any]:
@@ -230,28 +307,21 @@ def stop(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
     if spec.mode == "systemd":
         return _stop_unit(spec, check=check)
     state = _read_state(spec)
-    if not _alive(state):
+    orphans = _orphans(state)
+    if not _alive(state) and not orphans:
         if not check:
             _clear(spec)
         return {"name": spec.name, "changed": False, "running": False, "action": "none"}
     assert state is not None
     if check:
-        return {"name": spec.name, "changed": True, "running": True, "action": "stop", "pid": state["pid"]}
+        return {"name": spec.name, "changed": True, "running": True, "action": "stop", "pid": state["pid"], "orphans": orphans}
     pgid = int(state.get("pgid", state["pid"]))
-    signal_used = "SIGTERM"
-    _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + spec.stop_timeout_s
-    while _group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _group_members(pgid):
-        signal_used = "SIGKILL"
-        _signal_group(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while _group_members(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    left = _group_members(pgid)
+    signal_used, left = _end_group(pgid, spec.stop_timeout_s)
+    if orphans:
+        _note(spec, f"main process {state['pid']} was gone; stop ended {len(orphans)} orphaned process(es) of group {pgid} with {signal_used}")
     _clear(spec)
-    return {"name": spec.name, "changed": True, "running": bool(left), "action": "stop", "pid": state["pid"], "signal": signal_used, "left": left}
+    return {"name": spec.name, "changed": True, "running": bool(left), "action": "stop", "pid": state["pid"], "signal": signal_used, "left": left,
+            "orphans": orphans}
 
 
 def _stop_unit(spec: ServiceSpec, *, check: bool) -> dict[str, Any]:

@@ -208,8 +208,12 @@ def load_engine(weights_dir, device: str = "cpu", max_seq_len: int = 4096, dtype
     model = build_model(spec, weights, max_seq_len, dev, torch_dtype)
     if num_speculative_tokens is None:
         num_speculative_tokens = 1 if getattr(model, "has_mtp", False) else 0
-    return engine_for(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph,
-                      num_speculative_tokens=num_speculative_tokens, speed_path=speed_path)
+    engine = engine_for(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph,
+                        num_speculative_tokens=num_speculative_tokens, speed_path=speed_path)
+    from tilepd.engine.memory import log_memory
+
+    engine.memory = log_memory(weights, dev)  # GPU memory at start (weights by format, allocator, free/total)
+    return engine
 
 
 def engine_for(model, spec, device: torch.device, max_seq_len: int, *, use_cuda_graph: bool | None,
