@@ -19,9 +19,8 @@ from tilepd.weights.source import Checkpoint, SafetensorsFile, WeightsError
 Weights = dict[str, "torch.Tensor | BlockFp8"]
 
 
-def _to_device(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    keep = name.endswith(("gate", "gate_bias"))
-    return t.to(device=device, dtype=torch.float32 if keep else dtype)
+def _to_device(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype, keep_fp32: set[str]) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
 
 
 def check_fp8_device(device: torch.device, where: Path) -> None:
@@ -65,6 +64,7 @@ def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, ra
             raise WeightsError(f"{weights_dir / MANIFEST}: fp8 tensor {unblocked[0]} has no block size (converted by an "
                                f"older tilepd with per-tensor scales) - re-run convert-weights")
         check_fp8_device(device, weights_dir)
+    keep_fp32 = {t.name for t in family_layout(spec, set()) if t.keep_fp32}  # router, DSA weights_proj: float32 as in HF
     out: Weights = {}
     for name in f.entries:
         if name.endswith(".scale") and name.removesuffix(".scale") in fp8:
@@ -76,7 +76,7 @@ def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, ra
             except ValueError as e:
                 raise WeightsError(f"{f.path}: {name}: {e}") from e
         else:
-            out[name] = _to_device(name, t, device, dtype)
+            out[name] = _to_device(name, t, device, dtype, keep_fp32)
     return spec, out
 
 
