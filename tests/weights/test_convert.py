@@ -162,16 +162,19 @@ def test_tp_shards_split_fused_tensors_per_part(tiny_llama: Path, tmp_path: Path
 
 
 def test_fp8_weights_dequantise_close(tiny_deepseek: Path, tmp_path: Path) -> None:
+    from tilepd.engine.fp8 import BlockFp8, dequantize
     from tilepd.weights.loader import load_weights
 
     convert_weights(tiny_deepseek, tmp_path / "fp8", dtype="fp8", progress=False)
     f = SafetensorsFile(tmp_path / "fp8" / "rank0.safetensors")
     assert f.entries["layers.1.experts_w13"][0] == torch.float8_e4m3fn
-    assert f.entries["layers.1.experts_w13.scale"][1] == (8,)  # one scale per expert
+    assert f.entries["layers.1.experts_w13.scale"][1] == (8, 128, 1)  # per expert; gate/up rows (64) repeat their block scale
+    assert f.entries["layers.1.experts_w2.scale"][1] == (8, 1, 1)  # one 128x128 block per [128, 64] expert
     _, w8 = load_weights(tmp_path / "fp8", torch.device("cpu"), torch.float32)
     _, w32 = load_weights(tiny_deepseek, torch.device("cpu"), torch.float32)
     for name in ("layers.0.wkv_a", "layers.1.experts_w13", "layers.1.wo"):
-        rel = float((w8[name] - w32[name]).norm() / w32[name].norm())
+        assert isinstance(w8[name], BlockFp8), name
+        rel = float((dequantize(w8[name]) - w32[name]).norm() / w32[name].norm())
         assert rel < 0.05, (name, rel)
     assert torch.equal(w8["layers.1.gate_bias"], w32["layers.1.gate_bias"])
 
