@@ -14,7 +14,7 @@ dev_app = typer.Typer(name="dev", help="Developer helpers: tiny deterministic mo
 
 @dev_app.command("tiny-model")
 def tiny_model(
-    family: str = typer.Argument(..., help="Model family: llama or deepseek_v3."),
+    family: str = typer.Argument(..., help="Model: llama, deepseek_v3, or the sparse-attention (DSA) models glm5 (glm_moe_dsa), dsv32 (deepseek_v32)."),
     out: Path = typer.Argument(..., help="Directory to write the HF checkpoint into."),
     seed: int = typer.Option(0, help="Seed of the random weights (same seed, same bytes)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),

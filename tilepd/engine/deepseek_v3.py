@@ -4,6 +4,10 @@ Attention is the absorbed-weight form for decode: the cache holds only the norma
 and the roped shared key k_pe per token. W_UK is folded into the query (q_lat = q_nope @ W_UK), scores are
 q_lat.c + q_pe.k_pe, and W_UV is applied to the attention-weighted latent afterwards, so no per-head K/V
 is ever materialised and each step reads (r + rope) values per cached token.
+
+DSA models (deepseek_v32, glm_moe_dsa) add the lightning indexer (dsa.py): per layer an indexer-key cache,
+and attention over the indexer's top-k positions only; GLM "shared" layers reuse the previous full
+layer's top-k (transformers modeling_glm_moe_dsa.py:404-417), MTP layers always index for themselves.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tilepd.engine.dsa import DSAStep, select_topk, sparse_mla_attention
 from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.moe import moe
 from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table, yarn_softmax_scale
@@ -34,6 +39,23 @@ class DeepseekV3Model:
                                device, weights["embed"].dtype, interleaved=spec.rope_interleave)
         self.scale = (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(spec.rope_scaling)
         self._rope_fn = apply_rope_interleaved if spec.rope_interleave else apply_rope_neox
+        # DSA: indexer-key caches keyed by layer prefix (none for GLM "shared" layers), cache dtype.
+        self.index_caches: dict[str, torch.Tensor] = {}
+        if spec.is_dsa:
+            n_mtp = len(self.mtp_caches)
+            for i, p in [(i, f"layers.{i}.") for i in range(spec.num_layers)] + [(spec.num_layers + k, f"mtp.{k}.") for k in range(n_mtp)]:
+                if spec.has_indexer(i):
+                    self.index_caches[p] = torch.zeros(max_seq_len, spec.index_head_dim, dtype=cache_dtype, device=device)
+                    self.w[p + "idx_weights_proj"] = self.w[p + "idx_weights_proj"].float()  # HF keeps it fp32
+            self.index_rope = self.rope if spec.indexer_rope_interleave == spec.rope_interleave else rope_table(
+                spec.qk_rope_head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, max_seq_len, device,
+                weights["embed"].dtype, interleaved=spec.indexer_rope_interleave)
+            self._index_rope_fn = apply_rope_interleaved if spec.indexer_rope_interleave else apply_rope_neox
+
+    def index_cache_list(self) -> list[torch.Tensor | None]:
+        """Indexer-key cache per layer in KVState order (main layers, then MTP); None where a layer has none."""
+        prefixes = [f"layers.{i}." for i in range(self.spec.num_layers)] + [f"mtp.{k}." for k in range(len(self.mtp_caches))]
+        return [self.index_caches.get(p) for p in prefixes]
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings (tensor parallelism overrides this with a vocab-parallel lookup)."""
@@ -43,11 +65,13 @@ class DeepseekV3Model:
         """[T, V] float32 logits (tensor parallelism overrides this with a vocab-parallel head)."""
         return linear(h, self.w["lm_head"]).float()
 
-    def _attention(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _attention(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor,
+                   dsa: DSAStep | None = None) -> torch.Tensor:
         s, w = self.spec, self.w
         t, r = x.shape[0], s.kv_lora_rank
         if s.q_lora_rank:
-            q = linear(rms_norm(linear(x, w[p + "wq_a"]), w[p + "q_a_norm"], s.rms_norm_eps), w[p + "wq_b"])
+            q_resid = rms_norm(linear(x, w[p + "wq_a"]), w[p + "q_a_norm"], s.rms_norm_eps)
+            q = linear(q_resid, w[p + "wq_b"])
         else:
             q = linear(x, w[p + "wq"])
         q_nope, q_pe = q.view(t, s.num_heads, -1).split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
@@ -57,14 +81,22 @@ class DeepseekV3Model:
         k_pe = self._rope_fn(k_pe.view(t, 1, -1), cs)
         cache.index_copy_(0, positions, torch.cat([latent.view(t, 1, r), k_pe], dim=-1).to(cache.dtype))
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w[p + "w_uk"])  # W_UK absorbed into the query
-        window = cache[: mask.shape[1]]
-        out_lat = cached_attention(torch.cat([q_lat, q_pe], dim=-1), window, window[..., :r], mask, self.scale)
+        if dsa is not None:
+            keys = self.index_caches.get(p)
+            if keys is not None:  # a full layer indexes; a shared one reuses the previous full layer's top-k
+                idx_cs = cs if self.index_rope is self.rope else self.index_rope.index_select(0, positions)
+                dsa.selection = select_topk(w, p, x, q_resid, positions, idx_cs, keys, dsa.valid, s, self._index_rope_fn)
+            out_lat = sparse_mla_attention(torch.cat([q_lat, q_pe], dim=-1), cache, r, dsa.selection, self.scale)
+        else:
+            window = cache[: mask.shape[1]]
+            out_lat = cached_attention(torch.cat([q_lat, q_pe], dim=-1), window, window[..., :r], mask, self.scale)
         out = torch.einsum("thc,hvc->thv", out_lat.to(x.dtype), w[p + "w_uv"])  # W_UV after attention
         return linear(out.reshape(t, -1), w[p + "wo"])
 
-    def _layer(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor, is_moe: bool) -> torch.Tensor:
+    def _layer(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor, is_moe: bool,
+               dsa: DSAStep | None = None) -> torch.Tensor:
         s, w = self.spec, self.w
-        x = x + self._attention(p, cache, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps), positions, cs, mask)
+        x = x + self._attention(p, cache, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps), positions, cs, mask, dsa=dsa)
         h = rms_norm(x, w[p + "mlp_norm"], s.rms_norm_eps)
         return x + (moe(h, w, p, s) if is_moe else swiglu(h, w[p + "w13"], w[p + "w2"]))
 
@@ -73,9 +105,11 @@ class DeepseekV3Model:
         s, w = self.spec, self.w
         x = self._embed(tokens)
         cs = self.rope.index_select(0, positions)
-        mask = attention_bias(length_mask(positions, attn_len), s.num_heads, x.dtype)
+        valid = length_mask(positions, attn_len)
+        dsa = DSAStep(valid) if s.is_dsa else None
+        mask = attention_bias(valid, s.num_heads, x.dtype)
         for i in range(s.num_layers):
-            x = self._layer(f"layers.{i}.", self.caches[i], x, positions, cs, mask, i >= s.first_k_dense_replace)
+            x = self._layer(f"layers.{i}.", self.caches[i], x, positions, cs, mask, i >= s.first_k_dense_replace, dsa=dsa)
         h = rms_norm(x, w["norm"], s.rms_norm_eps)
         return self._logits(h), h
 
@@ -88,8 +122,8 @@ class DeepseekV3Model:
         hp = rms_norm(prev_hidden, w[p + "hnorm"], s.rms_norm_eps)
         x = linear(torch.cat([e, hp], dim=-1), w[p + "eh_proj"])
         cs = self.rope.index_select(0, positions)
-        mask = length_mask(positions, attn_len)
-        mask = attention_bias(mask & (torch.arange(attn_len, device=positions.device) >= self.mtp_start)[None, :], s.num_heads, x.dtype)
-        x = self._layer(p, self.mtp_caches[k], x, positions, cs, mask, True)
+        valid = length_mask(positions, attn_len) & (torch.arange(attn_len, device=positions.device) >= self.mtp_start)[None, :]
+        mask = attention_bias(valid, s.num_heads, x.dtype)
+        x = self._layer(p, self.mtp_caches[k], x, positions, cs, mask, True, dsa=DSAStep(valid) if s.is_dsa else None)
         h = rms_norm(x, w[p + "head_norm"], s.rms_norm_eps)
         return self._logits(h), h

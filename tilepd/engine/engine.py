@@ -99,7 +99,9 @@ class Engine:
         """Copy a prefix in the native layout into positions [0, state.seq_len) of every layer's cache.
 
         deepseek_v3 with MTP: a state may carry num_layers + num_mtp_layers tensors (a prefill that ran
-        the draft layer); then the MTP layer sees the whole prefix, else only what it decoded itself."""
+        the draft layer); then the MTP layer sees the whole prefix, else only what it decoded itself.
+        DSA models also need `state.indexer` (one entry per entry of `layers`; None for a layer without an
+        indexer): a sparse model is never decoded densely for want of its indexer keys."""
         caches = list(self.model.caches)
         mtp_caches = list(getattr(self.model, "mtp_caches", []))
         with_mtp = bool(mtp_caches) and len(state.layers) == len(caches) + len(mtp_caches)
@@ -111,13 +113,45 @@ class Engine:
         if not 0 < state.seq_len < self.max_seq_len:
             raise ValueError(f"KVState seq_len {state.seq_len} must be in [1, max_seq_len={self.max_seq_len})")
         want = tuple(caches[0].shape[1:])
-        for i, (src, dst) in enumerate(zip(state.layers, caches)):
+        for i, src in enumerate(state.layers):
             if tuple(src.shape) != (state.seq_len, *want):
                 raise ValueError(f"KVState layer {i}: shape {list(src.shape)}, expected {[state.seq_len, *want]}")
+        index_pairs = self._check_indexer(state, len(caches))
+        for src, dst in zip(state.layers, caches):
+            dst[: state.seq_len].copy_(src, non_blocking=True)
+        for src, dst in index_pairs:
             dst[: state.seq_len].copy_(src, non_blocking=True)
         if hasattr(self.model, "mtp_start"):
             self.model.mtp_start.fill_(0 if with_mtp else state.seq_len)
         self.seq_len = state.seq_len
+
+    def _check_indexer(self, state: KVState, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, destination) pairs of the DSA indexer keys, after checking them all (nothing is copied
+        before every tensor is known to fit)."""
+        index_list = getattr(self.model, "index_cache_list", None)
+        dsa = bool(getattr(self.config, "is_dsa", False))
+        if not dsa:
+            if state.indexer is not None:
+                raise ValueError(f"KVState carries indexer keys but {self.config.model_type} has no sparse-attention indexer")
+            return []
+        if state.indexer is None:
+            raise ValueError(f"{self.config.model_type} uses sparse attention (DSA): KVState.indexer (the lightning indexer's keys "
+                             "of every indexed layer) is required; refusing to decode without it (dense attention is a different model)")
+        dsts = index_list()[:n]
+        if len(state.indexer) != n:
+            raise ValueError(f"KVState.indexer has {len(state.indexer)} entries, KVState.layers {n}: one per layer (None for shared layers)")
+        pairs = []
+        for i, (src, dst) in enumerate(zip(state.indexer, dsts)):
+            if dst is None:
+                if src is not None:
+                    raise ValueError(f"KVState.indexer[{i}]: layer {i} has no indexer of its own (a 'shared' layer); expected None")
+                continue
+            if src is None:
+                raise ValueError(f"KVState.indexer[{i}] is None but layer {i} runs the indexer: its keys are required")
+            if tuple(src.shape) != (state.seq_len, dst.shape[1]):
+                raise ValueError(f"KVState.indexer[{i}]: shape {list(src.shape)}, expected {[state.seq_len, dst.shape[1]]}")
+            pairs.append((src, dst))
+        return pairs
 
     @torch.no_grad()
     def decode(self, first_token: int, max_tokens: int, sampling: SamplingParams, on_token: Callable[[int], None],

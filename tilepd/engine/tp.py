@@ -135,12 +135,12 @@ class TPDeepseekV3Model(DeepseekV3Model):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last(super()._logits(h))
 
-    def _attention(self, p, cache, x, positions, cs, mask) -> torch.Tensor:  # noqa: ANN001 - same as the base
-        return self.tp.all_reduce(super()._attention(p, cache, x, positions, cs, mask))
+    def _attention(self, p, cache, x, positions, cs, mask, dsa=None) -> torch.Tensor:  # noqa: ANN001 - same as the base
+        return self.tp.all_reduce(super()._attention(p, cache, x, positions, cs, mask, dsa=dsa))
 
-    def _layer(self, p, cache, x, positions, cs, mask, is_moe) -> torch.Tensor:  # noqa: ANN001 - same as the base
+    def _layer(self, p, cache, x, positions, cs, mask, is_moe, dsa=None) -> torch.Tensor:  # noqa: ANN001 - same as the base
         s, w = self.spec, self.w
-        x = x + self._attention(p, cache, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps), positions, cs, mask)
+        x = x + self._attention(p, cache, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps), positions, cs, mask, dsa=dsa)
         h = rms_norm(x, w[p + "mlp_norm"], s.rms_norm_eps)
         return x + self.tp.all_reduce(moe(h, w, p, s) if is_moe else swiglu(h, w[p + "w13"], w[p + "w2"]))
 
