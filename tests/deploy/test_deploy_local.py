@@ -16,6 +16,8 @@ import pytest
 
 from tests.deploy import topo
 from tests.deploy.cli import Run, processes_mentioning, tilepd
+from tests.deploy.leaks import leaks
+from tilepd.auth import node_api_key
 
 pytestmark = pytest.mark.slow
 
@@ -194,9 +196,15 @@ def test_api_key_reaches_the_router_and_never_the_ansible_logs(tmp_path: Path, m
         assert httpx.get(url, timeout=10).status_code == 401
         assert httpx.get(url, headers={"Authorization": f"Bearer {secret}"}, timeout=10).status_code == 200
         assert secret not in up.out
-        artifacts = home / "t-secret" / "runner" / "artifacts"
-        leaked = [p for p in artifacts.rglob("*") if p.is_file() and secret in p.read_text(errors="replace")]
-        assert leaked == []
+        # the key and the deployment secret live only in their 0600 files on the (here: local) router host
+        base = Path(data["deployment"]["base_dir"])
+        key_file, deploy_file = base / "secrets" / "router-api-key", base / "secrets" / "deployment"
+        assert key_file.read_text().strip() == secret and oct(key_file.stat().st_mode & 0o777) == "0o600"
+        deployment_secret = deploy_file.read_text().strip()
+        assert len(deployment_secret) == 64 and oct(deploy_file.stat().st_mode & 0o777) == "0o600"
+        secrets = [secret, deployment_secret, node_api_key(deployment_secret.encode())]
+        assert leaks(secrets, [home / "t-secret", base / "logs", base / "run", base / "config", base / "env"], str(base)) == []
+        assert [p for p in processes_mentioning(str(base)) if "tilepd.router" in p[1]]  # the grep saw the router process
     finally:
         tilepd(home, "down", str(file))
     assert processes_mentioning(data["deployment"]["base_dir"]) == []

@@ -42,7 +42,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         text = unit.read_text()
         assert "EnvironmentFile=" in text and "ExecStart=/" in text
         if "Type=simple" in text:
-            assert "Restart=on-failure" in text
+            assert "Restart=on-failure" in text and "KillMode=control-group" in text  # orphans die with the unit
     assert all("LimitMEMLOCK=infinity" in u.read_text() for u in nixl)
 
 

@@ -57,10 +57,14 @@ def test_glm51_decode_and_router_configs_parse_as_the_contract() -> None:
     assert rcfg.prefill_urls == ("http://10.0.0.10:8000",)
     assert [(d.host, d.ctrl_port, d.http_port) for d in rcfg.decode_nodes] == [("10.0.0.20", 5556, 5557)]
     assert rcfg.native_pool is None and rcfg.routing.fallback_to_native is False
-    assert rcfg.api_key_env == "TILEPD_API_KEY" and rcfg.api_key_file is None
+    # the key named by `api_key.env` is written to a file on the router host at `up`, never into its environment
+    assert rcfg.api_key_env is None and str(rcfg.api_key_file) == "/opt/tilepd/glm51/secrets/router-api-key"
+    assert str(rcfg.secret_file) == "/opt/tilepd/glm51/secrets/deployment"
+    assert {(s.name, s.source_env) for s in next(h for h in plan.hosts if "router" in h.roles).secrets} >= {("router_api_key", "TILEPD_API_KEY"),
+                                                                                      ("deployment", "TILEPD_DEPLOYMENT_SECRET")}
     convert = plan.service("convert-d0")
     assert convert.argv[1:] == ["-m", "tilepd", "convert-weights", "--model-dir", "/models/GLM-5.1", "--out", "/models/tilepd-glm5.1", "--family", "deepseek_v3",
-                               "--tp", "8"]  # the 8xB200 node: one shard per rank
+                               "--tp", "8", "--dtype", "fp8"]  # the 8xB200 node: one shard per rank, fp8 weights (memory-fit)
     assert convert.kind == "oneshot" and convert.stage < decode.stage
 
 

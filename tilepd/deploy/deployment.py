@@ -16,6 +16,7 @@ from pathlib import Path
 from tilepd.cli.exitcodes import ExitCode
 from tilepd.deploy.inventory import write_host_vars
 from tilepd.deploy.runner import PlaybookResult, TaskEvent, run_playbook
+from tilepd.deploy.secrets import values_for
 from tilepd.plan import Plan, build_plan
 from tilepd.plan.render import render_plan
 from tilepd.topology import Topology, load_topology
@@ -102,6 +103,8 @@ def run(
     if only is not None and only not in ROLES:
         raise ValueError(f"--only {only!r}: choose one of {', '.join(ROLES)}")
     extravars = dict(extravars or {})
+    # up places the secrets; their values are served to the playbook in memory (raises when one is missing)
+    secrets = values_for(dep.plan) if playbook == "up.yml" else None
     if only is not None:
         extravars["tilepd_target"] = "decode" if only == "weights" else only
     return run_playbook(
@@ -115,17 +118,14 @@ def run(
         on_event=on_event,
         known_hosts=dep.known_hosts,
         secret_env=secret_env_names(dep.plan),
+        secrets=secrets,
     )
 
 
 def secret_env_names(plan: Plan) -> tuple[str, ...]:
-    """Operator environment variables that hold secrets (the router's API key)."""
-    names = []
-    for h in plan.hosts:
-        for s in h.services:
-            if s.role == "router" and (s.config or {}).get("api_key_env"):
-                names.append(s.config["api_key_env"])
-    return tuple(names)
+    """Operator environment variables that hold secrets (the router's API key, the deployment secret):
+    kept out of ansible-playbook's environment, which ansible-runner writes to its artifacts."""
+    return tuple(sorted({s.source_env for h in plan.hosts for s in h.secrets}))
 
 
 def exit_code(result: PlaybookResult) -> ExitCode:

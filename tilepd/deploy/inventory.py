@@ -4,6 +4,10 @@
 files. This module adds `host_vars/<host>.yml` beside it, which Ansible merges in:
 the interpreter, the model paths, and for every daemon the `ServiceSpec` that
 `python -m tilepd.deploy.proc` runs, the rendered files to copy, and its env file.
+
+Nothing here holds a secret: host_vars name the secret files a host needs (paths and the
+operator's variable each comes from); their values reach the hosts at run time only
+(tilepd.deploy.secrets, playbooks/roles/common/tasks/secrets.yml).
 """
 
 from __future__ import annotations
@@ -29,17 +33,10 @@ def spec_file(host: HostPlan, service: Service) -> str:
     return f"{host.base_dir}/run/{service.name}.spec.json"
 
 
-def secret_env(service: Service) -> dict[str, str]:
-    """Secrets a service needs at run time, read from the operator's environment (never from the topology).
-
-    The router's API key named by `api_key_env` is passed to the router host inside
-    files written with `no_log`; a key file (`api_key_file`) already lives on that host.
-    """
+def secret_files(service: Service) -> list[Path]:
+    """Files a service reads a secret from at start (the supervisor restarts it when one changes)."""
     cfg = service.config or {}
-    name = cfg.get("api_key_env") if service.role == "router" else None
-    if name and name in os.environ:
-        return {name: os.environ[name]}
-    return {}
+    return [Path(p) for p in (cfg.get("secret_file"), cfg.get("api_key_file")) if p]
 
 
 def service_spec(plan: Plan, service: Service) -> ServiceSpec:
@@ -47,7 +44,8 @@ def service_spec(plan: Plan, service: Service) -> ServiceSpec:
         name=service.name,
         role=service.role,
         argv=service.argv,
-        env={**service.env, **secret_env(service)},
+        env=dict(service.env),
+        secret_files=secret_files(service),
         cwd=Path(service.cwd),
         log_file=Path(service.log_file),
         pid_file=Path(service.pid_file),
@@ -92,14 +90,12 @@ def convert_options(topo: Topology, host: HostPlan, convert: Service) -> dict[st
 def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> dict[str, Any]:
     py = host.environments[0].python if host.environments else host.services[0].python
     files = _rendered_files(host, render_dir)
-    secrets = False
     services = []
     for svc in host.services:
         if svc.kind != "daemon":
             continue
         spec = service_spec(plan, svc)
-        secrets = secrets or bool(secret_env(svc))
-        # process mode reads the spec; systemd mode reads the env file (both 0600)
+        # process mode reads the spec; systemd mode reads the env file
         files.append({"path": spec_file(host, svc), "content": spec.model_dump_json(indent=2) + "\n", "mode": "0600"})
         if plan.services_mode == "systemd":
             files.append({"path": f"{host.base_dir}/env/{svc.name}.env", "content": env_file_text(spec.env), "mode": "0600"})
@@ -122,7 +118,8 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
         "tilepd_version": plan.tilepd_version,
         "tilepd_install": host.environments[0].install if host.environments else "operator",
         "tilepd_bundle": {"dirs": [f"{host.base_dir}/{d}" for d in HOST_DIRS], "files": files},
-        "tilepd_bundle_secret": secrets,
+        "tilepd_secret_files": [s.model_dump() for s in host.secrets],
+        "tilepd_deployment_secret_file": next((s.path for s in host.secrets if s.name == "deployment"), ""),
         "tilepd_deploy_services": services,
         "tilepd_model": {
             "hf_path": m.hf_path,
@@ -136,7 +133,7 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
 
 
 def write_host_vars(plan: Plan, topo: Topology, render_dir: Path) -> list[Path]:
-    """Write render_dir/host_vars/<host>.yml for every host (0600: env may hold secrets)."""
+    """Write render_dir/host_vars/<host>.yml for every host (0600: they describe the hosts' layout, no secret)."""
     yaml = YAML(typ="safe", pure=True)
     yaml.default_flow_style = False
     out_dir = render_dir / "host_vars"

@@ -122,6 +122,10 @@ def _api_key(plan: Plan) -> str | None:
     cfg = (router.config or {}) if router else {}
     if cfg.get("api_key_env"):
         return os.environ.get(cfg["api_key_env"])
+    # a key `up` wrote from the operator's environment: read it there, not from the router host's file
+    source = next((s.source_env for h in plan.hosts for s in h.secrets if s.path == cfg.get("api_key_file")), None)
+    if source:
+        return os.environ.get(source)
     if cfg.get("api_key_file"):
         try:
             return Path(cfg["api_key_file"]).read_text().strip()

@@ -13,11 +13,13 @@ import os
 import shutil
 import sys
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tilepd.deploy.secrets import SOCKET_ENV, serve
 from tilepd.resources import playbooks_dir
 
 # Task names that gate on health start with this prefix; their failure means exit 7, not 6.
@@ -172,6 +174,7 @@ def run_playbook(
     forks: int = 10,
     known_hosts: Path | None = None,
     secret_env: tuple[str, ...] = (),
+    secrets: Mapping[str, str] | None = None,
 ) -> PlaybookResult:
     """Run `playbooks/<playbook>` against the generated inventory; never raises on task failure."""
     import ansible_runner  # heavy import, only when deploying
@@ -197,29 +200,34 @@ def run_playbook(
         "ANSIBLE_PIPELINING": "True",
         "ANSIBLE_NOCOLOR": "True",
         "ANSIBLE_ROLES_PATH": str(playbooks_dir() / "roles"),
+        "ANSIBLE_LOOKUP_PLUGINS": str(playbooks_dir() / "lookup_plugins"),
     }
     cmdline = "--check" if check else None
     # ansible-runner records the environment of ansible-playbook in artifacts/<id>/command:
-    # keep secrets the operator exported (e.g. the router's API key) out of it.
+    # keep secrets the operator exported (e.g. the router's API key) out of it; the playbook gets
+    # `secrets` from a socket served for this run (tilepd.deploy.secrets), only its path is in the env.
     hidden = {name: os.environ.pop(name) for name in secret_env if name in os.environ}
     try:
-        r = ansible_runner.run(
-            private_data_dir=str(private_dir),
-            project_dir=str(playbooks_dir()),
-            playbook=playbook,
-            inventory=str(inventory),
-            extravars=extravars or {},
-            limit=limit,
-            tags=tags,
-            cmdline=cmdline,
-            envvars=envvars,
-            forks=forks,
-            quiet=True,
-            event_handler=digest,
-            settings={"suppress_ansible_output": True},
-            rotate_artifacts=5,
-            suppress_env_files=True,
-        )
+        with serve(secrets) if secrets is not None else nullcontext(None) as socket_path:
+            if socket_path is not None:
+                envvars[SOCKET_ENV] = str(socket_path)
+            r = ansible_runner.run(
+                private_data_dir=str(private_dir),
+                project_dir=str(playbooks_dir()),
+                playbook=playbook,
+                inventory=str(inventory),
+                extravars=extravars or {},
+                limit=limit,
+                tags=tags,
+                cmdline=cmdline,
+                envvars=envvars,
+                forks=forks,
+                quiet=True,
+                event_handler=digest,
+                settings={"suppress_ansible_output": True},
+                rotate_artifacts=5,
+                suppress_env_files=True,
+            )
     finally:
         os.environ.update(hidden)
     result.status = r.status

@@ -16,7 +16,7 @@ from pydantic_core import to_json
 
 from tilepd import __version__
 from tilepd.plan import vllm_args
-from tilepd.plan.model import HOST_ROLES, STAGES, Health, HostPlan, Plan, PythonEnv, Service, SshTarget
+from tilepd.plan.model import HOST_ROLES, STAGES, Health, HostPlan, Plan, PythonEnv, SecretFile, Service, SshTarget
 from tilepd.plan.service_configs import (
     ConnectorExtraConfig,
     DecodeEndpoint,
@@ -33,6 +33,10 @@ from tilepd.topology.schema import DecodeNode, HostBase, Topology
 RDMA_TRANSPORTS = frozenset({"nixl", "mooncake"})
 HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0}
 
+
+
+# the operator's variable that, when set, names the deployment secret `tilepd up` places (else kept or generated)
+DEPLOYMENT_SECRET_ENV = "TILEPD_DEPLOYMENT_SECRET"
 
 
 def sha256_json(value: Any) -> str:
@@ -60,6 +64,7 @@ class _Planner:
         self.roles: dict[str, list[str]] = defaultdict(list)
         self.entries: dict[str, list[HostBase]] = defaultdict(list)
         self.envs: dict[str, dict[str, PythonEnv]] = defaultdict(dict)
+        self.secrets: dict[str, dict[str, SecretFile]] = defaultdict(dict)
 
     # --- helpers -------------------------------------------------------------
 
@@ -151,6 +156,12 @@ class _Planner:
             )
         )
 
+    def secret(self, entry: HostBase, name: str, source_env: str) -> str:
+        """Where `name` lives on this entry's host (the deploy step writes it there, 0600)."""
+        path = f"{self.base_of(entry)}/secrets/{name.replace('_', '-')}"
+        self.secrets[entry.address][path] = SecretFile(name=name, path=path, source_env=source_env)  # type: ignore[arg-type]
+        return path
+
     def note_host(self, entry: HostBase, role: str, vllm: bool = False) -> None:
         self.entries[entry.address].append(entry)
         if role not in self.roles[entry.address]:
@@ -176,6 +187,8 @@ class _Planner:
         py = self.python(node)
         convert_argv = [py, "-m", "tilepd", "convert-weights", "--model-dir", m.hf_path, "--out", m.weights_path, "--family", self.family,
                         "--tp", str(m.tensor_parallel.decode)]  # per-rank shards for a TP decode node
+        if not cpu:  # GPU nodes run the topology's weights dtype (rule memory-fit sizes them); cpu nodes fp32
+            convert_argv += ["--dtype", m.weights_dtype]
         self.add(node.address, node, name=f"convert-{node.name}", role="convert", argv=convert_argv, env={"PYTHONUNBUFFERED": "1"}, creates=m.weights_path)
         cfg = DecodeServerConfig(
             name=node.name,
@@ -196,6 +209,7 @@ class _Planner:
             kv_timeout_s=node.kv_timeout_s,
             cuda_graphs=node.cuda_graphs and not cpu,
             allowed_senders=tuple(sorted({p.address for p in self.topo.prefill})),
+            secret_file=self.secret(node, "deployment", DEPLOYMENT_SECRET_ENV),
         )
         name = f"decode-{node.name}"
         config_file = f"{self.base_of(node)}/config/{name}.json"
@@ -293,8 +307,10 @@ class _Planner:
             ),
             queue_timeout_s=r.queue_timeout_s,
             request_timeout_s=r.request_timeout_s,
-            api_key_env=r.api_key.env if r.api_key else None,
-            api_key_file=r.api_key.file if r.api_key else None,
+            # a key from the operator's environment is written to a file on the router host at `up` (never into the
+            # router's own environment, where `ps e` and /proc/PID/environ would show it)
+            api_key_file=(self.secret(r, "router_api_key", r.api_key.env) if r.api_key.env else r.api_key.file) if r.api_key else None,
+            secret_file=self.secret(r, "deployment", DEPLOYMENT_SECRET_ENV),
         )
         config_file = f"{self.base_of(r)}/config/router.json"
         self.add(
@@ -326,6 +342,7 @@ class _Planner:
                     roles=roles,  # type: ignore[arg-type]
                     environments=list(self.envs[address].values()),
                     services=services,
+                    secrets=list(self.secrets[address].values()),
                 )
             )
         return out

@@ -63,6 +63,19 @@ class Service(_Data):
     config_hash: str
 
 
+class SecretFile(_Data):
+    """A secret the deploy step writes on a host (mode 0600) at run time; its value is never in the plan.
+
+    `deployment`: the deployment secret (tilepd.auth) — the hosts' existing one is kept, else
+    `$TILEPD_DEPLOYMENT_SECRET` or a fresh one; `router_api_key`: the router's API key, read from the
+    operator's environment variable `source_env` when `tilepd up` runs.
+    """
+
+    name: Literal["deployment", "router_api_key"]
+    path: str
+    source_env: str
+
+
 class HostPlan(_Data):
     name: str
     address: str
@@ -72,6 +85,7 @@ class HostPlan(_Data):
     roles: list[HostRole]
     environments: list[PythonEnv]
     services: list[Service]
+    secrets: list[SecretFile] = []
 
 
 class Plan(_Data):

@@ -60,6 +60,9 @@ def unit_text(plan: Plan, service: Service, env_file: str) -> str:
     ]
     if not oneshot:
         svc += ["Restart=on-failure", "RestartSec=5"]
+    # stop, restart and a crash end every process of the unit's cgroup, also children whose parent died
+    # (vLLM's EngineCore and workers would otherwise keep their ports and block the next start)
+    svc.append("KillMode=control-group")
     svc.append("LimitNOFILE=1048576")
     if plan.rdma:
         svc.append("LimitMEMLOCK=infinity")  # RDMA registers (pins) the KV buffers

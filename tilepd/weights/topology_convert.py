@@ -32,7 +32,7 @@ def jobs_from_topology(path: Path) -> list[ConvertJob]:
     family = canonical_family(m.family) or m.family
     by_key: dict[tuple[str, str, int], list[str]] = {}
     for node in topo.decode:
-        dtype = "fp32" if node.gpu.type.lower() == "cpu" else "bf16"
+        dtype = "fp32" if node.gpu.type.lower() == "cpu" else m.weights_dtype
         by_key.setdefault((m.weights_path, dtype, m.tensor_parallel.decode), []).append(node.name)
     return [
         ConvertJob(tuple(nodes), Path(m.hf_path), Path(wp), family, dtype, tp, m.generate_tiny)
