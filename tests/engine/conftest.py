@@ -40,3 +40,45 @@ def deepseek_ref(tiny_deepseek: Path) -> Reference:
 def _one_torch_thread():
     with one_torch_thread():
         yield
+
+
+# DSA (sparse attention) tiny models and their HF references: a prompt shorter than index_topk (16) and one
+# 5x longer (80 tokens), random ids so every position is a real token.
+DSA_STEPS = 24
+DSA_PROMPTS = {"short": 10, "long": 80}
+
+
+def dsa_prompt(kind: str) -> list[int]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(5, 500, (DSA_PROMPTS[kind],), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_glm5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tilepd.dev.tiny_model import make_tiny_model
+
+    return make_tiny_model("glm5", tmp_path_factory.mktemp("tiny-glm5"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dsv32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tilepd.dev.tiny_model import make_tiny_model
+
+    return make_tiny_model("dsv32", tmp_path_factory.mktemp("tiny-dsv32"))
+
+
+_DSA_REFS: dict[tuple[str, str], Reference] = {}
+
+
+@pytest.fixture(scope="session")
+def dsa_ref(request: pytest.FixtureRequest):
+    """dsa_ref(model, prompt) -> HF greedy reference of tiny model "glm5"/"dsv32" on the "short"/"long" prompt (cached)."""
+
+    def get(model: str, kind: str) -> Reference:
+        if (model, kind) not in _DSA_REFS:
+            path = request.getfixturevalue(f"tiny_{model}")
+            with one_torch_thread():
+                _DSA_REFS[(model, kind)] = hf_reference(path, model, DSA_STEPS, prompt_ids=dsa_prompt(kind))
+        return _DSA_REFS[(model, kind)]
+
+    return get

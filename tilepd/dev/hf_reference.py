@@ -13,9 +13,11 @@ so a decode node receives quantised keys. To compare against "HF with the same q
 
     ref = hf_reference(model_dir, "glm5", 32, prompt_ids=ids, indexer_transform=vllm_indexer_fp8_round_trip)
 
-runs transformers' prefill AND its greedy continuation with every indexer key passed through the
-transform as transformers caches it (in its own layout, [batch, tokens, index_head_dim]); the returned
-state holds the transformed keys. `indexer_key_transform(fn)` is the same as a context manager.
+runs transformers' prefill and its greedy continuation with the PROMPT's indexer keys passed through the
+transform as transformers caches them (in its own layout, [batch, tokens, index_head_dim]) - what the
+prefill hands over - while keys of generated tokens stay as computed, as the decode engine computes and
+keeps them. The returned state holds the transformed keys. `indexer_key_transform(fn, first_n)` is the
+same as a context manager.
 """
 
 from __future__ import annotations
@@ -63,20 +65,34 @@ def vllm_indexer_fp8_round_trip(k: torch.Tensor, block: int = 128) -> torch.Tens
     return (q.float() * scale).reshape(shape).to(k.dtype)
 
 
+def _transform_first(fn: KeyTransform, k: torch.Tensor, start: int, first_n: int | None) -> torch.Tensor:
+    """fn applied to the rows of k [B, S, D] whose positions (start + row) are below first_n (all when None)."""
+    n = k.shape[1] if first_n is None else max(0, min(k.shape[1], first_n - start))
+    if n == 0:
+        return k
+    return torch.cat([fn(k[:, :n]), k[:, n:]], dim=1) if n < k.shape[1] else fn(k)
+
+
 @contextmanager
-def indexer_key_transform(fn: KeyTransform | None) -> Iterator[None]:
-    """While active, transformers caches fn(keys) instead of the DSA indexer keys it computed (and scores with them)."""
+def indexer_key_transform(fn: KeyTransform | None, first_n: int | None = None) -> Iterator[None]:
+    """While active, transformers caches fn(keys) instead of the DSA indexer keys it computed (and scores with
+    them), for positions below first_n (every position when None)."""
     if fn is None:
         yield
         return
     from transformers import cache_utils
 
-    classes = [c for c in (getattr(cache_utils, "DynamicIndexedLayer", None), getattr(cache_utils, "StaticIndexedLayer", None)) if c]
+    # generate() and a plain forward use the dynamic cache; its length before the update is the new keys' first position.
+    classes = [c for c in (getattr(cache_utils, "DynamicIndexedLayer", None),) if c]
     if not classes:
-        raise RuntimeError("this transformers has no indexed (DSA) cache layers; cannot transform indexer keys")
+        raise RuntimeError("this transformers has no DynamicIndexedLayer (DSA cache); cannot transform indexer keys")
     saved = {c: c.__dict__["update_indexer"] for c in classes}
     for c, orig in saved.items():
-        c.update_indexer = (lambda orig: lambda self, k, *a, **kw: orig(self, fn(k), *a, **kw))(orig)
+        def patched(self, k: torch.Tensor, *a, _orig=orig, **kw) -> torch.Tensor:
+            start = self.indexer_keys.shape[1] if getattr(self, "is_indexer_initialized", False) else 0
+            return _orig(self, _transform_first(fn, k, start, first_n), *a, **kw)
+
+        c.update_indexer = patched
     try:
         yield
     finally:
@@ -123,7 +139,7 @@ def hf_reference(model_dir: Path, family: str, new_tokens: int, prompt: str = PR
     dsa = getattr(cfg, "index_topk", None) is not None
     if indexer_transform is not None and not dsa:
         raise ValueError(f"{model_dir}: indexer_transform given but {cfg.model_type} has no sparse-attention indexer")
-    with torch.no_grad(), indexer_key_transform(indexer_transform):
+    with torch.no_grad(), indexer_key_transform(indexer_transform, first_n=ids.shape[1]):
         pre = model(ids, use_cache=True)
         state = native_state(pre.past_key_values, family, ids.shape[1], rope_interleave=getattr(cfg, "rope_interleave", True),
                              indexer_rope_dim=getattr(cfg, "qk_rope_head_dim", 0),
