@@ -131,7 +131,7 @@ def _eos_ids(cfg: dict[str, Any], generation: dict[str, Any] | None) -> tuple[in
 
 
 def _refuse(key: str, value: Any, why: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"config.json: {key}={value!r}: {why}")
+    return UnsupportedModelError(f"config {key}={value!r}: {why}")
 
 
 def _check_common(cfg: dict[str, Any], family: str) -> None:
