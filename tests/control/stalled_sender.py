@@ -14,10 +14,11 @@ import sys
 import time
 
 from tilepd.control.framing import recv_frame, send_frame
+from tilepd.control.messages import PROTOCOL_VERSION
 
 host, port, layout_json, transfer_id, token, seq_len, num_blocks = sys.argv[1:8]
 ctrl = socket.create_connection((host, int(port)))
-send_frame(ctrl, {"type": "hello", "protocol": 1, "layout": json.loads(layout_json), "transport": {"name": "tcp", "metadata": {}},
+send_frame(ctrl, {"type": "hello", "protocol": PROTOCOL_VERSION, "layout": json.loads(layout_json), "transport": {"name": "tcp", "metadata": {}},
                   "max_seq_len": int(seq_len), "sender_rank": 0, "tp_size": 1})
 ok = recv_frame(ctrl)
 assert ok["type"] == "hello_ok", ok

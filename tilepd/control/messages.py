@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from tilepd.control.layout import CacheLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# The oldest tilepd release that speaks PROTOCOL_VERSION (named in "upgrade ..." messages).
+MIN_TILEPD_FOR_PROTOCOL = "0.1.0"
 
 
 class ErrorCode(str, Enum):
@@ -28,6 +30,7 @@ class ErrorCode(str, Enum):
     NOT_ALLOWED = "not_allowed"  # sender address not in the decode node's allowed_senders
     MALFORMED = "malformed"  # frame or message did not parse
     NOT_READY = "not_ready"  # admit before a successful hello
+    KV_CHECKSUM_MISMATCH = "kv_checksum_mismatch"  # the bytes that landed are not the bytes the sender staged
 
 
 RETRYABLE = frozenset({ErrorCode.BUSY})
@@ -65,6 +68,7 @@ class Hello(_Msg):
 class Region(_Msg):
     """One layer's region in the receive buffer, as offsets from the buffer start."""
 
+    segment: Literal["kv", "indexer"] = "kv"
     layer: int
     offset: int
     length: int
@@ -94,12 +98,19 @@ class Admit(_Msg):
     sender_rank: int = Field(default=0, ge=0)
 
 
-class Dst(_Msg):
-    """Where the sender writes: layer l, block i lands at base + l*region_stride + i*block_bytes."""
+class SegmentDst(_Msg):
+    """Where one segment lands: its j-th layer's block i at base + j*region_stride + i*block_bytes."""
 
-    base: int  # offset of layer 0's region in the receiver's registered buffer
+    base: int
     region_stride: int
     block_bytes: int
+
+
+class Dst(SegmentDst):
+    """Where the sender writes: layer l, block i lands at base + l*region_stride + i*block_bytes;
+    a DSA layout's indexer layer j (its j-th entry of `layout.indexer.layers`) lands per `indexer`."""
+
+    indexer: SegmentDst | None = None
 
 
 class Accept(_Msg):
@@ -117,13 +128,21 @@ class Reject(_Msg):
     message: str
 
 
+CHECKSUM_ALGORITHM = "xxh3_64"
+
+
 class Done(_Msg):
+    """`checksums`: one xxh3_64 (16 hex digits) per region the sender wrote, in `CacheLayout.regions` order,
+    computed over the bytes it staged; the decode node verifies them before the transfer counts as complete."""
+
     type: Literal["done"] = "done"
     transfer_id: str
     generation: int
     bytes: int = Field(ge=0)
     ok: bool
     error: str | None = None
+    checksum: Literal["xxh3_64"] = CHECKSUM_ALGORITHM
+    checksums: list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]] = Field(default_factory=list, max_length=4096)
 
 
 class Ack(_Msg):
@@ -150,5 +169,7 @@ def parse_message(obj: dict[str, Any]) -> Any:
         raise ProtocolError(ErrorCode.MALFORMED, f"bad {obj.get('type', 'message')!r} frame at {where or '<root>'}: {first['msg']}") from exc
 
 
-def dump(msg: BaseModel) -> dict[str, Any]:
-    return msg.model_dump(mode="json")
+def dump(msg: BaseModel, *, exclude_none: bool = False) -> dict[str, Any]:
+    """`exclude_none` leaves out unset optional fields: a v2 `hello` without an indexer segment then has exactly
+    v1's keys, so a v1 decode node can read it and answer with its own version_mismatch message."""
+    return msg.model_dump(mode="json", exclude_none=exclude_none)

@@ -38,11 +38,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
+import numpy as np
+import torch
+import xxhash
+
 from tilepd import __version__
+from tilepd.control.checksum import region_digests
 from tilepd.control.compat import check_hello_ok
-from tilepd.control.framing import FrameError, recv_frame, send_frame
+from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import (
+    MIN_TILEPD_FOR_PROTOCOL,
     PROTOCOL_VERSION,
     Accept,
     Ack,
@@ -133,6 +139,7 @@ class KVSender:
             raise ValueError(f"transport {self.transport.name!r} given but config names {extra_config.transport.name!r}")
         self.transport.register(staging)
         self.staging = staging
+        self._staging_bytes = _host_bytes(staging)
         self._allowed = {(e.host, e.ctrl_port) for e in extra_config.decode_allowlist}
         self._channels: dict[tuple[str, int], _Channel] = {}
         self._channels_lock = threading.Lock()
@@ -173,8 +180,10 @@ class KVSender:
                 return self._fail(res, ErrorCode.TOO_LONG.value, f"seq_len {seq_len} exceeds max_seq_len {self.config.max_seq_len}", t0)
             if num_blocks != self.layout.blocks_for(seq_len):
                 return self._fail(res, "bad_request", f"num_blocks {num_blocks} != ceil({seq_len}/{self.layout.block_size})", t0)
-            if len(src) != self.layout.num_layers:
-                return self._fail(res, "bad_request", f"{len(src)} source regions given for {self.layout.num_layers} layers", t0)
+            n_regions = self.layout.num_layers + (len(self.layout.indexer.layers) if self.layout.indexer else 0)
+            if len(src) != n_regions:
+                return self._fail(res, "bad_request", f"{len(src)} source regions given for {n_regions} regions "
+                                  f"({self.layout.num_layers} layers{' + indexer layers' if self.layout.indexer else ''})", t0)
             with self._endpoint_lock(key):
                 return self._send_locked(key, res, transfer_id, token, seq_len, num_blocks, src, t0)
         except ProtocolError as exc:
@@ -223,8 +232,15 @@ class KVSender:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.settimeout(REPLY_TIMEOUT_S)
-            send_frame(sock, dump(self.hello_message()))
-            reply = parse_message(recv_frame(sock))
+            send_frame(sock, dump(self.hello_message(), exclude_none=True))
+            try:
+                reply = parse_message(recv_frame(sock))
+            except PeerClosed as exc:
+                raise PeerClosed(
+                    f"the decode node closed the connection without answering hello ({exc}); if it runs a tilepd older "
+                    f"than {MIN_TILEPD_FOR_PROTOCOL} (control protocol < {PROTOCOL_VERSION}) it cannot read this hello "
+                    f"(layout {self.layout.layout_id}): upgrade the decode node to tilepd >= {MIN_TILEPD_FOR_PROTOCOL}"
+                ) from exc
             if isinstance(reply, Error):
                 raise ProtocolError(reply.code, reply.message)
             if not isinstance(reply, HelloOk):
@@ -241,20 +257,46 @@ class KVSender:
         log.info("event=hello_ok peer=%s:%d node=%s layout=%s transport=%s", key[0], key[1], reply.node, self.layout.layout_id, self.transport.name)
         return ch
 
-    def _segments(self, accept: Accept, num_blocks: int, src: Sequence[SourceSpec]) -> list[Segment]:
-        bb = self.layout.block_bytes
-        if accept.dst.block_bytes != bb:
-            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"decode node expects {accept.dst.block_bytes}-byte blocks, this layout has {bb}")
+    def _region_plan(self, accept: Accept, seq_len: int) -> list[tuple[str, int, int, int, int]]:
+        """(segment, layer, dst offset, num_blocks, block_bytes) per region, in `CacheLayout.regions` order."""
+        lay, dst = self.layout, accept.dst
+        if dst.block_bytes != lay.block_bytes:
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"decode node expects {dst.block_bytes}-byte blocks, this layout has {lay.block_bytes}")
+        nb = lay.blocks_for(seq_len)
+        plan = [("kv", l, dst.base + l * dst.region_stride, nb, lay.block_bytes) for l in range(lay.num_layers)]
+        if lay.indexer is not None:
+            ix, idst = lay.indexer, dst.indexer
+            if idst is None or idst.block_bytes != ix.block_bytes:
+                raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"decode node gave no indexer region with {ix.block_bytes}-byte blocks "
+                                    f"(got {idst}); this layout ships indexer keys ({lay.layout_id})")
+            plan += [("indexer", l, idst.base + j * idst.region_stride, ix.blocks_for(seq_len), ix.block_bytes)
+                     for j, l in enumerate(ix.layers)]
+        return plan
+
+    def _segments(self, plan: list[tuple[str, int, int, int, int]], src: Sequence[SourceSpec]) -> list[Segment]:
         segs: list[Segment] = []
-        for layer, spec in enumerate(src):
-            dst0 = accept.dst.base + layer * accept.dst.region_stride
+        for (seg, layer, dst0, nb, bb), spec in zip(plan, src):
             if isinstance(spec, int):
-                segs.append(Segment(spec, dst0, num_blocks * bb))
+                segs.append(Segment(spec, dst0, nb * bb))
             else:
-                if len(spec) != num_blocks:
-                    raise ProtocolError(ErrorCode.MALFORMED, f"layer {layer}: {len(spec)} block offsets for {num_blocks} blocks")
+                if len(spec) != nb:
+                    raise ProtocolError(ErrorCode.MALFORMED, f"{seg} layer {layer}: {len(spec)} block offsets for {nb} blocks")
                 segs.extend(Segment(int(off), dst0 + i * bb, bb) for i, off in enumerate(spec))
         return segs
+
+    def _digests(self, plan: list[tuple[str, int, int, int, int]], src: Sequence[SourceSpec]) -> list[str]:
+        """xxh3_64 of each region's bytes as staged, in region order (what the decode node must find)."""
+        whole = [(spec, nb * bb) for (_, _, _, nb, bb), spec in zip(plan, src) if isinstance(spec, int)]
+        if len(whole) == len(plan):
+            return region_digests(self._staging_bytes, whole)
+        out = []
+        for (_, _, _, nb, bb), spec in zip(plan, src):
+            h = xxhash.xxh3_64()
+            for off in ([spec] if isinstance(spec, int) else spec):
+                n = nb * bb if isinstance(spec, int) else bb
+                h.update(self._staging_bytes[int(off):int(off) + n].numpy())
+            out.append(f"{h.intdigest():016x}")
+        return out
 
     def _wait_wire(self, ch: _Channel, handle: WriteHandle, transfer_id: str) -> int:
         """Wait for the write; abort it at once if the decode node closes our control connection (it revoked
@@ -316,10 +358,15 @@ class KVSender:
         t_wire = time.perf_counter()
         error: str | None = None
         nbytes = 0
+        digests: list[str] = []
         try:
-            segs = self._segments(reply, num_blocks, src)
+            plan = self._region_plan(reply, seq_len)
+            segs = self._segments(plan, src)
             # the write's name carries the rank: a receiver tells the ranks' writes of one transfer apart
             handle = self.transport.write(ch.peer, segs, generation=accept_gen, transfer_id=f"{transfer_id}/{self.sender_rank}")
+            t_sum = time.perf_counter()
+            digests = self._digests(plan, src)  # while the write is in flight (the staged bytes do not change)
+            res.timings["checksum_ms"] = (time.perf_counter() - t_sum) * 1e3
             nbytes = self._wait_wire(ch, handle, transfer_id)
         except _Revoked as exc:
             res.timings["wire_ms"] = (time.perf_counter() - t_wire) * 1e3
@@ -330,7 +377,8 @@ class KVSender:
         res.timings["wire_ms"] = (time.perf_counter() - t_wire) * 1e3
 
         t_done = time.perf_counter()
-        ack = ch.call(dump(Done(transfer_id=transfer_id, generation=accept_gen, bytes=nbytes, ok=error is None, error=error)))
+        ack = ch.call(dump(Done(transfer_id=transfer_id, generation=accept_gen, bytes=nbytes, ok=error is None, error=error,
+                                checksums=digests if error is None else [])))
         res.timings["done_ms"] = (time.perf_counter() - t_done) * 1e3
         if isinstance(ack, Error):
             self._drop(key)
@@ -341,10 +389,21 @@ class KVSender:
         if error is not None:
             return self._fail(res, "transport", error, t0)
         if not ack.ok:
-            return self._fail(res, ErrorCode.UNKNOWN_TRANSFER.value, ack.message or "decode node did not take the transfer", t0)
+            code = ErrorCode.KV_CHECKSUM_MISMATCH if ack.message.startswith(ErrorCode.KV_CHECKSUM_MISMATCH.value) else ErrorCode.UNKNOWN_TRANSFER
+            return self._fail(res, code.value, ack.message or "decode node did not take the transfer", t0)
         res.ok, res.bytes = True, nbytes
         res.timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         wire_s = res.timings["wire_ms"] / 1e3
         log.info("event=sent transfer_id=%s peer=%s:%d bytes=%d wire_ms=%.2f gbps=%.2f", transfer_id, key[0], key[1], nbytes,
                  res.timings["wire_ms"], nbytes / wire_s / 1e9 if wire_s > 0 else 0.0)
         return res
+
+
+def _host_bytes(buf: Buffer) -> torch.Tensor:
+    """The staging buffer's bytes as a flat uint8 tensor (what the checksums read)."""
+    owner = buf.owner
+    if isinstance(owner, torch.Tensor) and owner.is_contiguous():
+        return owner.reshape(-1).view(torch.uint8)
+    if isinstance(owner, np.ndarray) and owner.flags["C_CONTIGUOUS"]:
+        return torch.from_numpy(owner.reshape(-1).view(np.uint8))
+    return torch.frombuffer(buf.memoryview(), dtype=torch.uint8)

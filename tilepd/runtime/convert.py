@@ -4,14 +4,17 @@ The prefill side ships blocks as vLLM holds them; this is the one place the deco
 node reorders them: per layer, view the region as [blocks, H, bs, C] (BHNC) or
 [blocks, bs, H, C] (BNHC), make it token-major [seq_len, H, C], and cast to the
 engine's cache dtype. fp8_ds_mla tokens (512 fp8 + 4 fp32 scales + 64 bf16 rope)
-are dequantised here.
+are dequantised here, and so are a DSA model's indexer keys (fp8 values + one fp32
+scale per 128): the engine's indexer reads dequantised keys, so its top-k sees
+exactly the values vLLM's prefill indexer scored (tests compare against HF run with
+the same fp8-round-tripped keys).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tilepd.control.layout import CacheLayout
+from tilepd.control.layout import INDEXER_QUANT_GROUP, CacheLayout, IndexerLayout
 
 WIRE_TORCH_DTYPE: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -95,3 +98,36 @@ def to_wire(layers: list[torch.Tensor], layout: CacheLayout) -> bytes:
             blocks = blocks.permute(0, 2, 1, 3)
         out.append(blocks.contiguous().view(torch.uint8).numpy().tobytes())
     return b"".join(out)
+
+
+def dequant_indexer_blocks(raw: torch.Tensor, ix: IndexerLayout, seq_len: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """One layer's indexer blocks (uint8, `blocks_for(seq_len) * block_bytes`) -> [seq_len, head_dim] keys.
+
+    Block interior as vLLM's `indexer_k_quant_and_cache` writes it (CUDA, non-shuffled; the Triton reference
+    vllm/v1/attention/ops/rocm_aiter_mla_sparse.py:176-214 with block_size 1 spells it out): `block_size`
+    tokens x head_dim fp8 e4m3 values, then `block_size` x head_dim/128 fp32 scales; key = fp8 * scale.
+    """
+    nb, bs, d = ix.blocks_for(seq_len), ix.block_size, ix.head_dim
+    g = d // INDEXER_QUANT_GROUP
+    blocks = raw.view(nb, ix.block_bytes)
+    vals = blocks[:, : bs * d].contiguous().view(torch.float8_e4m3fn).view(nb, bs, g, INDEXER_QUANT_GROUP).to(torch.float32)
+    scales = blocks[:, bs * d:].contiguous().view(torch.float32).view(nb, bs, g, 1)
+    return (vals * scales).view(nb * bs, d)[:seq_len].to(out_dtype)
+
+
+def convert_indexer(buf: torch.Tensor, layout: CacheLayout, max_seq_len: int, seq_len: int, out_dtype: torch.dtype,
+                    device: torch.device | str | None = None) -> list[torch.Tensor | None] | None:
+    """A DSA transfer's indexer keys per layout layer ([seq_len, head_dim], None for a layer without an indexer
+    cache: GLM's "shared" layers reuse the previous layer's top-k); None when the layout has no indexer."""
+    ix = layout.indexer
+    if ix is None:
+        return None
+    base, stride, n = layout.indexer_base(max_seq_len), ix.region_stride(max_seq_len), ix.blocks_for(seq_len) * ix.block_bytes
+    out: list[torch.Tensor | None] = [None] * layout.num_layers
+    for j, l in enumerate(ix.layers):
+        raw = buf[base + j * stride: base + j * stride + n]
+        if device is not None:
+            raw = raw.to(device, non_blocking=True)
+        out[l] = dequant_indexer_blocks(raw, ix, seq_len, out_dtype)
+    return out
+

@@ -14,7 +14,10 @@ import socket
 import threading
 from typing import Callable, Sequence
 
-from tilepd.control.compat import check_hello
+import torch
+
+from tilepd.control.checksum import first_mismatch, region_digests
+from tilepd.control.compat import check_hello, check_raw_hello
 from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame, stop_listener
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import (
@@ -32,6 +35,7 @@ from tilepd.control.messages import (
     ProtocolError,
     Region,
     Reject,
+    SegmentDst,
     TransportInfo,
     dump,
     parse_message,
@@ -57,12 +61,16 @@ class ControlServer:
         bind_host: str = "127.0.0.1",
         port: int = 0,
         allowed_senders: Sequence[str] = (),
+        recv_bytes: torch.Tensor | None = None,
     ):
         self.slot, self.receiver = slot, receiver
         self.max_seq_len = max_seq_len
         self.check_layout = check_layout
         self.node_name = node_name
         self.allowed = set(allowed_senders)
+        # the receive buffer as flat uint8: each rank's checksums are verified over it at its `done`
+        self.recv_bytes = recv_bytes
+        self.checksum_failures = 0
         self._listener = socket.create_server((bind_host, port), backlog=64)
         self.port: int = self._listener.getsockname()[1]
         self._ids = itertools.count(1)
@@ -129,10 +137,22 @@ class ControlServer:
             sock.settimeout(IDLE_TIMEOUT_S)
             while True:
                 try:
-                    msg = parse_message(recv_frame(sock))
+                    raw = recv_frame(sock)
                 except PeerClosed:
                     return
-                except (FrameError, ProtocolError) as exc:
+                except FrameError as exc:
+                    self.frames_rejected += 1
+                    log.warning("event=bad_frame peer=%s conn=%d reason=%s", peer, conn_id, exc)
+                    return
+                try:
+                    check_raw_hello(raw)  # another protocol version: answer with what to upgrade, then close
+                except ProtocolError as exc:
+                    log.warning("event=hello_refused peer=%s conn=%d code=%s message=%s", peer, conn_id, exc.code.value, exc.message)
+                    send_frame(sock, dump(Error(code=exc.code, message=exc.message)))
+                    return
+                try:
+                    msg = parse_message(raw)
+                except ProtocolError as exc:
                     self.frames_rejected += 1
                     log.warning("event=bad_frame peer=%s conn=%d reason=%s", peer, conn_id, exc)
                     return
@@ -177,9 +197,13 @@ class ControlServer:
         except ProtocolError as exc:
             log.warning("event=hello_refused peer=%s conn=%d code=%s message=%s", peer, conn_id, exc.code.value, exc.message)
             return dump(Error(code=exc.code, message=exc.message)), None
-        stride = msg.layout.region_stride(self.max_seq_len)
-        base = msg.sender_rank * msg.layout.num_layers * stride
-        regions = [Region(layer=i, offset=base + i * stride, length=stride) for i in range(msg.layout.num_layers)]
+        lay = msg.layout
+        base = msg.sender_rank * lay.buffer_bytes(self.max_seq_len)
+        stride = lay.region_stride(self.max_seq_len)
+        regions = [Region(layer=i, offset=base + i * stride, length=stride) for i in range(lay.num_layers)]
+        if lay.indexer is not None:
+            ib, istride = base + lay.indexer_base(self.max_seq_len), lay.indexer.region_stride(self.max_seq_len)
+            regions += [Region(segment="indexer", layer=l, offset=ib + j * istride, length=istride) for j, l in enumerate(lay.indexer.layers)]
         log.info("event=hello peer=%s conn=%d rank=%d layout=%s transport=%s", peer, conn_id, msg.sender_rank,
                  msg.layout.layout_id, msg.transport.name)
         reply = HelloOk(protocol=PROTOCOL_VERSION, transport=TransportInfo(name=self.receiver.name, metadata=self.receiver.describe()),
@@ -200,9 +224,10 @@ class ControlServer:
         if msg.sender_rank != rank:
             return reject(ErrorCode.MALFORMED, f"admit says sender_rank {msg.sender_rank} but this connection's hello said {rank}")
         stride = layout.region_stride(self.max_seq_len)
-        # rank r's layer regions follow those of ranks 0..r-1; the receiver is armed up to the last region used
-        expected = tp * layout.num_layers * msg.num_blocks * layout.block_bytes
-        limit = ((tp - 1) * layout.num_layers + layout.num_layers - 1) * stride + msg.num_blocks * layout.block_bytes
+        rank_bytes = layout.buffer_bytes(self.max_seq_len)
+        # rank r's regions follow those of ranks 0..r-1; the receiver is armed up to the last region used
+        expected = tp * layout.transfer_bytes(msg.seq_len)
+        limit = (tp - 1) * rank_bytes + max(off + n for _, _, off, n in layout.regions(self.max_seq_len, msg.seq_len))
         if self.token_ok is not None and not self.token_ok(msg.transfer_id, msg.token):
             return reject(ErrorCode.BAD_TOKEN, f"token of transfer {msg.transfer_id} was not minted with this deployment's secret")
         try:
@@ -210,8 +235,13 @@ class ControlServer:
                                   arm_limit=limit, sender_rank=rank, tp_size=tp)
         except SlotError as exc:
             return reject(ErrorCode(exc.code), exc.message)
-        base = rank * layout.num_layers * stride
-        return dump(Accept(transfer_id=msg.transfer_id, generation=gen, dst=Dst(base=base, region_stride=stride, block_bytes=layout.block_bytes)))
+        base = rank * rank_bytes
+        ix = None
+        if layout.indexer is not None:
+            ix = SegmentDst(base=base + layout.indexer_base(self.max_seq_len), region_stride=layout.indexer.region_stride(self.max_seq_len),
+                            block_bytes=layout.indexer.block_bytes)
+        return dump(Accept(transfer_id=msg.transfer_id, generation=gen,
+                           dst=Dst(base=base, region_stride=stride, block_bytes=layout.block_bytes, indexer=ix)))
 
     def _done(self, msg: Done, hello: Hello, peer: str, conn_id: int) -> dict:
         cur = self.slot.current
@@ -228,6 +258,33 @@ class ControlServer:
                 ok, why = self.slot.complete(msg.transfer_id, msg.generation, False,
                                              f"rank {rank}'s {want} bytes did not land", sender_rank=rank, conn_id=conn_id)
                 return dump(Ack(transfer_id=msg.transfer_id, ok=False, message=why))
+            bad = self._verify(msg, hello, cur.seq_len)
+            if bad is not None:
+                self.checksum_failures += 1
+                log.error("event=kv_checksum_mismatch transfer_id=%s peer=%s generation=%d rank=%d %s", msg.transfer_id, peer,
+                          msg.generation, rank, bad)
+                self.slot.complete(msg.transfer_id, msg.generation, False, bad, sender_rank=rank, conn_id=conn_id,
+                                   code=ErrorCode.KV_CHECKSUM_MISMATCH.value)
+                return dump(Ack(transfer_id=msg.transfer_id, ok=False, message=bad))
         ok, why = self.slot.complete(msg.transfer_id, msg.generation, msg.ok, msg.error, sender_rank=rank, conn_id=conn_id)
         log.info("event=done transfer_id=%s peer=%s generation=%d ok=%s accepted=%s", msg.transfer_id, peer, msg.generation, msg.ok, ok)
         return dump(Ack(transfer_id=msg.transfer_id, ok=ok, message=why))
+
+    def _verify(self, msg: Done, hello: Hello, seq_len: int) -> str | None:
+        """None when every region that landed hashes to the sender's digest; else the typed failure message."""
+        if self.recv_bytes is None:
+            return None
+        lay = hello.layout
+        base = hello.sender_rank * lay.buffer_bytes(self.max_seq_len)
+        regions = lay.regions(self.max_seq_len, seq_len)
+        if len(msg.checksums) != len(regions):
+            return (f"{ErrorCode.KV_CHECKSUM_MISMATCH.value}: rank {hello.sender_rank} sent {len(msg.checksums)} checksums for "
+                    f"{len(regions)} regions; nothing is decoded from unverified bytes")
+        got = region_digests(self.recv_bytes, [(base + off, n) for _, _, off, n in regions])
+        i = first_mismatch(msg.checksums, got)
+        if i is None:
+            return None
+        seg, layer, _, n = regions[i]
+        return (f"{ErrorCode.KV_CHECKSUM_MISMATCH.value}: rank {hello.sender_rank}'s {seg} region of layer {layer} ({n} bytes) "
+                f"hashes to {got[i]} on the decode node, the sender staged {msg.checksums[i]} ({ErrorCode.KV_CHECKSUM_MISMATCH.value}); "
+                "the request fails instead of decoding from a damaged cache")

@@ -42,7 +42,8 @@ SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 
 
 MUTATING_PATHS = frozenset({"/v1/decode", "/v1/cancel"})
 
-SLOT_STATUS = {"busy": 429, "bad_token": 409, "duplicate": 409, "kv_timeout": 504, "cancelled": 499, "transfer_failed": 502}
+SLOT_STATUS = {"busy": 429, "bad_token": 409, "duplicate": 409, "kv_timeout": 504, "cancelled": 499, "transfer_failed": 502,
+               "kv_checksum_mismatch": 502}  # the KV that landed is not what the prefill staged: never decoded
 
 
 class DecodeBody(BaseModel):

@@ -20,7 +20,7 @@ from tilepd import __version__
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION
 from tilepd.plan.service_configs import DecodeServerConfig
-from tilepd.runtime.convert import convert
+from tilepd.runtime.convert import convert, convert_indexer
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
 from tilepd.runtime.metrics import DecodeMetrics
@@ -81,6 +81,7 @@ class DecodeService:
         self.ctrl = ControlServer(
             slot=self.slot, receiver=self.receiver, max_seq_len=config.max_seq_len, check_layout=self._check_layout,
             node_name=config.name, bind_host=config.bind_host, port=config.ctrl_port, allowed_senders=config.allowed_senders,
+            recv_bytes=self.recv_buf,
         )
         self.metrics = DecodeMetrics(self.slot, lambda: self.ctrl.frames_rejected)
         self.worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -100,7 +101,12 @@ class DecodeService:
             if hasattr(self.engine, "warmup"):  # the engine knows what to prepare (CUDA graphs)
                 self.engine.warmup()
             layers = [torch.zeros(1, g.num_heads, g.entry_width, dtype=g.cache_dtype, device=self.device) for _ in range(g.num_layers)]
-            self.engine.inject(kv_state_cls(seq_len=1, layers=layers))
+            indexer = None
+            if g.has_indexer:
+                indexer = [torch.zeros(1, g.index_head_dim, dtype=g.cache_dtype, device=self.device) if l in g.indexer_layers else None
+                           for l in range(g.num_layers)]
+            self.engine.inject(kv_state_cls(seq_len=1, layers=layers, indexer=indexer) if indexer is not None
+                               else kv_state_cls(seq_len=1, layers=layers))
             self.engine.decode(0, tokens, sampling_cls(ignore_eos=True), lambda t: None, None)
             if hasattr(self.engine, "reset"):
                 self.engine.reset()
@@ -160,10 +166,15 @@ class DecodeService:
         t0 = time.perf_counter()
         layers = convert(self.recv_buf, transfer.layout, self.config.max_seq_len, transfer.seq_len,
                          self.geometry.cache_dtype, self.device, tp_size=transfer.tp_size)
+        # DSA: the indexer keys, dequantised (only rank 0 sends an MLA/DSA cache, so tp_size is 1 here)
+        indexer = convert_indexer(self.recv_buf, transfer.layout, self.config.max_seq_len, transfer.seq_len,
+                                  self.geometry.cache_dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        self.engine.inject(kv_state_cls(seq_len=transfer.seq_len, layers=layers))
+        state = kv_state_cls(seq_len=transfer.seq_len, layers=layers, indexer=indexer) if indexer is not None else \
+            kv_state_cls(seq_len=transfer.seq_len, layers=layers)
+        self.engine.inject(state)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()

@@ -13,8 +13,10 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 import numpy as np
+import torch
 
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import ErrorCode, ProtocolError
@@ -28,8 +30,8 @@ from tilepd.transport.registry import make_receiver
 class _AutoFreeSlot(Slot):
     """Frees itself the moment a transfer completes (before the sender's ack), so back-to-back sends never see busy."""
 
-    def complete(self, transfer_id: str, generation: int, ok: bool, error: str | None = None) -> tuple[bool, str]:
-        accepted, msg = super().complete(transfer_id, generation, ok, error)
+    def complete(self, transfer_id: str, generation: int, ok: bool, error: str | None = None, **kw: Any) -> tuple[bool, str]:
+        accepted, msg = super().complete(transfer_id, generation, ok, error, **kw)
         cur = self.current
         if accepted and cur is not None:
             self.release(cur, "sink")
@@ -50,7 +52,8 @@ def run_sink(transport: str, nbytes: int, max_seq_len: int) -> None:
         if layout.buffer_bytes(max_seq_len) * tp_size > nbytes:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"layout needs {layout.buffer_bytes(max_seq_len)} bytes, sink has {nbytes}")
 
-    srv = ControlServer(slot=slot, receiver=rx, max_seq_len=max_seq_len, check_layout=check, node_name="sink").start()
+    srv = ControlServer(slot=slot, receiver=rx, max_seq_len=max_seq_len, check_layout=check, node_name="sink",
+                        recv_bytes=torch.from_numpy(buf)).start()
     print(json.dumps({"ctrl_port": srv.port}), file=out, flush=True)
     sys.stdin.read()
     srv.close()

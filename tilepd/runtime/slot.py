@@ -63,6 +63,7 @@ class Transfer:
     admitted_at: float | None = None
     completed_at: float | None = None
     failure: str | None = None
+    failure_code: str = "transfer_failed"  # the SlotError code a failed transfer raises (kv_checksum_mismatch, ...)
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -123,7 +124,7 @@ class Slot:
         with self._cv:
             while True:
                 if self.current is not transfer:
-                    raise SlotError(transfer.failure and "transfer_failed" or "cancelled",
+                    raise SlotError(transfer.failure and transfer.failure_code or "cancelled",
                                     transfer.failure or f"transfer {transfer.transfer_id} was cancelled")
                 if transfer.cancel.is_set():
                     self._free_locked("cancelled")
@@ -210,7 +211,7 @@ class Slot:
             return gen
 
     def complete(self, transfer_id: str, generation: int, ok: bool, error: str | None = None, *,
-                 sender_rank: int = 0, conn_id: int | None = None) -> tuple[bool, str]:
+                 sender_rank: int = 0, conn_id: int | None = None, code: str = "transfer_failed") -> tuple[bool, str]:
         """A sender rank's `done`; returns (accepted, message). Stale generations are ignored.
 
         The transfer is complete once every rank that the first admit announced has said done. With
@@ -224,7 +225,8 @@ class Slot:
                          sender_rank)
                 return False, f"transfer {transfer_id} generation {generation} does not own the slot"
             if not ok:
-                self._fail_locked(f"sender rank {sender_rank} reported a failed transfer: {error or 'no reason given'}")
+                self._fail_locked(f"sender rank {sender_rank} reported a failed transfer: {error or 'no reason given'}"
+                                  if code == "transfer_failed" else (error or code), code)
                 return False, "failure recorded"
             cur.done_ranks.add(sender_rank)
             if len(cur.done_ranks) < cur.tp_size:
@@ -260,11 +262,11 @@ class Slot:
                 self._free_locked("orphaned: no decode request joined")
 
     # -- internals ----------------------------------------------------------------------
-    def _fail_locked(self, reason: str) -> None:
+    def _fail_locked(self, reason: str, code: str = "transfer_failed") -> None:
         cur = self.current
         assert cur is not None
-        cur.failure = reason
-        log.warning("event=transfer_failed transfer_id=%s generation=%s reason=%s", cur.transfer_id, cur.generation, reason)
+        cur.failure, cur.failure_code = reason, code
+        log.warning("event=transfer_failed transfer_id=%s generation=%s code=%s reason=%s", cur.transfer_id, cur.generation, code, reason)
         self._free_locked("transfer_failed")
 
     def _free_locked(self, reason: str) -> None:
