@@ -140,6 +140,8 @@ def speed(layers: int) -> bool:
         ok &= err < 1e-2
         print(f"kernel check [{n}x{k}]: max err / max |y| = {err:.2e} {'OK' if err < 1e-2 else 'TOO LARGE'}", flush=True)
 
+    _sweep(shapes, fp8, dense, x, xi)
+
     def stack(ws):
         def run():
             for wqkv, wo, w13, w2 in ws:
@@ -174,6 +176,50 @@ def speed(layers: int) -> bool:
     print(f"deepseek-v3-shaped experts w13, top-{top}: bf16 gather+einsum {ms_d:.3f} ms ({2 * sel / ms_d / 1e6:.0f} GB/s), "
           f"fp8 read in place {ms_f:.3f} ms ({sel / ms_f / 1e6:.0f} GB/s); speedup {ms_d / ms_f:.2f}x; err {err:.1e}", flush=True)
     return ok
+
+
+def _sweep(shapes, fp8, dense, x, xi) -> None:
+    """Time each Llama GEMV shape under every kernel tile config (fp8_triton.TUNE) and print bf16, the default
+    and the best, so the defaults can be set from the real device. One graph runs the shape's GEMV of every
+    layer (distinct weights, more bytes than L2 holds) and the time is divided by the layers."""
+    from tilepd.engine import fp8_triton
+
+    saved = dict(fp8_triton.TUNE)
+
+    def per_gemv(ws, xin) -> float:
+        def run():
+            for w in ws:
+                linear(xin, w)
+        return _graph_time(run, 20) / len(ws)
+
+    try:
+        for i, (n, k) in enumerate(shapes):
+            xin = x if k == x.shape[1] else xi
+            ws, wd = [layer[i] for layer in fp8], [layer[i] for layer in dense]
+            ms_bf16 = per_gemv(wd, xin)
+            default = per_gemv(ws, xin)
+            best = (default, "default")
+            for bn in (8, 16, 32, 64):
+                for bk in (128, 256, 512):
+                    for warps in (2, 4, 8):
+                        fp8_triton.TUNE.update(block_n=bn, block_k=bk, num_warps=warps)
+                        try:
+                            ms = per_gemv(ws, xin)
+                        except Exception as e:  # a config the compiler refuses (registers): skip it
+                            print(f"  [{n}x{k}] block_n={bn} block_k={bk} warps={warps}: {type(e).__name__}", flush=True)
+                            continue
+                        finally:
+                            fp8_triton.TUNE.clear()
+                            fp8_triton.TUNE.update(saved)
+                        if ms < best[0]:
+                            best = (ms, f"block_n={bn} block_k={bk} warps={warps}")
+            nbytes = ws[0].nbytes()
+            print(f"GEMV [{n}x{k}]: bf16 {ms_bf16 * 1e3:7.1f} us ({2 * n * k / ms_bf16 / 1e6:6.0f} GB/s); "
+                  f"fp8 default {default * 1e3:7.1f} us ({nbytes / default / 1e6:6.0f} GB/s); "
+                  f"best {best[0] * 1e3:7.1f} us ({nbytes / best[0] / 1e6:6.0f} GB/s) with {best[1]}", flush=True)
+    finally:
+        fp8_triton.TUNE.clear()
+        fp8_triton.TUNE.update(saved)
 
 
 def _quantize_stacked(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

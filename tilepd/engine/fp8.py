@@ -118,8 +118,7 @@ def kernel_available() -> bool:
 def _use_kernel(x: torch.Tensor, w: BlockFp8, rows: int) -> bool:
     if not x.is_cuda or rows > GEMV_MAX_ROWS:
         return False
-    bk = w.block[1]
-    return kernel_available() and bk >= 16 and bk & (bk - 1) == 0
+    return kernel_available()
 
 
 def fp8_linear(x: torch.Tensor, w: BlockFp8, bias: torch.Tensor | None = None) -> torch.Tensor:

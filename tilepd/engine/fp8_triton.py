@@ -1,8 +1,10 @@
 """Triton GEMV for block-scaled fp8 weights at decode batch sizes (a few activation rows).
 
 One program computes BLOCK_N outputs of one activation row: it streams the fp8 rows of its tile once,
-converts to float32, multiplies by the activation chunk and by the tile's block scale (one load per row
-and K-chunk; BLOCK_K divides block_k, so a chunk never straddles two scales), and accumulates in float32.
+converts to float32, multiplies by the activation chunk and the block scales, and accumulates a
+[BLOCK_N, BLOCK_K] float32 tile that is reduced once at the end (no cross-thread reduction per chunk).
+When the tile's rows lie in one row block (128x128 scales, BLOCK_N dividing 128) the scales are one
+vector per K chunk, folded into the activations; per-row scales (block_n 1) are gathered per element.
 Activation rows are the fast grid axis, so the programs that share a weight tile run side by side and
 the second read comes from L2. With `ids`, row r reads expert ids[r]'s weight and scales in place (MoE:
 no gathered copy of the selected experts).
@@ -30,18 +32,12 @@ def available() -> bool:
     return triton is not None
 
 
-def block_ok(block: tuple[int, int]) -> bool:
-    """The kernel needs block_k to be a power of two >= 16 (its K chunk divides it); any block_n works."""
-    bk = block[1]
-    return bk >= 16 and bk & (bk - 1) == 0
-
-
 if triton is not None:
 
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, IDS, BIAS, Y, N, K, s_xr, s_we, s_wn, s_se, s_sn, s_yr,
                          BN: tl.constexpr, BK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,18 +49,36 @@ if triton is not None:
             w_base = W + e * s_we
             s_base = S + e * s_se
         w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
-        s_rows = s_base + (rows // BN) * s_sn
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < K
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
             x = tl.load(X + r * s_xr + cols, mask=cmask, other=0.0).to(tl.float32)
-            s = tl.load(s_rows + k0 // BK, mask=rmask, other=0.0)
-            acc += tl.sum(w * x[None, :], axis=1) * s
+            if ROW_UNIFORM:  # the tile's rows share one row block: fold the scales into x
+                s = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
+                acc += w * (x * s)[None, :]
+            else:  # per-row block scales (fused parts off block boundaries)
+                s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+                acc += w * s * x[None, :]
+        out = tl.sum(acc, axis=1)
         if HAS_BIAS:
-            acc += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(Y + r * s_yr + rows, acc.to(Y.dtype.element_ty), mask=rmask)
+            out += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(Y + r * s_yr + rows, out.to(Y.dtype.element_ty), mask=rmask)
+
+
+# Tile config: (BLOCK_N, BLOCK_K, num_warps). BLOCK_N is picked per call for enough programs to fill the
+# GPU (~4 per SM); TUNE lets bench/fp8_gpu_parity.py sweep the others on the real device.
+TUNE: dict[str, int] = {"block_k": 256, "num_warps": 4, "programs": 4 * 132, "block_n": 0}
+
+
+def _block_n(n: int, rows: int) -> int:
+    if TUNE["block_n"]:
+        return TUNE["block_n"]
+    for b in (64, 32, 16):
+        if triton.cdiv(n, b) * rows >= TUNE["programs"]:
+            return b
+    return 8
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,
@@ -72,21 +86,20 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
     """x [R, K]; weight [N, K] (or [E, N, K] with ids [R]); scale [(E,) nb_n, nb_k] float32 -> [R, N] in x's dtype."""
     if triton is None:
         raise RuntimeError("fp8 GEMV kernel needs Triton, which is not importable here")
-    if not block_ok((block_n, block_k)):
-        raise ValueError(f"fp8 GEMV kernel: block_k {block_k} must be a power of two >= 16")
     rows, k = x.shape
     n = weight.shape[-2]
-    if weight.stride(-1) != 1 or x.stride(-1) != 1:
-        raise ValueError("fp8 GEMV kernel: weight and x must be contiguous along K")
+    if weight.stride(-1) != 1 or x.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("fp8 GEMV kernel: weight, scale and x must be contiguous along K")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_k_tile = min(block_k, 128)
-    block_n_tile = 32 if triton.cdiv(n, 32) * rows >= _TARGET_PROGRAMS else 16
+    tile_n = _block_n(n, rows)
+    tile_k = min(TUNE["block_k"], triton.next_power_of_2(k))
     has_ids = ids is not None
-    grid = (rows, triton.cdiv(n, block_n_tile))
+    grid = (rows, triton.cdiv(n, tile_n))
     _fp8_gemv_kernel[grid](
         x, weight, scale, ids if has_ids else x, bias if bias is not None else x, y, n, k,
         x.stride(0), weight.stride(0) if has_ids else 0, weight.stride(-2), scale.stride(0) if has_ids else 0, scale.stride(-2), y.stride(0),
-        BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=block_n_tile, BLOCK_K=block_k_tile, num_warps=4,
+        BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
+        ROW_UNIFORM=block_n % tile_n == 0, num_warps=TUNE["num_warps"],
     )
     return y
 
