@@ -56,3 +56,10 @@ fx("schema__unknown-key", "    ctrl_port: 5556\n", "    ctrl_prot: 5556" + M + "
 fx("schema__missing", "  - name: p0\n    address: 10.1.0.1\n    gpus: 2\n    port: 8000\n", "  - name: p0" + M + "\n    address: 10.1.0.1\n    gpus: 2\n")
 fx("schema__invalid", "  services: process\n", "  services: proces" + M + "\n")
 fx("schema__api-key", "  port: 9000\n", "  port: 9000\n  api_key: {env: KEY, file: /etc/key}" + M + "\n")
+# memory-fit: DeepSeek-V3's bundled figures (hf_path is not readable here) in bf16 on 2 GPUs
+_DSV3 = ("  hf_path: /models/tiny\n", "  hf_path: /models/tiny\n  hf_id: deepseek-ai/DeepSeek-V3\n")
+fx("memory-fit", *_DSV3, "    gpu: {type: B200, count: 2}\n", "    gpu: {type: B200, count: 2}" + M + "\n")
+fx("memory-fit__gpu-type", *_DSV3, "    gpu: {type: B200, count: 2}\n", "    gpu: {type: RTX-9090, count: 2}" + M + "\n")
+fx("memory-fit__prefill", *_DSV3, "    gpu: {type: B200, count: 2}\n", "    gpu: {type: cpu}\n", "  tensor_parallel: {prefill: 2, decode: 2}\n",
+   "  tensor_parallel: {prefill: 2, decode: 1}\n", "    gpus: 2\n    port: 8000\n", "    gpus: 2\n    gpu_type: H100" + M + "\n    port: 8000\n")
+fx("memory-fit__hf-id", "  hf_path: /models/tiny\n", "  hf_path: /models/tiny\n  hf_id: acme/NoSuchModel-1B" + M + "\n")

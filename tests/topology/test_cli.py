@@ -24,9 +24,11 @@ def runner() -> CliRunner:
 
 
 def test_validate_ok(runner: CliRunner) -> None:
-    result = runner.invoke(app, ["validate", GLM])
+    result = runner.invoke(app, ["validate", GLM], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "valid (glm51-seed" in result.output
+    assert "GPU memory, per GPU (model figures: bundled figures of zai-org/GLM-5.1-FP8" in result.output
+    assert "GPU 0: fp8 weights, TP 8, 202752 tokens" in result.output and "179.1 GiB B200" in result.output
 
 
 def test_validate_invalid_prints_file_line_col_and_exits_3(runner: CliRunner) -> None:
@@ -44,7 +46,12 @@ def test_validate_json(runner: CliRunner) -> None:
     (finding,) = doc["findings"]
     assert finding["rule"] == "port-collision" and finding["line"] == 31 and finding["path"] == "decode[0].http_port"
     ok = json.loads(runner.invoke(app, ["validate", GLM, "--json"]).stdout)
+    memory = ok.pop("memory")
     assert ok == {"file": GLM, "valid": True, "exit_code": 0, "findings": []}
+    assert memory["model_figures"].startswith("bundled figures of zai-org/GLM-5.1-FP8")
+    assert [(g["path"], g["gpus"], g["fits"]) for g in memory["gpus"]] == [
+        ("decode[0]", "GPU 0", True), ("decode[0]", "GPUs 1-7", True), ("prefill[0]", "each of 8 GPUs", True)]
+    assert all(g["total_bytes"] == sum(g["bytes"].values()) < g["capacity_bytes"] for g in memory["gpus"])
 
 
 def test_unreadable_or_not_yaml_exits_4_with_the_line(runner: CliRunner, tmp_path: Path) -> None:

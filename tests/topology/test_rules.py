@@ -39,6 +39,10 @@ CASES: dict[str, tuple[str, str]] = {
     "extra-args-conflict": ("extra-args-conflict", "--max-model-len is set by the plan"),
     "install-python": ("install-python", "install operator needs `python`"),
     "argv-limit": ("argv-limit", "with 561 decode nodes the prefill's --kv-transfer-config would be about"),
+    "memory-fit": ("memory-fit", "d0 needs 639.4 GiB on GPU 0, more than the 179.1 GiB of one B200"),
+    "memory-fit__gpu-type": ("memory-fit", "GPU type 'RTX-9090' is not in tilepd's table"),
+    "memory-fit__prefill": ("memory-fit", "p0: vLLM needs 322.9 GiB on each of 2 GPUs, more than the 71.7 GiB of one H100 80GB"),
+    "memory-fit__hf-id": ("memory-fit", "'acme/NoSuchModel-1B' is not among tilepd's bundled model figures"),
     "schema__unknown-key": ("schema.unknown-key", "unknown key 'ctrl_prot'; did you mean 'ctrl_port'?"),
     "schema__missing": ("schema.missing", "required key 'port' is missing"),
     "schema__invalid": ("schema.invalid", "Input should be 'systemd' or 'process'; did you mean 'process'?"),
@@ -56,8 +60,13 @@ def test_base_fixture_is_valid() -> None:
     load_topology(Path(__file__).parent / "base_valid.yaml")
 
 
+# rules whose bad input is not a static file (a config.json at an absolute hf_path): tested where named
+TESTED_ELSEWHERE = {"model-config": "test_model_config.py"}
+
+
 def test_every_rule_has_a_fixture() -> None:
-    covered = {rule for rule, _ in CASES.values()}
+    covered = {rule for rule, _ in CASES.values()} | set(TESTED_ELSEWHERE)
+    assert all((Path(__file__).parent / f).is_file() for f in TESTED_ELSEWHERE.values())
     assert set(RULES) <= covered, f"rules without a fixture: {sorted(set(RULES) - covered)}"
     assert {p.stem for p in FIXTURES.glob("*.yaml")} == set(CASES)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from rich.console import Console
@@ -17,6 +17,9 @@ from rich.table import Table
 
 from tilepd.cli.exitcodes import ExitCode
 from tilepd.topology import Topology, TopologyError, TopologyFileError, load_topology
+
+if TYPE_CHECKING:
+    from tilepd.topology.memory_fit import MemoryReport
 
 FILE_ARG = typer.Argument(..., help="Topology file (YAML, apiVersion: tilepd/v1).", show_default=False)
 JSON_OPT = typer.Option(False, "--json", help="Machine-readable JSON on stdout.")
@@ -59,20 +62,47 @@ def summarise_argv(argv: list[str], python: str | None = None, limit: int = 60) 
     return " ".join(words)
 
 
+def print_memory(console: Console, report: "MemoryReport") -> None:
+    """The per-GPU memory table of rule memory-fit (or why there is none)."""
+    from tilepd.topology.memory_fit import PARTS, gib
+
+    if report.not_checked:
+        console.print(f"GPU memory: not checked: {report.not_checked}", markup=False)
+        return
+    if not report.rows:
+        console.print(f"GPU memory: no GPU host states its GPU type (model figures: {report.source})", markup=False)
+        return
+    table = Table(title=f"GPU memory, per GPU (model figures: {report.source})", title_justify="left", expand=False)
+    for col in ("host", "GPUs", "weights", "MTP", "KV cache", "indexer", "recv buffer", "workspace", "total", "GPU has", "fits"):
+        table.add_column(col, justify="left" if col in ("host", "GPUs", "GPU has") else "right")
+    for row in report.rows:
+        fits = {True: "yes", False: "NO", None: "?"}[row.fits]
+        memory = f"{gib(row.capacity)} {row.gpu_short}" if row.capacity is not None else "unknown GPU type"
+        table.add_row(f"{row.role} {row.name}", f"{row.gpus}: {row.detail}", *(gib(row.parts[p]) for p in PARTS), gib(row.total), memory, fits)
+    console.print(table)
+    for gpu in sorted({row.gpu for row in report.rows if row.gpu}):
+        console.print(f"  {gpu}", markup=False)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("validate")
     def validate(file: Path = FILE_ARG, as_json: bool = JSON_OPT) -> None:
         """Check a topology: schema, then the cross-role rules. Exit 3 with every finding (file:line:col) if invalid."""
+        from tilepd.topology.memory_fit import memory_report
+
         topo = load_or_exit(file, as_json)
+        report = memory_report(topo)
         if as_json:
-            typer.echo(json.dumps({"file": str(file), "valid": True, "exit_code": 0, "findings": []}, indent=2))
+            typer.echo(json.dumps({"file": str(file), "valid": True, "exit_code": 0, "findings": [], "memory": report.to_dict()}, indent=2))
             return
         n_hosts = len({e.address for e in (*topo.prefill, *topo.decode, *topo.native_decode, topo.router)})
-        Console(highlight=False).print(
+        console = Console(highlight=False)
+        console.print(
             f"{file}: valid ({topo.deployment.name}: {len(topo.prefill)} prefill, {len(topo.decode)} decode, "
             f"{len(topo.native_decode)} native decode on {n_hosts} host{'s' if n_hosts != 1 else ''}; transport {topo.transport.name})",
             markup=False,
         )
+        print_memory(console, report)
 
     @app.command("plan")
     def plan(file: Path = FILE_ARG, as_json: bool = JSON_OPT) -> None:

@@ -106,6 +106,47 @@ def _constraints(field: Any) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _memory_section() -> list[str]:
+    """Rule memory-fit: what it counts, the GPU table and the bundled model figures (from the modules themselves)."""
+    from tilepd.topology.gpus import GIB, known_gpu
+    from tilepd.topology.gpus import _TYPES as GPU_TYPES
+    from tilepd.topology.known_models import KNOWN_MODELS
+    from tilepd.topology.memory_fit import VLLM_ACTIVATION_BYTES, VLLM_DEFAULT_UTILIZATION, WORKSPACE_BYTES
+
+    out = [
+        "## GPU memory (rule `memory-fit`)",
+        "",
+        "`tilepd validate` (and `plan`, `up`) estimates what every GPU must hold and refuses a topology that does not fit,",
+        "naming the numbers and the fixes (`model.weights_dtype: fp8`, a larger tensor-parallel size, the longest",
+        "`max_seq_len` that fits, `recv_buffer: dram`). `validate` prints the per-GPU table (`--json`: `memory`).",
+        "",
+        "- **Decode GPU** (tilepd engine, per rank of `tensor_parallel.decode`): its shard of the converted weights at",
+        "  `model.weights_dtype`, tensor by tensor from the engine's weight layout (fp8: one byte per value plus one fp32",
+        "  scale per 128x128 block; MLA's W_UK/W_UV, norms and embeddings bf16; routers fp32), MoE experts and the DSA",
+        "  indexer included; the MTP layers (weights and caches); the caches of one `max_seq_len` request in bf16 (MLA's",
+        "  latent and the indexer keys are replicated on every rank); on GPU 0 the KV receive buffer when it lives in VRAM",
+        "  (the wire format of every layer, plus vLLM's 132-byte indexer keys); a workspace allowance of",
+        f"  {WORKSPACE_BYTES / GIB:g} GiB plus the RoPE table.",
+        "- **vLLM GPU** (prefill, native decode, when `gpu_type` or `gpu_memory_gib` is stated): its shard of the weights",
+        "  vLLM loads (an fp8 checkpoint stays fp8, plus the bf16 W_UK/W_UV vLLM's MLA makes; a bf16 checkpoint is bf16",
+        "  unless `--quantization fp8` is in `extra_args`), the KV of one `max_seq_len` request (vLLM will not start without",
+        f"  it; indexer cache 132 B per token per layer) and {VLLM_ACTIVATION_BYTES / GIB:g} GiB for activations, against",
+        f"  `gpu_memory_utilization` (default {VLLM_DEFAULT_UTILIZATION}) of the GPU.",
+        "",
+        "Model figures come from `<hf_path>/config.json` when the machine running `validate` can read it (a config whose",
+        "features the engine does not implement is refused by rule `model-config`), else from the bundled config of",
+        "`model.hf_id`: " + ", ".join(f"`{k}`" for k in KNOWN_MODELS) + ". Otherwise the table says it was not checked.",
+        "",
+        "| GPU type (`gpu.type` / `gpu_type`) | memory per GPU | source |",
+        "| --- | --- | --- |",
+    ]
+    for aliases, gpu in GPU_TYPES:
+        assert known_gpu(aliases[0]) is gpu
+        out.append(f"| {', '.join(f'`{a}`' for a in aliases)} | {gpu.memory_bytes / GIB:.1f} GiB | {gpu.source} |")
+    out += ["", "Other GPUs: state `decode[].gpu.memory_gib` / `prefill[].gpu_memory_gib` (GiB)."]
+    return out
+
+
 def render_reference() -> str:
     """The whole of docs/TOPOLOGY.md."""
     out = [
@@ -149,6 +190,7 @@ def render_reference() -> str:
     out += ["## Rules", "", "Checked after the schema, all at once; each finding names its rule id.", "", "| rule | what it checks |", "| --- | --- |"]
     for rid, text in {**SCHEMA_RULES, **rule_docs()}.items():
         out.append(f"| `{rid}` | {text} |")
+    out += ["", *_memory_section()]
     out += ["", "## Exit codes", "", "Every `tilepd` verb (defined in `tilepd/cli/exitcodes.py`):", "", "| code | name | meaning |", "| --- | --- | --- |"]
     for code in ExitCode:
         out.append(f"| {int(code)} | `{code.name}` | {EXIT_CODE_MEANINGS[code]} |")

@@ -8,14 +8,16 @@ loader turns that into file:line:col.
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 from pydantic_core import to_json
 
+from tilepd.engine.spec import spec_from_hf_config
 from tilepd.topology.families import MTP_FAMILIES, canonical_family, known_families
+from tilepd.topology.hf_config import ConfigFileError, read_config_file
+from tilepd.topology.memory_fit import memory_report
 from tilepd.topology.schema import DecodeNode, NativeDecodeHost, PrefillHost, Topology, HostBase
 
 Loc = tuple[str | int, ...]
@@ -179,12 +181,11 @@ def _model_config(topo: Topology) -> tuple[dict, str] | None:
         from tilepd.dev.tiny_model import tiny_config
 
         return tiny_config(topo.model.generate_tiny), f"the tiny {topo.model.generate_tiny} model"
-    path = Path(topo.model.hf_path) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
+        found = read_config_file(topo.model.hf_path)
+    except ConfigFileError:  # rule model-config reports it
         return None
-    return (cfg, str(path)) if isinstance(cfg, dict) else None
+    return None if found is None else (found.config, found.source)
 
 
 def tp_heads(topo: Topology) -> Iterator[Violation]:
@@ -209,6 +210,38 @@ def tp_heads(topo: Topology) -> Iterator[Violation]:
             yield Violation(("model", "tensor_parallel", role),
                             f"model.tensor_parallel.decode={size} does not divide num_attention_heads={nh} of {src}: each decode rank "
                             f"runs an equal share of the heads; use a size that divides {nh}", "tp-heads")
+
+
+def model_config(topo: Topology) -> Iterator[Violation]:
+    """A config.json readable here describes a model the engine implements in full, of `model.family`: an unknown feature is refused, not run as another model."""
+    if topo.model.generate_tiny:
+        return
+    try:
+        found = read_config_file(topo.model.hf_path)
+    except ConfigFileError as exc:
+        yield Violation(("model", "hf_path"), str(exc), "model-config")
+        return
+    if found is None:  # not on this machine: convert-weights and the decode node refuse it there
+        return
+    try:
+        spec = spec_from_hf_config(found.config)
+    except KeyError as exc:
+        yield Violation(("model", "hf_path"), f"{found.source}: key {exc.args[0]!r} is missing; not a config.json tilepd can read", "model-config")
+        return
+    except (ValueError, TypeError) as exc:
+        why = str(exc).removeprefix("config.json: ").removeprefix("config ")  # spec names the key as "config KEY=VALUE: why"
+        yield Violation(("model", "hf_path"), f"{found.source}: {why}; tilepd refuses the model rather than decode it as a different one", "model-config")
+        return
+    family = canonical_family(topo.model.family)
+    if family is not None and family != spec.family:
+        yield Violation(("model", "family"), f"family {topo.model.family} runs the {family} engine but {found.source} has model_type "
+                        f"{spec.model_type!r}, a {spec.family} model; set model.family: {spec.family}", "model-config")
+
+
+def memory_fit(topo: Topology) -> Iterator[Violation]:
+    """Each GPU holds what it must: decode weights at `weights_dtype` and TP, caches for one `max_seq_len` request, MTP, receive buffer, workspace; vLLM's weights and one request's KV."""
+    for loc, message in memory_report(topo).problems:
+        yield Violation(loc, message, "memory-fit")
 
 
 def decode_device(topo: Topology) -> Iterator[Violation]:
@@ -415,6 +448,8 @@ RULES: dict[str, Rule] = {
     "port-collision": port_collisions,
     "tp-gpus": tp_vs_gpus,
     "tp-heads": tp_heads,
+    "model-config": model_config,
+    "memory-fit": memory_fit,
     "decode-device": decode_device,
     "max-seq-len": max_seq_len,
     "kv-cache-dtype": kv_cache_dtypes,

