@@ -80,6 +80,7 @@ def test_quantize_block_scales_are_amax_over_448() -> None:
     assert rel < 0.04, rel
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here (the kernel is checked by bench/fp8_gpu_parity.py)")
 def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
     """The CUDA kernel's code, run by Triton's CPU interpreter on the same cases as the reference."""
@@ -99,6 +100,9 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
         y = fp8_triton.launch(xe, e.weight, e.scale, ids, None, 1, 128)
         ref = torch.einsum("ri,roi->ro", xe, dequantize(e[ids]))
         assert torch.allclose(y, ref, atol=1e-4, rtol=1e-5), float((y - ref).abs().max())
+        p = rnd((300, 200), (1, 128)); xp = torch.randn(2, 200, generator=g)  # per-row scales: gathered per element
+        y = fp8_triton.launch(xp, p.weight, p.scale, None, None, 1, 128)
+        assert torch.allclose(y, xp @ dequantize(p).T, atol=1e-4, rtol=1e-5), float((y - xp @ dequantize(p).T).abs().max())
         xb = x.bfloat16(); y = fp8_triton.launch(xb, w.weight, w.scale, None, None, 128, 128)
         ref = xb.float() @ dequantize(w).T
         assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-3), float((y.float() - ref).abs().max())
@@ -112,13 +116,16 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
 def _decode(engine: Engine, n: int) -> tuple[list[int], list[torch.Tensor]]:
     s = engine.config
     g = torch.Generator().manual_seed(0)
-    engine.inject(KVState(6, [torch.randn(6, s.cache_heads, s.cache_entry_width, generator=g) for _ in range(s.num_layers)]))
+    state = KVState(6, [torch.randn(6, s.cache_heads, s.cache_entry_width, generator=g) for _ in range(s.num_layers)])
+    if getattr(s, "is_dsa", False):  # sparse models: random indexer keys for every layer with its own indexer
+        state.indexer = [None if c is None else torch.randn(6, c.shape[1], generator=g) for c in engine.model.index_cache_list()[: s.num_layers]]
+    engine.inject(state)
     engine.eager_step.logits_log = []
     tokens = engine.decode(3, n, SamplingParams(ignore_eos=True), lambda t: None).tokens
     return tokens, engine.eager_step.logits_log
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_deepseek"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_deepseek", "tiny_glm5", "tiny_dsv32"])
 def test_fp8_model_decodes_like_its_dequantised_reference(fixture: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """An fp8 HF checkpoint (block scales, like the real releases) converted with --dtype fp8: the engine on
     fp8 weights gives the greedy tokens of the same engine on the dequantised weights in float32."""
