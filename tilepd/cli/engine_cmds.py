@@ -42,7 +42,7 @@ def convert_weights_cmd(
     model_dir: Path | None = typer.Option(None, "--model-dir", help="HF checkpoint directory (config.json + *.safetensors)."),
     out: Path | None = typer.Option(None, "--out", help="Output directory of the tilepd runtime weights."),
     family: str | None = typer.Option(None, "--family", help="Expected family (llama | deepseek_v3); checked against config.json."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (fp8: GEMV weights with per-tensor scales)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (fp8: GEMV weights block-scaled e4m3, 128x128 blocks; an fp8 checkpoint's scales are kept)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel ranks: one rank<r>.safetensors shard per rank."),
     force: bool = typer.Option(False, "--force", help="Convert even when the manifest says the inputs are unchanged."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per conversion instead of a progress bar."),
