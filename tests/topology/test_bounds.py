@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tilepd.topology import TopologyFileError, load_topology, load_topology_text
-from tilepd.topology.yaml_source import MAX_BYTES, MAX_DEPTH, MAX_VALUES, parse_yaml
+from tilepd.topology.yaml_source import MAX_ALIAS_VALUES, MAX_BYTES, MAX_DEPTH, MAX_VALUES, parse_yaml
 
 BASE = (Path(__file__).parent / "base_valid.yaml").read_text()
 
@@ -36,7 +36,7 @@ def test_alias_bomb_is_refused_within_a_second(text: str) -> None:
         load_topology_text(text, "bomb.yaml")
     assert time.monotonic() - start < 1.0
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) < 200_000  # KB: no blow-up
-    assert f"more than {MAX_VALUES} values once YAML aliases and merge keys are expanded" in str(info.value)
+    assert f"YAML aliases expand to more than {MAX_ALIAS_VALUES} values" in str(info.value)
     assert info.value.line >= 1 and info.value.col >= 1
     assert str(info.value).startswith(f"bomb.yaml:{info.value.line}:{info.value.col}: ")
 
@@ -79,3 +79,9 @@ def test_scalar_the_constructor_rejects_is_a_located_error() -> None:
     with pytest.raises(TopologyFileError, match="'2001-13-45' cannot be read as timestamp") as info:
         load_topology_text(BASE.replace("  name: fixture\n", "  name: fixture\n  when: 2001-13-45\n"), "t.yaml")
     assert (info.value.line, info.value.col) == (4, 9)
+
+
+def test_many_values_without_aliases_are_bounded_too() -> None:
+    text = "x: [" + ",".join(["1"] * (MAX_VALUES + 1)) + "]\n"
+    with pytest.raises(TopologyFileError, match=f"more than {MAX_VALUES} values"):
+        load_topology_text(text, "wide.yaml")

@@ -27,7 +27,7 @@ def load_topology(path: str | Path) -> Topology:
         with open(path, "rb") as fh:  # bounded: /dev/zero or a 10 GB file must not be read whole
             raw = fh.read(MAX_BYTES + 1)
         if len(raw) > MAX_BYTES:
-            raise TopologyFileError(file, f"larger than a topology file may be ({MAX_BYTES} bytes); a topology of 2,000 hosts is ~400 KB")
+            raise TopologyFileError(file, f"larger than a topology file may be ({MAX_BYTES} bytes); a topology of 2,000 hosts is ~300 KB")
         text = raw.decode("utf-8")
     except FileNotFoundError:
         raise TopologyFileError(file, "no such file") from None

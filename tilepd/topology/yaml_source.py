@@ -9,7 +9,8 @@ ourselves and record positions in a flat index keyed by field path, so schema er
 Input is bounded: the composer shares an anchored node between its aliases, but the
 values built here are copies, so a 1 KB file of nested aliases ("billion laughs")
 would expand without end. Building stops past MAX_VALUES values (aliases and merge
-keys included) or MAX_DEPTH levels of nesting, and the loader refuses files over
+keys included; MAX_ALIAS_VALUES of them through aliases) or MAX_DEPTH levels of
+nesting, and the loader refuses files over
 MAX_BYTES, each with a located error.
 """
 
@@ -27,10 +28,12 @@ Loc = tuple[str | int, ...]
 _STR_TAG = "tag:yaml.org,2002:str"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
-# A topology of 2,000 hosts is ~400 KB and ~20,000 values; these bounds leave room for that
-# and stop an alias bomb within a fraction of a second and a few MB.
-MAX_BYTES = 1 << 20
-MAX_VALUES = 100_000
+# A topology of 2,000 hosts is ~300 KB and ~25,000 values; these bounds leave room for that, stop an
+# alias bomb within a fraction of a second and a few MB, and keep the C parser's own work to seconds
+# (composing 512 KiB of dense flow items: ~2 s on one core).
+MAX_BYTES = 512 << 10
+MAX_VALUES = 50_000
+MAX_ALIAS_VALUES = 10_000  # values built again because an alias (or merge key) points at them
 MAX_DEPTH = 32
 
 
@@ -86,6 +89,9 @@ class _Builder:
         self.loader = loader
         self.smap = smap
         self.values = 0
+        self.alias_values = 0
+        self.built: set[int] = set()  # ids of collection nodes built once: building one again is an alias
+        self.in_alias = 0
 
     def _refuse(self, node: yaml.Node, message: str) -> TopologyFileError:
         line, col = _pos(node)
@@ -94,6 +100,11 @@ class _Builder:
     def _count(self, node: yaml.Node, depth: int) -> None:
         """One more value built (or mapping merged) at nesting `depth`; refuse past the bounds."""
         self.values += 1
+        if self.in_alias:
+            self.alias_values += 1
+            if self.alias_values > MAX_ALIAS_VALUES:
+                raise self._refuse(node, f"YAML aliases expand to more than {MAX_ALIAS_VALUES} values; a topology needs far fewer "
+                                         "(nested aliases that multiply are refused)")
         if self.values > MAX_VALUES:
             raise self._refuse(node, f"more than {MAX_VALUES} values once YAML aliases and merge keys are expanded; "
                                      "a topology needs far fewer (nested aliases that multiply are refused)")
@@ -101,17 +112,27 @@ class _Builder:
             raise self._refuse(node, f"nested deeper than {MAX_DEPTH} levels (aliases and merge keys included); a topology needs far fewer")
 
     def build(self, node: yaml.Node, loc: Loc) -> Any:
+        if isinstance(node, yaml.CollectionNode):
+            alias = id(node) in self.built
+            self.built.add(id(node))
+            self.in_alias += alias
+            try:
+                return self._collection(node, loc)
+            finally:
+                self.in_alias -= alias
         self._count(node, len(loc))
         self.smap.values[loc] = _pos(node)
-        if isinstance(node, yaml.MappingNode):
-            self.smap.containers.add(loc)
-            return self._mapping(node, loc, 0)
-        if isinstance(node, yaml.SequenceNode):
-            self.smap.containers.add(loc)
-            return [self.build(item, loc + (i,)) for i, item in enumerate(node.value)]
         if node.tag == _STR_TAG:
             return node.value  # the common case, without the constructor's bookkeeping
         return self._construct(node)
+
+    def _collection(self, node: yaml.CollectionNode, loc: Loc) -> Any:
+        self._count(node, len(loc))
+        self.smap.values[loc] = _pos(node)
+        self.smap.containers.add(loc)
+        if isinstance(node, yaml.MappingNode):
+            return self._mapping(node, loc, 0)
+        return [self.build(item, loc + (i,)) for i, item in enumerate(node.value)]
 
     def _construct(self, node: yaml.Node) -> Any:
         """A scalar by SafeLoader's rules; values its constructors reject (a 13th month) are located errors."""
@@ -145,8 +166,14 @@ class _Builder:
             own.add(name)
             pairs.append((name, key_node, value_node))
         for sub in reversed(merges):  # the first listed is applied last, so it wins
-            self._count(sub, len(loc) + merge_depth + 1)
-            out.update(self._mapping(sub, loc, merge_depth + 1))
+            alias = id(sub) in self.built
+            self.built.add(id(sub))
+            self.in_alias += alias
+            try:
+                self._count(sub, len(loc) + merge_depth + 1)
+                out.update(self._mapping(sub, loc, merge_depth + 1))
+            finally:
+                self.in_alias -= alias
         self.smap.values[loc] = _pos(node)
         for name, key_node, value_node in pairs:
             child = loc + (name,)
