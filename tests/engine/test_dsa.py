@@ -117,3 +117,19 @@ def test_fp8_indexer_keys_match_hf_run_with_the_same_quantised_keys(tiny_glm5: P
     eng = _engine(tiny_glm5)
     eng.inject(ref.state)
     assert eng.decode(ref.tokens[0], 12, GREEDY, lambda t: None).tokens == ref.tokens[1:]
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_decode_hfs_tokens(tiny_glm5: Path, dsa_ref) -> None:
+    """TP=2 (gloo, a real worker process): MLA latent and indexer keys replicated, heads split; HF's tokens."""
+    from tilepd.engine.tp_engine import launch_tp_engine
+
+    ref = dsa_ref("glm5", "long")
+    tp = launch_tp_engine(tiny_glm5, 2, max_seq_len=128)
+    try:
+        with pytest.raises(ValueError, match="KVState.indexer .* is required"):
+            tp.inject(KVState(ref.state.seq_len, ref.state.layers))
+        tp.inject(ref.state)  # the ranks are still in step after the refusal
+        assert tp.decode(ref.tokens[0], DSA_STEPS, GREEDY, lambda t: None).tokens == ref.tokens[1:]
+    finally:
+        tp.close()

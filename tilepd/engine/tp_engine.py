@@ -102,8 +102,9 @@ def _bcast_cmd(tp: TPGroup, cmd: list[Any] | None) -> list[Any]:
     return box[0]
 
 
-def _recv_state(engine: Any, tp: TPGroup, seq_len: int, num_layers: int) -> KVState:
-    """Worker side of inject: this rank's part of each layer (its heads, or the replicated latent)."""
+def _recv_state(engine: Any, tp: TPGroup, seq_len: int, num_layers: int, indexed: list[bool] | None = None) -> KVState:
+    """Worker side of inject: this rank's part of each layer (its heads, or the replicated latent), then the
+    DSA indexer keys (replicated) of the layers flagged in `indexed`."""
     caches = list(engine.model.caches) + list(getattr(engine.model, "mtp_caches", []))
     layers = []
     for l in range(num_layers):
@@ -113,7 +114,16 @@ def _recv_state(engine: Any, tp: TPGroup, seq_len: int, num_layers: int) -> KVSt
         else:
             dist.scatter(t, None, src=0, group=tp.group)
         layers.append(t)
-    return KVState(seq_len, layers)
+    if indexed is None:
+        return KVState(seq_len, layers)
+    keys = engine.model.index_cache_list()
+    indexer: list[torch.Tensor | None] = []
+    for l, present in enumerate(indexed):
+        t = torch.empty(seq_len, keys[l].shape[1], dtype=keys[l].dtype, device=engine.device) if present else None
+        if t is not None:
+            dist.broadcast(t, 0, group=tp.group)
+        indexer.append(t)
+    return KVState(seq_len, layers, indexer)
 
 
 def tokens_agree(tp: TPGroup, tokens: list[int]) -> bool:
@@ -135,7 +145,7 @@ def serve_rank(engine: Any, tp: TPGroup) -> None:
         if op == "stop":
             return
         if op == "inject":
-            engine.inject(_recv_state(engine, tp, cmd[1], cmd[2]))
+            engine.inject(_recv_state(engine, tp, *cmd[1:]))
         elif op == "decode":
             _, first, max_tokens, sampling = cmd
             result = engine.decode(first, max_tokens, SamplingParams(**sampling), lambda t: None, SyncedCancel(tp, None))
@@ -219,8 +229,10 @@ class TPEngine:
             want = (state.seq_len, full_heads, caches[i].shape[2])
             if tuple(x.shape) != want:
                 raise ValueError(f"KVState layer {i}: shape {list(x.shape)}, expected {list(want)}")
+        self.local._check_indexer(state, n)  # refuse before any rank starts receiving
+        indexed = None if state.indexer is None else [x is not None for x in state.indexer]
         with self._lock:
-            self._command("inject", state.seq_len, n)
+            self._command("inject", state.seq_len, n, indexed)
             mine = []
             for l, x in enumerate(state.layers):
                 x = x.to(device=self.device, dtype=caches[l].dtype)
@@ -233,7 +245,14 @@ class TPEngine:
                     out = torch.empty_like(parts[0])
                     dist.scatter(out, parts, src=0, group=self.tp.group)
                     mine.append(out)
-            self.local.inject(KVState(state.seq_len, mine))
+            keys = self.local.model.index_cache_list() if indexed is not None else []
+            indexer = None if indexed is None else []
+            for l, x in enumerate(state.indexer or []):
+                if x is not None:  # the indexer is replicated: every rank gets every key
+                    x = x.to(device=self.device, dtype=keys[l].dtype).contiguous()
+                    dist.broadcast(x, 0, group=self.tp.group)
+                indexer.append(x)
+            self.local.inject(KVState(state.seq_len, mine, indexer))
 
     @torch.no_grad()
     def decode(self, first_token: int, max_tokens: int, sampling: SamplingParams, on_token: Callable[[int], None],
