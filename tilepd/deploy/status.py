@@ -25,7 +25,7 @@ class ServiceStatus:
     host: str
     service: str
     role: str
-    run: str  # running | stopped | not deployed | unreachable | unknown
+    run: str  # running | stopped | crashed (orphans) | not deployed | unreachable | unknown
     pid: int | None = None
     healthy: bool = False
     health: str = ""
@@ -63,7 +63,8 @@ def _one(plan: Plan, host: HostPlan, svc: Service, state: dict[str, Any]) -> Ser
     if "run" in state:
         run = state["run"]
     else:
-        run = "running" if state.get("running") else "stopped"
+        # crashed: the main process died and others of its group hold on (`tilepd up` ends them and restarts)
+        run = "running" if state.get("running") else ("crashed (orphans)" if state.get("orphans") else "stopped")
     st = ServiceStatus(host=host.name, service=svc.name, role=svc.role, run=run, pid=state.get("pid"))
     st.healthy, st.health = probes.health(svc)
     if st.healthy:
