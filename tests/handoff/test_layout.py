@@ -110,3 +110,58 @@ def test_staging_pool_slots_are_exclusive() -> None:
     with pytest.raises(RuntimeError, match="twice"):
         pool.release(b)
         pool.release(b)
+
+
+DSA = ModelCacheFacts(use_mla=True, cache_dtype="auto", scheduler_block_size=64, kv_lora_rank=512, rope_dim=64, index_head_dim=128)
+
+
+def _dsa_caches(ix_layers=(0, 1), width: int = 132, dtype=torch.uint8) -> dict[str, torch.Tensor]:
+    caches = {k: v.to(torch.bfloat16) for k, v in _flat_views(3, (8, 1, 64, 576), (0, 1, 2, 3, 4)).items()}
+    ix = _flat_views(len(ix_layers), (8, 1, 64, width), (0, 1, 2, 3, 4), dtype=dtype)
+    for j, l in enumerate(ix_layers):
+        caches[f"model.layers.{l}.self_attn.indexer.k_cache"] = ix[f"model.layers.{j}.self_attn.attn"]
+    return caches
+
+
+def test_dsa_latent_and_indexer_caches_are_read_per_layer() -> None:
+    """A second cache per layer index is a DSA indexer cache: it gets its own segment in the layout."""
+    pc = read_paged_cache(_dsa_caches(), DSA)
+    lay = pc.layout
+    assert (lay.dtype, lay.num_layers) == ("bfloat16", 3) and lay.indexer is not None
+    assert (lay.indexer.layers, lay.indexer.block_size, lay.indexer.token_bytes) == ([0, 1], 64, 132)
+    assert pc.indexer is not None and pc.indexer.of_layer == {0: 0, 1: 1}
+    assert "idx2x128/bs64/fp8_e4m3_scale128" in lay.layout_id
+
+
+def test_fp8_kv_cache_dtype_on_flashmla_sparse_is_read_as_fp8_ds_mla() -> None:
+    """vLLM serves --kv-cache-dtype fp8 as fp8_ds_mla on FlashMLA-sparse (mla_attention.py:358-368): 656-byte entries."""
+    caches = _flat_views(2, (8, 1, 64, 656), (0, 1, 2, 3, 4), dtype=torch.uint8)
+    facts = ModelCacheFacts(True, "fp8", 64, kv_lora_rank=512, rope_dim=64)
+    assert read_paged_cache(caches, facts).layout.dtype == "fp8_ds_mla"
+
+
+@pytest.mark.parametrize(
+    ("caches", "facts", "needle"),
+    [
+        (_dsa_caches(width=68), DSA, "mxfp4 or other indexer encoding"),
+        (_dsa_caches(dtype=torch.float32), DSA, "expected uint8"),
+        ({k: v for k, v in _dsa_caches().items() if "indexer" not in k}, DSA, "registered no indexer cache"),
+        (_dsa_caches(), ModelCacheFacts(True, "auto", 64, kv_lora_rank=512, rope_dim=64), "no index_topk"),
+        (_flat_views(2, (8, 1, 64, 352), (0, 1, 2, 3, 4), dtype=torch.uint8), ModelCacheFacts(True, "nvfp4_ds_mla", 64, kv_lora_rank=512, rope_dim=64), "not nvfp4_ds_mla"),
+    ],
+    ids=["mxfp4-width", "float-indexer", "missing-indexer", "indexer-on-dense", "nvfp4"],
+)
+def test_unknown_dsa_caches_are_refused_with_a_reason(caches, facts, needle: str) -> None:
+    with pytest.raises(UnsupportedCacheLayout, match=needle):
+        read_paged_cache(caches, facts)
+
+
+def test_shuffled_indexer_layout_is_refused() -> None:
+    from tilepd.connector.layout import cache_role
+
+    class DeepseekV32IndexerCache:  # the class name vLLM registers; the ROCm shuffled layout flag set
+        uses_shuffled_layout = True
+
+    with pytest.raises(UnsupportedCacheLayout, match="shuffled"):
+        cache_role("model.layers.0.self_attn.indexer.k_cache", DeepseekV32IndexerCache())
+    assert cache_role("model.layers.0.self_attn.attn", object()) == "kv"

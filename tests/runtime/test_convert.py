@@ -87,3 +87,43 @@ def test_tensor_parallel_shards_are_concatenated_by_rank() -> None:
     out = convert(buf, shard, max_seq, seq, torch.float32, tp_size=tp)
     for a, b in zip(out, full):
         assert torch.equal(a, b)
+
+
+def test_indexer_keys_dequantise_to_vllms_fp8_round_trip() -> None:
+    """Wire blocks as vLLM's indexer cache holds them (values, then scales, per 64-token block) -> the keys the
+    engine gets are exactly HF's keys passed through vLLM's fp8 round trip; a shared layer gets None."""
+    from tests.handoff.vllm_caches import quant_indexer_blocks
+    from tilepd.control.layout import IndexerLayout
+    from tilepd.dev.hf_reference import vllm_indexer_fp8_round_trip
+    from tilepd.runtime.convert import convert_indexer
+
+    ix = IndexerLayout(layers=[0, 2], block_size=64, head_dim=128)
+    lay = CacheLayout(kind="mla", num_layers=3, block_size=64, num_heads=1, entry_width=576, dtype="float32", kv_lora_rank=512,
+                      rope_dim=64, indexer=ix)
+    t, max_len = 100, 256
+    g = torch.Generator().manual_seed(3)
+    keys = [torch.randn(t, 128, generator=g) * s for s in (0.01, 30.0)]  # scales far from 1 must survive
+    buf = torch.zeros(lay.buffer_bytes(max_len), dtype=torch.uint8)
+    for j, k in enumerate(keys):
+        blocks = quant_indexer_blocks(k, 64).reshape(-1)
+        off = lay.indexer_base(max_len) + j * ix.region_stride(max_len)
+        buf[off:off + blocks.numel()] = blocks
+    out = convert_indexer(buf, lay, max_len, t, torch.float32)
+    assert out is not None and out[1] is None and len(out) == 3
+    for got, k in zip((out[0], out[2]), keys):
+        assert got.shape == (t, 128)
+        assert torch.equal(got, vllm_indexer_fp8_round_trip(k))
+        assert (got - k).abs().max() > 0  # it is quantised: the comparison above is not trivially k == k
+
+
+def test_indexer_block_interior_is_values_then_scales() -> None:
+    """One block: bytes [0, 64*128) are the tokens' fp8 values, then 64 fp32 scales (vLLM's CUDA layout)."""
+    from tests.handoff.vllm_caches import quant_indexer_blocks
+
+    k = torch.zeros(64, 128)
+    k[5, 7] = 448.0 * 4  # token 5's group: scale 4, value 448
+    blk = quant_indexer_blocks(k, 64)[0]
+    assert blk.numel() == 64 * 132
+    assert blk[: 64 * 128].view(torch.float8_e4m3fn).view(64, 128)[5, 7].float() == 448.0
+    scales = blk[64 * 128:].view(torch.float32)
+    assert scales[5] == 4.0 and scales[4] < 1e-3

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import ProtocolError
-from tilepd.runtime.geometry import check_layout, geometry_from_spec, recv_buffer_bytes
+from tilepd.runtime.geometry import CacheGeometry, check_layout, geometry_from_spec, recv_buffer_bytes
 
 DS = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_nextn_predict_layers": 1}
 LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128}
@@ -49,3 +50,40 @@ def test_too_small_buffer_says_what_to_set() -> None:
                       head_size_k=32, head_size_v=32)
     with pytest.raises(ProtocolError, match="kv_cache_dtype"):
         check_layout(lay, g, max_seq_len=256 * 4, capacity=cap)
+
+
+def test_dsa_geometry_follows_vllms_indexer_schedule() -> None:
+    """glm_moe_dsa with index_topk_freq 2: layer 2 is 'shared' (no indexer cache), the MTP layer has one
+    (vLLM deepseek_v2.py:1140-1168); the receive buffer grows by 132 bytes per token per indexer layer."""
+    from tilepd.runtime.geometry import geometry_from_spec
+
+    cfg = {"model_type": "glm_moe_dsa", "num_hidden_layers": 3, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "num_nextn_predict_layers": 1, "index_topk": 16, "index_head_dim": 128, "index_topk_freq": 2}
+    g = geometry_from_spec(cfg, torch.float32)
+    assert g.has_indexer and g.indexer_layers == (0, 1, 3) and g.index_head_dim == 128
+    dense = geometry_from_spec({**cfg, "model_type": "deepseek_v3", "index_topk": None, "index_head_dim": None}, torch.float32)
+    assert not dense.has_indexer
+    assert recv_buffer_bytes(g, 100, "auto", "cpu") - recv_buffer_bytes(dense, 100, "auto", "cpu") == 3 * (100 + 256) * 132
+    with pytest.raises(ValueError, match="index_head_dim"):
+        geometry_from_spec({**cfg, "model_type": "deepseek_v32", "index_head_dim": None}, torch.float32)
+
+
+def test_dsa_indexer_segment_is_checked_by_name() -> None:
+    from tilepd.control.layout import IndexerLayout
+
+    g = CacheGeometry("deepseek_v3", "mla", 3, 1, 576, kv_lora_rank=512, rope_dim=64, num_mtp_layers=1, index_head_dim=128,
+                      indexer_layers=(0, 1, 3))
+    lay = CacheLayout(kind="mla", num_layers=3, block_size=64, num_heads=1, entry_width=576, dtype="bfloat16", kv_lora_rank=512,
+                      rope_dim=64, indexer=IndexerLayout(layers=[0, 1], block_size=64, head_dim=128))
+    cap = recv_buffer_bytes(g, 512, "auto", "cuda")
+    check_layout(lay, g, max_seq_len=512, capacity=cap)  # main layers only (no MTP ran): layers 0 and 1
+    check_layout(lay.model_copy(update={"num_layers": 4, "indexer": IndexerLayout(layers=[0, 1, 3], block_size=64, head_dim=128)}),
+                 g, max_seq_len=512, capacity=cap)  # with the MTP layer
+    for update, needle in [({"indexer": None}, "no indexer segment"),
+                           ({"indexer": IndexerLayout(layers=[0, 1, 2], block_size=64, head_dim=128)}, "keeps them for layers [0, 1]"),
+                           ({"indexer": IndexerLayout(layers=[0, 1], block_size=64, head_dim=256)}, "index_head_dim 128")]:
+        with pytest.raises(ProtocolError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            check_layout(lay.model_copy(update=update), g, max_seq_len=512, capacity=cap)
+    plain = CacheGeometry("deepseek_v3", "mla", 3, 1, 576, kv_lora_rank=512, rope_dim=64)
+    with pytest.raises(ProtocolError, match="no sparse-attention indexer"):
+        check_layout(lay, plain, max_seq_len=512, capacity=cap)

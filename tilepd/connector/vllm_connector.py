@@ -182,7 +182,11 @@ class TilePDConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         if not ktc.is_kv_producer or ktc.is_kv_consumer:
             raise ValueError(f"TilePDConnector is producer-only; set kv_role 'kv_producer' (got {ktc.kv_role!r})")
-        self.config = parse_extra_config(ktc.kv_connector_extra_config)
+        self._setup(parse_extra_config(ktc.kv_connector_extra_config), role)
+
+    def _setup(self, config: ConnectorExtraConfig, role: KVConnectorRole) -> None:
+        """Everything but vLLM's base-class state (tests drive a connector built without a full VllmConfig)."""
+        self.config = config
         self.events = EventLog("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         # scheduler side
         self._claims: dict[str, _Claim] = {}

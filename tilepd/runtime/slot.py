@@ -225,8 +225,9 @@ class Slot:
                          sender_rank)
                 return False, f"transfer {transfer_id} generation {generation} does not own the slot"
             if not ok:
+                # the connection saying done gets its ack (with the reason); other ranks' connections are revoked
                 self._fail_locked(f"sender rank {sender_rank} reported a failed transfer: {error or 'no reason given'}"
-                                  if code == "transfer_failed" else (error or code), code)
+                                  if code == "transfer_failed" else (error or code), code, keep_conn=conn_id)
                 return False, "failure recorded"
             cur.done_ranks.add(sender_rank)
             if len(cur.done_ranks) < cur.tp_size:
@@ -262,18 +263,18 @@ class Slot:
                 self._free_locked("orphaned: no decode request joined")
 
     # -- internals ----------------------------------------------------------------------
-    def _fail_locked(self, reason: str, code: str = "transfer_failed") -> None:
+    def _fail_locked(self, reason: str, code: str = "transfer_failed", keep_conn: int | None = None) -> None:
         cur = self.current
         assert cur is not None
         cur.failure, cur.failure_code = reason, code
         log.warning("event=transfer_failed transfer_id=%s generation=%s code=%s reason=%s", cur.transfer_id, cur.generation, code, reason)
-        self._free_locked("transfer_failed")
+        self._free_locked("transfer_failed", keep_conn)
 
-    def _free_locked(self, reason: str) -> None:
+    def _free_locked(self, reason: str, keep_conn: int | None = None) -> None:
         cur = self.current
         self._on_disarm()
         if cur is not None and self.state == State.TRANSFERRING:
-            for conn in set(cur.conn_ids.values()):
+            for conn in set(cur.conn_ids.values()) - {keep_conn}:
                 self._on_revoke(conn)
         self.current = None
         self.state = State.FREE
