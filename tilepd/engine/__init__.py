@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "CAPABILITIES": "tilepd.engine.engine", "Engine": "tilepd.engine.engine", "load_engine": "tilepd.engine.engine",
     "ModelSpec": "tilepd.engine.spec", "spec_from_hf_config": "tilepd.engine.spec", "spec_from_model_dir": "tilepd.engine.spec",
+    "UnsupportedModelError": "tilepd.engine.spec",
     "TPEngine": "tilepd.engine.tp_engine", "launch_tp_engine": "tilepd.engine.tp_engine",
     "DecodeResult": "tilepd.engine.types", "KVState": "tilepd.engine.types", "SamplingParams": "tilepd.engine.types",
 }

@@ -44,7 +44,8 @@ class KVState:
 
     Sparse-attention models (DSA: glm_moe_dsa, deepseek_v32) also carry the lightning indexer's keys:
     `indexer[l]` is [seq_len, index_head_dim] for the same layers as `layers` (dequantised, roped as
-    the prefill wrote them); None for models without an indexer.
+    the prefill wrote them), None for a layer without its own indexer (GLM "shared" layers); `indexer`
+    is None for models without an indexer.
     """
 
     seq_len: int
