@@ -22,7 +22,7 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 DEFAULT_BLOCK = (128, 128)
-GEMV_MAX_ROWS = 8  # above this many activation rows, dequantise and use a dense matmul instead
+GEMV_MAX_ROWS = 8  # above this many tokens, dequantise and use a dense matmul instead (the GEMV re-reads W per token)
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ def kernel_available() -> bool:
     return _KERNEL["ok"]
 
 
-def _use_kernel(x: torch.Tensor, w: BlockFp8, rows: int) -> bool:
-    if not x.is_cuda or rows > GEMV_MAX_ROWS:
+def _use_kernel(x: torch.Tensor, tokens: int) -> bool:
+    if not x.is_cuda or tokens > GEMV_MAX_ROWS:
         return False
     return kernel_available()
 
@@ -125,7 +125,7 @@ def fp8_linear(x: torch.Tensor, w: BlockFp8, bias: torch.Tensor | None = None) -
     """x [..., in] @ dequant(w).T (+ bias) -> [..., out] in x's dtype, float32 accumulation."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if _use_kernel(x2, w, x2.shape[0]):
+    if _use_kernel(x2, x2.shape[0]):
         y = torch.ops.tilepd.fp8_gemv(x2, w.weight, w.scale, None, bias, w.block[0], w.block[1])
     else:
         y = F.linear(x2, dequantize(w, x.dtype), bias)
@@ -137,7 +137,7 @@ def fp8_expert_linear(x: torch.Tensor, w: BlockFp8, ids: torch.Tensor) -> torch.
     ids[t, j]'s weight -> [T, k, out]. The kernel reads each selected expert in place by its device id."""
     t, k = ids.shape
     xs = x if x.dim() == 3 else x[:, None, :].expand(t, k, x.shape[-1])
-    if _use_kernel(x, w, t * k):
+    if _use_kernel(x, t):  # each (token, expert) row reads its own expert: the bound is on tokens
         y = torch.ops.tilepd.fp8_gemv(xs.reshape(t * k, -1), w.weight, w.scale, ids.reshape(-1), None, w.block[0], w.block[1])
         return y.view(t, k, -1)
     sel = dequantize(w[ids], x.dtype)  # [T, k, out, in]
