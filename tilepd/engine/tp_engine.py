@@ -92,8 +92,12 @@ def load_rank_engine(weights_dir: Path, tp: TPGroup, device: str = "cpu", max_se
         num_speculative_tokens = 1 if getattr(model, "has_mtp", False) else 0
     if dev.type == "cuda":
         tp.all_reduce(torch.zeros(1, device=dev))  # NCCL communicator up before any graph capture
-    return engine_for(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph,
-                      num_speculative_tokens=num_speculative_tokens, speed_path=speed_path)
+    engine = engine_for(model, spec, dev, max_seq_len, use_cuda_graph=use_cuda_graph,
+                        num_speculative_tokens=num_speculative_tokens, speed_path=speed_path)
+    from tilepd.engine.memory import log_memory
+
+    engine.memory = log_memory(weights, dev)  # this rank's GPU memory at start
+    return engine
 
 
 def _bcast_cmd(tp: TPGroup, cmd: list[Any] | None) -> list[Any]:
