@@ -133,3 +133,15 @@ def test_two_tensor_parallel_ranks_decode_hfs_tokens(tiny_glm5: Path, dsa_ref) -
         assert tp.decode(ref.tokens[0], DSA_STEPS, GREEDY, lambda t: None).tokens == ref.tokens[1:]
     finally:
         tp.close()
+
+
+def test_converted_weights_decode_the_same(tiny_dsv32: Path, dsa_ref, tmp_path: Path) -> None:
+    """convert-weights carries the indexer (weights_proj kept fp32); the converted directory decodes HF's tokens."""
+    from tilepd.weights.convert import convert_weights
+
+    ref = dsa_ref("dsv32", "long")
+    convert_weights(tiny_dsv32, tmp_path / "w", dtype="fp32", progress=False)
+    eng = _engine(tmp_path / "w")
+    assert eng.model.w["layers.1.idx_weights_proj"].dtype == torch.float32
+    eng.inject(ref.state)
+    assert eng.decode(ref.tokens[0], DSA_STEPS, GREEDY, lambda t: None).tokens == ref.tokens[1:]

@@ -70,8 +70,10 @@ def select_topk(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, q_resid: to
     q = _rope_head(linear(q_resid, w[p + "idx_wq_b"]).view(t, nh, d), cs, spec.qk_rope_head_dim, rope_fn)
     keys = keys_cache[: valid.shape[1]]
     # Same order of operations as transformers (modeling_glm_moe_dsa.py:228-233): scale, relu, then the
-    # fp32 head weights (weights_proj on fp32 input) times n_heads^-0.5, summed over heads.
-    scores = F.relu(torch.matmul(q.float(), keys.float().t()) * d**-0.5)  # [T, H, L]
+    # fp32 head weights (weights_proj on fp32 input) times n_heads^-0.5, summed over heads. The q.k products
+    # read the keys in the cache dtype (fp32 accumulation; no fp32 copy of a long window per step): exact in
+    # fp32, and in bf16 still finer than vLLM's own fp8 scoring.
+    scores = F.relu(torch.matmul(q.to(keys.dtype), keys.t()).float() * d**-0.5)  # [T, H, L]
     weights = linear(x.float(), w[p + "idx_weights_proj"]) * nh**-0.5  # [T, H]
     index = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)  # [T, L]
     index = index.masked_fill(~valid, float("-inf"))
