@@ -136,6 +136,57 @@ def test_busy_token_mismatch_and_parameter_errors(llama_node, hf_llama) -> None:
         assert c.get("/status").json()["state"] == "free"
 
 
+def test_kv_that_does_not_hash_as_staged_is_never_decoded(llama_node, hf_llama, monkeypatch) -> None:
+    """Fault injection: a sender whose digest of layer 0 disagrees with the bytes it wrote (the stand-in for bytes
+    damaged on the way; the real transport cannot corrupt on demand). The decode request fails with 502
+    kv_checksum_mismatch before any token, the node logs it, and it serves the next request normally."""
+    real = KVSender._digests
+
+    def corrupt(self, plan, src):
+        d = real(self, plan, src)
+        d[0] = f"{int(d[0], 16) ^ 1:016x}"
+        return d
+
+    prompt = PROMPTS["multi_block"]
+    result: dict = {}
+
+    def request() -> None:
+        with llama_node.client() as c2:
+            result["r"] = c2.post("/v1/decode", json=_body("tx-sum", 1, prompt))
+
+    with llama_node.client() as c:
+        t = threading.Thread(target=request)
+        t.start()
+        deadline = time.monotonic() + 10
+        while c.get("/status").json()["transfer_id"] != "tx-sum" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        monkeypatch.setattr(KVSender, "_digests", corrupt)
+        layout = _layout(hf_llama)
+        _, layers = hf_prefill_kv(hf_llama, prompt)
+        staging = wire_payload(layers, layout)
+        cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=llama_node.ctrl_port, http_port=1),),
+                                   transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
+        sender = KVSender(cfg, layout, Buffer.from_array(staging))
+        nb = layout.blocks_for(len(prompt))
+        try:
+            sent = sender.send(("127.0.0.1", llama_node.ctrl_port), "tx-sum", "tok", len(prompt), nb,
+                               [l * nb * layout.block_bytes for l in range(layout.num_layers)])
+        finally:
+            sender.close()
+        monkeypatch.undo()
+        t.join(30)
+        assert not sent.ok and sent.code == "kv_checksum_mismatch", sent
+        r = result["r"]
+        assert r.status_code == 502 and r.json()["error"]["code"] == "kv_checksum_mismatch", r.text
+        assert "layer 0" in r.json()["error"]["message"]
+        assert "event=kv_checksum_mismatch" in llama_node.log.read_text()
+        assert c.get("/status").json()["state"] == "free"
+    first = _handoff(llama_node, hf_llama, prompt, "tx-after")
+    with llama_node.client() as c:
+        ok = c.post("/v1/decode", json=_body("tx-after", first, prompt))
+    assert ok.status_code == 200 and [first] + ok.json()["tokens"] == hf_greedy(hf_llama, prompt, 9)
+
+
 def test_cancel_stops_a_running_decode(llama_node, hf_llama) -> None:
     prompt = PROMPTS["short"]
     first = _handoff(llama_node, hf_llama, prompt, "tx-cancel")
