@@ -11,8 +11,8 @@
    fp8_expert_linear vs the dense gather+einsum.
 
 The tiny models need the HF tooling (tokenizers) to be made, so make them where the dev venv is:
-    python bench/fp8_gpu_parity.py prepare --out bench/.fp8-models   # CPU; ~2 MB per model
-then on the GPU machine (carry bench/.fp8-models if it is git-ignored there):
+    python bench/fp8_gpu_parity.py prepare --out bench/.fp8-models   # CPU; ~2-3 MB per model
+then on the GPU machine (*.safetensors are git-ignored: carry bench/.fp8-models):
     python bench/fp8_gpu_parity.py run --weights bench/.fp8-models [--layers 8] [--tokens 48]
 Prints one line per model and per speed case; exits 1 on a parity mismatch or a kernel error beyond tolerance.
 """
@@ -38,11 +38,14 @@ def prepare(out: Path) -> None:
     from tilepd.dev.tiny_model import FAMILIES, make_tiny_model
     from tilepd.weights import convert_weights
 
-    for family in FAMILIES:
-        hf = make_tiny_model(family, out / "hf" / family)
-        fp8 = write_fp8_checkpoint(hf, out / "hf-fp8" / family)
-        convert_weights(fp8, out / family, dtype="fp8", progress=False, force=True)
-        print(f"{family}: {out / family}", flush=True)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # only the converted weights stay (small enough to carry)
+        for family in FAMILIES:
+            hf = make_tiny_model(family, Path(tmp) / "hf" / family)
+            fp8 = write_fp8_checkpoint(hf, Path(tmp) / "hf-fp8" / family)
+            convert_weights(fp8, out / family, dtype="fp8", progress=False, force=True)
+            print(f"{family}: {out / family}", flush=True)
 
 
 def _reference_engine(weights_dir: Path, dtype: torch.dtype, like):
