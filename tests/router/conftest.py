@@ -20,7 +20,18 @@ import pytest
 from tilepd.connector.launch import Server
 from tilepd.plan.service_configs import DecodeEndpoint, RouterConfig
 
-from .stack import MODEL_NAME, router_config, start_decode_node, start_native_decode, start_prefill, start_router, stop_all
+from .stack import (
+    MODEL_NAME,
+    router_config,
+    spare_endpoint,
+    start_decode_node,
+    start_native_decode,
+    start_prefill,
+    start_router,
+    stop_all,
+)
+
+SPARE_NODES = ("f1", "f2")  # allowlisted, started by the fault tests (test_node_faults.py) only
 
 
 def _engine_available() -> bool:
@@ -39,6 +50,7 @@ class Stack:
         self.prefill: Server | None = None
         self.native: Server | None = None
         self.native_prefill_url: str | None = None  # default: the prefill (MultiConnector serves both pools)
+        self.spares: list[DecodeEndpoint] = [spare_endpoint(n) for n in SPARE_NODES]
 
     @property
     def decode_url(self) -> str:
@@ -57,13 +69,13 @@ def router_stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         pytest.skip("tilepd.engine.load_engine is not in this build yet: no decode node can start")
     stack = Stack(tiny_llama, tmp_path_factory.mktemp("router-stack"))
     reuse = os.environ.get("TILEPD_ROUTER_TEST_REUSE")
-    if reuse:  # development only: servers someone already started (JSON: model, prefill, native, decode endpoint+pid)
+    if reuse:  # development only: servers someone already started (JSON: model, prefill, native, decode endpoint+pid, spares)
         yield _reused(stack, json.loads(Path(reuse).read_text()))
         return
     try:
         stack.decode, stack.endpoint = start_decode_node(tiny_llama, stack.workdir)
         stack.servers.append(stack.decode)
-        stack.prefill = start_prefill(tiny_llama, stack.workdir, [stack.endpoint], with_nixl=True)
+        stack.prefill = start_prefill(tiny_llama, stack.workdir, [stack.endpoint, *stack.spares], with_nixl=True)
         stack.servers.append(stack.prefill)
         stack.native = start_native_decode(tiny_llama, stack.workdir)
         stack.servers.append(stack.native)
@@ -100,6 +112,7 @@ def _reused(stack: Stack, info: dict) -> Stack:
     stack.native = Server(subprocess.Popen(["true"]), info["native"], Path("/dev/null"))
     stack.decode = Server(_Proc(), f"http://127.0.0.1:{info['decode']['http_port']}", Path("/dev/null"))  # type: ignore[arg-type]
     stack.endpoint = DecodeEndpoint(**info["decode"])
+    stack.spares = [DecodeEndpoint(**e) for e in info.get("spares", [])]  # must be in the reused prefill's allowlist
     stack.native_prefill_url = info.get("native_prefill")
     return stack
 

@@ -28,18 +28,26 @@ VLLM_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "-
 NIXL_CONSUMER = nixl_config("kv_consumer", cpu=True)  # what the planner renders for a CPU native decode
 
 
-def start_decode_node(model_dir: Path, workdir: Path, name: str = "d0", *, kv_timeout_s: float = 30.0) -> tuple[Server, DecodeEndpoint]:
+def spare_endpoint(name: str) -> DecodeEndpoint:
+    """Ports for a decode node started later (the prefill's allowlist is fixed when vLLM starts)."""
+    return DecodeEndpoint(name=name, host="127.0.0.1", ctrl_port=free_port(), http_port=free_port())
+
+
+def start_decode_node(model_dir: Path, workdir: Path, name: str = "d0", *, kv_timeout_s: float = 30.0,
+                      endpoint: DecodeEndpoint | None = None) -> tuple[Server, DecodeEndpoint]:
+    """A CPU decode node; on `endpoint`'s ports when given (a restart keeps its place in the allowlist)."""
+    ep = endpoint or spare_endpoint(name)
     cfg = DecodeServerConfig(
-        name=name, served_model_name=MODEL_NAME, family="llama", weights_dir=model_dir, max_seq_len=MAX_SEQ_LEN, device="cpu",
-        bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=free_port(), ctrl_port=free_port(),
+        name=ep.name, served_model_name=MODEL_NAME, family="llama", weights_dir=model_dir, max_seq_len=MAX_SEQ_LEN, device="cpu",
+        bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=ep.http_port, ctrl_port=ep.ctrl_port,
         transport=TransportConfig(name="tcp", data_port=free_port()), kv_timeout_s=kv_timeout_s, cuda_graphs=False,
         kv_cache_dtype="float32",
     )
-    path = workdir / f"{name}.json"
+    path = workdir / f"{ep.name}.json"
     path.write_text(cfg.model_dump_json())
-    srv = start_process([sys.executable, "-m", "tilepd.runtime", "--config", str(path)], workdir / f"{name}.log",
+    srv = start_process([sys.executable, "-m", "tilepd.runtime", "--config", str(path)], workdir / f"{ep.name}.log",
                         f"http://127.0.0.1:{cfg.http_port}/health", timeout=300)
-    return srv, DecodeEndpoint(name=name, host="127.0.0.1", ctrl_port=cfg.ctrl_port, http_port=cfg.http_port)
+    return srv, ep
 
 
 def connector_extra(endpoints: Sequence[DecodeEndpoint]) -> ConnectorExtraConfig:

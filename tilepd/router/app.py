@@ -155,15 +155,38 @@ async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> R
     return await _serve_native(state, endpoint, body, route, rid, t0)
 
 
+MAX_JSON_DEPTH = 32  # nesting of objects/arrays in a request body (deeper bodies would recurse in copies and validators)
+
+
 async def _read_json(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise RouterError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
     except ValueError as exc:
         raise RouterError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise RouterError(400, "request body must be a JSON object", code="invalid_json")
+    where = _too_deep(body)
+    if where is not None:
+        raise RouterError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels at '{where}'", code="invalid_json", param=where)
     return body
+
+
+def _too_deep(body: dict[str, Any]) -> str | None:
+    """The path of the first value nested deeper than MAX_JSON_DEPTH, or None (iterative: no recursion to exhaust)."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, child in items:
+            if isinstance(child, (dict, list)):
+                child_path = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+                if depth + 1 > MAX_JSON_DEPTH:
+                    return child_path.lstrip(".")
+                stack.append((child, child_path, depth + 1))
+    return None
 
 
 def _validate(endpoint: Endpoint, body: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
@@ -350,9 +373,9 @@ def _finish_log(state: RouterState, route: Route, rid: str, run: LowLatencyRun, 
     if fin is not None:
         state.metrics.completion_tokens.inc(fin.completion_tokens)
     log.info("req=%s event=done route=%s reason=%s node=%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%s finish=%s "
-             "ms=%.1f prefill_ms=%s user=%s", rid, route.pool, route.reason, run.lease.node.name, status, outcome, run.prompt_tokens,
-             fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", (time.perf_counter() - t0) * 1e3,
-             f"{fin.timings['prefill_ms']:.1f}" if fin and "prefill_ms" in fin.timings else "-", run.user or "-")
+             "ms=%.1f prefill_ms=%s failovers=%d user=%s", rid, route.pool, route.reason, run.lease.node.name, status, outcome,
+             run.prompt_tokens, fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", (time.perf_counter() - t0) * 1e3,
+             f"{fin.timings['prefill_ms']:.1f}" if fin and "prefill_ms" in fin.timings else "-", run.failovers, run.user or "-")
 
 
 async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, Any], route: Route, rid: str, t0: float) -> Response:

@@ -8,6 +8,7 @@ through with vLLM's own status and body; a decode-node error becomes a
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -96,11 +97,33 @@ def parse_line(line: bytes) -> dict[str, Any]:
     return json.loads(line)
 
 
-async def decode_lines(node: str, resp: UpstreamStream) -> AsyncIterator[dict[str, Any]]:
+class ReadWatch:
+    """When the reader of a decode stream is waiting on the node (not on its own consumer).
+
+    `waiting_since` is set while a read is pending and cleared as a chunk arrives, so a
+    watchdog can tell a silent node from a slow client; `on_chunk` sees each chunk's wait.
+    """
+
+    waiting_since: float | None = None
+
+    def on_chunk(self, waited_s: float, chunk: bytes) -> None:
+        """Called with how long the read waited and what it got."""
+
+
+async def decode_lines(node: str, resp: UpstreamStream, watch: ReadWatch | None = None) -> AsyncIterator[dict[str, Any]]:
     """The NDJSON lines of a decode stream, parsed; several lines in one read cost one wake-up."""
     pending = b""
+    watch = watch or ReadWatch()
     try:
-        async for chunk in resp.chunks():
+        chunks = resp.chunks().__aiter__()
+        while True:
+            watch.waiting_since = t = time.monotonic()
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            watch.waiting_since = None
+            watch.on_chunk(time.monotonic() - t, chunk)
             pending += chunk
             if b"\n" not in chunk:
                 continue
@@ -114,12 +137,31 @@ async def decode_lines(node: str, resp: UpstreamStream) -> AsyncIterator[dict[st
         raise DecodeNodeError(node, 0, "stream_broken", str(exc)) from exc
 
 
+async def join_decode(client: Upstream, base_url: str, body: dict[str, Any], request_id: str, timeout_s: float,
+                      headers: dict[str, str] | None = None) -> int | None:
+    """A non-streamed /v1/decode whose output is thrown away (joins a transfer to free its slot); the status, None if unreachable."""
+    try:
+        resp = await client.request("POST", f"{base_url}/v1/decode", body=body, headers={"x-request-id": request_id, **(headers or {})},
+                                    timeout_s=timeout_s)
+    except UpstreamError:
+        return None
+    return resp.status
+
+
 async def cancel_decode(client: Upstream, base_url: str, transfer_id: str, timeout_s: float = 1.0,
                         headers: dict[str, str] | None = None) -> bool:
     """POST /v1/cancel; True when the node acknowledged."""
     try:
         resp = await client.request("POST", f"{base_url}/v1/cancel", body={"transfer_id": transfer_id}, timeout_s=timeout_s, headers=headers)
         return resp.status == 200
+    except UpstreamError:
+        return False
+
+
+async def node_alive(client: Upstream, base_url: str, timeout_s: float) -> bool:
+    """GET /health answered 200 within `timeout_s` (per phase)."""
+    try:
+        return (await client.request("GET", f"{base_url}/health", timeout_s=timeout_s)).status == 200
     except UpstreamError:
         return False
 

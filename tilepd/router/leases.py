@@ -31,6 +31,21 @@ class NodeState:
     transfer_id: str | None = None  # of the request holding the lease
     last_error: str = ""
     leases_total: int = 0
+    step_s: float | None = None  # measured seconds per decoded token (EWMA), for the router's deadlines
+    _left_rotation: asyncio.Event | None = None
+
+    @property
+    def left_rotation(self) -> asyncio.Event:
+        """Set while the node is out of rotation, so a request waiting on it can stop waiting at once."""
+        if self._left_rotation is None:
+            self._left_rotation = asyncio.Event()
+            if not self.in_rotation:
+                self._left_rotation.set()
+        return self._left_rotation
+
+    def note_step(self, seconds_per_token: float) -> None:
+        """Fold one measured time per token into the node's speed (EWMA, weight 1/8)."""
+        self.step_s = seconds_per_token if self.step_s is None else self.step_s + (seconds_per_token - self.step_s) / 8
 
     @property
     def name(self) -> str:
@@ -147,6 +162,10 @@ class NodePool:
         if healthy == node.in_rotation:
             return
         node.in_rotation = healthy
+        if healthy:
+            node.left_rotation.clear()
+        else:
+            node.left_rotation.set()
         if healthy and not node.leased:
             self._offer(node)
         if not healthy:

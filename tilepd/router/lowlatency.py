@@ -2,8 +2,31 @@
 
 One `LowLatencyRun` per request. Its `events()` yields text deltas and one `Finished`;
 whatever way the request ends (finished, stop string, error, client gone, shutdown),
-`settle_soon()` returns the node to the pool only once the node is idle again, in a
-background task so that a cancelled request cannot skip it.
+the node is returned to the pool only once it is idle again, in a background task so
+that a cancelled request cannot skip it.
+
+A request survives its decode node (README, "Decode-node faults"). Each node the request
+uses is one `NodeAttempt`. When the node refuses the connection, resets it, or goes
+silent past a deadline (below), or the health checks take it out of rotation while the
+request waits on it, the node leaves rotation at once and the request continues on
+another node: prompt + the tokens already sent are prefilled again with that node's
+marker, vLLM samples the next token, and the new node decodes the rest. Detokenizer,
+stop-string matcher and token count are the request's, not the attempt's, so the
+client sees one stream, token-exact for greedy requests. When no node can take it,
+the request ends with a typed error (an error event in a stream), never truncated.
+
+Deadlines (s), with `step` the node's measured time per token (`DEFAULT_STEP_S` before
+the first measure):
+- first token: KV_WAIT_S + FIRST_TOKEN_STEPS * step + DEADLINE_SLACK_S. The router asks
+  every node to wait KV_WAIT_S for the KV (`kv_timeout_s`; the node answers 504 then, by
+  itself); past that plus a few steps the node itself must be stuck.
+- each later token: STALL_STEPS * step + DEADLINE_SLACK_S, counted only while the router
+  waits on the node (a slow client does not count against the node).
+- node out of rotation (health checks): OUT_OF_ROTATION_GRACE_S of silence.
+- liveness: after LIVENESS_AFTER_S of silence the router probes the node's /health every
+  LIVENESS_INTERVAL_S; LIVENESS_MISSES failed probes in a row (a stopped or wedged
+  process) end the wait long before the deadline. A node that answers its probes is
+  slow, not dead, and is given the full deadline.
 
 Freeing the node when no decode will follow (INTERFACES §4 as the decode server
 implements it):
@@ -17,6 +40,8 @@ implements it):
   timeout, since the admit may or may not come.
 - prefill refused by vLLM (an error response): nothing reached the connector; release.
 - decoding: `/v1/cancel`, close the stream, wait until `/status` shows the node idle.
+- node faulted: a best-effort `/v1/cancel`, then release (the node is out of rotation;
+  its own KV timeout frees the slot if it comes back).
 """
 
 from __future__ import annotations
@@ -31,13 +56,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilepd.auth import transfer_token
-from tilepd.router.backends import DecodeNodeError, cancel_decode, decode_lines, node_status, open_decode, prefill_first_token
+from tilepd.router.backends import (
+    DecodeNodeError,
+    ReadWatch,
+    cancel_decode,
+    decode_lines,
+    join_decode,
+    node_alive,
+    node_status,
+    open_decode,
+    prefill_first_token,
+)
 from tilepd.router.detok import make_detokenizer
 from tilepd.router.errors import PassThroughError, RouterError
-from tilepd.router.leases import Lease
+from tilepd.router.leases import Lease, LeaseTimeout, NoNodeInRotation
+from tilepd.router.native_continue import native_tokens
 from tilepd.router.state import RouterState
 from tilepd.router.stops import StopStringMatcher
-from tilepd.router.upstream import UpstreamError, UpstreamStream
+from tilepd.router.upstream import UpstreamStream
 
 log = logging.getLogger("tilepd.router")
 
@@ -47,6 +83,21 @@ IDLE_WAIT_S = 5.0  # how long a cancelled node may take to report idle before th
 NODE_FREED_SLOT = frozenset({499, 502, 504})
 JOIN_KV_TIMEOUT_S = 10.0  # a join after a finished prefill: the KV is on its way
 JOIN_INTERRUPTED_KV_TIMEOUT_S = 3.0  # a join after an interrupted prefill: the KV may never come
+FAULT_CANCEL_TIMEOUT_S = 1.0
+# deadlines (module docstring)
+KV_WAIT_S = 30.0
+FIRST_TOKEN_STEPS = 8
+STALL_STEPS = 50
+DEADLINE_SLACK_S = 5.0
+DEFAULT_STEP_S = 0.5
+OUT_OF_ROTATION_GRACE_S = 1.0
+# a node the router has waited on this long is asked GET /health; this many failed probes in a row in one wait: silent
+LIVENESS_AFTER_S = 1.0
+LIVENESS_INTERVAL_S = 0.5
+LIVENESS_PROBE_TIMEOUT_S = 1.0
+LIVENESS_MISSES = 2
+# decode-node answers before the first token that another node may not give: continue elsewhere (node stays in rotation)
+RETRY_ELSEWHERE = frozenset({429, 502, 503, 504})
 
 
 @dataclass(frozen=True)
@@ -78,10 +129,20 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
+    failovers: int = 0
+
+
+class NodeFault(Exception):
+    """The decode node failed this request; `down`: it is dead or silent (out of rotation at once)."""
+
+    def __init__(self, error: DecodeNodeError, down: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.down = down
 
 
 class _TextState:
-    """Token ids in, safe-to-send text out; decides when the request is finished."""
+    """Token ids in, safe-to-send text out; decides when the request is finished. Survives a change of node."""
 
     def __init__(self, plan: EnginePlan, state: RouterState) -> None:
         self.plan = plan
@@ -89,13 +150,17 @@ class _TextState:
         self.stops = StopStringMatcher(plan.stop, plan.include_stop_str_in_output)
         self.stop_ids = frozenset(plan.stop_token_ids)
         self.terminators = self.stop_ids if plan.ignore_eos else self.stop_ids | state.renderer.eos_token_ids
-        self.count = 0
+        self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
+
     def consume(self, token: int) -> str:
         """Account one generated token; return the text now safe to send."""
-        self.count += 1
+        self.tokens.append(token)
         if token in self.terminators:
             # like vLLM: the stop token's own text is left out unless asked for
             if self.plan.include_stop_str_in_output:
@@ -111,104 +176,113 @@ class _TextState:
         return self.stops.sendable(self.finish_reason is not None)
 
 
-class LowLatencyRun:
-    """One request on one leased decode node."""
+class NodeAttempt(ReadWatch):
+    """One decode node's part of a request: its lease and transfer, how far it got, and its watchdog."""
 
-    def __init__(self, state: RouterState, plan: EnginePlan, lease: Lease, request_id: str) -> None:
+    def __init__(self, state: RouterState, lease: Lease, request_id: str, context_len: int) -> None:
         self.state = state
-        self.plan = plan
         self.lease = lease
         self.request_id = request_id
+        self.context_len = context_len  # tokens whose KV this node receives (prompt + tokens already sent)
         self.transfer_id = f"tx-{uuid.uuid4().hex}"
         # with a deployment secret the token is HMAC(secret, transfer id): the node checks it without state
         self.token = transfer_token(state.node_secret, self.transfer_id) if state.node_secret else secrets.token_hex(16)
-        self.stage = "start"  # start -> prefilled -> decoding -> idle; "refused": prefill answered an error
+        self.stage = "start"  # start -> prefilled -> decoding -> idle; "refused": prefill answered an error; "faulted"
         self.first_token: int | None = None
-        self.prompt_tokens = 0
-        self._resp: UpstreamStream | None = None
+        self.resp: UpstreamStream | None = None
+        self.tripped: str | None = None  # why the watchdog ended the wait
+        self.deadline_s = 0.0  # of the current wait
+        self._opening: asyncio.Future[Any] | None = None
+        self._lines_seen = False
         self._settled = False
-        self.user: str | None = None  # the client's end-user id, for the log line
         lease.node.transfer_id = self.transfer_id
+
+    @property
+    def node_name(self) -> str:
+        return self.lease.node.name
 
     def marker(self) -> dict[str, Any]:
         ep = self.lease.node.endpoint
         return {"tilepd": {"host": ep.host, "ctrl_port": ep.ctrl_port, "transfer_id": self.transfer_id, "token": self.token}}
 
-    def _sampling(self) -> dict[str, Any]:
-        p = self.plan
-        out: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-                               "stop_token_ids": p.stop_token_ids, "ignore_eos": p.ignore_eos}
-        if p.seed is not None:
-            out["seed"] = p.seed
-        return out
+    # -- the watchdog --------------------------------------------------------------------
+    def step_s(self) -> float:
+        return self.lease.node.step_s or DEFAULT_STEP_S
 
-    async def events(self) -> AsyncIterator[TextDelta | Finished]:
-        """Prefill, then decode; the first event comes only after prefill succeeded."""
-        t0 = time.perf_counter()
-        try:
-            body = {"model": self.state.config.served_model_name, "prompt": self.plan.prompt_ids, "max_tokens": 1,
-                    "stream": False, "logprobs": 1, "kv_transfer_params": self.marker(),
-                    "skip_special_tokens": self.plan.skip_special_tokens, **self._sampling()}
+    def on_chunk(self, waited_s: float, chunk: bytes) -> None:
+        tokens = chunk.count(b'{"token"')
+        if tokens and self._lines_seen:
+            self.lease.node.note_step(waited_s / tokens)  # the first wait includes the KV: not a step
+        self._lines_seen = True
+        self.deadline_s = STALL_STEPS * self.step_s() + DEADLINE_SLACK_S
+
+    def _first_token_deadline(self) -> float:
+        return KV_WAIT_S + FIRST_TOKEN_STEPS * self.step_s() + DEADLINE_SLACK_S
+
+    async def watch(self) -> None:
+        """Trip when the node is silent past the deadline, fails its liveness probes while silent, or leaves rotation."""
+        left = self.lease.node.left_rotation
+        misses, probed_wait = 0, None
+        while self.tripped is None and self.stage not in ("idle", "faulted"):
+            since = self.waiting_since
+            if since is not None:
+                waited = time.monotonic() - since
+                if left.is_set() and waited >= OUT_OF_ROTATION_GRACE_S:
+                    return self._trip("out_of_rotation")
+                if waited >= self.deadline_s:
+                    return self._trip(f"deadline {self.deadline_s:.1f}s")
+                if waited >= LIVENESS_AFTER_S:
+                    if probed_wait != since:
+                        misses, probed_wait = 0, since
+                    alive = await node_alive(self.state.client, self.lease.node.base_url, LIVENESS_PROBE_TIMEOUT_S)
+                    misses = 0 if alive else misses + 1
+                    if misses >= LIVENESS_MISSES and self.waiting_since == since:
+                        return self._trip(f"unresponsive ({misses} health probes failed)")
             try:
-                prefill = await prefill_first_token(self.state.client, self.state.next_prefill_url(), body, self.request_id)
-            except (RouterError, PassThroughError):
-                self.stage = "refused"
-                raise
-            self.stage = "prefilled"
-            self.first_token, self.prompt_tokens = prefill.first_token, prefill.prompt_tokens
-            t_prefill = time.perf_counter()
-            text = _TextState(self.plan, self.state)
-            out = text.consume(prefill.first_token)
-            if text.finish_reason is None and prefill.finish_reason == "stop":
-                text.finish_reason = "stop"  # vLLM knows a stop token the router's list missed
-            yield TextDelta(out)
-            if text.finish_reason is None:
-                async for out in self._decode(text):
-                    if out:
-                        yield TextDelta(out)
-            timings = {"prefill_ms": (t_prefill - t0) * 1e3, "total_ms": (time.perf_counter() - t0) * 1e3}
-            yield Finished(text.finish_reason or "length", text.stop_reason, self.prompt_tokens, text.count, timings)
-        finally:
-            self.settle_soon()
+                await asyncio.wait_for(left.wait(), timeout=LIVENESS_INTERVAL_S) if not left.is_set() else \
+                    await asyncio.sleep(LIVENESS_INTERVAL_S)
+            except TimeoutError:
+                pass
 
-    async def _decode(self, text: _TextState) -> AsyncIterator[str]:
-        node = self.lease.node
-        body = {"transfer_id": self.transfer_id, "token": self.token, "first_token": self.first_token,
-                "prompt_tokens": self.prompt_tokens, "max_tokens": self.plan.max_tokens - 1, "stream": True,
-                **self._sampling(), "seed": self.plan.seed}
+    def _trip(self, why: str) -> None:
+        """End the wait: cancel the pending open, or close the stream so the pending read fails."""
+        self.tripped = why
+        log.warning("req=%s event=node_silent node=%s transfer=%s why=%s waited_s=%.1f", self.request_id, self.node_name,
+                    self.transfer_id, why, time.monotonic() - (self.waiting_since or time.monotonic()))
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()
+        if self.resp is not None:
+            self.state.spawn(self.resp.aclose())
+
+    # -- the decode ----------------------------------------------------------------------
+    async def open(self, body: dict[str, Any]) -> UpstreamStream:
+        """Start the streamed decode; the first-token deadline starts now and runs until the first line."""
+        self.deadline_s = self._first_token_deadline()
+        self.waiting_since = time.monotonic()
+        self._opening = asyncio.ensure_future(self._open_retrying_busy(body))
         try:
-            self._resp = await self._open_decode(body)
+            self.resp = await self._opening
+        except asyncio.CancelledError:
+            if self.tripped is None:
+                raise
+            raise self.fault("silent", f"no answer within {self.deadline_s:.1f}s ({self.tripped})") from None
         except DecodeNodeError as exc:
             if exc.status in NODE_FREED_SLOT:
                 self.stage = "idle"
+            if exc.status == 0:
+                raise NodeFault(exc, down=True) from None
+            if exc.status in RETRY_ELSEWHERE:
+                raise NodeFault(exc, down=False) from None
             raise
+        finally:
+            self._opening = None
         self.stage = "decoding"
-        async for msg in decode_lines(node.name, self._resp):
-            token = msg.get("token")
-            if token is not None:
-                if text.finish_reason is not None:
-                    return  # the router saw the end first (its EOS list): settle_soon cancels the rest
-                out = text.consume(token)
-                yield out
-                if isinstance(text.stop_reason, str):
-                    return  # a stop string: the node would go on, settle_soon cancels it
-                # length, EOS and stop token ids end on the node too: its done line follows
-            elif msg.get("error") or msg.get("finish_reason") == "error":
-                self.stage = "idle"  # the node ended the decode and freed the slot
-                err = msg.get("error") or {}
-                raise DecodeNodeError(node.name, 502, str(err.get("code", "engine_error")), str(err.get("message", "")))
-            elif msg.get("done"):
-                self.stage = "idle"
-                reason = msg.get("finish_reason")
-                if reason == "cancelled":
-                    raise DecodeNodeError(node.name, 499, "cancelled", "the decode was cancelled on the node")
-                if text.finish_reason is None:  # the node knows a stop the router did not
-                    text.finish_reason = "stop" if reason == "stop" else "length"
-                yield text.stops.sendable(True)
-                return
-        raise DecodeNodeError(node.name, 502, "stream_truncated", "the decode stream ended without a done line")
+        return self.resp
 
-    async def _open_decode(self, body: dict[str, Any]) -> UpstreamStream:
+    def fault(self, code: str, message: str) -> NodeFault:
+        return NodeFault(DecodeNodeError(self.node_name, 0, code, message), down=True)
+
+    async def _open_retrying_busy(self, body: dict[str, Any]) -> UpstreamStream:
         node = self.lease.node
         deadline = time.monotonic() + BUSY_RETRY_S
         while True:
@@ -218,10 +292,9 @@ class LowLatencyRun:
                 if exc.status == 429 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
                     continue
-                if exc.status == 0:
-                    self.state.metrics.node_failure(self.state.pool, node, exc.code)
                 raise
 
+    # -- giving the node back ------------------------------------------------------------
     def settle_soon(self) -> None:
         """Return the lease once the node is idle; never awaits, so it is safe in any `finally`."""
         if self._settled:
@@ -234,13 +307,18 @@ class LowLatencyRun:
         self.state.spawn(self._settle())
 
     def _close_resp_soon(self) -> None:
-        if self._resp is not None and not self._resp.is_closed:
-            self.state.spawn(self._resp.aclose())
+        if self.resp is not None and not self.resp.is_closed:
+            self.state.spawn(self.resp.aclose())
 
     async def _settle(self) -> None:
         node = self.lease.node
         t0 = time.perf_counter()
         try:
+            if self.stage == "faulted":
+                if self.resp is not None:
+                    await self.resp.aclose()
+                await cancel_decode(self.state.client, node.base_url, self.transfer_id, FAULT_CANCEL_TIMEOUT_S, headers=self.state.node_headers)
+                return
             freed = False
             if self.stage == "prefilled":
                 freed = await self._join_and_free(JOIN_KV_TIMEOUT_S)
@@ -248,8 +326,8 @@ class LowLatencyRun:
                 freed = await self._join_and_free(JOIN_INTERRUPTED_KV_TIMEOUT_S)
             if not freed:
                 await cancel_decode(self.state.client, node.base_url, self.transfer_id, headers=self.state.node_headers)
-                if self._resp is not None:
-                    await self._resp.aclose()
+                if self.resp is not None:
+                    await self.resp.aclose()
                 await self._wait_idle()
         except Exception as exc:  # never let a cleanup error keep the node leased
             log.warning("req=%s event=settle_error node=%s transfer=%s error=%r", self.request_id, node.name, self.transfer_id, exc)
@@ -262,15 +340,10 @@ class LowLatencyRun:
         """Join this transfer with a one-step decode whose output is thrown away; True once the slot is ours no more."""
         node = self.lease.node
         body = {"transfer_id": self.transfer_id, "token": self.token, "first_token": self.first_token or 0,
-                "prompt_tokens": len(self.plan.prompt_ids), "max_tokens": 1, "stream": False, "kv_timeout_s": kv_timeout_s}
-        try:
-            resp = await self.state.client.request("POST", f"{node.base_url}/v1/decode", body=body,
-                                                    headers={"x-request-id": self.request_id, **self.state.node_headers},
-                                                    timeout_s=kv_timeout_s + 5.0)
-        except UpstreamError:
-            return False
+                "prompt_tokens": self.context_len, "max_tokens": 1, "stream": False, "kv_timeout_s": kv_timeout_s}
+        status = await join_decode(self.state.client, node.base_url, body, self.request_id, kv_timeout_s + 5.0, self.state.node_headers)
         # 200 decoded, 504 the KV never came, 499 cancelled: in each case the node freed the slot
-        return resp.status in (200, 499, 504)
+        return status in (200, 499, 504)
 
     async def _wait_idle(self) -> None:
         node = self.lease.node
@@ -281,3 +354,178 @@ class LowLatencyRun:
                 return
             await asyncio.sleep(0.01)
         log.warning("req=%s event=node_not_idle node=%s transfer=%s waited_s=%.1f", self.request_id, node.name, self.transfer_id, IDLE_WAIT_S)
+
+
+class LowLatencyRun:
+    """One request on the low-latency pool: one node, or several when a node fails under it."""
+
+    def __init__(self, state: RouterState, plan: EnginePlan, lease: Lease, request_id: str) -> None:
+        self.state = state
+        self.plan = plan
+        self.request_id = request_id
+        self.attempt = NodeAttempt(state, lease, request_id, len(plan.prompt_ids))
+        self.prompt_tokens = 0
+        self.failovers = 0
+        self.user: str | None = None  # the client's end-user id, for the log line
+
+    @property
+    def lease(self) -> Lease:
+        return self.attempt.lease
+
+    @property
+    def stage(self) -> str:
+        return self.attempt.stage
+
+    def _sampling(self) -> dict[str, Any]:
+        p = self.plan
+        out: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                               "stop_token_ids": p.stop_token_ids, "ignore_eos": p.ignore_eos}
+        if p.seed is not None:
+            out["seed"] = p.seed
+        return out
+
+    async def events(self) -> AsyncIterator[TextDelta | Finished]:
+        """Prefill, then decode; the first event comes only after prefill succeeded."""
+        t0 = time.perf_counter()
+        t_prefill = t0
+        text: _TextState | None = None
+        try:
+            while True:
+                att = self.attempt
+                context = self.plan.prompt_ids + (text.tokens if text is not None else [])
+                first, finish = await self._prefill(att, context, continuing=text is not None)
+                if text is None:
+                    t_prefill = time.perf_counter()
+                    text = _TextState(self.plan, self.state)
+                out = text.consume(first)
+                if text.finish_reason is None and finish == "stop":
+                    text.finish_reason = "stop"  # vLLM knows a stop token the router's list missed
+                if out or self.failovers == 0:
+                    yield TextDelta(out)
+                if text.finish_reason is not None:
+                    break
+                try:
+                    async for out in self._decode(att, text):
+                        if out:
+                            yield TextDelta(out)
+                    break
+                except NodeFault as fault:
+                    if not await self._fail_over(att, fault, text.count):
+                        async for out in self._continue_native(text):
+                            if out:
+                                yield TextDelta(out)
+                        break
+            timings = {"prefill_ms": (t_prefill - t0) * 1e3, "total_ms": (time.perf_counter() - t0) * 1e3}
+            yield Finished(text.finish_reason or "length", text.stop_reason, self.prompt_tokens, text.count, timings, self.failovers)
+        finally:
+            self.settle_soon()
+
+    async def _prefill(self, att: NodeAttempt, context: list[int], continuing: bool) -> tuple[int, str]:
+        body = {"model": self.state.config.served_model_name, "prompt": context, "max_tokens": 1,
+                "stream": False, "logprobs": 1, "kv_transfer_params": att.marker(),
+                "skip_special_tokens": self.plan.skip_special_tokens, **self._sampling()}
+        try:
+            prefill = await prefill_first_token(self.state.client, self.state.next_prefill_url(), body, self.request_id)
+        except PassThroughError as exc:
+            att.stage = "refused"
+            if not continuing:
+                raise
+            detail = exc.body[:300].decode("utf-8", "replace")
+            raise RouterError(502, f"prefill refused the continuation on another node: {exc.status} {detail}",
+                              type="prefill_error", code="continuation_failed") from None
+        except RouterError:
+            att.stage = "refused"
+            raise
+        att.stage = "prefilled"
+        att.first_token = prefill.first_token
+        if not continuing:
+            self.prompt_tokens = prefill.prompt_tokens
+        return prefill.first_token, prefill.finish_reason
+
+    async def _decode(self, att: NodeAttempt, text: _TextState) -> AsyncIterator[str]:
+        node = att.lease.node
+        body = {"transfer_id": att.transfer_id, "token": att.token, "first_token": att.first_token,
+                "prompt_tokens": att.context_len, "max_tokens": self.plan.max_tokens - text.count, "stream": True,
+                "kv_timeout_s": KV_WAIT_S, **self._sampling(), "seed": self.plan.seed}
+        watchdog = asyncio.ensure_future(att.watch())
+        try:
+            resp = await att.open(body)
+            async for msg in decode_lines(node.name, resp, att):
+                token = msg.get("token")
+                if token is not None:
+                    if text.finish_reason is not None:
+                        return  # the router saw the end first (its EOS list): settle_soon cancels the rest
+                    out = text.consume(token)
+                    yield out
+                    if isinstance(text.stop_reason, str):
+                        return  # a stop string: the node would go on, settle_soon cancels it
+                    # length, EOS and stop token ids end on the node too: its done line follows
+                elif msg.get("error") or msg.get("finish_reason") == "error":
+                    att.stage = "idle"  # the node ended the decode and freed the slot
+                    err = msg.get("error") or {}
+                    raise NodeFault(DecodeNodeError(node.name, 502, str(err.get("code", "engine_error")), str(err.get("message", ""))),
+                                    down=False)
+                elif msg.get("done"):
+                    att.stage = "idle"
+                    reason = msg.get("finish_reason")
+                    if reason == "cancelled":
+                        raise DecodeNodeError(node.name, 499, "cancelled", "the decode was cancelled on the node")
+                    if text.finish_reason is None:  # the node knows a stop the router did not
+                        text.finish_reason = "stop" if reason == "stop" else "length"
+                    yield text.stops.sendable(True)
+                    return
+            raise att.fault(f"silent:{att.tripped}" if att.tripped else "stream_truncated", "the decode stream ended without a done line")
+        except DecodeNodeError as exc:
+            if exc.status == 0 or att.tripped is not None:
+                code = f"silent:{att.tripped}" if att.tripped else exc.code
+                raise att.fault(code, exc.message) from None
+            raise
+        finally:
+            watchdog.cancel()
+
+    async def _fail_over(self, att: NodeAttempt, fault: NodeFault, tokens_sent: int) -> bool:
+        """Leave the failed node (out of rotation if it is down) and lease another: True. False: go on in the native pool.
+        Raise a typed error when nothing can take the request."""
+        err = fault.error
+        cause = err.code.split(":")[0] if err.code else "error"
+        log.warning("req=%s event=node_fault node=%s transfer=%s status=%d code=%s down=%s tokens_sent=%d message=%s",
+                    self.request_id, err.node, att.transfer_id, err.status, err.code, fault.down, tokens_sent, err.message)
+        if fault.down:
+            self.state.metrics.node_down(self.state.pool, att.lease.node, f"{err.code}: {err.message}")
+            if att.stage != "idle":
+                att.stage = "faulted"
+        att.settle_soon()
+        limit = len(self.state.pool.nodes)
+        if self.failovers >= limit:
+            raise DecodeNodeError(err.node, 502, "node_faults", f"{self.failovers + 1} decode nodes failed this request; "
+                                  f"last: {err.code}: {err.message}")
+        try:
+            lease = await self.state.pool.acquire(self.state.config.queue_timeout_s)
+        except (LeaseTimeout, NoNodeInRotation) as exc:
+            cfg = self.state.config
+            if cfg.native_pool is not None and cfg.routing.fallback_to_native:
+                self.failovers += 1
+                self.state.metrics.failovers.labels(cause).inc()
+                log.info("req=%s event=failover from=%s to=native cause=%s why=%r", self.request_id, err.node, cause, str(exc))
+                return False
+            raise DecodeNodeError(err.node, 502, "no_node_to_continue", f"decode node {err.node} failed ({err.code}: {err.message}) "
+                                  f"and no other node could take the request: {exc}") from None
+        self.failovers += 1
+        self.state.metrics.failovers.labels(cause).inc()
+        self.attempt = NodeAttempt(self.state, lease, self.request_id, len(self.plan.prompt_ids) + tokens_sent)
+        log.info("req=%s event=failover from=%s to=%s cause=%s", self.request_id, err.node, lease.node.name, cause)
+        return True
+
+    async def _continue_native(self, text: _TextState) -> AsyncIterator[str]:
+        """The rest of the request from the native pool, through the request's own detokenizer and stop matcher."""
+        context = self.plan.prompt_ids + text.tokens
+        async for token in native_tokens(self.state, context, self.plan.max_tokens - text.count, self._sampling(), self.request_id):
+            yield text.consume(token)
+            if text.finish_reason is not None:
+                break  # settles on the native side: the stream is closed
+        if text.finish_reason is None:  # vLLM ended on a stop the router's lists missed
+            text.finish_reason = "length" if text.count >= self.plan.max_tokens else "stop"
+        yield text.stops.sendable(True)
+
+    def settle_soon(self) -> None:
+        self.attempt.settle_soon()

@@ -28,6 +28,7 @@ class RouterMetrics:
         self.ttft_seconds = Histogram("tilepd_router_ttft_seconds", "Time to the first token (low-latency pool)", buckets=_LATENCY_BUCKETS, registry=r)
         self.lease_wait_seconds = Histogram("tilepd_router_lease_wait_seconds", "Time waited for a decode node", buckets=_LATENCY_BUCKETS, registry=r)
         self.completion_tokens = Counter("tilepd_router_completion_tokens", "Tokens generated (low-latency pool)", registry=r)
+        self.failovers = Counter("tilepd_router_failovers", "Requests moved to another node after a decode-node fault, by cause", ["cause"], registry=r)
         self.decode_errors = Counter("tilepd_router_decode_errors", "Decode node errors by node and code", ["node", "code"], registry=r)
         self.breaker = Counter("tilepd_router_breaker_transitions", "Decode nodes leaving (open) or rejoining (closed) rotation", ["node", "state"], registry=r)
         Gauge("tilepd_router_queue_depth", "Requests waiting for a decode node", registry=r).set_function(lambda: pool.queue_depth)
@@ -42,6 +43,15 @@ class RouterMetrics:
         node.consecutive_failures += 1
         node.last_error = why
         if node.in_rotation and node.consecutive_failures >= self.breaker_failures:
+            pool.set_in_rotation(node, False)
+            self.breaker.labels(node.name, "open").inc()
+            log.warning("event=node_out_of_rotation node=%s failures=%d last_error=%s", node.name, node.consecutive_failures, why)
+
+    def node_down(self, pool: NodePool, node: NodeState, why: str) -> None:
+        """A request saw the node fail (refused, reset, silent): out of rotation at once; the health checks bring it back."""
+        node.consecutive_failures = max(node.consecutive_failures + 1, self.breaker_failures)
+        node.last_error = why
+        if node.in_rotation:
             pool.set_in_rotation(node, False)
             self.breaker.labels(node.name, "open").inc()
             log.warning("event=node_out_of_rotation node=%s failures=%d last_error=%s", node.name, node.consecutive_failures, why)

@@ -17,7 +17,7 @@ from starlette.responses import Response, StreamingResponse
 
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.state import RouterState
-from tilepd.router.upstream import UpstreamError
+from tilepd.router.upstream import UpstreamError, UpstreamStream
 
 # what stock vLLM's NixlConnector producer expects on a prefill that a remote decode continues
 DO_REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -25,10 +25,10 @@ DO_REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "server", "date"})
 
 
-async def serve_native(state: RouterState, path: str, body: dict[str, Any], request_id: str, headers: dict[str, str]) -> Response:
-    """Prefill then decode on the native pool; returns the decode instance's response (streamed when asked)."""
+async def native_stream(state: RouterState, path: str, body: dict[str, Any], request_id: str) -> UpstreamStream:
+    """Prefill on a native prefill instance, then open the request on a native decode instance; its response, unread."""
     prefill_url, decode_url = state.next_native_urls()
-    body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # clients never set these
+    body = dict(body)
     body["model"] = state.config.served_model_name
     prefill_body = copy.deepcopy(body)
     prefill_body.update({"max_tokens": 1, "stream": False, "kv_transfer_params": DO_REMOTE_DECODE})
@@ -53,17 +53,23 @@ async def serve_native(state: RouterState, path: str, body: dict[str, Any], requ
                           "NixlConnector as kv_producer (or kv_both)?", type="prefill_error", code="native_prefill_no_kv_params")
     body["kv_transfer_params"] = kv_params
     try:
-        dresp = await state.client.stream("POST", f"{decode_url}{path}", body=body, headers=up_headers)
+        return await state.client.stream("POST", f"{decode_url}{path}", body=body, headers=up_headers)
     except UpstreamError as exc:
         raise RouterError(502, f"native decode {decode_url} unreachable: {exc}", type="decode_node_error",
                           code="native_decode_unreachable") from exc
+
+
+async def serve_native(state: RouterState, path: str, body: dict[str, Any], request_id: str, headers: dict[str, str]) -> Response:
+    """Prefill then decode on the native pool; returns the decode instance's response (streamed when asked)."""
+    body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # clients never set these
+    dresp = await native_stream(state, path, body, request_id)
     out_headers = {k: v for k, v in dresp.headers.items() if k.lower() not in _HOP_HEADERS}
     out_headers.update(headers)
     if not body.get("stream"):
         try:
             raw = await dresp.aread()
         except UpstreamError as exc:
-            raise RouterError(502, f"native decode {decode_url} broke off: {exc}", type="decode_node_error",
+            raise RouterError(502, f"native decode broke off: {exc}", type="decode_node_error",
                               code="native_decode_broken") from exc
         finally:
             await dresp.aclose()

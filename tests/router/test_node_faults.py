@@ -1,0 +1,219 @@
+"""Decode-node faults under the router, on real processes: SIGKILL and SIGSTOP of the serving node,
+before its first token and in the middle of a stream.
+
+Two decode nodes (f1, f2, allowlisted by the session prefill) serve a router of their own. The
+client (the `openai` SDK) must get the whole answer, token-exact against an unfaulted greedy
+run, and the faulty node must be out of rotation. Every stopped process is continued and every
+killed node restarted on its ports before the next test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tilepd.connector.launch import Server
+from tilepd.plan.service_configs import RouterConfig
+
+from .conftest import Stack
+from .stack import MODEL_NAME, router_config, start_decode_node, start_router
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+PROMPT = "Once upon a time"
+LONG = 900  # tokens: the stream is still running when the test acts on its first few
+SHORT = 24
+
+
+class Nodes:
+    """The spare decode nodes; `ensure_up` restarts a killed one on its ports and continues a stopped one."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.servers: dict[str, Server] = {}
+        self.stopped: set[str] = set()
+
+    def ensure_up(self) -> None:
+        for name in list(self.stopped):
+            self.cont(name)
+        for ep in self.stack.spares:
+            srv = self.servers.get(ep.name)
+            if srv is None or srv.proc.poll() is not None:
+                self.servers[ep.name], _ = start_decode_node(self.stack.model, self.stack.workdir, endpoint=ep)
+
+    def pid(self, name: str) -> int:
+        return self.servers[name].proc.pid
+
+    def kill(self, name: str) -> None:
+        os.killpg(self.pid(name), signal.SIGKILL)
+        self.servers[name].proc.wait(10)
+
+    def stop(self, name: str) -> None:
+        self.stopped.add(name)
+        os.killpg(self.pid(name), signal.SIGSTOP)
+
+    def cont(self, name: str) -> None:
+        os.killpg(self.pid(name), signal.SIGCONT)
+        self.stopped.discard(name)
+
+    def close(self) -> None:
+        for name in list(self.stopped):
+            self.cont(name)
+        for srv in self.servers.values():
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def nodes(router_stack: Stack) -> Iterator[Nodes]:
+    n = Nodes(router_stack)
+    try:
+        n.ensure_up()
+        yield n
+    finally:
+        n.close()
+
+
+class Router:
+    def __init__(self, srv: Server, config: RouterConfig) -> None:
+        self.srv = srv
+        self.config = config
+        self.url = srv.url
+        self.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=180)
+
+    def status(self) -> dict[str, Any]:
+        return {n["name"]: n for n in httpx.get(self.url + "/status", timeout=10).json()["nodes"]}
+
+    def wait_all_in_rotation(self, timeout_s: float = 60.0) -> None:
+        assert _wait(lambda: all(n["in_rotation"] and not n["leased"] for n in self.status().values()), timeout_s), self.status()
+
+    def log_events(self, event: str) -> list[str]:
+        return [line for line in self.srv.log_text().splitlines() if f"event={event}" in line]
+
+
+@pytest.fixture(scope="module")
+def start_fault_router(router_stack: Stack, nodes: Nodes) -> Iterator[Callable[..., Router]]:
+    started: list[Server] = []
+
+    def start(**overrides: Any) -> Router:
+        assert router_stack.prefill is not None
+        fields: dict[str, Any] = {"queue_timeout_s": 10.0, "health_interval_s": 0.5, **overrides}
+        cfg = router_config(router_stack.model, router_stack.prefill.url, router_stack.spares, **fields)
+        srv = start_router(cfg, router_stack.workdir, name=f"fault-router-{len(started)}")
+        started.append(srv)
+        router = Router(srv, cfg)
+        router.wait_all_in_rotation()
+        return router
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def router(start_fault_router: Callable[..., Router]) -> Router:
+    """Health checks every 0.5 s: the router notices a dead node by itself too."""
+    return start_fault_router()
+
+
+@pytest.fixture(scope="module")
+def reference(router: Router) -> dict[int, tuple[str, int]]:
+    """Unfaulted greedy runs through the same router: text and completion tokens, by max_tokens."""
+    out = {}
+    for n in (LONG, SHORT):
+        r = router.client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=n, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert r.usage is not None and r.usage.completion_tokens == n
+        out[n] = (r.choices[0].text, r.usage.completion_tokens)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _healthy_nodes(nodes: Nodes) -> Iterator[None]:
+    nodes.ensure_up()
+    yield
+    nodes.ensure_up()  # SIGCONT whatever a failed test left stopped
+
+
+def _wait(check: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _stream(router: Router, max_tokens: int, on_chunk: Callable[[int, str], None]) -> tuple[str, int, str]:
+    """Stream a greedy completion with the SDK; `on_chunk(i, node)` runs after the i-th text chunk. Text, usage, finish."""
+    stream = router.client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    node = stream.response.headers["x-tilepd-node"]
+    parts, usage, finish, i = [], -1, "", 0
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.text:
+                parts.append(choice.text)
+                i += 1
+                on_chunk(i, node)
+            finish = choice.finish_reason or finish
+    return "".join(parts), usage, finish
+
+
+def _failovers(router: Router) -> list[dict[str, str]]:
+    return [dict(re.findall(r"(\w+)=(\S+)", line)) for line in router.log_events("failover")]
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+def test_fault_mid_stream_continues_token_exact(router: Router, nodes: Nodes, reference: dict[int, tuple[str, int]], fault: str) -> None:
+    """The serving node dies (or freezes) after a few tokens; the stream goes on from another node, unbroken."""
+    before = len(_failovers(router))
+    hit: list[str] = []
+    t_fault: list[float] = []
+
+    def act(i: int, node: str) -> None:
+        if i == 4:
+            hit.append(node)
+            t_fault.append(time.monotonic())
+            (nodes.kill if fault == "sigkill" else nodes.stop)(node)
+
+    text, usage, finish = _stream(router, LONG, act)
+    assert (text, usage, finish) == (*reference[LONG], "length")
+    moves = _failovers(router)[before:]
+    assert [m["from"] for m in moves] == hit, moves
+    assert not router.status()[hit[0]]["in_rotation"]
+    print(f"fault={fault} node={hit[0]} failover={moves[0]}")
+    nodes.ensure_up()  # continue the stopped node, or restart the killed one on its ports
+    router.wait_all_in_rotation()  # the health checks bring it back
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+def test_fault_before_first_token_is_retried(start_fault_router: Callable[..., Router], nodes: Nodes,
+                                             reference: dict[int, tuple[str, int]], fault: str) -> None:
+    """A node that died (or froze) while idle gets the next request before any health check saw it
+    (checks every 10 min here): the request goes to the other node, nothing is lost."""
+    router = start_fault_router(health_interval_s=600.0)
+    victim = nodes.stack.spares[0].name
+    (nodes.kill if fault == "sigkill" else nodes.stop)(victim)
+    seconds: list[float] = []
+    # the pool hands out free nodes in turn: within two requests one is leased to the victim
+    for _ in range(2):
+        t0 = time.monotonic()
+        text, usage, finish = _stream(router, SHORT, lambda i, node: None)
+        assert (text, usage, finish) == (*reference[SHORT], "length")
+        seconds.append(time.monotonic() - t0)
+    moves = _failovers(router)
+    # one move off the victim; a SIGSTOPped victim can hold up the prefill's KV sender (tilepd/control/sender.py,
+    # 30 s reply timeout, one sender thread), so the next node may time out on the KV and pass the request on once more
+    assert moves and moves[0]["from"] == victim and all(m["to"] != victim for m in moves), moves
+    assert not router.status()[victim]["in_rotation"]
+    print(f"fault={fault} request seconds: {[round(s, 2) for s in seconds]} failover={moves[0]}")
