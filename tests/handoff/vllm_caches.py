@@ -68,9 +68,6 @@ def dsa_caches(state: KVState, *, block_size: int = 64, num_blocks: int = 16, la
     latent: "float32" | "bfloat16" (FlashMLA-sparse bf16) | "fp8_ds_mla". The request gets `block_ids` (default:
     a scattered, non-ascending set) so the connector's gather is exercised on a real block table.
     """
-    from vllm.v1.kv_cache_interface import KVCacheTensor, MLAAttentionSpec, SparseCacheRole, create_kv_cache_views
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
     assert state.indexer is not None, "a DSA state carries indexer keys"
     t = state.seq_len
     nb_req = -(-t // block_size)
@@ -78,30 +75,66 @@ def dsa_caches(state: KVState, *, block_size: int = 64, num_blocks: int = 16, la
         block_ids = [(7 * i + 3) % num_blocks for i in range(nb_req)][::-1]
     assert len(set(block_ids)) == nb_req <= num_blocks, (block_ids, nb_req, num_blocks)
     width = state.layers[0].shape[-1]
+    ihd = next(x for x in state.indexer if x is not None).shape[-1]
+    n_lat = len(state.layers)
+    ix_layers = [l for l, x in enumerate(state.indexer) if x is not None]
+    lat_names = [f"model.layers.{l}.self_attn.attn" for l in range(n_lat)]
+    ix_names = [f"model.layers.{l}.self_attn.indexer.k_cache" for l in ix_layers]
+    try:
+        import vllm.v1.kv_cache_interface  # noqa: F401  (vLLM's own allocator views when vLLM is installed)
+    except ImportError:  # a GPU host without vLLM (bench/connector_gpu_parity.py): LBHNC views by hand
+        lat_views, ix_views = _plain_views(n_lat, len(ix_layers), num_blocks, block_size, width, ihd, latent, device, layout)
+    else:
+        lat_views, ix_views = _vllm_views(n_lat, lat_names, ix_names, num_blocks, block_size, width, ihd, latent, device, layout)
+    _fill(state, lat_views, ix_views, ix_layers, block_ids, block_size, latent)
+    caches = dict(zip(lat_names, lat_views)) | dict(zip(ix_names, ix_views))
+    return DsaCaches(caches, block_ids, lat_names, ix_names)
+
+
+def _plain_views(n_lat: int, n_ix: int, num_blocks: int, block_size: int, width: int, ihd: int, latent: str, device: str,
+                 layout: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """vLLM's LBHNC layout without vLLM: each layer's [B, 1, N, C] cache is one contiguous run."""
+    if layout != "LBHNC":
+        raise ValueError(f"without vLLM only the LBHNC layout is built (asked for {layout})")
+    if latent == "fp8_ds_mla":
+        lat = [torch.zeros(num_blocks, 1, block_size, 656, dtype=torch.uint8, device=device) for _ in range(n_lat)]
+    else:
+        lat = [torch.zeros(num_blocks, 1, block_size, width, dtype=getattr(torch, latent), device=device) for _ in range(n_lat)]
+    ix = [torch.zeros(num_blocks, 1, block_size, ihd + ihd // INDEXER_GROUP * 4, dtype=torch.uint8, device=device) for _ in range(n_ix)]
+    return lat, ix
+
+
+def _vllm_views(n_lat: int, lat_names: list[str], ix_names: list[str], num_blocks: int, block_size: int, width: int, ihd: int,
+                latent: str, device: str, layout: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    from vllm.v1.kv_cache_interface import KVCacheTensor, MLAAttentionSpec, SparseCacheRole, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
     if latent == "fp8_ds_mla":
         lat_spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=width, dtype=torch.uint8,
                                     cache_dtype_str="fp8_ds_mla", state_content_bytes=656)
     else:
         lat_spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=width, dtype=getattr(torch, latent))
-    ihd = next(x for x in state.indexer if x is not None).shape[-1]
     ix_spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=ihd + ihd // INDEXER_GROUP * 4, dtype=torch.uint8,
                                cache_role=SparseCacheRole.INDEXER)
-    n_lat = len(state.layers)
-    ix_layers = [l for l, x in enumerate(state.indexer) if x is not None]
-    lat_names = [f"model.layers.{l}.self_attn.attn" for l in range(n_lat)]
-    ix_names = [f"model.layers.{l}.self_attn.indexer.k_cache" for l in ix_layers]
+    n_ix = len(ix_names)
     lp, ip = lat_spec.page_size_bytes, ix_spec.page_size_bytes
     lay = KVCacheLayout[layout]
-    raw = torch.zeros(n_lat * lp * num_blocks + len(ix_layers) * ip * num_blocks, dtype=torch.int8, device=device)
+    raw = torch.zeros(n_lat * lp * num_blocks + n_ix * ip * num_blocks, dtype=torch.int8, device=device)
     if lay.is_layer_compact:
         lt = KVCacheTensor(size=raw.numel(), layers=lat_names, layer_stride=lp * num_blocks, block_stride=lp)
         it = KVCacheTensor(size=raw.numel(), layers=ix_names, layer_stride=ip * num_blocks, block_stride=ip, offset=n_lat * lp * num_blocks)
     else:  # block-outermost: each block holds every layer's page
         lt = KVCacheTensor(size=raw.numel(), layers=lat_names, layer_stride=lp, block_stride=lp * n_lat)
-        it = KVCacheTensor(size=raw.numel(), layers=ix_names, layer_stride=ip, block_stride=ip * len(ix_layers),
+        it = KVCacheTensor(size=raw.numel(), layers=ix_names, layer_stride=ip, block_stride=ip * n_ix,
                            offset=n_lat * lp * num_blocks)
-    lat_views = create_kv_cache_views(raw, lat_spec, num_blocks, lay, lt)
-    ix_views = create_kv_cache_views(raw, ix_spec, num_blocks, lay, it)
+    return create_kv_cache_views(raw, lat_spec, num_blocks, lay, lt), create_kv_cache_views(raw, ix_spec, num_blocks, lay, it)
+
+
+def _fill(state: KVState, lat_views: list[torch.Tensor], ix_views: list[torch.Tensor], ix_layers: list[int], block_ids: list[int],
+          block_size: int, latent: str) -> None:
+    """Write the request's tokens into its blocks, in vLLM's encodings."""
+    t = state.seq_len
+    nb_req = len(block_ids)
     for l, view in enumerate(lat_views):
         x = state.layers[l][:, 0, :]  # [T, width]
         rows = quant_fp8_ds_mla(x) if latent == "fp8_ds_mla" else x.to(view.dtype)
@@ -110,8 +143,7 @@ def dsa_caches(state: KVState, *, block_size: int = 64, num_blocks: int = 16, la
         for i, b in enumerate(block_ids):
             view[b, 0].copy_(pad[i * block_size:(i + 1) * block_size])
     for view, l in zip(ix_views, ix_layers):
+        assert state.indexer is not None and state.indexer[l] is not None
         blocks = quant_indexer_blocks(state.indexer[l], block_size)
         for i, b in enumerate(block_ids):
             view[b].copy_(blocks[i].view(view.shape[1:]))
-    caches = dict(zip(lat_names, lat_views)) | dict(zip(ix_names, ix_views))
-    return DsaCaches(caches, block_ids, lat_names, ix_names)

@@ -497,9 +497,11 @@ class TilePDConnector(KVConnectorBase_V1):
 
 def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts) -> torch.Tensor | None:
     """On vLLM's CPU platform standard attention runs CPU_ATTN, whose blocks are kernel-packed."""
+    if facts.use_mla:  # MLA caches are literal on every backend
+        return None
     from vllm.platforms import current_platform
 
-    if facts.use_mla or not current_platform.is_cpu():
+    if not current_platform.is_cpu():
         return None
     if facts.cache_dtype != "auto":
         raise UnsupportedCacheLayout(f"CPU_ATTN with --kv-cache-dtype {facts.cache_dtype} is not supported; use auto")
