@@ -30,6 +30,8 @@ VERB_MODULES: dict[str, str] = {
     "down": "tilepd.cli.deploy_cmds",
     "status": "tilepd.cli.deploy_cmds",
     "logs": "tilepd.cli.deploy_cmds",
+    "doctor": "tilepd.cli.doctor_cmds",
+    "runbook": "tilepd.cli.doctor_cmds",
 }
 
 

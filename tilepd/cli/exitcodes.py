@@ -15,3 +15,4 @@ class ExitCode(IntEnum):
     TASK_FAILED = 6  # an Ansible task failed (host, task and the module's message are printed)
     UNHEALTHY = 7  # a service failed its health gate or the canary, or status found it degraded
     NOT_AVAILABLE = 8  # the verb exists but this build does not implement it yet
+    PREFLIGHT = 9  # `tilepd doctor`: a required preflight check failed on a host (check id, evidence, fix printed)

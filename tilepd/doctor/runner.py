@@ -1,0 +1,66 @@
+"""Run every doctor check on every host of a deployment (hosts in parallel, checks in order per host)."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tilepd.deploy.remote import HostShell, HostUnreachable
+from tilepd.doctor import checks_host as H
+from tilepd.doctor import checks_hw as W
+from tilepd.doctor import checks_live as L
+from tilepd.doctor.expect import HostExpect, host_expectations
+from tilepd.doctor.probe import Probe
+from tilepd.doctor.result import Finding, ok
+from tilepd.plan import Plan
+from tilepd.topology import Topology
+
+
+def check_host(exp: HostExpect, topo: Topology, plan: Plan, *, known_hosts: Path | None = None, live: bool = True) -> list[Finding]:
+    """All checks of one host; an unreachable host gives one failed `ssh` finding."""
+    shell = HostShell(exp.host, known_hosts=known_hosts)
+    probe = Probe(shell)
+    h = exp.host.name
+    try:
+        out: list[Finding] = []
+        if not exp.host.local:
+            probe.sh("true")  # connect first: an unreachable host is one finding, not one per check
+            out.append(ok("ssh", h, f"{exp.host.ssh.user or 'current user'}@{exp.host.address}:{exp.host.ssh.port}"))
+        out += H.run_python(probe, exp)
+        out += W.run_gpus(probe, exp)
+        if plan.rdma and (exp.gpu_count or exp.nics or {"prefill", "decode", "native_decode"} & set(exp.host.roles)):
+            out += W.run_rdma_all(probe, exp, transport=plan.transport, services_mode=plan.services_mode)
+        out.append(W.evaluate_memlock(exp, probe.sh("ulimit -l"), rdma=plan.rdma, services_mode=plan.services_mode))
+        states = H.proc_states(probe, exp)
+        out += H.run_ports(probe, exp, states)
+        manifest = H.run_manifest(probe, exp, topo)
+        checkpoint = H.run_checkpoint(probe, exp, topo)
+        out += [f for f in (checkpoint, manifest) if f is not None]
+        out += H.run_disk(probe, exp, topo, manifest_present=manifest is not None and manifest.verdict != "warn")
+        out.append(H.run_clock(probe, exp))
+        if live:
+            out += L.run_live(exp, states)
+        if any(st.get("running") for st in states.values()):
+            for f in out:  # this deployment's own services hold GPU memory while they run
+                if f.check == "gpu-free-memory" and f.verdict == "fail":
+                    f.verdict, f.required = "warn", False
+                    f.evidence += " (this deployment's services run here)"
+        return out
+    except HostUnreachable as e:
+        return [Finding("ssh", h, "fail", e.reason, f"check the address, `ssh -p {exp.host.ssh.port} {exp.host.ssh.user or '$USER'}@{exp.host.address}`, "
+                        "the key and sshd on the host", "RB-host-unreachable")]
+    finally:
+        shell.close()
+
+
+def run_doctor(topo: Topology, plan: Plan, *, hosts: list[str] | None = None, known_hosts: Path | None = None,
+               live: bool = True, environ: dict[str, str] | None = None) -> list[Finding]:
+    """Findings of every selected host (plan order), then the controller-side checks."""
+    exps = [e for e in host_expectations(topo, plan) if hosts is None or e.host.name in hosts]
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(exps)))) as pool:
+        per_host = list(pool.map(lambda e: check_host(e, topo, plan, known_hosts=known_hosts, live=live), exps))
+    out = [f for fs in per_host for f in fs]
+    selected = {e.host.name for e in exps}
+    out += [f for f in H.evaluate_api_key(plan, os.environ if environ is None else environ) if f.host in selected]
+    return out
