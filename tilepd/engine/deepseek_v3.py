@@ -65,7 +65,7 @@ class DeepseekV3Model:
         """[T, V] float32 logits (tensor parallelism overrides this with a vocab-parallel head)."""
         return linear(h, self.w["lm_head"]).float()
 
-    def _attention(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor,
+    def _attention(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor | None,
                    dsa: DSAStep | None = None) -> torch.Tensor:
         s, w = self.spec, self.w
         t, r = x.shape[0], s.kv_lora_rank
@@ -93,7 +93,7 @@ class DeepseekV3Model:
         out = torch.einsum("thc,hvc->thv", out_lat.to(x.dtype), w[p + "w_uv"])  # W_UV after attention
         return linear(out.reshape(t, -1), w[p + "wo"])
 
-    def _layer(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor, is_moe: bool,
+    def _layer(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor | None, is_moe: bool,
                dsa: DSAStep | None = None) -> torch.Tensor:
         s, w = self.spec, self.w
         x = x + self._attention(p, cache, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps), positions, cs, mask, dsa=dsa)
@@ -107,7 +107,7 @@ class DeepseekV3Model:
         cs = self.rope.index_select(0, positions)
         valid = length_mask(positions, attn_len)
         dsa = DSAStep(valid) if s.is_dsa else None
-        mask = attention_bias(valid, s.num_heads, x.dtype)
+        mask = None if dsa else attention_bias(valid, s.num_heads, x.dtype)  # DSA attends through dsa.selection
         for i in range(s.num_layers):
             x = self._layer(f"layers.{i}.", self.caches[i], x, positions, cs, mask, i >= s.first_k_dense_replace, dsa=dsa)
         h = rms_norm(x, w["norm"], s.rms_norm_eps)
@@ -123,7 +123,8 @@ class DeepseekV3Model:
         x = linear(torch.cat([e, hp], dim=-1), w[p + "eh_proj"])
         cs = self.rope.index_select(0, positions)
         valid = length_mask(positions, attn_len) & (torch.arange(attn_len, device=positions.device) >= self.mtp_start)[None, :]
-        mask = attention_bias(valid, s.num_heads, x.dtype)
-        x = self._layer(p, self.mtp_caches[k], x, positions, cs, mask, True, dsa=DSAStep(valid) if s.is_dsa else None)
+        dsa = DSAStep(valid) if s.is_dsa else None
+        mask = None if dsa else attention_bias(valid, s.num_heads, x.dtype)
+        x = self._layer(p, self.mtp_caches[k], x, positions, cs, mask, True, dsa=dsa)
         h = rms_norm(x, w[p + "head_norm"], s.rms_norm_eps)
         return self._logits(h), h
