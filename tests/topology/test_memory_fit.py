@@ -162,3 +162,11 @@ def test_validate_does_not_import_torch(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("value", [".inf", "1e308", ".nan", "0"])
+def test_stated_memory_must_be_a_real_size(value: str) -> None:
+    with pytest.raises(TopologyError) as info:
+        load_topology_text(SEED.replace("{type: B200, count: 8}", f"{{type: B200, count: 8, memory_gib: {value}}}"), "t.yaml")
+    (finding,) = info.value.findings
+    assert (finding.rule, finding.path) == ("schema.invalid", "decode[0].gpu.memory_gib")

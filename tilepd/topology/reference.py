@@ -30,6 +30,7 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.TASK_FAILED: "an Ansible task failed (host, task and the module's message are printed)",
     ExitCode.UNHEALTHY: "a service failed its health gate or the canary, or status found it degraded",
     ExitCode.NOT_AVAILABLE: "the verb exists but this build does not implement it yet",
+    ExitCode.PREFLIGHT: "`tilepd doctor`: a required preflight check failed on a host (check id, evidence, fix and runbook printed)",
 }
 
 SCHEMA_RULES = {

@@ -80,7 +80,7 @@ class VllmHostBase(HostBase):
     port: Port = _port("vLLM's OpenAI HTTP port.", required=True)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1, description="vLLM `--gpu-memory-utilization`.")
     gpu_type: str | None = Field(default=None, min_length=1, description="GPU model (e.g. `H200`): with it, rule `memory-fit` checks that vLLM's weights and one `max_seq_len` request fit.")
-    gpu_memory_gib: float | None = Field(default=None, gt=0, description="Memory per GPU in GiB, for a `gpu_type` tilepd's table does not know (or to override it).")
+    gpu_memory_gib: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False, description="Memory per GPU in GiB, for a `gpu_type` tilepd's table does not know (or to override it).")
     enforce_eager: bool = Field(default=False, description="vLLM `--enforce-eager`.")
     extra_args: list[str] = Field(default_factory=list, description="Further vLLM arguments, one list item per argv word; must not repeat a flag the plan sets.")
     nixl_side_channel_port: Port = _port(
@@ -102,7 +102,7 @@ class Gpu(_Model):
 
     type: str = Field(min_length=1, description="GPU model (e.g. `B200`, `H200`), or `cpu` for development nodes.")
     count: int = Field(default=0, ge=0, description="Number of GPUs; 0 with type `cpu`.")
-    memory_gib: float | None = Field(default=None, gt=0, description="Memory per GPU in GiB, for a `type` tilepd's table does not know (or to override it); rule `memory-fit`.")
+    memory_gib: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False, description="Memory per GPU in GiB, for a `type` tilepd's table does not know (or to override it); rule `memory-fit`.")
 
 
 class DecodeNode(HostBase):

@@ -138,7 +138,7 @@ class _Builder:
         """A scalar by SafeLoader's rules; values its constructors reject (a 13th month) are located errors."""
         try:
             return self.loader.construct_object(node, deep=True)
-        except (ValueError, TypeError, OverflowError) as exc:
+        except (ValueError, TypeError, OverflowError, IndexError, KeyError) as exc:  # `!!int ` (empty): IndexError in PyYAML
             raise self._refuse(node, f"not valid YAML for a topology: {node.value!r} cannot be read as {node.tag.rsplit(':', 1)[-1]} ({exc})") from None
 
     def _mapping(self, node: yaml.MappingNode, loc: Loc, merge_depth: int) -> dict[str, Any]:
