@@ -68,8 +68,10 @@ if triton is not None:
 
 
 # Tile config: (BLOCK_N, BLOCK_K, num_warps). BLOCK_N is picked per call for enough programs to fill the
-# GPU (~4 per SM); TUNE lets bench/fp8_gpu_parity.py sweep the others on the real device.
-TUNE: dict[str, int] = {"block_k": 256, "num_warps": 4, "programs": 4 * 132, "block_n": 0}
+# GPU (~16 per SM); TUNE lets bench/fp8_gpu_parity.py sweep the others on the real device. Defaults from
+# that sweep on one H200 (2026-11-30, Llama-8B GEMV shapes): the best tiles were BLOCK_K 512, 4 warps and
+# BLOCK_N 8-16 (1843-3490 GB/s) where the first guess (BLOCK_K 256, ~4 programs per SM) reached 1334-2598.
+TUNE: dict[str, int] = {"block_k": 512, "num_warps": 4, "programs": 16 * 132, "block_n": 0}
 
 
 def _block_n(n: int, rows: int) -> int:
