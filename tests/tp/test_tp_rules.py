@@ -27,10 +27,14 @@ def _topology(tmp_path: Path, hf_path: Path, family: str, prefill: int, decode: 
     return out
 
 
-def _config(tmp_path: Path, **cfg: int) -> Path:
+def _config(tmp_path: Path, family: str = "llama", **cfg: int) -> Path:
+    """A whole config.json (rule model-config refuses a partial one) of the family, with the given head counts."""
+    from tilepd.topology.known_models import KNOWN_MODELS
+
+    base = KNOWN_MODELS["meta-llama/Meta-Llama-3-8B" if family == "llama" else "deepseek-ai/DeepSeek-V3"].config
     d = tmp_path / "hf"
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "config.json").write_text(json.dumps({**base, **cfg}))
     return d
 
 
@@ -51,9 +55,9 @@ def test_kv_heads_that_do_not_split_are_refused_naming_the_fields(tmp_path: Path
 
 def test_mla_latent_maps_any_prefill_tp(tmp_path: Path) -> None:
     """MLA: prefill rank 0 sends the one latent whatever the prefill TP; decode TP must split the heads."""
-    hf = _config(tmp_path, num_attention_heads=128, num_key_value_heads=128)
+    hf = _config(tmp_path, "deepseek_v3", num_attention_heads=128, num_key_value_heads=128)
     load_topology(_topology(tmp_path, hf, "deepseek_v3", 8, 8))
-    hf = _config(tmp_path, num_attention_heads=12, num_key_value_heads=12)
+    hf = _config(tmp_path, "deepseek_v3", num_attention_heads=12, num_key_value_heads=12)
     with pytest.raises(TopologyError, match="tensor_parallel.decode=8 does not divide num_attention_heads=12"):
         load_topology(_topology(tmp_path, hf, "deepseek_v3", 1, 8))
 
