@@ -8,12 +8,14 @@ runbook 0, or 2 for an unknown id.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.markdown import Markdown
+from rich.markup import escape
 from rich.table import Table
 
 from tilepd.cli.exitcodes import ExitCode
@@ -24,21 +26,29 @@ err = Console(stderr=True, soft_wrap=True)
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
 
 
-def _table(findings) -> Table:  # noqa: ANN001 - list[tilepd.doctor.Finding]
-    table = Table(title="tilepd doctor", title_justify="left")
-    for col in ("host", "check", "verdict", "evidence", "fix"):
-        table.add_column(col, overflow="fold")
-    for f in findings:
-        verdict = f.verdict + ("" if f.required or f.verdict in ("ok", "skip") else " (info)")
-        fix = f.fix + (f" [bold]runbook {f.runbook}[/]" if f.runbook and f.verdict in ("fail", "warn") else "")
-        table.add_row(f.host, f.check, f"[{_STYLE[f.verdict]}]{verdict}[/]", f.evidence, fix)
-    return table
+def _tables(findings) -> list[Table]:  # noqa: ANN001 - list[tilepd.doctor.Finding]
+    """One table per host (check, verdict, what was seen and the fix under it): readable at 80 columns."""
+    hosts = list(dict.fromkeys(f.host for f in findings))
+    out = []
+    for host in hosts:
+        table = Table(title=f"tilepd doctor: {host}", title_justify="left", expand=False)
+        table.add_column("check", no_wrap=True)
+        table.add_column("verdict", no_wrap=True)
+        table.add_column("evidence / fix", overflow="fold")
+        for f in (f for f in findings if f.host == host):
+            verdict = f.verdict + ("" if f.required or f.verdict in ("ok", "skip") else "*")
+            detail = escape(f.evidence)
+            if f.verdict in ("fail", "warn") and (f.fix or f.runbook):
+                detail += f"\n[bold]fix:[/] {escape(f.fix)}" + (f" [bold](tilepd runbook {f.runbook})[/]" if f.runbook else "")
+            table.add_row(f.check, f"[{_STYLE[f.verdict]}]{verdict}[/]", detail)
+        out.append(table)
+    return out
 
 
 def doctor(
     topology: Path = typer.Argument(..., help="Topology file.", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
-    host: Optional[list[str]] = typer.Option(None, "--host", help="Only this host (address as in `tilepd plan`; repeatable)."),
+    host: Optional[list[str]] = typer.Option(None, "--host", help="Only this host: its address (as in `tilepd plan`) or a topology entry name; repeatable."),
     live: bool = typer.Option(True, "--live/--no-live", help="Also look at services already running (state, health, router counters)."),
 ) -> None:
     """Preflight every host of a topology: versions, GPUs, RDMA, memlock, ports, disk, clock, weights.
@@ -50,12 +60,17 @@ def doctor(
     from tilepd.doctor import exit_code
     from tilepd.doctor.runner import run_doctor
 
+    from tilepd.deploy.deployment import resolve_limit
+
+    # paramiko logs a failed handshake with a traceback from its transport thread; the `ssh` finding says it
+    logging.getLogger("paramiko").setLevel(logging.CRITICAL)
     dep = _load(topology)
     names = {h.name for h in dep.plan.hosts}
-    unknown = [h for h in host or [] if h not in names]
-    if unknown:
-        err.print(f"[red]--host {', '.join(unknown)}: not a host of {topology}[/]; hosts: {', '.join(sorted(names))}", highlight=False)
-        raise typer.Exit(int(ExitCode.USAGE))
+    try:  # an address, or a topology entry name (as `up --limit`)
+        host = resolve_limit(dep, ",".join(host)).split(",") if host else None  # type: ignore[union-attr]
+    except ValueError as e:
+        err.print(f"[red]--host {str(e).removeprefix('--limit ')}[/]", highlight=False)
+        raise typer.Exit(int(ExitCode.USAGE)) from None
     if as_json:
         findings = run_doctor(dep.topology, dep.plan, hosts=host or None, known_hosts=dep.known_hosts, live=live)
     else:
@@ -65,7 +80,10 @@ def doctor(
     if as_json:
         typer.echo(json.dumps({"deployment": dep.plan.deployment, "exit_code": int(code), "findings": [f.as_json() for f in findings]}, indent=2))
     else:
-        console.print(_table(findings))
+        for table in _tables(findings):
+            console.print(table)
+        if any(f.verdict in ("warn", "fail") and not f.required for f in findings):
+            console.print("[dim]* informational: does not fail the preflight[/]")
         failed = [f for f in findings if f.verdict == "fail" and f.required]
         if failed:
             books = sorted({f.runbook for f in failed if f.runbook})
