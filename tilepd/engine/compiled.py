@@ -2,7 +2,7 @@
 
 `accelerate(model)` switches a freshly built model to the fastest path measured on an H200
 (bench/decode_speed.py, docs/PERFORMANCE.md): attention through the split-KV Triton kernel
-(attention.py) and the per-layer element-wise work fused by torch.compile, with the cache-reading
+(attention.py), DeepSeek-family latent attention (dense and DSA) through the MLA kernel (mla_attention.py), and the per-layer element-wise work fused by torch.compile, with the cache-reading
 attention left outside the compiled code (so one compilation serves every cache-window bucket and the
 cache is never copied). Compilation and Triton builds only happen at the first graph capture; if that
 fails, GraphStep applies the returned fallbacks one at a time (first drop torch.compile, then the
@@ -42,7 +42,8 @@ def _triton_available() -> bool:
     return True
 
 
-def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, compile_mode: str | None = None) -> SpeedPath:
+def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, mla_attention: bool = True,
+               compile_mode: str | None = None) -> SpeedPath:
     """Turn on the speed path for `model` (CUDA only; call before the first graph capture)."""
     path = SpeedPath()
     if triton_attention and _triton_available():
@@ -55,6 +56,16 @@ def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = T
             return f"attention back to {before}"
 
         path.fallbacks.insert(0, undo_triton)
+    if mla_attention and _triton_available() and getattr(getattr(model, "spec", None), "family", None) == "deepseek_v3":
+        before_mla = layers.ATTENTION_IMPL["mla"]
+        layers.ATTENTION_IMPL["mla"] = "triton"
+        path.parts.append("mla-kernel")
+
+        def undo_mla() -> str:
+            layers.ATTENTION_IMPL["mla"] = before_mla
+            return f"MLA attention back to {before_mla}"
+
+        path.fallbacks.insert(0, undo_mla)  # a failing MLA kernel is undone before the generic one
     if compile_layers and hasattr(model, "compile"):
         saved = {name: getattr(model, name) for name in _SWAPPED if hasattr(model, name)}
         try:

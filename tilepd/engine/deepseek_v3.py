@@ -8,18 +8,34 @@ is ever materialised and each step reads (r + rope) values per cached token.
 DSA models (deepseek_v32, glm_moe_dsa) add the lightning indexer (dsa.py): per layer an indexer-key cache,
 and attention over the indexer's top-k positions only; GLM "shared" layers reuse the previous full
 layer's top-k (transformers modeling_glm_moe_dsa.py:404-417), MTP layers always index for themselves.
+
+On CUDA with layers.ATTENTION_IMPL["mla"] == "triton" (compiled.accelerate sets it) the latent attention,
+dense and sparse, runs in mla_attention.py's kernel, which reads each cache row once for K and V and
+needs no [H*T, L] bias: dense layers then get a DenseSpan (each token's visible slots) instead.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tilepd.engine.dsa import DSAStep, select_topk, sparse_mla_attention
-from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
+from tilepd.engine.layers import ATTENTION_IMPL, linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.moe import moe
 from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table, yarn_softmax_scale
 from tilepd.engine.spec import ModelSpec
+
+
+@dataclass
+class DenseSpan:
+    """Dense MLA mask for the kernel: token t sees slots lo[t]..hi[t] (device tensors) of a window of `length`."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    length: int
 
 
 class DeepseekV3Model:
@@ -35,6 +51,7 @@ class DeepseekV3Model:
         self.mtp_caches = [torch.zeros(max_seq_len, 1, width, dtype=cache_dtype, device=device) for _ in range(spec.num_mtp_layers if self.has_mtp else 0)]
         # The MTP layer only has KV for positions it processed itself (the prefill did not run it).
         self.mtp_start = torch.zeros(1, dtype=torch.long, device=device)
+        self._zero = torch.zeros(1, dtype=torch.long, device=device)  # main layers see slots from 0
         self.rope = rope_table(spec.qk_rope_head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, max_seq_len,
                                device, weights["embed"].dtype, interleaved=spec.rope_interleave)
         self.scale = (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(spec.rope_scaling)
@@ -57,6 +74,21 @@ class DeepseekV3Model:
         prefixes = [f"layers.{i}." for i in range(self.spec.num_layers)] + [f"mtp.{k}." for k in range(len(self.mtp_caches))]
         return [self.index_caches.get(p) for p in prefixes]
 
+    def _mla_kernel(self, x: torch.Tensor) -> bool:
+        """Whether this step's latent attention runs in the Triton kernel (CUDA speed path, supported widths;
+        on CPU only under Triton's interpreter, TRITON_INTERPRET=1, which is how the CPU tests run it)."""
+        if ATTENTION_IMPL["mla"] != "triton" or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            return False
+        from tilepd.engine.mla_attention import supports
+
+        return supports(self.spec.kv_lora_rank, self.spec.qk_rope_head_dim)
+
+    def _dense_mask(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, lo: torch.Tensor) -> torch.Tensor | DenseSpan:
+        """The kernel's span (lo..position) or, on the reference path, the additive bias of `valid`."""
+        if self._mla_kernel(x):
+            return DenseSpan(lo.expand(positions.shape[0]).contiguous(), positions, valid.shape[1])
+        return attention_bias(valid, self.spec.num_heads, x.dtype)
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings (tensor parallelism overrides this with a vocab-parallel lookup)."""
         return F.embedding(tokens, self.w["embed"])
@@ -65,8 +97,8 @@ class DeepseekV3Model:
         """[T, V] float32 logits (tensor parallelism overrides this with a vocab-parallel head)."""
         return linear(h, self.w["lm_head"]).float()
 
-    def _attention(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor | None,
-                   dsa: DSAStep | None = None) -> torch.Tensor:
+    def _attention(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor,
+                   mask: torch.Tensor | DenseSpan | None, dsa: DSAStep | None = None) -> torch.Tensor:
         s, w = self.spec, self.w
         t, r = x.shape[0], s.kv_lora_rank
         if s.q_lora_rank:
@@ -86,14 +118,24 @@ class DeepseekV3Model:
             if keys is not None:  # a full layer indexes; a shared one reuses the previous full layer's top-k
                 idx_cs = cs if self.index_rope is self.rope else self.index_rope.index_select(0, positions)
                 dsa.selection = select_topk(w, p, x, q_resid, positions, idx_cs, keys, dsa.valid, s, self._index_rope_fn)
-            out_lat = sparse_mla_attention(torch.cat([q_lat, q_pe], dim=-1), cache, r, dsa.selection, self.scale)
+            q_cat, sel = torch.cat([q_lat, q_pe], dim=-1), dsa.selection
+            if self._mla_kernel(x):
+                from tilepd.engine.mla_attention import mla_sparse_attention
+
+                out_lat = mla_sparse_attention(q_cat, cache, r, sel.idx, sel.ok, self.scale)
+            else:
+                out_lat = sparse_mla_attention(q_cat, cache, r, sel, self.scale)
+        elif isinstance(mask, DenseSpan):
+            from tilepd.engine.mla_attention import mla_dense_attention
+
+            out_lat = mla_dense_attention(torch.cat([q_lat, q_pe], dim=-1), cache, r, mask.lo, mask.hi, mask.length, self.scale)
         else:
             window = cache[: mask.shape[1]]
             out_lat = cached_attention(torch.cat([q_lat, q_pe], dim=-1), window, window[..., :r], mask, self.scale)
         out = torch.einsum("thc,hvc->thv", out_lat.to(x.dtype), w[p + "w_uv"])  # W_UV after attention
         return linear(out.reshape(t, -1), w[p + "wo"])
 
-    def _layer(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor | None, is_moe: bool,
+    def _layer(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor | DenseSpan | None, is_moe: bool,
                dsa: DSAStep | None = None) -> torch.Tensor:
         s, w = self.spec, self.w
         x = x + self._attention(p, cache, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps), positions, cs, mask, dsa=dsa)
@@ -107,7 +149,7 @@ class DeepseekV3Model:
         cs = self.rope.index_select(0, positions)
         valid = length_mask(positions, attn_len)
         dsa = DSAStep(valid) if s.is_dsa else None
-        mask = None if dsa else attention_bias(valid, s.num_heads, x.dtype)  # DSA attends through dsa.selection
+        mask = None if dsa else self._dense_mask(x, positions, valid, self._zero)  # DSA attends through dsa.selection
         for i in range(s.num_layers):
             x = self._layer(f"layers.{i}.", self.caches[i], x, positions, cs, mask, i >= s.first_k_dense_replace, dsa=dsa)
         h = rms_norm(x, w["norm"], s.rms_norm_eps)
@@ -124,7 +166,7 @@ class DeepseekV3Model:
         cs = self.rope.index_select(0, positions)
         valid = length_mask(positions, attn_len) & (torch.arange(attn_len, device=positions.device) >= self.mtp_start)[None, :]
         dsa = DSAStep(valid) if s.is_dsa else None
-        mask = None if dsa else attention_bias(valid, s.num_heads, x.dtype)
+        mask = None if dsa else self._dense_mask(x, positions, valid, self.mtp_start)
         x = self._layer(p, self.mtp_caches[k], x, positions, cs, mask, True, dsa=dsa)
         h = rms_norm(x, w[p + "head_norm"], s.rms_norm_eps)
         return self._logits(h), h

@@ -43,8 +43,9 @@ def attention_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.
 
 # "sdpa": torch's fused attention (on CUDA the memory-efficient kernel, which handles long caches well);
 # "bmm": two batched GEMVs and a softmax, plain and portable; "triton": split-KV kernel (CUDA only, else
-# sdpa). All read the cache in place.
-ATTENTION_IMPL = {"default": "sdpa"}
+# sdpa). All read the cache in place. "mla": the DeepSeek-family latent attention, "reference" (the paths
+# here and dsa.sparse_mla_attention) or "triton" (mla_attention.py, CUDA only; set by compiled.accelerate).
+ATTENTION_IMPL = {"default": "sdpa", "mla": "reference"}
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
