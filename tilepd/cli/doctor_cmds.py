@@ -111,7 +111,7 @@ def runbook(runbook_id: Optional[str] = typer.Argument(None, metavar="[ID]", hel
     except RunbookNotFound as e:
         err.print(f"[red]{e.args[0]}[/]", highlight=False)
         raise typer.Exit(int(ExitCode.USAGE)) from None
-    console.print(Markdown(rb.text()))
+    Console().print(Markdown(rb.text()))  # wrapped to the terminal (the shared console soft-wraps: bullets would be cut)
 
 
 def register(app: typer.Typer) -> None:

@@ -158,7 +158,7 @@ def evaluate_memlock(exp: HostExpect, ulimit: Output, *, rdma: bool, services_mo
     kib = P.memlock_kib(ulimit.stdout)
     seen = "unlimited" if kib == -1 else (f"{kib} KiB" if kib is not None else repr(ulimit.stdout.strip()))
     if not rdma:
-        return ok("memlock", h, f"ulimit -l: {seen} (the tcp transport pins no memory)", required=False)
+        return ok("memlock", h, f"ulimit -l: {seen} (no RDMA here: nothing is pinned)", required=False)
     if services_mode == "systemd":
         return ok("memlock", h, f"ulimit -l: {seen} in the SSH session; the units set LimitMEMLOCK=infinity", required=False)
     if kib == -1:

@@ -29,9 +29,10 @@ def check_host(exp: HostExpect, topo: Topology, plan: Plan, *, known_hosts: Path
             out.append(ok("ssh", h, f"{exp.host.ssh.user or 'current user'}@{exp.host.address}:{exp.host.ssh.port}"))
         out += H.run_python(probe, exp)
         out += W.run_gpus(probe, exp)
-        if plan.rdma and (exp.gpu_count or exp.nics or {"prefill", "decode", "native_decode"} & set(exp.host.roles)):
+        moves_kv = plan.rdma and bool({"prefill", "decode", "native_decode"} & set(exp.host.roles))  # the router moves no KV
+        if moves_kv:
             out += W.run_rdma_all(probe, exp, transport=plan.transport, services_mode=plan.services_mode)
-        out.append(W.evaluate_memlock(exp, probe.sh("ulimit -l"), rdma=plan.rdma, services_mode=plan.services_mode))
+        out.append(W.evaluate_memlock(exp, probe.sh("ulimit -l"), rdma=moves_kv, services_mode=plan.services_mode))
         states = H.proc_states(probe, exp)
         out += H.run_ports(probe, exp, states)
         manifest = H.run_manifest(probe, exp, topo)
