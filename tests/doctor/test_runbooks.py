@@ -92,3 +92,9 @@ def test_wheel_carries_the_runbooks(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     where, title = r.stdout.split("\n")[:2]
     assert Path(where).is_relative_to(tmp_path / "unpacked") and "upgrade" in title
+
+
+def test_the_index_lists_every_runbook() -> None:
+    index = (runbooks_dir() / "README.md").read_text()
+    for rb in all_runbooks():
+        assert f"[{rb.id}]({rb.path.name})" in index, rb.id
