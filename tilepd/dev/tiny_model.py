@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
+
 
 Family = Literal["llama", "deepseek_v3", "glm5", "dsv32"]
 FAMILIES: tuple[str, ...] = ("llama", "deepseek_v3", "glm5", "dsv32")
@@ -89,10 +90,14 @@ class _Init:
     """Seeded weight factory: N(0, std) tensors in a fixed order, so a seed fixes the checkpoint."""
 
     def __init__(self, seed: int) -> None:
+        import torch  # here, not at the top: operator verbs read tiny_config() without torch
+
         self.gen = torch.Generator().manual_seed(seed)
         self.tensors: dict[str, torch.Tensor] = {}
 
     def normal(self, name: str, shape: tuple[int, ...], std: float) -> None:
+        import torch
+
         self.tensors[name] = torch.randn(shape, generator=self.gen, dtype=torch.float32) * std
 
     def linear(self, name: str, out_f: int, in_f: int, gain: float = 1.0) -> None:
@@ -100,6 +105,8 @@ class _Init:
         self.normal(name, (out_f, in_f), gain / math.sqrt(in_f))
 
     def norm(self, name: str, dim: int) -> None:
+        import torch
+
         self.tensors[name] = 1.0 + torch.randn((dim,), generator=self.gen) * 0.1
 
 
@@ -314,6 +321,8 @@ def make_tiny_model(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     else:
         cfg = _deepseek_config(vocab) if family == "deepseek_v3" else _dsa_config(family, vocab)
         _deepseek_weights(cfg, init)
+    from safetensors.torch import save_file
+
     save_file({k: v.contiguous() for k, v in init.tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "do_sample": False}
