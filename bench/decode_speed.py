@@ -5,6 +5,9 @@ On a GPU (the target: one NVIDIA H200):
     python bench/decode_speed.py                       # Llama-3-8B-shaped, contexts 1K and 8K
     python bench/decode_speed.py --model dsv3-small    # DeepSeek-V3-shaped MoE, 1 dense + 1 MoE layer + MTP
     python bench/decode_speed.py --json > decode.json  # machine-readable
+    python bench/decode_speed.py --model dsv3-small --weights fp8 --no-hf   # block-scaled fp8 GEMV weights
+    python bench/decode_speed.py --model glm5-small --no-hf --contexts 1024 8192 32768 131072   # DSA (GLM-5.1 shapes)
+    python bench/decode_speed.py --sweep               # MLA kernel alone: tile configs at 8K/32K, us and GB/s
 
 Everything is built on the device with random bf16 weights: no download, no disk. Figures printed:
 the measured read bandwidth (GB/s), the floor per token = (weight bytes a step reads + KV bytes at that
@@ -14,7 +17,12 @@ split-KV Triton kernel / as two batched GEMVs), `speed-path` (what `load_engine(
 compiled.accelerate = torch.compile'd layers around the Triton attention, in the graph),
 `compile+graph` (per-layer torch.compile including SDPA attention, then the graph; skipped with --no-compile),
 `eager` (no graph, fewer tokens), and HF transformers `generate` (eager, batch 1, fewer tokens).
-Each variant is isolated: a failure is reported in its row and the rest still run.
+DeepSeek-family models also run `speed-path[no-mla]` (the speed path with MLA attention on the reference
+path: SDPA / gather+matmul) beside `speed-path` (MLA through tilepd/engine/mla_attention.py's kernel), and
+the two rows' greedy tokens are compared (`tokens_agree`: first 32 tokens, random bf16 weights, so rare
+near-ties may legitimately differ). DSA floors count only what DSA reads: the weights, the index_topk
+selected latent rows and the indexer keys it scores. Each variant is isolated: a failure is reported in
+its row and the rest still run.
 
 Variants `compile+graph` and `compile(no-attn)+graph` differ only in whether the cache-reading
 attention is inside the compiled code. `--device cpu --tiny` runs the same code on a tiny shape (the test suite does, so this script cannot rot).
@@ -36,6 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
+from tilepd.engine.fp8 import BlockFp8  # noqa: E402
+from tilepd.topology.known_models import _GLM51  # noqa: E402  (GLM-5.1's config.json, transcribed there)
 from tilepd.engine import layers  # noqa: E402
 from tilepd.engine.compiled import accelerate  # noqa: E402
 from tilepd.engine.engine import Engine, build_model  # noqa: E402
@@ -60,12 +70,18 @@ DSV3_SMALL = {  # DeepSeek-V3 per-layer shapes; 2 layers (1 dense, 1 MoE) + 1 MT
                      "original_max_position_embeddings": 4096},
     "max_position_embeddings": 163840, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
 }
+GLM5_SMALL = {**_GLM51, "num_hidden_layers": 2, "first_k_dense_replace": 1,  # GLM-5.1 per-layer shapes + indexer: 1 dense + 1 MoE + MTP
+              "bos_token_id": 0, "eos_token_id": 1}
 TINY_LLAMA = {**LLAMA3_8B, "bos_token_id": 0, "eos_token_id": 1, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
 TINY_DSV3 = {**DSV3_SMALL, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
              "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
              "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
              "topk_group": 2}
+TINY_GLM5 = {**GLM5_SMALL, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+             "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+             "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8, "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
+CONFIGS = {"llama3-8b": (LLAMA3_8B, TINY_LLAMA), "dsv3-small": (DSV3_SMALL, TINY_DSV3), "glm5-small": (GLM5_SMALL, TINY_GLM5)}
 
 
 @dataclass
@@ -104,12 +120,34 @@ def read_bandwidth(device: torch.device, gib: float) -> dict:
     return out
 
 
-def step_read_bytes(spec: ModelSpec, weights: dict[str, torch.Tensor], context: int) -> tuple[float, float]:
+def quantize_weights(spec: ModelSpec, weights: dict) -> None:
+    """Replace every tensor `convert-weights --dtype fp8` would store as block-scaled fp8 (stores_fp8) by its
+    e4m3 quantisation with 128x128 block scales, in place (stacked experts one at a time: bounded memory)."""
+    from tilepd.engine.fp8 import quantize
+    from tilepd.weights.fp8_build import stores_fp8
+    from tilepd.weights.layout import family_layout
+
+    for t in family_layout(spec, set()):
+        if t.name not in weights or not stores_fp8(t, lambda p: False, True, False):
+            continue
+        w = weights[t.name]
+        if t.stacked:
+            parts = [quantize(w[e]) for e in range(w.shape[0])]
+            weights[t.name] = BlockFp8(torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts]), parts[0].block)
+            del parts
+        else:
+            weights[t.name] = quantize(w)
+        del w
+
+
+def step_read_bytes(spec: ModelSpec, weights: dict, context: int) -> tuple[float, float]:
     """(weight bytes one decode step reads, KV bytes at `context`). Embedding: one row; MoE: the routed
-    experts a token uses (num_experts_per_tok of n_routed_experts) plus everything else once."""
+    experts a token uses (num_experts_per_tok of n_routed_experts) plus everything else once; fp8 weights:
+    values + block scales. DSA: per layer the min(index_topk, context) selected latent rows plus, for
+    layers with their own indexer, the indexer keys of the whole context (what the step really reads)."""
     total = 0.0
     for name, w in weights.items():
-        b = w.numel() * w.element_size()
+        b = w.nbytes() if isinstance(w, BlockFp8) else w.numel() * w.element_size()
         if name == "embed":
             b = w.shape[1] * w.element_size()
         elif name.endswith(("experts_w13", "experts_w2")):
@@ -117,7 +155,11 @@ def step_read_bytes(spec: ModelSpec, weights: dict[str, torch.Tensor], context: 
         elif name.startswith("mtp."):
             continue  # the plain decode step does not run the MTP layer
         total += b
-    itemsize = 2 if next(iter(weights.values())).dtype != torch.float32 else 4
+    itemsize = weights["embed"].element_size()
+    if spec.is_dsa:
+        rows = min(spec.index_topk, context)
+        kv = sum(rows * spec.cache_entry_width + (context * spec.index_head_dim if spec.has_indexer(i) else 0) for i in range(spec.num_layers))
+        return total, float(kv * itemsize)
     kv = spec.num_layers * context * spec.cache_heads * spec.cache_entry_width * itemsize
     return total, float(kv)
 
@@ -126,11 +168,15 @@ def random_state(spec: ModelSpec, context: int, device: torch.device, dtype: tor
     gen = torch.Generator(device=device).manual_seed(1)
     layers = [torch.randn(context, spec.cache_heads, spec.cache_entry_width, generator=gen, device=device, dtype=dtype) * 0.5
               for _ in range(spec.num_layers)]
-    return KVState(context, layers)
+    indexer = None
+    if spec.is_dsa:
+        indexer = [torch.randn(context, spec.index_head_dim, generator=gen, device=device, dtype=dtype) if spec.has_indexer(i) else None
+                   for i in range(spec.num_layers)]
+    return KVState(context, layers, indexer)
 
 
-def time_engine(engine: Engine, spec: ModelSpec, context: int, tokens: int, device: torch.device, dtype: torch.dtype) -> float:
-    """ms/token of a greedy decode after one warm-up decode (which captures the graphs)."""
+def time_engine(engine: Engine, spec: ModelSpec, context: int, tokens: int, device: torch.device, dtype: torch.dtype) -> tuple[float, list[int]]:
+    """(ms/token, tokens) of a greedy decode after one warm-up decode (which captures the graphs)."""
     state = random_state(spec, context, device, dtype)
     params = SamplingParams(ignore_eos=True)
     for timed in (False, True):
@@ -138,7 +184,7 @@ def time_engine(engine: Engine, spec: ModelSpec, context: int, tokens: int, devi
         sync(device)
         res = engine.decode(3, tokens if timed else min(tokens, 8), params, lambda t: None)
         if timed:
-            return res.timings["decode_ms"] / len(res.tokens)
+            return res.timings["decode_ms"] / len(res.tokens), res.tokens
     raise AssertionError
 
 
@@ -147,6 +193,8 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
     max_ctx = max(args.contexts)
     windows = sorted({c + args.tokens + 16 for c in args.contexts})
     variants = ["speed-path", "graph", "graph[triton]"] + ([] if args.no_compile else ["compile+graph"]) + ["eager"]
+    if spec.family == "deepseek_v3":  # no compiled path; MLA kernel on/off side by side
+        variants = ["speed-path", "speed-path[no-mla]", "graph", "eager"]
     if device.type != "cuda":
         variants = ["static", "static[bmm]", "eager"]  # the graph's body without capture; eager
     if args.variants:
@@ -154,11 +202,14 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
     for variant in variants:
         model = engine = None
         layers.ATTENTION_IMPL["default"] = next((impl for impl in ("bmm", "triton") if variant.endswith(f"[{impl}]")), "sdpa")
+        layers.ATTENTION_IMPL["mla"] = "reference"
         path = None
         try:
             model = build_model(spec, weights, max_ctx + args.tokens + 16, device, dtype)
             if variant == "speed-path":  # exactly what load_engine(device="cuda") turns on
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode)
+            elif variant == "speed-path[no-mla]":  # the same without the MLA kernel
+                path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode, mla_attention=False)
             elif variant.startswith("compile"):
                 if not hasattr(model, "compile"):
                     raise RuntimeError(f"no compiled path for family {spec.family}")
@@ -175,9 +226,10 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         for c in args.contexts:
             n = args.tokens if variant != "eager" else max(4, args.tokens // 4)
             try:
-                ms = time_engine(engine, spec, c, n, device, dtype)
+                ms, toks = time_engine(engine, spec, c, n, device, dtype)
                 gs = engine.graph_step
                 extra = {"capture_error": gs.capture_error} if gs is not None and gs.capture_error else {}
+                extra["first_tokens"] = toks[:32]
                 if path is not None:
                     extra["path"] = path.name + (f" (fell back: {len(path.fallbacks) - len(gs.fallbacks)} step(s))" if gs.fallbacks != path.fallbacks else "")
                 failed = gs is not None and not gs.capture and device.type == "cuda"
@@ -188,6 +240,7 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
             print(f"  {rows[-1]}", file=sys.stderr, flush=True)
         del engine, model
         layers.ATTENTION_IMPL["default"] = "sdpa"
+        layers.ATTENTION_IMPL["mla"] = "reference"
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -201,7 +254,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors) -> li
         model = build_model(spec, weights, max(args.contexts) + args.tokens + 16, device, dtype)
         engine = Engine(model, spec, device, model.max_seq_len, use_cuda_graph=False, num_speculative_tokens=args.spec_tokens)
         for c in args.contexts:
-            ms = time_engine(engine, spec, c, max(4, args.tokens // 4), device, dtype)
+            ms, _ = time_engine(engine, spec, c, max(4, args.tokens // 4), device, dtype)
             rows.append(Row(f"mtp-spec(k={args.spec_tokens})", c, max(4, args.tokens // 4), ms, 100 * floors[c] / ms,
                             extra=dict(engine.last_spec_stats)))
     except Exception as e:
@@ -246,9 +299,146 @@ def run_hf(args, cfg: dict, device, dtype, floors) -> list[Row]:
     return rows
 
 
+# --sweep: (block_n, block_h, num_warps) tiles x target program counts; num_stages stays TUNE's (env override).
+SWEEP_TILES = [(bn, bh, nw) for bn in (32, 64) for bh in (16, 32, 64) for nw in (4, 8)]
+SWEEP_PROGRAMS = (66, 132, 264, 528)
+
+
+def _graph_time_us(fn, device: torch.device, reps: int = 20) -> float:
+    """us per call of `fn`, as inside the decode step's CUDA graph: `reps` calls captured in one graph, best
+    of 5 replays (no launch overhead). Without CUDA: a plain loop."""
+    fn()
+    sync(device)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    sync(device)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        graph.replay()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del graph
+    return best / reps * 1e6
+
+
+def _sweep_cases(tiny: bool) -> list[dict]:
+    """Kernel-alone cases: dsv3 dense MLA (128 heads) at 8K/32K/128K, DSA top-2048 for GLM-5 (64 heads) and V3.2 (128)."""
+    if tiny:
+        return [dict(name="dense 64 H=2", heads=2, rank=64, rope=16, context=64, topk=0),
+                dict(name="sparse top-16 of 64 H=2", heads=2, rank=64, rope=16, context=64, topk=16)]
+    return [dict(name=f"dense {c // 1024}K H=128", heads=128, rank=512, rope=64, context=c, topk=0) for c in (8192, 32768, 131072)] + [
+        dict(name=f"sparse top-2048 of 32K H={h}", heads=h, rank=512, rope=64, context=32768, topk=2048) for h in (64, 128)]
+
+
+def run_sweep(device: torch.device, tiny: bool, as_json: bool, out: Path | None) -> dict:
+    """The MLA kernel alone over SWEEP_TILES x SWEEP_PROGRAMS per case, each checked against the fp32 reference
+    (max_err) and timed inside a CUDA graph; GB/s counts the latent rows read (+ indices for DSA)."""
+    from tilepd.engine import mla_attention as M
+    from tilepd.engine.dsa import Selection, sparse_mla_attention
+    from tilepd.engine.layers import attention_bias, cached_attention, length_mask
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    saved = dict(M.TUNE)
+    report: dict = {"sweep": True, "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                    "torch": torch.__version__, "tune_default": saved, "rows": []}
+    tiles, programs = (SWEEP_TILES, SWEEP_PROGRAMS) if not tiny else ([(16, 16, 4)], (4,))
+    for case in _sweep_cases(tiny):
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            h, r, L = case["heads"], case["rank"], case["context"]
+            cache = torch.randn(L, 1, r + case["rope"], generator=g, device=device).to(dtype)
+            q = torch.randn(1, h, r + case["rope"], generator=g, device=device).to(dtype)
+            scale = 192 ** -0.5
+            if case["topk"]:
+                idx = torch.randperm(L, generator=g, device=device)[: case["topk"]][None]
+                ok = torch.ones_like(idx, dtype=torch.bool)
+                ok[:, -7:] = False  # a few masked slots, as a short context has
+                sel = Selection(idx, ok)
+                want = sparse_mla_attention(q.float(), cache.float(), r, sel, scale)
+                kernel = lambda: M.mla_sparse_attention(q, cache, r, idx, ok, scale)  # noqa: E731
+                reference = lambda: sparse_mla_attention(q, cache, r, sel, scale)  # noqa: E731
+                nbytes = case["topk"] * (cache.shape[-1] * cache.element_size() + 9)
+            else:
+                pos = torch.tensor([L - 1], device=device)
+                bias = attention_bias(length_mask(pos, L), h, dtype)
+                zero = torch.zeros(1, dtype=torch.long, device=device)
+                want = cached_attention(q.float(), cache.float(), cache[..., :r].float(), bias.float(), scale, impl="bmm")
+                kernel = lambda: M.mla_dense_attention(q, cache, r, zero, pos, L, scale)  # noqa: E731
+                reference = lambda: cached_attention(q, cache, cache[..., :r], bias, scale, impl="sdpa")  # noqa: E731
+                nbytes = L * cache.shape[-1] * cache.element_size()
+        except Exception as e:
+            report["rows"].append({"case": case["name"], "config": "setup", "error": f"{type(e).__name__}: {e}"})
+            traceback.print_exc(file=sys.stderr)
+            continue
+        configs = [("reference", None)] + [(f"bn={bn} bh={bh} warps={nw} programs={pr}", (bn, bh, nw, pr)) for bn, bh, nw in tiles for pr in programs]
+        for label, cfg in configs:
+            row = {"case": case["name"], "config": label, "us": None, "GBps": None, "max_err": None, "error": None}
+            try:
+                if cfg is not None:
+                    M.TUNE.update(block_n=cfg[0], block_h=cfg[1], num_warps=cfg[2], programs=cfg[3])
+                fn = reference if cfg is None else kernel
+                row["max_err"] = float((fn().float() - want).abs().max())
+                row["us"] = _graph_time_us(fn, device)
+                row["GBps"] = nbytes / (row["us"] * 1e-6) / 1e9
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            finally:
+                M.TUNE.clear()
+                M.TUNE.update(saved)
+            report["rows"].append(row)
+            print(f"  {row}", file=sys.stderr, flush=True)
+        del cache, q, want
+    report["best"] = {}
+    for case in {r["case"] for r in report["rows"]}:
+        ok_rows = [r for r in report["rows"] if r["case"] == case and r.get("us") and r["config"] != "reference" and r["max_err"] < 0.05]
+        if ok_rows:
+            report["best"][case] = min(ok_rows, key=lambda r: r["us"])["config"]
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_sweep(report)
+    return report
+
+
+def _print_sweep(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"MLA kernel alone on {report.get('gpu') or report['device']} (defaults: {report['tune_default']})")
+    for col in ("case", "config", "us", "GB/s", "max_err", "note"):
+        table.add_column(col)
+    for r in report["rows"]:
+        best = report["best"].get(r["case"]) == r["config"]
+        table.add_row(r["case"], r["config"] + (" *best*" if best else ""), f"{r['us']:.1f}" if r.get("us") else "-",
+                      f"{r['GBps']:.0f}" if r.get("GBps") else "-", f"{r['max_err']:.2e}" if r.get("max_err") is not None else "-",
+                      (r.get("error") or "")[:60])
+    Console(width=160).print(table)
+    for case, cfg in sorted(report["best"].items()):
+        bn, bh, nw, pr = (int(kv.split("=")[1]) for kv in cfg.split())
+        print(f"best for {case}: TILEPD_MLA_BLOCK_N={bn} TILEPD_MLA_BLOCK_H={bh} TILEPD_MLA_NUM_WARPS={nw} TILEPD_MLA_PROGRAMS={pr}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=["llama3-8b", "dsv3-small"], default="llama3-8b")
+    ap.add_argument("--model", choices=list(CONFIGS), default="llama3-8b")
+    ap.add_argument("--weights", choices=["bf16", "fp8"], default="bf16",
+                    help="fp8: GEMV weights block-scaled e4m3 (as convert-weights --dtype fp8 stores them); no HF row")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 1024 8192)")
     ap.add_argument("--tokens", type=int, default=None, help="generated tokens per timed decode (default 256)")
@@ -263,7 +453,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bw-gib", type=float, default=None, help="buffer size of the bandwidth measurement (default 4 GiB)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--sweep", action="store_true", help="time the MLA kernel alone over tile configs (8K/32K dense, DSA top-k) and exit")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON report to this file")
     args = ap.parse_args(argv)
+    if args.sweep:
+        return run_sweep(torch.device(args.device), args.tiny, args.json, args.out)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.tiny:
@@ -275,10 +469,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.tokens = args.tokens or 256
     args.hf_tokens = args.hf_tokens or 32
     args.bw_gib = args.bw_gib or 4.0
-    cfg = {"llama3-8b": TINY_LLAMA if args.tiny else LLAMA3_8B, "dsv3-small": TINY_DSV3 if args.tiny else DSV3_SMALL}[args.model]
+    cfg = CONFIGS[args.model][1 if args.tiny else 0]
     spec = spec_from_hf_config(cfg)
     report: dict = {"model": args.model + ("-tiny" if args.tiny else ""), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-                    "torch": torch.__version__, "contexts": args.contexts, "rows": []}
+                    "weights": args.weights, "torch": torch.__version__, "contexts": args.contexts, "rows": []}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     t0 = time.perf_counter()
@@ -286,6 +480,9 @@ def main(argv: list[str] | None = None) -> dict:
     bw = report["bandwidth"]["sum_read_GBps"] * 1e9
     print(f"read bandwidth {bw / 1e9:.0f} GB/s (copy {report['bandwidth']['copy_rw_GBps']:.0f} GB/s)", file=sys.stderr, flush=True)
     weights = random_runtime_weights(spec, device, dtype)
+    if args.weights == "fp8":
+        quantize_weights(spec, weights)
+        args.no_hf = True  # HF would run other (bf16) weights
     floors, report["floor"] = {}, {}
     for c in args.contexts:
         wb, kvb = step_read_bytes(spec, weights, c)
@@ -302,13 +499,28 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.empty_cache()
     if not args.no_hf:
         rows += run_hf(args, cfg, device, dtype, floors)
+    _tokens_agree(rows)
     report["rows"] = [r.__dict__ for r in rows]
     report["seconds"] = time.perf_counter() - t0
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _print_table(report)
     return report
+
+
+def _tokens_agree(rows: list[Row]) -> None:
+    """Per context: how many leading greedy tokens each variant shares with the first variant's row."""
+    first: dict[int, list[int]] = {}
+    for r in rows:
+        toks = r.extra.get("first_tokens")
+        if toks is None:
+            continue
+        ref = first.setdefault(r.context, toks)
+        if ref is not toks:
+            r.extra["tokens_agree"] = next((i for i, (a, b) in enumerate(zip(ref, toks)) if a != b), min(len(ref), len(toks)))
 
 
 def _print_table(report: dict) -> None:
@@ -317,14 +529,15 @@ def _print_table(report: dict) -> None:
     from rich.table import Table
 
     bw = report["bandwidth"]
-    title = (f"{report['model']} on {report.get('gpu', report['device'])} ({report['dtype']}, torch {report['torch']}): "
+    title = (f"{report['model']} on {report.get('gpu', report['device'])} ({report['dtype']}, {report['weights']} weights, torch {report['torch']}): "
              f"read {bw['sum_read_GBps']:.0f} GB/s")
     table = Table(title=title)
     for col in ("variant", "context", "tokens", "ms/token", "floor ms", "% of floor", "note"):
         table.add_column(col)
     for r in report["rows"]:
         floor = report["floor"].get(str(r["context"]), {}).get("ms_per_token")
-        note = r["error"] or (", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["extra"].items()))
+        note = r["error"] or (", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["extra"].items()
+                                        if k != "first_tokens"))
         table.add_row(escape(r["variant"]), str(r["context"]), str(r["tokens"]),
                       f"{r['ms_per_token']:.3f}" if r["ms_per_token"] else "-", f"{floor:.3f}" if floor else "-",
                       f"{r['pct_of_floor']:.1f}%" if r["pct_of_floor"] else "-", escape(note[:80]))

@@ -110,6 +110,9 @@ def _hf_shape(name: str, s, h: int) -> tuple[int, ...]:
         "kv_a_layernorm": (s.kv_lora_rank,), "kv_b_proj": (s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
         "o_proj": (h, s.num_heads * s.v_head_dim), "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter),
         "gate": (s.n_routed_experts, h), "e_score_correction_bias": (s.n_routed_experts,), "eh_proj": (h, 2 * h),
+        # DSA lightning indexer (self_attn.indexer.*)
+        "wq_b": (s.index_n_heads * s.index_head_dim, s.q_lora_rank or 0), "wk": (s.index_head_dim, h),
+        "k_norm": (s.index_head_dim,), "weights_proj": (s.index_n_heads, h),
     }
     if name.endswith("e_score_correction_bias"):
         return table["e_score_correction_bias"]
