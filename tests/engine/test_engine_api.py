@@ -23,8 +23,9 @@ def test_config_and_capabilities(engine) -> None:
     caps = engine.capabilities
     for key in ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "max_tokens"):
         assert caps[key] is True
-    for key in ("logprobs", "n", "presence_penalty", "frequency_penalty"):
+    for key in ("n", "presence_penalty", "frequency_penalty"):
         assert caps[key] is False
+    assert caps["logprobs"] is True  # tests/engine/test_logprobs.py
     assert set(CAPABILITIES) <= set(caps)
 
 

@@ -13,16 +13,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from tilepd.engine.logprobs import TOP_LOGPROBS_MAX, TokenLogprobs, token_logprobs
 from tilepd.engine.sampling import SamplerState, greedy
 from tilepd.engine.spec import ModelSpec
 from tilepd.engine.types import DecodeResult, FinishReason, KVState, SamplingParams
 
-CAPABILITIES: dict[str, bool] = {
+CAPABILITIES: dict[str, Any] = {
     "temperature": True, "top_p": True, "top_k": True, "seed": True, "stop_token_ids": True, "ignore_eos": True,
-    "max_tokens": True, "logprobs": False, "n": False, "presence_penalty": False, "frequency_penalty": False,
+    "max_tokens": True, "logprobs": True, "top_logprobs": True, "top_logprobs_max": TOP_LOGPROBS_MAX,
+    "n": False, "presence_penalty": False, "frequency_penalty": False,
     "repetition_penalty": False, "min_p": False, "min_tokens": False, "logit_bias": False, "stop": False,
 }
 
@@ -67,6 +70,7 @@ class Engine:
         self.io = StepIO(torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device))
         self.eager_step = EagerStep(model, self.sampler)
         self.graph_step = None
+        self._logits_step = None  # built on the first request that needs the logits (logprobs, grammar)
         if use_cuda_graph is None:
             use_cuda_graph = device.type == "cuda"
         if use_cuda_graph:  # on CPU: the graph's static-shape body, run eagerly (tests)
@@ -78,7 +82,7 @@ class Engine:
         self.speed_path = "graph" if self.graph_step is not None and device.type == "cuda" else "eager"
 
     @property
-    def capabilities(self) -> dict[str, bool]:
+    def capabilities(self) -> dict[str, Any]:
         return {**CAPABILITIES, "speculative_mtp": self.num_speculative_tokens > 0}
 
     @property
@@ -155,12 +159,19 @@ class Engine:
 
     @torch.no_grad()
     def decode(self, first_token: int, max_tokens: int, sampling: SamplingParams, on_token: Callable[[int], None],
-               cancel: threading.Event | None = None) -> DecodeResult:
-        """Generate up to max_tokens tokens after first_token (fed at position seq_len)."""
+               cancel: threading.Event | None = None, *, logprobs: int | None = None,
+               on_logprobs: Callable[[TokenLogprobs], None] | None = None) -> DecodeResult:
+        """Generate up to max_tokens tokens after first_token (fed at position seq_len).
+
+        logprobs=n (0..20): each token's logprob and its top n, handed to on_logprobs before on_token."""
         if self.seq_len == 0:
             raise RuntimeError("decode() before inject(): no prefix in the cache")
         stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.config.eos_token_ids))
         use_greedy = sampling.greedy
+        if logprobs is not None:
+            if not 0 <= logprobs <= TOP_LOGPROBS_MAX:
+                raise ValueError(f"logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {logprobs}")
+            return self._decode_with_logits(first_token, max_tokens, sampling, stops, on_token, cancel, logprobs, on_logprobs)
         if use_greedy and self.num_speculative_tokens > 0:
             from tilepd.engine.speculative import speculative_decode
 
@@ -188,6 +199,62 @@ class Engine:
                 t_first = time.perf_counter() - t0
             pos += 1
             tokens.append(tok)
+            on_token(tok)
+            if tok in stops:
+                reason = "stop"
+                break
+        elapsed = time.perf_counter() - t0
+        self.seq_len = pos
+        n = len(tokens)
+        timings = {"decode_ms": elapsed * 1e3, "first_step_ms": t_first * 1e3,
+                   "ms_per_token": (elapsed / n * 1e3) if n else 0.0, "tokens": float(n)}
+        return DecodeResult(tokens, reason, timings)
+
+
+    def logits_step(self):
+        """The step that returns logits (LogitsStep), captured like the plain step on CUDA."""
+        if self._logits_step is None:
+            from tilepd.engine.logits_step import LogitsStep
+
+            self._logits_step = LogitsStep(self.model, self.sampler, self.io, self.max_seq_len, self.config.vocab_size,
+                                           capture=self.graph_step is not None and self.graph_step.capture)
+        return self._logits_step
+
+    def _decode_with_logits(self, first_token: int, max_tokens: int, sampling: SamplingParams, stops: set[int],
+                            on_token: Callable[[int], None], cancel: threading.Event | None, logprobs: int | None,
+                            on_logprobs: Callable[[TokenLogprobs], None] | None) -> DecodeResult:
+        """The decode loop when the logits are needed after the model: no speculation (greedy output is the same)."""
+        use_greedy = sampling.greedy
+        if not use_greedy:
+            self.sampler.configure(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        step = self.logits_step()
+        self.io.token.fill_(int(first_token))
+        self.io.position.fill_(self.seq_len)
+        tokens: list[int] = []
+        reason: FinishReason = "length"
+        t0 = time.perf_counter()
+        t_first = 0.0
+        pos = self.seq_len
+        while len(tokens) < max_tokens:
+            if cancel is not None and cancel.is_set():
+                reason = "cancelled"
+                break
+            if pos >= self.max_seq_len:
+                break
+            logits = step.logits(self.io, pos)
+            if use_greedy:
+                nxt = greedy(logits)
+            else:
+                self.sampler.draw_noise()
+                nxt = self.sampler(logits)
+            self.io.token.copy_(nxt.view(1))
+            tok = int(nxt.item())
+            if not tokens:
+                t_first = time.perf_counter() - t0
+            pos += 1
+            tokens.append(tok)
+            if logprobs is not None and on_logprobs is not None:
+                on_logprobs(token_logprobs(logits, tok, logprobs))
             on_token(tok)
             if tok in stops:
                 reason = "stop"

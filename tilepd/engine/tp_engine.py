@@ -180,8 +180,11 @@ class TPEngine:
         return self.tp.size
 
     @property
-    def capabilities(self) -> dict[str, bool]:
-        return {**self.local.capabilities, "tensor_parallel": True}
+    def capabilities(self) -> dict[str, Any]:
+        # decode() below does not carry logprobs/grammar to the ranks yet: not declared, so the router keeps such
+        # requests on the native pool
+        return {**self.local.capabilities, "tensor_parallel": True, "logprobs": False, "top_logprobs": False,
+                "top_logprobs_max": 0, "structured_output": []}
 
     @property
     def cache_dtype(self) -> torch.dtype:
