@@ -165,3 +165,13 @@ def test_shuffled_indexer_layout_is_refused() -> None:
     with pytest.raises(UnsupportedCacheLayout, match="shuffled"):
         cache_role("model.layers.0.self_attn.indexer.k_cache", DeepseekV32IndexerCache())
     assert cache_role("model.layers.0.self_attn.attn", object()) == "kv"
+
+
+def test_indexer_in_its_own_kv_cache_group_reads_that_groups_block_ids() -> None:
+    """vLLM groups caches of different block sizes separately; each cache reads its own group's block table."""
+    caches = _dsa_caches()
+    groups = {n: (1 if "indexer" in n else 0) for n in caches}
+    pc = read_paged_cache(caches, DSA, groups=groups)
+    assert pc.group == 0 and pc.indexer is not None and pc.indexer.group == 1
+    with pytest.raises(UnsupportedCacheLayout, match="several KV cache groups"):
+        read_paged_cache(caches, DSA, groups={**groups, "model.layers.2.self_attn.attn": 2})

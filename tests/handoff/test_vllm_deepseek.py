@@ -8,6 +8,7 @@ from typing import Iterator
 import pytest
 
 from tilepd.connector.launch import kv_transfer_config
+from tilepd.control.layout import LAYOUT_VERSION
 
 from .cases import PROMPT_LENGTHS, check_greedy_equal
 from .stack import MLA_ARGS, connector_config, decode_config, dump_logs, events, start_decode, start_prefill
@@ -33,7 +34,7 @@ def stack(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def test_connector_reads_the_mla_latent_layout(stack: dict) -> None:
     reg = [e for e in events(stack["vllm"]) if e.get("event") == "registered"]
-    assert reg and reg[0]["layout"].startswith("mla/v1/"), reg
+    assert reg and reg[0]["layout"].startswith(f"mla/v{LAYOUT_VERSION}/"), reg
     assert "/H1/C576/r512p64/float32/" in reg[0]["layout"]
 
 

@@ -276,6 +276,10 @@ def read_paged_cache(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts,
         raise UnsupportedCacheLayout(
             f"scheduler block size {facts.scheduler_block_size} is not a multiple of the kernel block size {n}"
         )
+    main_groups = {(groups or {}).get(nm, 0) for nm in names}
+    if len(main_groups) != 1:
+        raise UnsupportedCacheLayout(f"the attention caches span several KV cache groups {sorted(main_groups)} (hybrid or "
+                                     "separately grouped MTP layers); one block table per cache kind is supported")
     indexer = _read_indexer(kv_caches, ix_names, names, facts, groups or {})
     if indexer is not None:
         layout = layout.model_copy(update={"indexer": indexer.layout})
