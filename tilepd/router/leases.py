@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,11 +73,14 @@ class Lease:
         self.node = node
         self.waited_s = waited_s
         self.released = False
+        self.leased_at = time.monotonic()
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self._pool._release(self.node)
+            if self._pool.on_release is not None:  # the node's service time, for `tilepd capacity`
+                self._pool.on_release(time.monotonic() - self.leased_at)
 
 
 @dataclass
@@ -84,6 +88,7 @@ class NodePool:
     nodes: list[NodeState]
     _free: deque[NodeState] = field(default_factory=deque)
     _waiters: deque[asyncio.Future[NodeState]] = field(default_factory=deque)
+    on_release: Callable[[float], None] | None = None  # called with the seconds a lease held its node
 
     @classmethod
     def of(cls, endpoints: tuple[DecodeEndpoint, ...]) -> NodePool:
