@@ -32,6 +32,7 @@ VERB_MODULES: dict[str, str] = {
     "logs": "tilepd.cli.deploy_cmds",
     "doctor": "tilepd.cli.doctor_cmds",
     "runbook": "tilepd.cli.doctor_cmds",
+    "capacity": "tilepd.cli.capacity_cmds",
 }
 
 

@@ -1,0 +1,102 @@
+"""One capacity estimate: a load, the formula and the simulation at each pool size, the nodes needed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tilepd.capacity.queueing import Prediction, meets, nodes_needed, predict
+from tilepd.capacity.simulate import ServiceTimes, SimResult, simulate
+
+
+@dataclass(frozen=True)
+class Load:
+    """Requests/s reaching the decode-node queue, their service times on a node, the router's queue timeout."""
+
+    rate: float
+    service: ServiceTimes
+    timeout_s: float
+    source: str  # "live router window ..." or "stated ..."
+
+
+@dataclass(frozen=True)
+class Targets:
+    p99_wait_s: float
+    fallback: float  # highest acceptable share of requests that wait past the queue timeout (429 or native)
+
+
+@dataclass(frozen=True)
+class Row:
+    formula: Prediction
+    simulation: SimResult
+
+    @property
+    def nodes(self) -> int:
+        return self.formula.nodes
+
+    def meets(self, t: Targets) -> bool:
+        """Both the closed form and the simulation meet both targets."""
+        s = self.simulation
+        return meets(self.formula, t.p99_wait_s, t.fallback) and s.p99_wait_s <= t.p99_wait_s and s.p_timeout <= t.fallback
+
+
+@dataclass
+class Estimate:
+    load: Load
+    targets: Targets
+    current_nodes: int
+    needed_formula: int
+    needed: int  # formula and simulation both meet the targets
+    rows: list[Row] = field(default_factory=list)
+
+    def row(self, nodes: int) -> Row:
+        return next(r for r in self.rows if r.nodes == nodes)
+
+    def as_dict(self) -> dict[str, Any]:
+        def one(r: Row) -> dict[str, Any]:
+            return {"nodes": r.nodes, "formula": r.formula.as_dict(), "simulation": r.simulation.as_dict(), "meets_targets": r.meets(self.targets)}
+
+        svc = self.load.service
+        return {
+            "load": {"source": self.load.source, "rate_per_s": self.load.rate, "service_mean_s": svc.mean, "service_cv": svc.cv,
+                     "service_distribution": svc.describe(), "offered_load_erlangs": self.load.rate * svc.mean,
+                     "queue_timeout_s": self.load.timeout_s},
+            "targets": {"p99_wait_s": self.targets.p99_wait_s, "fallback": self.targets.fallback},
+            "current": one(self.row(self.current_nodes)),
+            "nodes_needed": self.needed,
+            "nodes_needed_formula": self.needed_formula,
+            "rows": [one(r) for r in self.rows],
+        }
+
+
+MAX_SEARCH = 64  # nodes past the formula's answer the simulation may ask for
+
+
+def estimate(load: Load, targets: Targets, current_nodes: int, *, sim_requests: int = 100_000, seed: int = 0) -> Estimate:
+    """Formula and simulation at the current size and around the size needed.
+
+    `needed` is the fewest nodes at which both the formula and the simulation meet the targets:
+    the formula alone can be optimistic when the service-time CV is far from 1 (its correction
+    is an approximation), the simulation alone carries sampling noise.
+    """
+    if current_nodes < 1:
+        raise ValueError(f"the pool needs at least one decode node, got {current_nodes}")
+    rows: dict[int, Row] = {}
+
+    def at(c: int) -> Row:
+        if c not in rows:
+            rows[c] = Row(predict(load.rate, load.service.mean, load.service.cv, c, load.timeout_s),
+                          simulate(load.rate, load.service, c, load.timeout_s, requests=sim_requests, seed=seed))
+        return rows[c]
+
+    by_formula = nodes_needed(load.rate, load.service.mean, load.service.cv, load.timeout_s, targets.p99_wait_s, targets.fallback)
+    at(current_nodes)
+    c = by_formula
+    while not at(c).meets(targets):
+        c += 1
+        if c > by_formula + MAX_SEARCH:
+            raise ValueError(f"the simulation still misses the targets at {c} nodes (formula: {by_formula}); check the service-time data")
+    for extra in (c - 1, c + 1):  # the neighbours, to show the margin
+        if extra >= 1:
+            at(extra)
+    return Estimate(load, targets, current_nodes, by_formula, c, [rows[k] for k in sorted(rows)])

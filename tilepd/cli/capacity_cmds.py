@@ -1,0 +1,218 @@
+"""`tilepd capacity FILE`: how many decode nodes a load needs, from live metrics or a stated load.
+
+Exit codes (tilepd/cli/exitcodes.py): 0 estimate printed (with --check: the current pool meets
+the targets), 2 bad options, 3 invalid topology, 4 topology unreadable, or a /metrics answer
+that lacks what the estimate needs (named), 7 a /metrics endpoint did not answer (URL named),
+or with --check the current pool misses a target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tilepd.cli.exitcodes import ExitCode
+
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _fmt_s(v: float | None) -> str:
+    if v is None or math.isnan(v):
+        return "-"
+    if math.isinf(v):
+        return "inf"
+    return f"{v * 1e3:.0f}ms" if v < 10 else f"{v:.1f}s"
+
+
+def _pct(v: float | None) -> str:
+    if v is None or math.isnan(v):
+        return "-"
+    return f"{100 * v:.2f}%" if v < 0.1 else f"{100 * v:.1f}%" if v < 0.995 else f"{100 * v:.0f}%"
+
+
+def _pair(f: str, s: str) -> str:
+    """formula/simulation, the unit once when both share it."""
+    for unit in ("ms", "%", "s"):
+        if f.endswith(unit) and s.endswith(unit) and f[:-len(unit)][-1:].isdigit() and s[:-len(unit)][-1:].isdigit():
+            return f"{f[:-len(unit)]}/{s}"
+    return f"{f}/{s}"
+
+
+def _fail(code: ExitCode, message: str) -> typer.Exit:
+    err.print(f"[red]{message}[/]", highlight=False)
+    return typer.Exit(int(code))
+
+
+def _stated_load(topo, rps: float, prompt_tokens: int, output_tokens: int, ms_per_token: float | None,  # noqa: ANN001
+                 prefill_ms: float | None, service_cv: float, notes: list[str]):  # noqa: ANN202 - returns Load
+    from tilepd.capacity import sources
+    from tilepd.capacity.estimate import Load
+    from tilepd.capacity.simulate import GammaTimes
+
+    if ms_per_token is None:
+        urls = [f"http://{d.address}:{d.http_port}/metrics" for d in topo.decode]
+        scrapes = [_scrape_or_exit(u) for u in urls]
+        per_token = sources.seconds_per_token(scrapes)
+        if per_token is None:
+            raise _fail(ExitCode.INPUT, f"the decode nodes ({', '.join(urls)}) have decoded no token yet: give --ms-per-token")
+        notes.append(f"decode time per token {per_token * 1e3:.2f} ms: measured on {len(urls)} decode node(s) since they started")
+    else:
+        per_token = ms_per_token / 1e3
+    if prefill_ms is None:
+        urls = [f"http://{p.address}:{p.port}/metrics" for p in topo.prefill]
+        scrapes = [_scrape_or_exit(u) for u in urls]
+        per_prompt_token = sources.prefill_seconds_per_token(scrapes)
+        if per_prompt_token is None:
+            raise _fail(ExitCode.INPUT, f"the prefill hosts ({', '.join(urls)}) report no prefill yet: give --prefill-ms")
+        prefill_s = per_prompt_token * prompt_tokens
+        notes.append(f"prefill {prefill_s * 1e3:.1f} ms: {prompt_tokens} prompt tokens x {per_prompt_token * 1e3:.3f} ms measured per "
+                     "prompt token on the prefill hosts (KV transfer, convert and inject not included)")
+    else:
+        prefill_s = prefill_ms / 1e3
+    mean = prefill_s + output_tokens * per_token
+    return Load(rps, GammaTimes(mean, service_cv), topo.router.queue_timeout_s,
+                f"stated: {rps:g} req/s, {prompt_tokens} prompt + {output_tokens} output tokens")
+
+
+def _scrape_or_exit(url: str):  # noqa: ANN202 - returns Scrape
+    from tilepd.capacity import sources
+
+    try:
+        return sources.scrape(url)
+    except sources.MetricsUnreachable as exc:
+        raise _fail(ExitCode.UNHEALTHY, f"metrics endpoint did not answer: {exc}") from None
+    except sources.MetricsInvalid as exc:
+        raise _fail(ExitCode.INPUT, str(exc)) from None
+
+
+def _live_load(topo, window_s: float, notes: list[str]):  # noqa: ANN001, ANN202 - returns (Load, RouterLoad)
+    from tilepd.capacity import sources
+    from tilepd.capacity.estimate import Load
+
+    url = f"http://{topo.router.address}:{topo.router.port}/metrics"
+    before = _scrape_or_exit(url)
+    err.print(f"reading {url} for {window_s:g} s ...", highlight=False)
+    time.sleep(window_s)
+    after = _scrape_or_exit(url)
+    try:
+        live = sources.router_load(before, after, window_s)
+    except sources.MetricsInvalid as exc:
+        raise _fail(ExitCode.INPUT, f"{url}: {exc}") from None
+    notes.extend(live.notes)
+    if live.arrivals <= 0 or live.service.count <= 0:
+        raise _fail(ExitCode.INPUT, f"{url}: no request reached the decode-node queue in {window_s:g} s "
+                    "(nothing to measure): use a longer --window, or state the load with --rps")
+    notes.append("arrivals taken as Poisson (the router does not record inter-arrival times)")
+    source = f"live: router {topo.router.address}:{topo.router.port}, {window_s:g} s window, {live.arrivals:g} requests"
+    return Load(live.rate, live.service.distribution(), topo.router.queue_timeout_s, source), live
+
+
+def _table(est, live, current: int) -> Table:  # noqa: ANN001
+    t = Table(title="decode pool (formula/simulation)", title_justify="left")
+    for name in ("nodes", "util", "P(wait)", "p99 wait", "429+fallb.", "ok", ""):
+        t.add_column(name, justify="right" if name in ("nodes", "util", "P(wait)", "p99 wait", "429+fallb.") else "left", no_wrap=True)
+    if live is not None:
+        w = live.wait
+        t.add_row(str(current), _pct(live.measured_utilisation(current)), _pct(w.fraction_above(0.0005)),
+                  _fmt_s(w.quantile(0.99)), _pct(live.busy_fraction), "", "measured", style="cyan")
+    for r in est.rows:
+        f, s = r.formula, r.simulation
+        mark = ", ".join(m for m, on in (("now", r.nodes == current), ("needed", r.nodes == est.needed)) if on)
+        t.add_row(str(r.nodes), _pair(_pct(f.utilisation), _pct(s.utilisation)), _pair(_pct(f.p_wait), _pct(s.p_wait)),
+                  _pair(_fmt_s(f.p99_wait_s), _fmt_s(s.p99_wait_s)), _pair(_pct(f.p_timeout), _pct(s.p_timeout)),
+                  "[green]yes[/]" if r.meets(est.targets) else "[red]no[/]", mark)
+    return t
+
+
+def capacity(
+    topology: Optional[Path] = typer.Argument(None, help="Topology file (default: the bundled local.yaml).", show_default=False),
+    rps: Optional[float] = typer.Option(None, "--rps", min=0.0, help="Stated load: requests/s to the low-latency pool. Without it, the load is read live from the router."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", min=1, help="Stated load: prompt tokens per request."),
+    output_tokens: Optional[int] = typer.Option(None, "--output-tokens", min=1, help="Stated load: output tokens per request (required with --rps)."),
+    ms_per_token: Optional[float] = typer.Option(None, "--ms-per-token", min=0.0, help="Stated load: decode time per token; default measured on the decode nodes' /metrics."),
+    prefill_ms: Optional[float] = typer.Option(None, "--prefill-ms", min=0.0, help="Stated load: time a node is held before its first token (prefill, KV transfer, inject); default prompt tokens x the prefill hosts' measured time per prompt token."),
+    service_cv: float = typer.Option(0.0, "--service-cv", min=0.0, help="Stated load: coefficient of variation of the service time (0: every request the same lengths)."),
+    target_p99_wait_s: float = typer.Option(0.1, "--target-p99-wait-s", min=0.0, help="Target p99 wait for a decode node (of the requests served)."),
+    target_fallback: float = typer.Option(0.01, "--target-fallback", min=0.0, max=1.0, help="Target share of requests that wait out the queue timeout (429, or the native pool)."),
+    window_s: float = typer.Option(60.0, "--window", min=1.0, help="Live: seconds between the two scrapes of the router's /metrics."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Current pool size (default: the topology's decode nodes)."),
+    sim_requests: int = typer.Option(100_000, "--sim-requests", min=1000, max=2_000_000, help="Requests per simulation run."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the simulation."),
+    check: bool = typer.Option(False, "--check", help="Exit 7 when the current pool misses a target."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
+) -> None:
+    """How many batch=1 decode nodes the load needs for a target p99 queue wait and fallback rate.
+
+    Each decode node serves one request at a time, so the pool is a multi-server queue whose
+    service time is the whole request on the node. Erlang C with the router's queue timeout and
+    a service-time-CV correction gives the figures; a seeded simulation with the measured (or
+    stated) service-time distribution checks them. See docs/CAPACITY.md.
+    """
+    from tilepd.cli.deploy_cmds import _topology_arg
+    from tilepd.topology import TopologyError, TopologyFileError, load_topology
+
+    file = _topology_arg(topology)
+    try:
+        topo = load_topology(file)
+    except TopologyFileError as e:
+        raise _fail(ExitCode.INPUT, str(e)) from None
+    except TopologyError as e:
+        err.print(f"[red]{file}: invalid topology[/]\n{e}", highlight=False)
+        raise typer.Exit(int(ExitCode.INVALID)) from None
+    from tilepd.capacity.estimate import Targets, estimate
+
+    notes: list[str] = []
+    live = None
+    if rps is not None:
+        if rps <= 0:
+            raise typer.BadParameter("must be > 0", param_hint="--rps")
+        if output_tokens is None:
+            raise typer.BadParameter("is required with --rps", param_hint="--output-tokens")
+        load = _stated_load(topo, rps, prompt_tokens, output_tokens, ms_per_token, prefill_ms, service_cv, notes)
+    else:
+        stated = [n for n, v in (("--output-tokens", output_tokens), ("--ms-per-token", ms_per_token), ("--prefill-ms", prefill_ms)) if v is not None]
+        if stated:
+            raise typer.BadParameter(f"{', '.join(stated)} describe a stated load: give --rps too (or drop them to read the live load)", param_hint="--rps")
+        load, live = _live_load(topo, window_s, notes)
+    current = nodes or len(topo.decode)
+    if live is not None and live.nodes_in_rotation is not None and live.nodes_in_rotation != current:
+        notes.append(f"the router has {live.nodes_in_rotation} of {len(topo.decode)} decode nodes in rotation now")
+    est = estimate(load, Targets(target_p99_wait_s, target_fallback), current, sim_requests=sim_requests, seed=seed)
+    ok = est.row(current).meets(est.targets)
+    if as_json:
+        out = est.as_dict()
+        out["notes"] = notes
+        if live is not None:
+            w = live.wait
+            out["measured"] = {"window_s": live.window_s, "rate_per_s": live.rate, "routes": live.routes, "leased": live.leased,
+                               "busy_429": live.busy_429, "busy_fallback": live.busy_fallback, "busy_fraction": live.busy_fraction,
+                               "utilisation": live.measured_utilisation(current), "p_wait": w.fraction_above(0.0005),
+                               "p99_wait_s": w.quantile(0.99), "service_source": live.service_source,
+                               "nodes_in_rotation": live.nodes_in_rotation}
+        typer.echo(json.dumps(out, indent=2, allow_nan=False, default=lambda v: None))
+    else:
+        svc = load.service
+        console.print(f"[bold]load[/] {load.source}", highlight=False)
+        console.print(f"  {load.rate:.3g} req/s x service {svc.describe()} = {load.rate * svc.mean:.3g} erlangs; "
+                      f"queue timeout {load.timeout_s:g} s; targets: p99 wait <= {_fmt_s(target_p99_wait_s)}, "
+                      f"429/fallback <= {_pct(target_fallback)}", highlight=False)
+        console.print(_table(est, live, current))
+        verdict = "[green]meets the targets[/]" if ok else "[red]misses the targets[/]"
+        console.print(f"now: {current} decode node(s), {verdict}; needed: [bold]{est.needed}[/] "
+                      f"(formula alone: {est.needed_formula})", highlight=False)
+        for n in notes:
+            console.print(f"[dim]note: {n}[/]", highlight=False)
+    if check and not ok:
+        raise typer.Exit(int(ExitCode.UNHEALTHY))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("capacity")(capacity)
