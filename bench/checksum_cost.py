@@ -6,9 +6,10 @@ Prints, as JSON lines:
 1. `digest`: xxh3_64 throughput over host memory, one thread and through `region_digests` (the thread pool the
    decode node verifies with), as GB/s and ms per GB.
 2. `handoff`: a real loopback tcp handoff (KVSender -> ControlServer + slot + TcpReceiver) of `--mb` MB split
-   into `--layers` regions, with the decode node verifying checksums and without (`recv_bytes=None`), median of
-   `--repeat` runs: total handoff ms for each and the difference, which is what verification adds per request
-   (the sender hashes while its write is in flight; its `checksum_ms` is printed too).
+   into `--layers` regions (fp8_ds_mla-sized), to a decode node verifying checksums and one that does not
+   (`recv_bytes=None`), alternating, medians of `--repeat` rounds: each total handoff ms, the sender's hashing
+   (overlapped with its write) and the receiver's verification, which sits on the request's path between the
+   last byte landing and the transfer counting as complete.
 Numbers depend on the machine's memory bandwidth and free cores; docs/PERFORMANCE.md records runs.
 """
 
@@ -53,6 +54,7 @@ def digest_rates(buf: torch.Tensor, regions: int, repeat: int) -> dict:
 
 
 def handoff(mb: int, layers: int, repeat: int) -> dict:
+    """Two receivers (verifying and not) side by side; sends alternate between them so load changes hit both."""
     block = 64
     entry = 656  # fp8_ds_mla bytes per token
     tokens = max(block, (mb << 20) // (layers * entry) // block * block)
@@ -60,7 +62,7 @@ def handoff(mb: int, layers: int, repeat: int) -> dict:
                       kv_lora_rank=512, rope_dim=64)
     cap = lay.buffer_bytes(tokens)
     staging = np.random.default_rng(0).integers(0, 256, cap, dtype=np.uint8)
-    out = {"bench": "handoff", "layers": layers, "tokens": tokens, "bytes": lay.transfer_bytes(tokens)}
+    nodes = {}
     for verify in (False, True):
         buf = np.zeros(cap, np.uint8)
         rx = TcpReceiver("127.0.0.1", 0)
@@ -70,27 +72,32 @@ def handoff(mb: int, layers: int, repeat: int) -> dict:
                             recv_bytes=torch.from_numpy(buf) if verify else None).start()
         cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=srv.port, http_port=1),),
                                    transport=TransportConfig(name="tcp"), model_family="deepseek_v3", max_seq_len=tokens)
-        sender = KVSender(cfg, lay, Buffer.from_array(staging))
-        totals, sums = [], []
-        for i in range(repeat + 1):
+        nodes[verify] = (rx, slot, srv, KVSender(cfg, lay, Buffer.from_array(staging)))
+    totals: dict[bool, list[float]] = {False: [], True: []}
+    sums, verify_ms = [], []
+    src = [o for _, _, o, _ in lay.regions(tokens, tokens)]
+    for i in range(repeat + 1):
+        for verify in ((False, True) if i % 2 else (True, False)):
+            rx, slot, srv, sender = nodes[verify]
             tr = slot.reserve_for_decode(f"t{i}", "k")
-            r = sender.send(("127.0.0.1", srv.port), f"t{i}", "k", tokens, lay.blocks_for(tokens),
-                            [o for _, _, o, _ in lay.regions(tokens, tokens)])
+            r = sender.send(("127.0.0.1", srv.port), f"t{i}", "k", tokens, lay.blocks_for(tokens), src)
             assert r.ok, r
             slot.wait_complete(tr, 30)
             slot.release(tr)
-            if i:  # the first run warms connections and page mappings
-                totals.append(r.timings["total_ms"])
+            if i:  # the first round warms connections and page mappings
+                totals[verify].append(r.timings["total_ms"])
                 sums.append(r.timings.get("checksum_ms", 0.0))
+                if verify:
+                    verify_ms.append(srv.last_verify_ms)
+    for rx, slot, srv, sender in nodes.values():
         sender.close()
         srv.close()
         rx.close()
-        key = "verified" if verify else "unverified"
-        out[f"{key}_total_ms"] = statistics.median(totals)
-        out[f"{key}_sender_checksum_ms"] = statistics.median(sums)
-    out["verify_adds_ms"] = out["verified_total_ms"] - out["unverified_total_ms"]
-    out["verify_adds_ms_per_gb"] = out["verify_adds_ms"] / (out["bytes"] / 1e9)
-    return out
+    nbytes = lay.transfer_bytes(tokens)
+    v = statistics.median(verify_ms)
+    return {"bench": "handoff", "layers": layers, "tokens": tokens, "bytes": nbytes,
+            "unverified_total_ms": statistics.median(totals[False]), "verified_total_ms": statistics.median(totals[True]),
+            "sender_checksum_ms": statistics.median(sums), "receiver_verify_ms": v, "receiver_verify_ms_per_gb": v / (nbytes / 1e9)}
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -71,6 +72,7 @@ class ControlServer:
         # the receive buffer as flat uint8: each rank's checksums are verified over it at its `done`
         self.recv_bytes = recv_bytes
         self.checksum_failures = 0
+        self.last_verify_ms = 0.0  # what verifying the last transfer's checksums took (bench/checksum_cost.py)
         self._listener = socket.create_server((bind_host, port), backlog=64)
         self.port: int = self._listener.getsockname()[1]
         self._ids = itertools.count(1)
@@ -258,7 +260,9 @@ class ControlServer:
                 ok, why = self.slot.complete(msg.transfer_id, msg.generation, False,
                                              f"rank {rank}'s {want} bytes did not land", sender_rank=rank, conn_id=conn_id)
                 return dump(Ack(transfer_id=msg.transfer_id, ok=False, message=why))
+            t_verify = time.perf_counter()
             bad = self._verify(msg, hello, cur.seq_len)
+            self.last_verify_ms = (time.perf_counter() - t_verify) * 1e3
             if bad is not None:
                 self.checksum_failures += 1
                 log.error("event=kv_checksum_mismatch transfer_id=%s peer=%s generation=%d rank=%d %s", msg.transfer_id, peer,
@@ -267,7 +271,8 @@ class ControlServer:
                                    code=ErrorCode.KV_CHECKSUM_MISMATCH.value)
                 return dump(Ack(transfer_id=msg.transfer_id, ok=False, message=bad))
         ok, why = self.slot.complete(msg.transfer_id, msg.generation, msg.ok, msg.error, sender_rank=rank, conn_id=conn_id)
-        log.info("event=done transfer_id=%s peer=%s generation=%d ok=%s accepted=%s", msg.transfer_id, peer, msg.generation, msg.ok, ok)
+        log.info("event=done transfer_id=%s peer=%s generation=%d ok=%s accepted=%s verify_ms=%.2f", msg.transfer_id, peer,
+                 msg.generation, msg.ok, ok, self.last_verify_ms)
         return dump(Ack(transfer_id=msg.transfer_id, ok=ok, message=why))
 
     def _verify(self, msg: Done, hello: Hello, seq_len: int) -> str | None:
