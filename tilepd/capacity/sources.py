@@ -192,9 +192,10 @@ def router_load(before: Scrape, after: Scrape, window_s: float) -> RouterLoad:
         service, source = h_after - h_before, HOLD
     else:
         r_after, r_before = after.histogram(REQUEST, route="low_latency"), before.histogram(REQUEST, route="low_latency")
-        if r_after is None or r_before is None:
+        if r_after is None:
             raise MetricsInvalid(f"the router's /metrics has neither {HOLD} nor {REQUEST}{{route=\"low_latency\"}}")
-        service, source = r_after - r_before, f'{REQUEST}{{route="low_latency"}}'
+        # a labelled series appears with its first observation: absent before the window means zero
+        service, source = r_after - r_before if r_before is not None else r_after, f'{REQUEST}{{route="low_latency"}}'
         notes.append(f"this router has no {HOLD} (older tilepd): service time taken from {source}, which also counts "
                      "the queue wait and refused requests, so it overstates the service time")
     gauge = after.samples.get("tilepd_router_nodes_in_rotation")

@@ -1,0 +1,57 @@
+"""A router's real RouterMetrics (rendered by the router's own module) driven with a known load."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+from tilepd.plan.service_configs import DecodeEndpoint
+from tilepd.router.leases import NodePool
+from tilepd.router.metrics import RouterMetrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def router_metrics(nodes: int = 2) -> tuple[RouterMetrics, NodePool]:
+    pool = NodePool.of(tuple(DecodeEndpoint(name=f"d{i}", host="127.0.0.1", ctrl_port=1, http_port=2) for i in range(nodes)))
+    for n in pool.nodes:
+        pool.set_in_rotation(n, True)
+    return RouterMetrics(pool, breaker_failures=3), pool
+
+
+def lease_and_release(metrics: RouterMetrics, pool: NodePool, count: int) -> None:
+    """Lease and release nodes through the real pool, as the router does: its release hook records each hold."""
+
+    async def go() -> None:
+        for _ in range(count):
+            lease = await pool.acquire(1.0)
+            metrics.lease_wait_seconds.observe(lease.waited_s)
+            lease.release()
+
+    asyncio.run(go())
+
+
+def drive(metrics: RouterMetrics, *, served: int, hold_s: float, wait_s: float, refused: int = 0, fallbacks: int = 0) -> None:
+    """`served` requests that waited `wait_s` and held a node `hold_s`; `refused` 429s and `fallbacks` after the queue timeout."""
+    for _ in range(served):
+        metrics.lease_wait_seconds.observe(wait_s)
+        metrics.lease_hold_seconds.observe(hold_s)
+        metrics.routes.labels("low_latency", "default").inc()
+        metrics.responses.labels("low_latency", "200").inc()
+    for _ in range(refused):
+        metrics.routes.labels("low_latency", "busy").inc()
+        metrics.responses.labels("low_latency", "429").inc()
+    for _ in range(fallbacks):
+        metrics.routes.labels("native", "busy").inc()
+        metrics.responses.labels("native", "200").inc()
+
+
+def local_topology(tmp_path: Path, router_port: int) -> Path:
+    """The bundled local.yaml with the router on `router_port`."""
+    text = (REPO / "topology_examples" / "local.yaml").read_text()
+    text, n = re.subn(r"(router:\n(?:  .*\n)*?  port: )\d+", rf"\g<1>{router_port}", text)
+    assert n == 1, "local.yaml's router port not found"
+    out = tmp_path / "local.yaml"
+    out.write_text(text)
+    return out
