@@ -16,6 +16,8 @@ CUDA graph; attention through torch SDPA), `graph[triton]` / `graph[bmm]` (same,
 split-KV Triton kernel / as two batched GEMVs), `speed-path` (what `load_engine(device="cuda")` uses:
 compiled.accelerate = torch.compile'd layers around the Triton attention, in the graph),
 `compile+graph` (per-layer torch.compile including SDPA attention, then the graph; skipped with --no-compile),
+`speed-path[no-mla]` / `speed-path[no-moe-gemv]` (DeepSeek family: the speed path without the MLA kernel /
+without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py),
 `eager` (no graph, fewer tokens), and HF transformers `generate` (eager, batch 1, fewer tokens).
 DeepSeek-family models also run `speed-path[no-mla]` (the speed path with MLA attention on the reference
 path: SDPA / gather+matmul) beside `speed-path` (MLA through tilepd/engine/mla_attention.py's kernel), and
@@ -45,8 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
 from tilepd.engine.fp8 import BlockFp8  # noqa: E402
-from tilepd.topology.known_models import _GLM51  # noqa: E402  (GLM-5.1's config.json, transcribed there)
-from tilepd.engine import layers  # noqa: E402
+from tilepd.engine import layers, moe  # noqa: E402
 from tilepd.engine.compiled import accelerate  # noqa: E402
 from tilepd.engine.engine import Engine, build_model  # noqa: E402
 from tilepd.engine.spec import ModelSpec, spec_from_hf_config  # noqa: E402
@@ -70,8 +71,18 @@ DSV3_SMALL = {  # DeepSeek-V3 per-layer shapes; 2 layers (1 dense, 1 MoE) + 1 MT
                      "original_max_position_embeddings": 4096},
     "max_position_embeddings": 163840, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
 }
-GLM5_SMALL = {**_GLM51, "num_hidden_layers": 2, "first_k_dense_replace": 1,  # GLM-5.1 per-layer shapes + indexer: 1 dense + 1 MoE + MTP
-              "bos_token_id": 0, "eos_token_id": 1}
+# GLM-5.1's config.json (huggingface.co/zai-org/GLM-5.1, as tilepd/topology/known_models.py transcribes it; copied
+# here so the GPU run needs no topology deps): per-layer shapes + the DSA indexer; 2 layers (1 dense, 1 MoE) + MTP.
+GLM5_SMALL = {
+    "model_type": "glm_moe_dsa", "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192,
+    "v_head_dim": 256, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}, "rope_interleave": True,
+    "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "attention_bias": False, "index_head_dim": 128, "index_n_heads": 32,
+    "index_topk": 2048, "indexer_rope_interleave": True, "bos_token_id": 0, "eos_token_id": 1,
+}
 TINY_LLAMA = {**LLAMA3_8B, "bos_token_id": 0, "eos_token_id": 1, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
 TINY_DSV3 = {**DSV3_SMALL, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
@@ -193,8 +204,8 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
     max_ctx = max(args.contexts)
     windows = sorted({c + args.tokens + 16 for c in args.contexts})
     variants = ["speed-path", "graph", "graph[triton]"] + ([] if args.no_compile else ["compile+graph"]) + ["eager"]
-    if spec.family == "deepseek_v3":  # no compiled path; MLA kernel on/off side by side
-        variants = ["speed-path", "speed-path[no-mla]", "graph", "eager"]
+    if spec.family == "deepseek_v3":  # no compiled path; the MLA kernel and the expert GEMV on/off side by side
+        variants = ["speed-path", "speed-path[no-mla]", "speed-path[no-moe-gemv]", "graph", "eager"]
     if device.type != "cuda":
         variants = ["static", "static[bmm]", "eager"]  # the graph's body without capture; eager
     if args.variants:
@@ -203,13 +214,15 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         model = engine = None
         layers.ATTENTION_IMPL["default"] = next((impl for impl in ("bmm", "triton") if variant.endswith(f"[{impl}]")), "sdpa")
         layers.ATTENTION_IMPL["mla"] = "reference"
+        moe.EXPERT_IMPL["dense"] = "gather"
         path = None
         try:
             model = build_model(spec, weights, max_ctx + args.tokens + 16, device, dtype)
             if variant == "speed-path":  # exactly what load_engine(device="cuda") turns on
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode)
-            elif variant == "speed-path[no-mla]":  # the same without the MLA kernel
-                path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode, mla_attention=False)
+            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]"):  # the same without the MLA kernel / the expert GEMV
+                path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode,
+                                  mla_attention=variant != "speed-path[no-mla]", moe_gemv=variant != "speed-path[no-moe-gemv]")
             elif variant.startswith("compile"):
                 if not hasattr(model, "compile"):
                     raise RuntimeError(f"no compiled path for family {spec.family}")
@@ -241,6 +254,7 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         del engine, model
         layers.ATTENTION_IMPL["default"] = "sdpa"
         layers.ATTENTION_IMPL["mla"] = "reference"
+        moe.EXPERT_IMPL["dense"] = "gather"
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -402,9 +416,10 @@ def run_sweep(device: torch.device, tiny: bool, as_json: bool, out: Path | None)
             report["rows"].append(row)
             print(f"  {row}", file=sys.stderr, flush=True)
         del cache, q, want
+    report["rows"] += _sweep_experts(device, dtype, tiny)
     report["best"] = {}
     for case in {r["case"] for r in report["rows"]}:
-        ok_rows = [r for r in report["rows"] if r["case"] == case and r.get("us") and r["config"] != "reference" and r["max_err"] < 0.05]
+        ok_rows = [r for r in report["rows"] if r["case"] == case and r.get("us") and not r["config"].startswith("reference") and r["max_err"] < 0.05]
         if ok_rows:
             report["best"][case] = min(ok_rows, key=lambda r: r["us"])["config"]
     if out is not None:
@@ -414,6 +429,56 @@ def run_sweep(device: torch.device, tiny: bool, as_json: bool, out: Path | None)
     else:
         _print_sweep(report)
     return report
+
+
+EXPERT_TILES = [(bk, nw, pr) for bk in (64, 128, 256) for nw in (4, 8) for pr in (264, 528, 1056)]
+
+
+def _sweep_experts(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[dict]:
+    """moe_triton.expert_gemv alone on DeepSeek-V3's routed experts (top-8 of 256: w13 then w2), per tile
+    config, against the gather + einsum reference; GB/s counts the 8 selected experts' bytes."""
+    from tilepd.engine import moe_triton
+
+    rows: list[dict] = []
+    e, h, mi, k = (8, 64, 32, 2) if tiny else (256, 7168, 2048, 8)
+    saved = dict(moe_triton.TUNE)
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        w13 = torch.randn(e, 2 * mi, h, generator=g, device=device, dtype=dtype) * h ** -0.5
+        w2 = torch.randn(e, h, mi, generator=g, device=device, dtype=dtype) * mi ** -0.5
+        ids = torch.randperm(e, generator=g, device=device)[:k]
+        x = torch.randn(k, h, generator=g, device=device, dtype=dtype)
+        a = torch.randn(k, mi, generator=g, device=device, dtype=dtype)
+    except Exception as ex:
+        return [{"case": "experts", "config": "setup", "error": f"{type(ex).__name__}: {ex}"}]
+    nbytes = k * 3 * mi * h * w13.element_size()
+    want = torch.cat([torch.einsum("rk,rnk->rn", x.float(), w13[ids].float()), torch.einsum("rk,rnk->rn", a.float(), w2[ids].float())], dim=1)
+
+    def kernel() -> torch.Tensor:
+        return torch.cat([moe_triton.expert_gemv(x, w13, ids), moe_triton.expert_gemv(a, w2, ids)], dim=1)
+
+    def reference() -> torch.Tensor:  # moe.experts' gather path on the same rows
+        return torch.cat([torch.einsum("rk,rnk->rn", x, w13[ids]), torch.einsum("rk,rnk->rn", a, w2[ids])], dim=1)
+
+    name = f"experts top-{k} of {e} (w13+w2, h={h}, mi={mi})"
+    tiles = EXPERT_TILES if not tiny else [(32, 4, 4)]
+    for label, cfg in [("reference (gather+einsum)", None)] + [(f"bk={bk} warps={nw} programs={pr}", (bk, nw, pr)) for bk, nw, pr in tiles]:
+        row = {"case": name, "config": label, "us": None, "GBps": None, "max_err": None, "error": None}
+        try:
+            if cfg is not None:
+                moe_triton.TUNE.update(block_k=cfg[0], num_warps=cfg[1], programs=cfg[2])
+            fn = reference if cfg is None else kernel
+            row["max_err"] = float((fn().float() - want).abs().max())
+            row["us"] = _graph_time_us(fn, device)
+            row["GBps"] = nbytes / (row["us"] * 1e-6) / 1e9
+        except Exception as ex:
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+        finally:
+            moe_triton.TUNE.clear()
+            moe_triton.TUNE.update(saved)
+        rows.append(row)
+        print(f"  {row}", file=sys.stderr, flush=True)
+    return rows
 
 
 def _print_sweep(report: dict) -> None:
@@ -429,9 +494,12 @@ def _print_sweep(report: dict) -> None:
                       f"{r['GBps']:.0f}" if r.get("GBps") else "-", f"{r['max_err']:.2e}" if r.get("max_err") is not None else "-",
                       (r.get("error") or "")[:60])
     Console(width=160).print(table)
+    env = {"bn": "TILEPD_MLA_BLOCK_N", "bh": "TILEPD_MLA_BLOCK_H", "warps": "TILEPD_MLA_NUM_WARPS", "programs": "TILEPD_MLA_PROGRAMS",
+           "bk": "TILEPD_MOE_BLOCK_K"}
     for case, cfg in sorted(report["best"].items()):
-        bn, bh, nw, pr = (int(kv.split("=")[1]) for kv in cfg.split())
-        print(f"best for {case}: TILEPD_MLA_BLOCK_N={bn} TILEPD_MLA_BLOCK_H={bh} TILEPD_MLA_NUM_WARPS={nw} TILEPD_MLA_PROGRAMS={pr}")
+        prefix = "TILEPD_MOE" if case.startswith("experts") else "TILEPD_MLA"
+        pairs = [kv.split("=") for kv in cfg.split()]
+        print(f"best for {case}: " + " ".join(f"{env[k].replace('TILEPD_MLA', prefix)}={v}" for k, v in pairs))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -445,7 +513,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-tokens", type=int, default=None, help="tokens for HF generate (default 32)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="engine variants to run (speed-path, graph, graph[triton], graph[bmm], compile+graph, compile(no-attn)+graph, "
+                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-moe-gemv], graph, graph[triton], graph[bmm], "
+                         "compile+graph, compile(no-attn)+graph, "
                          "compile(no-attn)+graph[triton], eager; on CPU 'static' = graph body)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--compile-mode", default=None, help='torch.compile mode, e.g. "max-autotune-no-cudagraphs"')

@@ -85,7 +85,7 @@ def test_mla_kernel_refuses_mismatched_cache() -> None:
 _ENGINE = textwrap.dedent("""
     import sys
     import torch
-    from tilepd.engine import KVState, SamplingParams, layers, load_engine
+    from tilepd.engine import KVState, SamplingParams, layers, load_engine, moe
     from tilepd.engine.deepseek_v3 import DenseSpan
     torch.set_num_threads(1)
     for path in sys.argv[1:]:
@@ -97,23 +97,24 @@ _ENGINE = textwrap.dedent("""
         if s.is_dsa:
             state.indexer = [None if c is None else torch.randn(20, c.shape[1], generator=g) for c in eng.model.index_cache_list()[: s.num_layers]]
         runs = {}
-        for impl in ("reference", "triton"):
-            layers.ATTENTION_IMPL["mla"] = impl
+        for impl, experts in (("reference", "gather"), ("triton", "gather"), ("triton", "triton")):
+            layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = impl, experts
             eng.inject(state)
-            runs[impl] = eng.decode(3, 10, SamplingParams(ignore_eos=True), lambda t: None).tokens
+            runs[impl, experts] = eng.decode(3, 10, SamplingParams(ignore_eos=True), lambda t: None).tokens
         x = torch.zeros(1, 4)
         span = eng.model._dense_mask(x, torch.tensor([5]), torch.ones(1, 24, dtype=torch.bool), eng.model._zero)
         assert isinstance(span, DenseSpan), "the kernel path must be taken under the interpreter"
-        assert runs["triton"] == runs["reference"], (path, runs)
-        print(path, "dsa" if s.is_dsa else "dense", runs["triton"])
+        assert runs["triton", "gather"] == runs["reference", "gather"] == runs["triton", "triton"], (path, runs)
+        print(path, "dsa" if s.is_dsa else "dense", runs["triton", "triton"])
     print("engine ok")
 """)
 
 
 @pytest.mark.slow
 def test_engine_decodes_the_same_tokens_through_the_kernel(tiny_deepseek: Path, tiny_glm5: Path, repo_root: Path) -> None:
-    """Tiny DeepSeek-V3 (dense MLA) and GLM-5 (DSA, shared layers) on the graph step's static body: the kernel
-    (under the interpreter) gives the reference path's greedy tokens, across window changes."""
+    """Tiny DeepSeek-V3 (dense MLA) and GLM-5 (DSA, shared layers) on the graph step's static body: the MLA
+    kernel, alone and with the expert GEMV (moe_triton.py), under the interpreter, gives the reference path's
+    greedy tokens, across window changes."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", _ENGINE, str(tiny_deepseek), str(tiny_glm5)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -2,7 +2,8 @@
 
 `accelerate(model)` switches a freshly built model to the fastest path measured on an H200
 (bench/decode_speed.py, docs/PERFORMANCE.md): attention through the split-KV Triton kernel
-(attention.py), DeepSeek-family latent attention (dense and DSA) through the MLA kernel (mla_attention.py), and the per-layer element-wise work fused by torch.compile, with the cache-reading
+(attention.py), DeepSeek-family latent attention (dense and DSA) through the MLA kernel (mla_attention.py),
+routed experts with dense weights through the grouped GEMV that reads them in place (moe_triton.py), and the per-layer element-wise work fused by torch.compile, with the cache-reading
 attention left outside the compiled code (so one compilation serves every cache-window bucket and the
 cache is never copied). Compilation and Triton builds only happen at the first graph capture; if that
 fails, GraphStep applies the returned fallbacks one at a time (first drop torch.compile, then the
@@ -43,7 +44,7 @@ def _triton_available() -> bool:
 
 
 def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, mla_attention: bool = True,
-               compile_mode: str | None = None) -> SpeedPath:
+               moe_gemv: bool = True, compile_mode: str | None = None) -> SpeedPath:
     """Turn on the speed path for `model` (CUDA only; call before the first graph capture)."""
     path = SpeedPath()
     if triton_attention and _triton_available():
@@ -66,6 +67,18 @@ def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = T
             return f"MLA attention back to {before_mla}"
 
         path.fallbacks.insert(0, undo_mla)  # a failing MLA kernel is undone before the generic one
+    if moe_gemv and _triton_available() and getattr(getattr(model, "spec", None), "n_routed_experts", 0):
+        from tilepd.engine import moe
+
+        before_moe = moe.EXPERT_IMPL["dense"]
+        moe.EXPERT_IMPL["dense"] = "triton"
+        path.parts.append("moe-gemv")
+
+        def undo_moe() -> str:
+            moe.EXPERT_IMPL["dense"] = before_moe
+            return f"routed experts back to {before_moe}"
+
+        path.fallbacks.insert(0, undo_moe)
     if compile_layers and hasattr(model, "compile"):
         saved = {name: getattr(model, name) for name in _SWAPPED if hasattr(model, name)}
         try:

@@ -1,10 +1,14 @@
 """DeepSeek-V3 mixture of experts: noaux_tc sigmoid routing with group-limited top-k, shared experts.
 
-Routing runs in float32 like the reference. The selected experts' weights are gathered by device
-indices (no host sync, no data-dependent shapes), so the whole layer can sit inside a CUDA graph.
+Routing runs in float32 like the reference. The selected experts' weights are read by device indices
+(no host sync, no data-dependent shapes), so the whole layer can sit inside a CUDA graph: on the CUDA speed
+path (EXPERT_IMPL["dense"] == "triton", set by compiled.accelerate) in place by moe_triton.py's grouped
+GEMV; otherwise gathered into a [T, k, out, in] copy and applied with einsum (the reference).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -32,19 +36,42 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, spec: ModelSp
     return ids, weights * spec.routed_scaling_factor
 
 
+# "gather": w[ids] copy + einsum (portable reference); "triton": moe_triton.expert_gemv (CUDA, or CPU under
+# TRITON_INTERPRET=1), for dense expert weights; fp8 experts always go through fp8_expert_linear.
+EXPERT_IMPL = {"dense": "gather"}
+
+
+def _use_gemv(x: torch.Tensor, rows: int) -> bool:
+    if EXPERT_IMPL["dense"] != "triton" or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    from tilepd.engine import moe_triton
+
+    return moe_triton.available() and rows <= moe_triton.MAX_ROWS
+
+
 def experts(x: torch.Tensor, w13: torch.Tensor | BlockFp8, w2: torch.Tensor | BlockFp8, ids: torch.Tensor) -> torch.Tensor:
     """The selected experts' SwiGLU for each token: x [T, h], ids [T, k] -> [T, k, h] (unweighted).
 
-    Dense weights: gathered by ids ([T, k, out, in]) and applied with einsum. fp8 weights: each selected
-    expert's fp8 values and block scales are read by its device id (fp8_expert_linear)."""
+    Dense weights: read in place by the grouped GEMV on the speed path, else gathered by ids
+    ([T, k, out, in]) and applied with einsum. fp8 weights: each selected expert's fp8 values and block
+    scales are read by its device id (fp8_expert_linear)."""
+    t, k = ids.shape
     if isinstance(w13, BlockFp8):
         gu = fp8_expert_linear(x, w13, ids)
+    elif _use_gemv(x, t * k):
+        from tilepd.engine.moe_triton import expert_gemv
+
+        gu = expert_gemv(x[:, None, :].expand(t, k, x.shape[-1]).reshape(t * k, -1), w13, ids.reshape(-1)).view(t, k, -1)
     else:
         gu = torch.einsum("th,tkoh->tko", x, w13[ids])  # w13[ids]: [T, k, 2*mi, h]
     g, u = gu.chunk(2, dim=-1)
     a = F.silu(g) * u
     if isinstance(w2, BlockFp8):
         return fp8_expert_linear(a, w2, ids)
+    if _use_gemv(a, t * k):
+        from tilepd.engine.moe_triton import expert_gemv
+
+        return expert_gemv(a.reshape(t * k, -1), w2, ids.reshape(-1)).view(t, k, -1)
     return torch.einsum("tki,tkhi->tkh", a, w2[ids])  # w2[ids]: [T, k, h, mi]
 
 
