@@ -1,0 +1,113 @@
+"""Grammar-constrained decoding with xgrammar, compiled as vLLM's xgrammar backend compiles it (v0.32).
+
+The node compiles the request's constraint against the model's tokenizer (vocab size from the model
+config, like vLLM's `model_config.get_vocab_size()`), keeps one GrammarMatcher per request, advances it
+by the first token (sampled by the prefill vLLM under the same constraint), and before each later
+sampling fills the token bitmask and applies it to the float32 logits in place (CPU or CUDA tensors).
+The matcher's stop tokens are vLLM's `all_stop_token_ids`: the model's EOS ids plus the request's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# what the node compiles; vLLM's names (StructuredOutputOptions) for the same constraints
+KINDS = ("json_schema", "json_object", "regex", "grammar")
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile; `field` names the request field at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _xgr() -> Any:
+    import xgrammar
+
+    return xgrammar
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """kind (one of KINDS) and its text: a JSON schema, a regex, an EBNF/Lark grammar ("" for json_object)."""
+
+    kind: str
+    spec: str
+
+
+class GrammarCompiler:
+    """One per node: the tokenizer's xgrammar info and a compile cache (schemas repeat across agent calls)."""
+
+    def __init__(self, tokenizer_dir: Path, vocab_size: int) -> None:
+        from transformers import AutoTokenizer
+
+        xgr = _xgr()
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.vocab_size = int(vocab_size)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=8, cache_enabled=True)
+        self._lock = threading.Lock()
+
+    def compile(self, c: Constraint, field: str = "structured_output") -> Any:
+        """-> xgrammar.CompiledGrammar; GrammarError naming `field`.spec when the constraint is malformed."""
+        xgr = _xgr()
+        if c.kind not in KINDS:
+            raise GrammarError(f"{field}.type", f"{c.kind!r} is not one of {', '.join(KINDS)}")
+        if c.kind == "json_schema":
+            try:
+                json.loads(c.spec)
+            except ValueError as exc:
+                raise GrammarError(f"{field}.spec", f"the JSON schema is not JSON: {exc}") from None
+        try:
+            with self._lock:
+                if c.kind == "json_schema":
+                    return self.compiler.compile_json_schema(c.spec, any_whitespace=True)
+                if c.kind == "json_object":
+                    return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+                if c.kind == "regex":
+                    return self.compiler.compile_regex(c.spec)
+                return self.compiler.compile_grammar(c.spec)  # EBNF (GBNF) as xgrammar reads it
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise GrammarError(f"{field}.spec", f"{c.kind} does not compile: {exc}") from None
+
+    def matcher(self, compiled: Any, stop_token_ids: set[int]) -> "GrammarState":
+        return GrammarState(compiled, sorted(stop_token_ids), self.vocab_size)
+
+
+class GrammarState:
+    """One request's matcher and its token bitmask (the bitmask moves to the logits' device once)."""
+
+    def __init__(self, compiled: Any, stop_token_ids: list[int], vocab_size: int) -> None:
+        xgr = _xgr()
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._device_mask: torch.Tensor | None = None
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False when the grammar does not allow it (nothing changes then)."""
+        return bool(self.matcher.accept_token(int(token)))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Disallowed tokens' logits [V] (float32) become -inf, in place."""
+        xgr = _xgr()
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        mask = self.bitmask
+        if logits.device.type != "cpu":
+            if self._device_mask is None:
+                self._device_mask = torch.empty_like(self.bitmask, device=logits.device)
+            self._device_mask.copy_(self.bitmask, non_blocking=True)
+            mask = self._device_mask
+        xgr.apply_token_bitmask_inplace(logits.view(1, -1), mask, vocab_size=logits.shape[-1])
