@@ -160,10 +160,12 @@ class Engine:
     @torch.no_grad()
     def decode(self, first_token: int, max_tokens: int, sampling: SamplingParams, on_token: Callable[[int], None],
                cancel: threading.Event | None = None, *, logprobs: int | None = None,
-               on_logprobs: Callable[[TokenLogprobs], None] | None = None) -> DecodeResult:
+               on_logprobs: Callable[[TokenLogprobs], None] | None = None, grammar: Any = None) -> DecodeResult:
         """Generate up to max_tokens tokens after first_token (fed at position seq_len).
 
-        logprobs=n (0..20): each token's logprob and its top n, handed to on_logprobs before on_token."""
+        logprobs=n (0..20): each token's logprob and its top n, handed to on_logprobs before on_token.
+        grammar: a grammar.GrammarState already advanced by first_token; every token obeys it (the bitmask
+        is applied to the logits before sampling and logprobs, as vLLM does), and its end is a stop."""
         if self.seq_len == 0:
             raise RuntimeError("decode() before inject(): no prefix in the cache")
         stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.config.eos_token_ids))
@@ -171,7 +173,8 @@ class Engine:
         if logprobs is not None:
             if not 0 <= logprobs <= TOP_LOGPROBS_MAX:
                 raise ValueError(f"logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {logprobs}")
-            return self._decode_with_logits(first_token, max_tokens, sampling, stops, on_token, cancel, logprobs, on_logprobs)
+        if logprobs is not None or grammar is not None:
+            return self._decode_with_logits(first_token, max_tokens, sampling, stops, on_token, cancel, logprobs, on_logprobs, grammar)
         if use_greedy and self.num_speculative_tokens > 0:
             from tilepd.engine.speculative import speculative_decode
 
@@ -222,7 +225,7 @@ class Engine:
 
     def _decode_with_logits(self, first_token: int, max_tokens: int, sampling: SamplingParams, stops: set[int],
                             on_token: Callable[[int], None], cancel: threading.Event | None, logprobs: int | None,
-                            on_logprobs: Callable[[TokenLogprobs], None] | None) -> DecodeResult:
+                            on_logprobs: Callable[[TokenLogprobs], None] | None, grammar: Any = None) -> DecodeResult:
         """The decode loop when the logits are needed after the model: no speculation (greedy output is the same)."""
         use_greedy = sampling.greedy
         if not use_greedy:
@@ -241,7 +244,12 @@ class Engine:
                 break
             if pos >= self.max_seq_len:
                 break
+            if grammar is not None and grammar.terminated:  # its stop token was accepted (ignore_eos kept the loop going)
+                reason = "stop"
+                break
             logits = step.logits(self.io, pos)
+            if grammar is not None:
+                grammar.mask(logits)
             if use_greedy:
                 nxt = greedy(logits)
             else:
@@ -253,6 +261,8 @@ class Engine:
                 t_first = time.perf_counter() - t0
             pos += 1
             tokens.append(tok)
+            if grammar is not None and not grammar.accept(tok):
+                raise RuntimeError(f"token {tok} sampled under the grammar's bitmask was rejected by its matcher")
             if logprobs is not None and on_logprobs is not None:
                 on_logprobs(token_logprobs(logits, tok, logprobs))
             on_token(tok)
