@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 PROMPT = "Once upon a time"
 LONG = 900  # tokens: the stream is still running when the test acts on its first few
 SHORT = 24
+NATIVE = 6
 
 
 class Nodes:
@@ -102,10 +103,11 @@ class Router:
 def start_fault_router(router_stack: Stack, nodes: Nodes) -> Iterator[Callable[..., Router]]:
     started: list[Server] = []
 
-    def start(**overrides: Any) -> Router:
-        assert router_stack.prefill is not None
+    def start(nodes: int = 2, native: bool = False, **overrides: Any) -> Router:
+        assert router_stack.prefill is not None and router_stack.native is not None
         fields: dict[str, Any] = {"queue_timeout_s": 10.0, "health_interval_s": 0.5, **overrides}
-        cfg = router_config(router_stack.model, router_stack.prefill.url, router_stack.spares, **fields)
+        native_urls = (router_stack.native_prefill_url or router_stack.prefill.url, router_stack.native.url) if native else None
+        cfg = router_config(router_stack.model, router_stack.prefill.url, router_stack.spares[:nodes], native=native_urls, **fields)
         srv = start_router(cfg, router_stack.workdir, name=f"fault-router-{len(started)}")
         started.append(srv)
         router = Router(srv, cfg)
@@ -127,7 +129,7 @@ def router(start_fault_router: Callable[..., Router]) -> Router:
 def reference(router: Router) -> dict[int, tuple[str, int]]:
     """Unfaulted greedy runs through the same router: text and completion tokens, by max_tokens."""
     out = {}
-    for n in (LONG, SHORT):
+    for n in (LONG, SHORT, NATIVE):
         r = router.client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=n, temperature=0,
                                              extra_body={"ignore_eos": True})
         assert r.usage is not None and r.usage.completion_tokens == n
@@ -139,7 +141,8 @@ def reference(router: Router) -> dict[int, tuple[str, int]]:
 def _healthy_nodes(nodes: Nodes) -> Iterator[None]:
     nodes.ensure_up()
     yield
-    nodes.ensure_up()  # SIGCONT whatever a failed test left stopped
+    for name in list(nodes.stopped):  # never leave a process stopped, whatever the test did
+        nodes.cont(name)
 
 
 def _wait(check: Callable[[], bool], timeout_s: float) -> bool:
@@ -217,3 +220,17 @@ def test_fault_before_first_token_is_retried(start_fault_router: Callable[..., R
     assert moves and moves[0]["from"] == victim and all(m["to"] != victim for m in moves), moves
     assert not router.status()[victim]["in_rotation"]
     print(f"fault={fault} request seconds: {[round(s, 2) for s in seconds]} failover={moves[0]}")
+
+
+def test_no_node_left_continues_on_the_native_pool(start_fault_router: Callable[..., Router], nodes: Nodes,
+                                                   reference: dict[int, tuple[str, int]]) -> None:
+    """The only low-latency node is dead (health checks off, so the router leases it): the native pool (stock vLLM
+    P/D) generates the rest as token ids, through the router's own detokenizer; greedy-equal to the unfaulted run.
+    Few tokens: the native pool decodes at well under 1 token/s on the CPU box (issue 13 part 8)."""
+    router = start_fault_router(nodes=1, native=True, health_interval_s=600.0)
+    victim = nodes.stack.spares[0].name
+    nodes.kill(victim)
+    text, usage, finish = _stream(router, NATIVE, lambda i, node: None)
+    assert (text, usage, finish) == (*reference[NATIVE], "length")
+    moves = _failovers(router)
+    assert [(m["from"], m["to"]) for m in moves] == [(victim, "native")], moves
