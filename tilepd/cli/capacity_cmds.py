@@ -1,7 +1,7 @@
 """`tilepd capacity FILE`: how many decode nodes a load needs, from live metrics or a stated load.
 
 Exit codes (tilepd/cli/exitcodes.py): 0 estimate printed (with --check: the current pool meets
-the targets), 2 bad options, 3 invalid topology, 4 topology unreadable, or a /metrics answer
+the targets), 1 no pool size within reach meets the targets (said why), 2 bad options, 3 invalid topology, 4 topology unreadable, or a /metrics answer
 that lacks what the estimate needs (named), 7 a /metrics endpoint did not answer (URL named),
 or with --check the current pool misses a target.
 """
@@ -169,6 +169,8 @@ def capacity(
         raise typer.Exit(int(ExitCode.INVALID)) from None
     from tilepd.capacity.estimate import Targets, estimate
 
+    if target_fallback <= 0:
+        raise typer.BadParameter("must be > 0 (no pool size makes a timeout impossible, only rare)", param_hint="--target-fallback")
     notes: list[str] = []
     live = None
     if rps is not None:
@@ -185,7 +187,10 @@ def capacity(
     current = nodes or len(topo.decode)
     if live is not None and live.nodes_in_rotation is not None and live.nodes_in_rotation != current:
         notes.append(f"the router has {live.nodes_in_rotation} of {len(topo.decode)} decode nodes in rotation now")
-    est = estimate(load, Targets(target_p99_wait_s, target_fallback), current, sim_requests=sim_requests, seed=seed)
+    try:
+        est = estimate(load, Targets(target_p99_wait_s, target_fallback), current, sim_requests=sim_requests, seed=seed)
+    except ValueError as exc:  # e.g. no pool size within reach meets the targets
+        raise _fail(ExitCode.ERROR, f"no estimate: {exc}") from None
     ok = est.row(current).meets(est.targets)
     if as_json:
         out = est.as_dict()
