@@ -151,10 +151,7 @@ def capacity(
 ) -> None:
     """How many batch=1 decode nodes the load needs for a target p99 queue wait and fallback rate.
 
-    Each decode node serves one request at a time, so the pool is a multi-server queue whose
-    service time is the whole request on the node. Erlang C with the router's queue timeout and
-    a service-time-CV correction gives the figures; a seeded simulation with the measured (or
-    stated) service-time distribution checks them. See docs/CAPACITY.md.
+    Each decode node serves one request at a time, so the pool is a multi-server queue whose service time is the whole request on the node. Erlang C with the router's queue timeout and a service-time-CV correction gives the figures; a seeded simulation with the measured (or stated) service-time distribution checks them. See docs/CAPACITY.md.
     """
     from tilepd.cli.deploy_cmds import _topology_arg
     from tilepd.topology import TopologyError, TopologyFileError, load_topology
