@@ -118,3 +118,22 @@ def test_engine_decodes_the_same_tokens_through_the_kernel(tiny_deepseek: Path, 
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", _ENGINE, str(tiny_deepseek), str(tiny_glm5)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_accelerate_turns_the_kernels_on_and_undoes_them_first(tiny_deepseek: Path) -> None:
+    """compiled.accelerate on a DeepSeek-family model switches MLA attention and the routed experts to the
+    kernels; a capture failure undoes the expert GEMV, then the MLA kernel, before the generic attention."""
+    from tilepd.engine import layers, load_engine, moe
+    from tilepd.engine.compiled import accelerate
+
+    before = (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"])
+    try:
+        eng = load_engine(tiny_deepseek, device="cpu", max_seq_len=64, dtype="float32", num_speculative_tokens=0)
+        path = accelerate(eng.model, compile_layers=False)
+        assert path.name == "triton-attn+mla-kernel+moe-gemv+graph"
+        assert (layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"]) == ("triton", "triton")
+        assert [undo() for undo in path.fallbacks] == ["routed experts back to gather", "MLA attention back to reference", "attention back to sdpa"]
+        assert (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"]) == ("sdpa", "reference", "gather")
+        assert accelerate(eng.model, compile_layers=False, mla_attention=False, moe_gemv=False).name == "triton-attn+graph"
+    finally:
+        layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = before
