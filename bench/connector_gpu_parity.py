@@ -69,16 +69,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (compares the CPU path with itself)")
     a = ap.parse_args()
     base = _vllm_base()
     import torch
 
-    if not torch.cuda.is_available():
+    if a.device == "cuda" and not torch.cuda.is_available():
         print("FAIL: no CUDA device")
         return 1
     from tests.handoff.dsa_drive import expected_wire, random_dsa_state, send_to_receiver
 
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, connector base: {base}", flush=True)
+    name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu dry run"
+    print(f"torch {torch.__version__}, {name}, connector base: {base}", flush=True)
     failed = 0
     for latent, chunk in (("bfloat16", a.chunk), ("fp8_ds_mla", a.chunk), ("bfloat16", 48)):
         state = random_dsa_state(a.tokens, seed=len(latent) + chunk)
@@ -89,7 +91,7 @@ def main() -> int:
         cpu, lay_c, caches = send_to_receiver(state, latent=latent, device="cpu", chunk=chunk, num_blocks=nb, max_seq_len=2048,
                                               probe=cpu_probe)
         t1 = time.perf_counter()
-        gpu, lay_g, _ = send_to_receiver(state, latent=latent, device="cuda", chunk=chunk, num_blocks=nb, max_seq_len=2048,
+        gpu, lay_g, _ = send_to_receiver(state, latent=latent, device=a.device, chunk=chunk, num_blocks=nb, max_seq_len=2048,
                                          probe=gpu_probe)
         t2 = time.perf_counter()
         want = expected_wire(caches, lay_c, a.tokens, max_seq_len=2048)
@@ -98,7 +100,7 @@ def main() -> int:
             "indexer segment": lay_g.indexer is not None and lay_g.indexer.layers == [0, 1, 3] and lay_g.indexer.token_bytes == 132,
             "gpu bytes == cpu bytes": torch.equal(gpu, cpu),
             "cpu bytes == blocks as held": torch.equal(cpu[:want.numel()], want),
-            "cuda path used": gpu_probe.get("device", "").startswith("cuda") and bool(gpu_probe.get("staging_pinned")),
+            "cuda path used": a.device != "cuda" or (gpu_probe.get("device", "").startswith("cuda") and bool(gpu_probe.get("staging_pinned"))),
         }
         ok = all(checks.values())
         failed += not ok
