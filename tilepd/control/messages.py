@@ -16,7 +16,7 @@ from tilepd.control.layout import CacheLayout
 
 PROTOCOL_VERSION = 2
 # The oldest tilepd release that speaks PROTOCOL_VERSION (named in "upgrade ..." messages).
-MIN_TILEPD_FOR_PROTOCOL = "0.1.0"
+MIN_TILEPD_FOR_PROTOCOL = "0.2.0"
 
 
 class ErrorCode(str, Enum):
