@@ -137,3 +137,36 @@ def test_accelerate_turns_the_kernels_on_and_undoes_them_first(tiny_deepseek: Pa
         assert accelerate(eng.model, compile_layers=False, mla_attention=False, moe_gemv=False).name == "triton-attn+graph"
     finally:
         layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = before
+
+
+cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("length,live,t,sparse", [(1, 1, 1, False), (1296, 1100, 1, False), (8464, 8300, 1, False), (520, 300, 3, False),
+                                                  (8464, 8300, 1, True), (300, 300, 2, True)])
+def test_mla_kernel_on_cuda_matches_fp32_reference(length: int, live: int, t: int, sparse: bool) -> None:
+    """DeepSeek-V3 widths (128 heads, latent 512 + rope 64), bf16 cache, against the fp32 reference."""
+    import torch
+
+    from tilepd.engine import mla_attention as M
+    from tilepd.engine.dsa import Selection, sparse_mla_attention
+    from tilepd.engine.layers import attention_bias, cached_attention, length_mask
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, r = 128, 512
+    cache = torch.randn(length, 1, r + 64, generator=g, device="cuda").bfloat16()
+    q = torch.randn(t, h, r + 64, generator=g, device="cuda").bfloat16()
+    positions = torch.arange(live - t, live, device="cuda")
+    if sparse:
+        k = min(2048, live)
+        idx = torch.stack([torch.randperm(live, generator=g, device="cuda")[:k] for _ in range(t)])
+        ok = idx <= positions[:, None]
+        got = M.mla_sparse_attention(q, cache, r, idx, ok, 0.07)
+        want = sparse_mla_attention(q.float(), cache.float(), r, Selection(idx, ok), 0.07)
+    else:
+        got = M.mla_dense_attention(q, cache, r, torch.zeros(t, dtype=torch.long, device="cuda"), positions, length, 0.07)
+        bias = attention_bias(length_mask(positions, length), h, torch.float32)
+        want = cached_attention(q.float(), cache.float(), cache[..., :r].float(), bias, 0.07, impl="bmm")
+    assert got.shape == (t, h, r) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
