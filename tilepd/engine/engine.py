@@ -25,6 +25,7 @@ from tilepd.engine.types import DecodeResult, FinishReason, KVState, SamplingPar
 CAPABILITIES: dict[str, Any] = {
     "temperature": True, "top_p": True, "top_k": True, "seed": True, "stop_token_ids": True, "ignore_eos": True,
     "max_tokens": True, "logprobs": True, "top_logprobs": True, "top_logprobs_max": TOP_LOGPROBS_MAX,
+    "structured_output": ["json_schema", "json_object", "regex", "grammar"],  # tilepd.engine.grammar.KINDS
     "n": False, "presence_penalty": False, "frequency_penalty": False,
     "repetition_penalty": False, "min_p": False, "min_tokens": False, "logit_bias": False, "stop": False,
 }

@@ -32,6 +32,8 @@ from tilepd.router.gate import gate
 from tilepd.router.health import probe_all, probe_forever
 from tilepd.router.leases import LeaseTimeout, NodePool, NoNodeInRotation
 from tilepd.router.limits import BodySizeLimit
+from tilepd.router.logprobs import LogprobsRenderer
+from tilepd.router.structured import structured_plan
 from tilepd.router.lowlatency import EnginePlan, Finished, LowLatencyRun, TextDelta
 from tilepd.router.metrics import RouterMetrics
 from tilepd.router.native import serve_native
@@ -239,7 +241,16 @@ def _plan(state: RouterState, endpoint: Endpoint, req: CompletionRequest | ChatC
         stop_token_ids=list(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
+        logprobs=wanted_logprobs(req),
+        structured=structured_plan(req.response_format) if isinstance(req, ChatCompletionRequest) else None,
     )
+
+
+def wanted_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Top-n logprobs per token the client asked for (completions: logprobs=n; chat: logprobs + top_logprobs)."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def _engine_caps(state: RouterState) -> dict[str, Any] | None:
@@ -272,6 +283,8 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
     run.user = req.user
     events = run.events()
     writer = ResponseWriter(endpoint, req.model or state.config.served_model_name)
+    if plan.logprobs is not None:
+        writer.logprobs = LogprobsRenderer(state.renderer.tokenizer, plan.logprobs)
     headers = {**_route_headers(route, rid), "x-tilepd-node": lease.node.name}
     try:
         first = await events.__anext__()  # prefill done: errors here still get a proper HTTP status
@@ -295,12 +308,12 @@ async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[Tex
         role = writer.role_chunk()
         if role is not None:
             yield role
-        if isinstance(first, TextDelta) and first.text:
-            yield writer.text_chunk(first.text)
+        if isinstance(first, TextDelta) and (first.text or first.logprobs):
+            yield writer.text_chunk(first.text, first.logprobs)
         async for ev in events:
             if isinstance(ev, TextDelta):
-                if ev.text:
-                    yield writer.text_chunk(ev.text)
+                if ev.text or ev.logprobs:
+                    yield writer.text_chunk(ev.text, ev.logprobs)
             else:
                 fin = ev
         assert fin is not None
@@ -321,12 +334,17 @@ async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[Tex
 async def _collect_unless_disconnected(state: RouterState, request: Request, run: LowLatencyRun,
                                        events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
                                        writer: ResponseWriter, route: Route, rid: str, t0: float, headers: dict[str, str]) -> Response:
+    records: list = []
+
     async def collect() -> tuple[str, Finished]:
         parts = [first.text] if isinstance(first, TextDelta) else []
+        if isinstance(first, TextDelta):
+            records.extend(first.logprobs)
         fin: Finished | None = None
         async for ev in events:
             if isinstance(ev, TextDelta):
                 parts.append(ev.text)
+                records.extend(ev.logprobs)
             else:
                 fin = ev
         assert fin is not None
@@ -356,7 +374,7 @@ async def _collect_unless_disconnected(state: RouterState, request: Request, run
         _finish_log(state, route, rid, run, None, err.status, f"error:{err.code}", t0)
         return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
     _finish_log(state, route, rid, run, fin, 200, "ok", t0)
-    body = writer.full(text, fin.finish_reason, fin.stop_reason, fin.prompt_tokens, fin.completion_tokens)
+    body = writer.full(text, fin.finish_reason, fin.stop_reason, fin.prompt_tokens, fin.completion_tokens, records)
     return JSONResponse(body, headers=headers)
 
 

@@ -24,6 +24,7 @@ class PrefillResult:
     first_token: int
     prompt_tokens: int
     finish_reason: str  # "stop" when the first token already ends the request
+    choice: dict[str, Any] | None = None  # vLLM's choice, for the first token's logprobs
 
 
 class DecodeNodeError(Exception):
@@ -61,7 +62,8 @@ async def prefill_first_token(client: Upstream, url: str, body: dict[str, Any], 
         tok = choice["logprobs"]["tokens"][0]
         if not tok.startswith(TOKEN_ID_PREFIX):
             raise ValueError(f"token {tok!r} has no '{TOKEN_ID_PREFIX}' prefix: start vLLM with --return-tokens-as-token-ids")
-        return PrefillResult(int(tok[len(TOKEN_ID_PREFIX):]), int(data["usage"]["prompt_tokens"]), choice.get("finish_reason") or "length")
+        return PrefillResult(int(tok[len(TOKEN_ID_PREFIX):]), int(data["usage"]["prompt_tokens"]), choice.get("finish_reason") or "length",
+                             choice)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise RouterError(502, f"prefill {url} answered without a first token id: {exc}", type="prefill_error", code="prefill_bad_response") from exc
 

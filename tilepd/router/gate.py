@@ -38,8 +38,8 @@ def gate(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any]) -
     if isinstance(req, CompletionRequest):
         if req.best_of is not None and req.best_of > 1:
             return Refusal("best_of", "the low-latency engine samples one sequence")
-        if req.logprobs is not None and _lacks(caps, "logprobs"):
-            return Refusal("logprobs", "the engine does not return logprobs")
+        if req.logprobs is not None and (_lacks(caps, "logprobs") or req.logprobs > int(caps.get("top_logprobs_max", 0))):
+            return Refusal("logprobs", f"the engine does not return {req.logprobs} logprobs per token")
         if req.echo:
             return Refusal("echo", "echo is served by the native pool only")
         if req.suffix:
@@ -47,14 +47,17 @@ def gate(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any]) -
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) and len(req.prompt) > 1:
             return Refusal("prompt", "a batch of prompts needs several sequences")
     else:
-        if (req.logprobs or req.top_logprobs) and _lacks(caps, "logprobs"):
-            return Refusal("logprobs", "the engine does not return logprobs")
+        if req.top_logprobs and not req.logprobs:  # vLLM answers this with a 400: let the native pool say so
+            return Refusal("top_logprobs", "top_logprobs needs logprobs: true")
+        if req.logprobs and (_lacks(caps, "logprobs") or (req.top_logprobs or 0) > int(caps.get("top_logprobs_max", 0))):
+            return Refusal("logprobs", f"the engine does not return {req.top_logprobs or 0} top logprobs per token")
         if req.tools:
             return Refusal("tools", "tool calling is served by the native pool only")
         if req.tool_choice not in (None, "none"):
             return Refusal("tool_choice", "tool calling is served by the native pool only")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            return Refusal("response_format", "guided decoding is not in the low-latency engine")
+        rf_type = (req.response_format or {}).get("type", "text")
+        if rf_type != "text" and rf_type not in (caps.get("structured_output") or ()):
+            return Refusal("response_format", f"the engine does not decode under a {rf_type!r} constraint")
         for i, msg in enumerate(req.messages):
             if isinstance(msg.content, list) and any(p.type != "text" for p in msg.content):
                 return Refusal(f"messages[{i}].content", "only text content parts are supported")

@@ -70,9 +70,11 @@ from tilepd.router.backends import (
 from tilepd.router.detok import make_detokenizer
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.leases import Lease, LeaseTimeout, NoNodeInRotation
+from tilepd.router.logprobs import TokenLogprob, from_node, from_prefill
 from tilepd.router.native_continue import native_tokens
 from tilepd.router.state import RouterState
 from tilepd.router.stops import StopStringMatcher
+from tilepd.router.structured import StructuredPlan
 from tilepd.router.upstream import UpstreamStream
 
 log = logging.getLogger("tilepd.router")
@@ -115,11 +117,14 @@ class EnginePlan:
     stop_token_ids: list[int]
     ignore_eos: bool
     skip_special_tokens: bool
+    logprobs: int | None = None  # top-n logprobs per token (0: the sampled token's only); None: not asked
+    structured: StructuredPlan | None = None  # response_format: to the prefill as asked, to the node as a constraint
 
 
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens consumed since the last delta (when asked)
 
 
 @dataclass(frozen=True)
@@ -153,14 +158,22 @@ class _TextState:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.pending_logprobs: list[TokenLogprob] = []
 
     @property
     def count(self) -> int:
         return len(self.tokens)
 
-    def consume(self, token: int) -> str:
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        out = tuple(self.pending_logprobs)
+        self.pending_logprobs.clear()
+        return out
+
+    def consume(self, token: int, logprob: TokenLogprob | None = None) -> str:
         """Account one generated token; return the text now safe to send."""
         self.tokens.append(token)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
         if token in self.terminators:
             # like vLLM: the stop token's own text is left out unless asked for
             if self.plan.include_stop_str_in_output:
@@ -189,6 +202,7 @@ class NodeAttempt(ReadWatch):
         self.token = transfer_token(state.node_secret, self.transfer_id) if state.node_secret else secrets.token_hex(16)
         self.stage = "start"  # start -> prefilled -> decoding -> idle; "refused": prefill answered an error; "faulted"
         self.first_token: int | None = None
+        self.first_logprob: TokenLogprob | None = None
         self.resp: UpstreamStream | None = None
         self.tripped: str | None = None  # why the watchdog ended the wait
         self.deadline_s = 0.0  # of the current wait
@@ -397,20 +411,25 @@ class LowLatencyRun:
                 if text is None:
                     t_prefill = time.perf_counter()
                     text = _TextState(self.plan, self.state)
-                out = text.consume(first)
+                out = text.consume(first, att.first_logprob)
                 if text.finish_reason is None and finish == "stop":
                     text.finish_reason = "stop"  # vLLM knows a stop token the router's list missed
-                if out or self.failovers == 0:
-                    yield TextDelta(out)
+                if out or self.failovers == 0 or text.pending_logprobs:
+                    yield TextDelta(out, text.take_logprobs())
                 if text.finish_reason is not None:
                     break
                 try:
                     async for out in self._decode(att, text):
-                        if out:
-                            yield TextDelta(out)
+                        if out or text.pending_logprobs:
+                            yield TextDelta(out, text.take_logprobs())
                     break
                 except NodeFault as fault:
+                    if self.plan.structured is not None:
+                        self._give_up(att, fault)
                     if not await self._fail_over(att, fault, text.count):
+                        if self.plan.logprobs is not None:  # the native continuation carries no logprobs: never drop them
+                            raise DecodeNodeError(fault.error.node, 502, "node_faults", "the decode node failed and the native "
+                                                  "continuation cannot return logprobs") from None
                         async for out in self._continue_native(text):
                             if out:
                                 yield TextDelta(out)
@@ -422,8 +441,10 @@ class LowLatencyRun:
 
     async def _prefill(self, att: NodeAttempt, context: list[int], continuing: bool) -> tuple[int, str]:
         body = {"model": self.state.config.served_model_name, "prompt": context, "max_tokens": 1,
-                "stream": False, "logprobs": 1, "kv_transfer_params": att.marker(),
+                "stream": False, "logprobs": max(1, self.plan.logprobs or 0), "kv_transfer_params": att.marker(),
                 "skip_special_tokens": self.plan.skip_special_tokens, **self._sampling()}
+        if self.plan.structured is not None:
+            body.update(self.plan.structured.prefill)
         try:
             prefill = await prefill_first_token(self.state.client, self.state.next_prefill_url(), body, self.request_id)
         except PassThroughError as exc:
@@ -438,6 +459,12 @@ class LowLatencyRun:
             raise
         att.stage = "prefilled"
         att.first_token = prefill.first_token
+        if self.plan.logprobs is not None:
+            try:
+                att.first_logprob = from_prefill(prefill.choice or {}, self.plan.logprobs)
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise RouterError(502, f"prefill answered without the first token's logprobs: {exc}", type="prefill_error",
+                                  code="prefill_bad_response") from None
         if not continuing:
             self.prompt_tokens = prefill.prompt_tokens
         return prefill.first_token, prefill.finish_reason
@@ -447,6 +474,10 @@ class LowLatencyRun:
         body = {"transfer_id": att.transfer_id, "token": att.token, "first_token": att.first_token,
                 "prompt_tokens": att.context_len, "max_tokens": self.plan.max_tokens - text.count, "stream": True,
                 "kv_timeout_s": KV_WAIT_S, **self._sampling(), "seed": self.plan.seed}
+        if self.plan.logprobs is not None:
+            body["top_logprobs"] = self.plan.logprobs
+        if self.plan.structured is not None:
+            body["structured_output"] = self.plan.structured.node
         watchdog = asyncio.ensure_future(att.watch())
         try:
             resp = await att.open(body)
@@ -455,7 +486,7 @@ class LowLatencyRun:
                 if token is not None:
                     if text.finish_reason is not None:
                         return  # the router saw the end first (its EOS list): settle_soon cancels the rest
-                    out = text.consume(token)
+                    out = text.consume(token, from_node(msg) if self.plan.logprobs is not None else None)
                     yield out
                     if isinstance(text.stop_reason, str):
                         return  # a stop string: the node would go on, settle_soon cancels it
@@ -482,6 +513,20 @@ class LowLatencyRun:
             raise
         finally:
             watchdog.cancel()
+
+    def _give_up(self, att: NodeAttempt, fault: NodeFault) -> None:
+        """A constrained request cannot continue elsewhere (a continuation prefill would restart the grammar):
+        leave the node as _fail_over does, then raise a typed error."""
+        err = fault.error
+        log.warning("req=%s event=node_fault node=%s transfer=%s status=%d code=%s down=%s constrained=1", self.request_id,
+                    err.node, att.transfer_id, err.status, err.code, fault.down)
+        if fault.down:
+            self.state.metrics.node_down(self.state.pool, att.lease.node, f"{err.code}: {err.message}")
+            if att.stage != "idle":
+                att.stage = "faulted"
+        att.settle_soon()
+        raise DecodeNodeError(err.node, 502, "node_faults", f"decode node {err.node} failed ({err.code}: {err.message}); a "
+                              "structured-output request cannot continue on another node")
 
     async def _fail_over(self, att: NodeAttempt, fault: NodeFault, tokens_sent: int) -> bool:
         """Leave the failed node (out of rotation if it is down) and lease another: True. False: go on in the native pool.

@@ -67,6 +67,8 @@ class ResponseWriter:
             self._text_head = (f'data: {head}, "choices": [{{"index": 0, "text": ').encode()
             self._text_tail = b', "logprobs": null, "finish_reason": null}]}\n\n'
         self._chunk_base = {"id": self.id, "object": chunk_object, "created": self.created, "model": self.model}
+        self.logprobs: Any = None  # a tilepd.router.logprobs.LogprobsRenderer when the request asked for logprobs
+        self._sent_chars = 0  # completions' text_offset in a stream starts at the text sent so far (as vLLM's)
 
     def role_chunk(self) -> bytes | None:
         """Chat streams open with the assistant role, as OpenAI's do."""
@@ -74,8 +76,16 @@ class ResponseWriter:
             return None
         return sse({**self._chunk_base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
 
-    def text_chunk(self, text: str) -> bytes:
-        return self._text_head + json.dumps(text).encode() + self._text_tail
+    def text_chunk(self, text: str, records: tuple = ()) -> bytes:
+        if self.logprobs is None:
+            return self._text_head + json.dumps(text).encode() + self._text_tail
+        if self.endpoint == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": self.logprobs.chat(list(records))}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs.completions(list(records), self._sent_chars)}
+            self._sent_chars += len(text)
+        choice["finish_reason"] = None
+        return sse({**self._chunk_base, "choices": [choice]})
 
     def finish_chunk(self, finish_reason: str, stop_reason: str | int | None) -> bytes:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
@@ -88,12 +98,16 @@ class ResponseWriter:
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return sse({**self._chunk_base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
 
-    def full(self, text: str, finish_reason: str, stop_reason: str | int | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def full(self, text: str, finish_reason: str, stop_reason: str | int | None, prompt_tokens: int, completion_tokens: int,
+             records: list | None = None) -> dict[str, Any]:
+        lp: Any = None
+        if self.logprobs is not None:
+            lp = self.logprobs.chat(records or []) if self.endpoint == "chat" else self.logprobs.completions(records or [])
         if self.endpoint == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                                       "finish_reason": finish_reason, "stop_reason": stop_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason, "stop_reason": stop_reason}
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 

@@ -46,6 +46,14 @@ SLOT_STATUS = {"busy": 429, "bad_token": 409, "duplicate": 409, "kv_timeout": 50
                "kv_checksum_mismatch": 502}  # the KV that landed is not what the prefill staged: never decoded
 
 
+class StructuredOutputBody(BaseModel):
+    """A decoding constraint (tilepd.engine.grammar): json_schema / regex / grammar text in `spec`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: str = Field(min_length=1, max_length=32)
+    spec: str = Field(default="", max_length=1 << 20)
+
+
 class DecodeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -62,9 +70,13 @@ class DecodeBody(BaseModel):
     ignore_eos: bool = False
     stream: bool = True
     kv_timeout_s: float | None = Field(default=None, gt=0, le=3600)
+    # logprobs: True or n >= 0 -> each token's logprob and its top n (top_logprobs, when set, is n);
+    # a 501 when the engine does not declare them (capabilities: logprobs, top_logprobs_max)
+    logprobs: int | bool | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0)
+    # the constraint the prefill sampled first_token under; the node's matcher starts after first_token
+    structured_output: StructuredOutputBody | None = None
     # accepted so a request that sets them gets 501 (not 400) when the engine cannot honour them
-    logprobs: int | bool | None = None
-    top_logprobs: int | None = None
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -92,6 +104,15 @@ def _unhonoured(body: DecodeBody, caps: dict[str, Any]) -> str | None:
         if getattr(body, name) != default and not caps.get(name, False):
             return name
     return None
+
+
+def _logprobs_wanted(body: DecodeBody) -> int | None:
+    """How many top logprobs per token the request wants (0: only the sampled token's), or None for none."""
+    if body.top_logprobs is not None:
+        return body.top_logprobs
+    if body.logprobs is None or body.logprobs is False:
+        return None
+    return 0 if body.logprobs is True else int(body.logprobs)
 
 
 def _unauthorized(message: str, code: str = "unauthorized") -> JSONResponse:
@@ -161,12 +182,31 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
         if bad is not None:
             svc.metrics.requests.labels("unsupported").inc()
             return _error(501, "unsupported_parameter", f"this decode engine cannot honour {bad!r}", bad)
+        want_logprobs = _logprobs_wanted(body)
+        if want_logprobs is not None and want_logprobs > int(caps.get("top_logprobs_max", 0)):
+            field = "top_logprobs" if body.top_logprobs is not None else "logprobs"
+            return _error(400, "bad_parameter", f"{field} {want_logprobs} exceeds this engine's top_logprobs_max "
+                          f"{caps.get('top_logprobs_max', 0)}", field)
         if body.prompt_tokens + body.max_tokens > svc.config.max_seq_len:
             return _error(400, "too_long", f"prompt_tokens {body.prompt_tokens} + max_tokens {body.max_tokens} exceeds "
                           f"max_seq_len {svc.config.max_seq_len}", "max_tokens")
         vocab = getattr(getattr(svc.engine, "config", None), "vocab_size", None)
         if vocab is not None and body.first_token >= int(vocab):
             return _error(400, "bad_parameter", f"first_token {body.first_token} outside the vocabulary ({vocab})", "first_token")
+        grammar = None
+        if body.structured_output is not None:
+            so = body.structured_output
+            if so.type not in (caps.get("structured_output") or ()):
+                svc.metrics.requests.labels("unsupported").inc()
+                return _error(501, "unsupported_parameter", f"this decode engine cannot honour structured_output {so.type!r}",
+                              "structured_output.type")
+            try:
+                grammar = await run_in_threadpool(svc.grammar_for, so.type, so.spec, body.stop_token_ids)
+            except ValueError as exc:  # grammar.GrammarError: names the field
+                return _error(400, "bad_parameter", str(exc), getattr(exc, "field", "structured_output"))
+            if not grammar.accept(body.first_token):
+                return _error(400, "bad_parameter", f"first_token {body.first_token} is not allowed by the structured_output "
+                              "constraint (the prefill must sample it under the same constraint)", "first_token")
         t_arrive = time.perf_counter()
         try:
             transfer = svc.slot.reserve_for_decode(tid, body.token)
@@ -194,7 +234,18 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
         queue: asyncio.Queue = asyncio.Queue()
         sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "seed", "ignore_eos")}
         sampling["stop_token_ids"] = tuple(body.stop_token_ids)
-        job = DecodeJob(body.first_token, body.max_tokens, sampling, lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("token", t)))
+        token_logprobs: list[dict[str, Any]] = []  # non-streamed: every token's, in order
+        if want_logprobs is None:
+            job = DecodeJob(body.first_token, body.max_tokens, sampling, lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("token", t)),
+                            grammar=grammar)
+        else:
+            def on_logprobs(lp: Any) -> None:  # called right before on_token, with the same token
+                entry = {"token": lp.token, **lp.to_json()}
+                token_logprobs.append(entry)
+                loop.call_soon_threadsafe(queue.put_nowait, ("token", entry))
+
+            job = DecodeJob(body.first_token, body.max_tokens, sampling, lambda t: None, logprobs=want_logprobs,
+                            on_logprobs=on_logprobs, grammar=grammar)
 
         def work() -> Any:
             try:
@@ -223,16 +274,19 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
             timings = final(outcome)
             if outcome.finish_reason == "cancelled" and not outcome.tokens:
                 return _error(499, "cancelled", f"transfer {tid} was cancelled")
-            return {"tokens": outcome.tokens, "finish_reason": outcome.finish_reason,
-                    "completion_tokens": len(outcome.tokens), "timings": timings}
+            out = {"tokens": outcome.tokens, "finish_reason": outcome.finish_reason,
+                   "completion_tokens": len(outcome.tokens), "timings": timings}
+            if want_logprobs is not None:
+                out["logprobs"] = [{k: v for k, v in e.items() if k != "token"} for e in token_logprobs]
+            return out
 
         async def stream() -> AsyncIterator[bytes]:
             finished = False
             try:
                 while True:
                     kind, val = await queue.get()
-                    if kind == "token":
-                        yield (json.dumps({"token": val}) + "\n").encode()
+                    if kind == "token":  # val: the id, or {"token", "logprob", "top_logprobs"}
+                        yield (json.dumps(val if isinstance(val, dict) else {"token": val}) + "\n").encode()
                         continue
                     try:
                         outcome = future.result()

@@ -46,6 +46,9 @@ class DecodeJob:
     max_tokens: int
     sampling: dict[str, Any]
     on_token: Callable[[int], None]
+    logprobs: int | None = None  # top-n logprobs per token (engine.decode's logprobs), None: none
+    on_logprobs: Callable[[Any], None] | None = None
+    grammar: Any = None  # tilepd.engine.grammar.GrammarState, advanced by first_token
 
 
 @dataclass
@@ -86,6 +89,8 @@ class DecodeService:
         self.metrics = DecodeMetrics(self.slot, lambda: self.ctrl.frames_rejected)
         self.worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.last: dict[str, float] = {}
+        self._grammars: Any = None  # tilepd.engine.grammar.GrammarCompiler, built on the first constrained request
+        self._grammars_lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="slot-reaper", daemon=True)
         self.ready = False
@@ -151,6 +156,17 @@ class DecodeService:
             "tilepd_version": __version__,
         }
 
+    def grammar_for(self, kind: str, spec: str, stop_token_ids: list[int]) -> Any:
+        """A fresh matcher for one request (the compile is cached); its stop tokens are vLLM's all_stop_token_ids."""
+        from tilepd.engine.grammar import Constraint, GrammarCompiler
+
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.config.weights_dir, int(self.engine.config.vocab_size))
+        compiled = self._grammars.compile(Constraint(kind, spec))
+        stops = set(stop_token_ids) | set(getattr(self.engine.config, "eos_token_ids", ()))
+        return self._grammars.matcher(compiled, stops)
+
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (a tensor-parallel worker rank died), or None; /health answers 503 with it."""
         check = getattr(self.engine, "health_problem", None)
@@ -178,7 +194,10 @@ class DecodeService:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        result = self.engine.decode(job.first_token, job.max_tokens, sampling_cls(**job.sampling), job.on_token, transfer.cancel)
+        extra: dict[str, Any] = {} if job.logprobs is None else {"logprobs": job.logprobs, "on_logprobs": job.on_logprobs}
+        if job.grammar is not None:
+            extra["grammar"] = job.grammar
+        result = self.engine.decode(job.first_token, job.max_tokens, sampling_cls(**job.sampling), job.on_token, transfer.cancel, **extra)
         t3 = time.perf_counter()
         n = len(result.tokens)
         timings = {"convert_ms": (t1 - t0) * 1e3, "inject_ms": (t2 - t1) * 1e3, "decode_ms": (t3 - t2) * 1e3,
