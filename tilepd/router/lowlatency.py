@@ -47,6 +47,7 @@ implements it):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -68,7 +69,7 @@ from tilepd.router.backends import (
     prefill_first_token,
 )
 from tilepd.router.detok import make_detokenizer
-from tilepd.router.errors import PassThroughError, RouterError
+from tilepd.router.errors import PassThroughError, RouterError, invalid
 from tilepd.router.leases import Lease, LeaseTimeout, NoNodeInRotation
 from tilepd.router.logprobs import TokenLogprob, from_node, from_prefill
 from tilepd.router.native_continue import native_tokens
@@ -449,6 +450,13 @@ class LowLatencyRun:
             prefill = await prefill_first_token(self.state.client, self.state.next_prefill_url(), body, self.request_id)
         except PassThroughError as exc:
             att.stage = "refused"
+            if not continuing and exc.status == 400 and self.plan.structured is not None:
+                detail = exc.body[:500].decode("utf-8", "replace")
+                try:
+                    detail = str(json.loads(exc.body)["error"]["message"])[:500]
+                except (ValueError, KeyError, TypeError):
+                    pass
+                raise invalid(self.plan.structured.field, f"the constraint was refused by the prefill: {detail}") from None
             if not continuing:
                 raise
             detail = exc.body[:300].decode("utf-8", "replace")

@@ -18,6 +18,7 @@ from tilepd.router.errors import invalid
 class StructuredPlan:
     prefill: dict[str, Any]  # fields merged into the prefill request
     node: dict[str, str]  # the decode node's `structured_output`
+    field: str = "response_format"  # named in the 400 when the prefill vLLM refuses the constraint
 
 
 def structured_plan(response_format: dict[str, Any] | None) -> StructuredPlan | None:
@@ -37,4 +38,5 @@ def structured_plan(response_format: dict[str, Any] | None) -> StructuredPlan | 
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise invalid("response_format.json_schema.schema", "must be a JSON schema object")
-    return StructuredPlan({"response_format": response_format}, {"type": "json_schema", "spec": json.dumps(schema)})
+    return StructuredPlan({"response_format": response_format}, {"type": "json_schema", "spec": json.dumps(schema)},
+                          "response_format.json_schema.schema")
