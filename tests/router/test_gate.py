@@ -68,5 +68,6 @@ def test_the_engine_capabilities_decide() -> None:
     assert gate(_cmpl(top_k=5), lacking).param == "top_k"  # type: ignore[union-attr]
     assert gate(_cmpl(seed=5), lacking).param == "seed"  # type: ignore[union-attr]
     assert gate(_cmpl(top_k=-1), lacking) is None  # -1 means "off" in vLLM
-    richer = {**FULL_CAPS, "logprobs": True, "presence_penalty": True}
+    richer = {**FULL_CAPS, "logprobs": True, "top_logprobs_max": 2, "presence_penalty": True}
     assert gate(_cmpl(logprobs=2, presence_penalty=0.3), richer) is None
+    assert gate(_cmpl(logprobs=3), richer).param == "logprobs"  # type: ignore[union-attr]  # beyond top_logprobs_max
