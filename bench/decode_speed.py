@@ -366,7 +366,7 @@ def run_sweep(device: torch.device, tiny: bool, as_json: bool, out: Path | None)
     from tilepd.engine.layers import attention_bias, cached_attention, length_mask
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    saved = dict(M.TUNE)
+    saved, saved_sparse = dict(M.TUNE), dict(M.TUNE_SPARSE)
     report: dict = {"sweep": True, "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                     "torch": torch.__version__, "tune_default": saved, "rows": []}
     tiles, programs = (SWEEP_TILES, SWEEP_PROGRAMS) if not tiny else ([(16, 16, 4)], (4,))
@@ -403,7 +403,8 @@ def run_sweep(device: torch.device, tiny: bool, as_json: bool, out: Path | None)
             row = {"case": case["name"], "config": label, "us": None, "GBps": None, "max_err": None, "error": None}
             try:
                 if cfg is not None:
-                    M.TUNE.update(block_n=cfg[0], block_h=cfg[1], num_warps=cfg[2], programs=cfg[3])
+                    for tune in (M.TUNE, M.TUNE_SPARSE):  # the case decides which one the kernel reads
+                        tune.update(block_n=cfg[0], block_h=cfg[1], num_warps=cfg[2], programs=cfg[3])
                 fn = reference if cfg is None else kernel
                 row["max_err"] = float((fn().float() - want).abs().max())
                 row["us"] = _graph_time_us(fn, device)
@@ -413,6 +414,8 @@ def run_sweep(device: torch.device, tiny: bool, as_json: bool, out: Path | None)
             finally:
                 M.TUNE.clear()
                 M.TUNE.update(saved)
+                M.TUNE_SPARSE.clear()
+                M.TUNE_SPARSE.update(saved_sparse)
             report["rows"].append(row)
             print(f"  {row}", file=sys.stderr, flush=True)
         del cache, q, want

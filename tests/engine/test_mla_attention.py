@@ -23,7 +23,8 @@ _CASES = textwrap.dedent("""
     from tilepd.engine.dsa import Selection, sparse_mla_attention
     from tilepd.engine.layers import attention_bias, cached_attention, length_mask
     assert M._INTERPRET
-    M.TUNE.update(block_n=16, block_h=16, min_blocks=1, programs=8)  # several chunks per case
+    for tune in (M.TUNE, M.TUNE_SPARSE):  # several chunks per case, dense and sparse
+        tune.update(block_n=16, block_h=16, min_blocks=1, programs=8)
     g = torch.Generator().manual_seed(0)
     RANK, ROPE, SLOTS, SCALE = 64, 16, 300, 0.125
     def close(out, ref, dtype, what):

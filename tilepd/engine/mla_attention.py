@@ -49,13 +49,25 @@ def _env_int(name: str, default: int) -> int:
 # block_n: cache rows per loop iteration; block_h: query heads per program; programs: how many programs a
 # step aims for (~2 waves of the H200's 132 SMs); min_blocks: fewest loop iterations per chunk (fewer
 # chunks means less partial-result traffic to merge).
+# Defaults from `bench/decode_speed.py --sweep` on one H200 (2026-11-30, docs/PERFORMANCE.md): dense MLA over
+# 128 heads was fastest with 64-row blocks, 32 heads per program, 4 warps and ~one wave of programs (8K: 22.7 us
+# against 33.2 us for the first guess of 32/32/8 warps/2 waves; 32K: 66.0 against 97.7 us); DSA's gather of
+# 2048 selected rows over 64 heads with 32-row blocks, 16 heads per program, 4 warps (16.7 against 22.4 us).
 TUNE: dict[str, int] = {
-    "block_n": _env_int("TILEPD_MLA_BLOCK_N", 32),
+    "block_n": _env_int("TILEPD_MLA_BLOCK_N", 64),
     "block_h": _env_int("TILEPD_MLA_BLOCK_H", 32),
-    "num_warps": _env_int("TILEPD_MLA_NUM_WARPS", 8),
+    "num_warps": _env_int("TILEPD_MLA_NUM_WARPS", 4),
     "num_stages": _env_int("TILEPD_MLA_NUM_STAGES", 2),
-    "programs": _env_int("TILEPD_MLA_PROGRAMS", 2 * 132),
+    "programs": _env_int("TILEPD_MLA_PROGRAMS", 132),
     "min_blocks": _env_int("TILEPD_MLA_MIN_BLOCKS", 4),
+}
+TUNE_SPARSE: dict[str, int] = {
+    "block_n": _env_int("TILEPD_MLA_SPARSE_BLOCK_N", 32),
+    "block_h": _env_int("TILEPD_MLA_SPARSE_BLOCK_H", 16),
+    "num_warps": _env_int("TILEPD_MLA_SPARSE_NUM_WARPS", 4),
+    "num_stages": _env_int("TILEPD_MLA_SPARSE_NUM_STAGES", 2),
+    "programs": _env_int("TILEPD_MLA_SPARSE_PROGRAMS", 132),
+    "min_blocks": _env_int("TILEPD_MLA_SPARSE_MIN_BLOCKS", 4),
 }
 
 
@@ -160,10 +172,11 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, lengt
     q = q.to(cache.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    block_n, block_h = TUNE["block_n"], max(16, min(TUNE["block_h"], triton.next_power_of_2(h)))
+    tune = TUNE_SPARSE if idx is not None else TUNE
+    block_n, block_h = tune["block_n"], max(16, min(tune["block_h"], triton.next_power_of_2(h)))
     groups = t * triton.cdiv(h, block_h)
-    want = max(1, TUNE["programs"] // groups)
-    chunk = max(block_n * TUNE["min_blocks"], triton.cdiv(triton.cdiv(length, want), block_n) * block_n)
+    want = max(1, tune["programs"] // groups)
+    chunk = max(block_n * tune["min_blocks"], triton.cdiv(triton.cdiv(length, want), block_n) * block_n)
     splits = triton.cdiv(length, chunk)
     part = torch.empty(t, h, splits, rank, dtype=torch.float32, device=q.device)
     lse = torch.empty(t, h, splits, dtype=torch.float32, device=q.device)
@@ -176,7 +189,7 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, lengt
         q.stride(0), q.stride(1), rows.stride(0), idx.stride(0) if sparse else 0,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse, UPCAST=_INTERPRET and cache.dtype != torch.float32,
-        PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"])
+        PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", num_warps=tune["num_warps"], num_stages=tune["num_stages"])
     block_d = min(rank, 128)
     _mla_merge_kernel[(t * h, rank // block_d)](
         part, lse, out, splits, h, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
