@@ -25,7 +25,7 @@ def engine(tiny_llama: Path):
 
 @pytest.fixture(scope="module")
 def compiler(tiny_llama: Path, engine) -> GrammarCompiler:
-    return GrammarCompiler(tiny_llama, engine.config.vocab_size)
+    return GrammarCompiler.from_pretrained(tiny_llama, engine.config.vocab_size)
 
 
 def _constrained(engine, compiler, ref, constraint: Constraint, max_tokens: int = 96, **kw) -> list[int]:

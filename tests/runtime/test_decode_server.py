@@ -131,8 +131,10 @@ def test_busy_token_mismatch_and_parameter_errors(llama_node, hf_llama) -> None:
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
         long = c.post("/v1/decode", json={**_body("t", 1, [1]), "max_tokens": 10_000})
         assert long.status_code == 400 and long.json()["error"]["param"] == "max_tokens"
-        nope = c.post("/v1/decode", json={**_body("t", 1, [1]), "logprobs": 2})
-        assert nope.status_code == 501 and nope.json()["error"]["param"] == "logprobs"
+        nope = c.post("/v1/decode", json={**_body("t", 1, [1]), "presence_penalty": 0.5})
+        assert nope.status_code == 501 and nope.json()["error"]["param"] == "presence_penalty"
+        many = c.post("/v1/decode", json={**_body("t", 1, [1]), "top_logprobs": 21})  # the engine's top_logprobs_max is 20
+        assert many.status_code == 400 and many.json()["error"]["param"] == "top_logprobs"
         assert c.get("/status").json()["state"] == "free"
 
 

@@ -47,15 +47,20 @@ class Constraint:
 class GrammarCompiler:
     """One per node: the tokenizer's xgrammar info and a compile cache (schemas repeat across agent calls)."""
 
-    def __init__(self, tokenizer_dir: Path, vocab_size: int) -> None:
+    def __init__(self, info: Any, vocab_size: int) -> None:
+        """info: an xgrammar.TokenizerInfo (from_pretrained builds it from a tokenizer directory)."""
+        self.vocab_size = int(vocab_size)
+        self.info = info
+        self.compiler = _xgr().GrammarCompiler(info, max_threads=8, cache_enabled=True)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, tokenizer_dir: Path, vocab_size: int) -> "GrammarCompiler":
+        """The model's HF tokenizer, padded to the model config's vocab_size as vLLM pads it."""
         from transformers import AutoTokenizer
 
-        xgr = _xgr()
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.vocab_size = int(vocab_size)
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=8, cache_enabled=True)
-        self._lock = threading.Lock()
+        return cls(_xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=int(vocab_size)), vocab_size)
 
     def compile(self, c: Constraint, field: str = "structured_output") -> Any:
         """-> xgrammar.CompiledGrammar; GrammarError naming `field`.spec when the constraint is malformed."""

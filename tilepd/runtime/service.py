@@ -162,7 +162,7 @@ class DecodeService:
 
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.config.weights_dir, int(self.engine.config.vocab_size))
+                self._grammars = GrammarCompiler.from_pretrained(self.config.weights_dir, int(self.engine.config.vocab_size))
         compiled = self._grammars.compile(Constraint(kind, spec))
         stops = set(stop_token_ids) | set(getattr(self.engine.config, "eos_token_ids", ()))
         return self._grammars.matcher(compiled, stops)
