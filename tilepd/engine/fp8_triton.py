@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from tilepd.engine.tuning import pick_block_n
+
 try:
     import triton
     import triton.language as tl
@@ -75,12 +77,7 @@ TUNE: dict[str, int] = {"block_k": 512, "num_warps": 4, "programs": 16 * 132, "b
 
 
 def _block_n(n: int, rows: int) -> int:
-    if TUNE["block_n"]:
-        return TUNE["block_n"]
-    for b in (64, 32, 16):
-        if triton.cdiv(n, b) * rows >= TUNE["programs"]:
-            return b
-    return 8
+    return pick_block_n(n, rows, forced=TUNE["block_n"], programs=TUNE["programs"], smallest=8)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,

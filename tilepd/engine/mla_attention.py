@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from tilepd.engine.tuning import env_int
+
 try:
     import triton
     import triton.language as tl
@@ -36,16 +38,6 @@ _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r}: expected an integer") from None
-
-
 # block_n: cache rows per loop iteration; block_h: query heads per program; programs: how many programs a
 # step aims for (~2 waves of the H200's 132 SMs); min_blocks: fewest loop iterations per chunk (fewer
 # chunks means less partial-result traffic to merge).
@@ -54,20 +46,20 @@ def _env_int(name: str, default: int) -> int:
 # against 33.2 us for the first guess of 32/32/8 warps/2 waves; 32K: 66.0 against 97.7 us); DSA's gather of
 # 2048 selected rows over 64 heads with 32-row blocks, 16 heads per program, 4 warps (16.7 against 22.4 us).
 TUNE: dict[str, int] = {
-    "block_n": _env_int("TILEPD_MLA_BLOCK_N", 64),
-    "block_h": _env_int("TILEPD_MLA_BLOCK_H", 32),
-    "num_warps": _env_int("TILEPD_MLA_NUM_WARPS", 4),
-    "num_stages": _env_int("TILEPD_MLA_NUM_STAGES", 2),
-    "programs": _env_int("TILEPD_MLA_PROGRAMS", 132),
-    "min_blocks": _env_int("TILEPD_MLA_MIN_BLOCKS", 4),
+    "block_n": env_int("TILEPD_MLA_BLOCK_N", 64),
+    "block_h": env_int("TILEPD_MLA_BLOCK_H", 32),
+    "num_warps": env_int("TILEPD_MLA_NUM_WARPS", 4),
+    "num_stages": env_int("TILEPD_MLA_NUM_STAGES", 2),
+    "programs": env_int("TILEPD_MLA_PROGRAMS", 132),
+    "min_blocks": env_int("TILEPD_MLA_MIN_BLOCKS", 4),
 }
 TUNE_SPARSE: dict[str, int] = {
-    "block_n": _env_int("TILEPD_MLA_SPARSE_BLOCK_N", 32),
-    "block_h": _env_int("TILEPD_MLA_SPARSE_BLOCK_H", 16),
-    "num_warps": _env_int("TILEPD_MLA_SPARSE_NUM_WARPS", 4),
-    "num_stages": _env_int("TILEPD_MLA_SPARSE_NUM_STAGES", 2),
-    "programs": _env_int("TILEPD_MLA_SPARSE_PROGRAMS", 132),
-    "min_blocks": _env_int("TILEPD_MLA_SPARSE_MIN_BLOCKS", 4),
+    "block_n": env_int("TILEPD_MLA_SPARSE_BLOCK_N", 32),
+    "block_h": env_int("TILEPD_MLA_SPARSE_BLOCK_H", 16),
+    "num_warps": env_int("TILEPD_MLA_SPARSE_NUM_WARPS", 4),
+    "num_stages": env_int("TILEPD_MLA_SPARSE_NUM_STAGES", 2),
+    "programs": env_int("TILEPD_MLA_SPARSE_PROGRAMS", 132),
+    "min_blocks": env_int("TILEPD_MLA_SPARSE_MIN_BLOCKS", 4),
 }
 
 

@@ -15,9 +15,10 @@ TRITON_INTERPRET=1 it also runs on CPU tensors, which is how tests/engine/test_m
 
 from __future__ import annotations
 
-import os
 
 import torch
+
+from tilepd.engine.tuning import env_int, pick_block_n
 
 try:
     import triton
@@ -26,24 +27,14 @@ except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r}: expected an integer") from None
-
-
 # block_k: K chunk per iteration; programs: how many programs a call aims for (~8 per H200 SM), which picks
 # BLOCK_N among 64/32/16 (block_n > 0 forces one). Defaults from `bench/decode_speed.py --sweep` on one H200
 # (2026-11-30): DeepSeek-V3 experts top-8 (w13 + w2) 170.7 us, 4128 GB/s, with 8 warps and 8 programs per SM.
 TUNE: dict[str, int] = {
-    "block_k": _env_int("TILEPD_MOE_BLOCK_K", 128),
-    "block_n": _env_int("TILEPD_MOE_BLOCK_N", 0),
-    "num_warps": _env_int("TILEPD_MOE_NUM_WARPS", 8),
-    "programs": _env_int("TILEPD_MOE_PROGRAMS", 8 * 132),
+    "block_k": env_int("TILEPD_MOE_BLOCK_K", 128),
+    "block_n": env_int("TILEPD_MOE_BLOCK_N", 0),
+    "num_warps": env_int("TILEPD_MOE_NUM_WARPS", 8),
+    "programs": env_int("TILEPD_MOE_PROGRAMS", 8 * 132),
 }
 
 MAX_ROWS = 64  # (token, expert) rows a call takes; beyond that a dense batched matmul reuses each weight better
@@ -75,12 +66,7 @@ if triton is not None:
 
 
 def _block_n(n: int, rows: int) -> int:
-    if TUNE["block_n"]:
-        return TUNE["block_n"]
-    for b in (64, 32, 16):
-        if triton.cdiv(n, b) * rows >= TUNE["programs"]:
-            return b
-    return 16
+    return pick_block_n(n, rows, forced=TUNE["block_n"], programs=TUNE["programs"], smallest=16)
 
 
 def expert_gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
