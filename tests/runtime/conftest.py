@@ -26,17 +26,19 @@ class DecodeNode:
 
 
 def start_node(python: str, weights: Path, tmp: Path, transport: str = "tcp", family: str = "llama",
-               kv_timeout_s: float = 3.0, max_seq_len: int = 512, use_config_file: bool = False) -> DecodeNode:
-    """Start `python -m tilepd.runtime` from flags, or from a DecodeServerConfig file as the plan renders it."""
+               kv_timeout_s: float = 3.0, max_seq_len: int = 512, use_config_file: bool = False,
+               secret_file: Path | None = None) -> DecodeNode:
+    """Start `python -m tilepd.runtime` from flags, or from a DecodeServerConfig file as the plan renders it
+    (always so with a deployment `secret_file`, which has no flag)."""
     http_port, ctrl_port = free_port(), free_port()
     log = tmp / f"decode-{transport}.log"
-    if use_config_file:
+    if use_config_file or secret_file is not None:
         from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
 
         cfg = DecodeServerConfig(name=f"test-{transport}", served_model_name="tiny", family=family, weights_dir=weights,
                                  max_seq_len=max_seq_len, device="cpu", bind_host="127.0.0.1", advertise_host="127.0.0.1",
                                  http_port=http_port, ctrl_port=ctrl_port, transport=TransportConfig(name=transport),
-                                 kv_timeout_s=kv_timeout_s, log_file=tmp / f"decode-{transport}.file.log")
+                                 kv_timeout_s=kv_timeout_s, log_file=tmp / f"decode-{transport}.file.log", secret_file=secret_file)
         cfg_file = tmp / "decode.json"
         cfg_file.write_text(cfg.model_dump_json(indent=2))
         argv = [python, "-m", "tilepd.runtime", "--config", str(cfg_file)]

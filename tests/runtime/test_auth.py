@@ -11,14 +11,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.runtime.conftest import DecodeNode, free_port, stop_node
+from tests.runtime.conftest import DecodeNode, start_node, stop_node
 from tests.runtime.test_decode_server import PROMPTS, _handoff
 from tests.runtime.hf_engine import hf_greedy
 from tilepd import auth
@@ -58,29 +55,7 @@ def test_secret_file_is_refused_when_open_short_or_missing(tmp_path: Path) -> No
 
 
 def _start_node(python: str, weights: Path, tmp: Path, secret_file: Path) -> DecodeNode:
-    from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
-
-    http_port, ctrl_port = free_port(), free_port()
-    cfg = DecodeServerConfig(name="auth", served_model_name="tiny", family="llama", weights_dir=weights, max_seq_len=512,
-                             device="cpu", bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=http_port,
-                             ctrl_port=ctrl_port, transport=TransportConfig(name="tcp"), kv_timeout_s=3.0, secret_file=secret_file)
-    (tmp / "decode.json").write_text(cfg.model_dump_json())
-    log = tmp / "decode.log"
-    proc = subprocess.Popen([python, "-m", "tilepd.runtime", "--config", str(tmp / "decode.json")], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    node = DecodeNode(proc, f"http://127.0.0.1:{http_port}", ctrl_port, log)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"decode server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(node.http + "/health", timeout=1).status_code == 200:
-                return node
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    stop_node(node)
-    raise RuntimeError(f"decode server not healthy in 120 s:\n{log.read_text()[-3000:]}")
+    return start_node(python, weights, tmp, secret_file=secret_file)
 
 
 @pytest.mark.slow
