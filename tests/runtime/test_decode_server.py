@@ -15,6 +15,7 @@ import pytest
 
 from tests.runtime.hf_engine import hf_greedy, hf_prefill_kv
 from tests.runtime.conftest import start_node, stop_node, wire_payload
+from tilepd.control.messages import PROTOCOL_VERSION
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import KVSender
 from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
@@ -216,7 +217,7 @@ def test_status_metrics_capabilities(llama_node, hf_llama) -> None:
         assert st["state"] == "free" and st["transfers_total"] >= 1 and st["last"]["tokens"] == 8
         assert {"wait_ms", "convert_ms", "inject_ms", "decode_ms", "tokens_per_s"} <= set(st["last"])
         caps = c.get("/capabilities").json()
-        assert caps["protocol_version"] == 1 and caps["transport"] == "tcp" and caps["layout"]["num_heads"] == 2
+        assert caps["protocol_version"] == PROTOCOL_VERSION and caps["transport"] == "tcp" and caps["layout"]["num_heads"] == 2
         m = c.get("/metrics").text
         for name in ("tilepd_decode_transfers_total", "tilepd_decode_transfer_bytes_total", "tilepd_decode_kv_wait_seconds_count",
                      "tilepd_decode_convert_seconds_count", "tilepd_decode_inject_seconds_count",
