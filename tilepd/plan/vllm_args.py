@@ -82,6 +82,9 @@ def vllm_argv(
         "--tensor-parallel-size", str(tp),
         "--max-model-len", str(m.max_seq_len),
         "--return-tokens-as-token-ids",
+        # The decode node compiles response_format constraints with xgrammar; vLLM's default backend ("auto")
+        # may pick another one, whose first token (sampled here) could then differ from what the node allows.
+        "--structured-outputs-config", compact_json({"backend": "xgrammar"}),
     ]  # fmt: skip
     if m.trust_remote_code:
         argv.append("--trust-remote-code")
