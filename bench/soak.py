@@ -269,6 +269,8 @@ async def soak(args: argparse.Namespace) -> int:
     if up.returncode != 0:
         print(up.stdout[-4000:], up.stderr[-4000:], sep="\n")
         print(f"[soak] tilepd up failed (rc {up.returncode})")
+        if not args.keep:
+            print(f"[soak] tilepd down rc={tilepd('down', str(topo), '-y').returncode}")
         return 2
     base_url = f"http://127.0.0.1:{args.port_base}/v1"
     tally, faults = Tally(), []
