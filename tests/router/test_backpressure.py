@@ -155,8 +155,10 @@ def test_unhealthy_node_leaves_rotation_and_is_probed_back(router_stack: Stack, 
     assert _wait(lambda: httpx.get(url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
     r = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.headers["x-tilepd-route"] == "low_latency"
-    # this router also served the earlier tests: count the transitions this test caused
-    assert _breaker_opens(url) == opened_before + 1
+    # this router also served the earlier tests: count the transitions this test caused. More than one can be
+    # right: a node continued after SIGSTOP first drains the probe connections that queued in its backlog while it
+    # was stopped, and on a loaded box the next probes can time out meanwhile (seen at load 30: open, close, open, close)
+    assert _breaker_opens(url) >= opened_before + 1
 
 
 def _breaker_opens(router_url: str) -> float:
