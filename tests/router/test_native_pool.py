@@ -54,7 +54,7 @@ def test_header_routes_native_and_streams(router: tuple[OpenAI, str], router_sta
     assert text == want["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("kw,param", [({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+@pytest.mark.parametrize("kw,param", [({"n": 2}, "n"), ({"echo": True}, "echo"), ({"presence_penalty": 0.5}, "presence_penalty"),
                                       ({"extra_body": {"guided_regex": "[a-z ]+"}}, "guided_regex")])
 def test_what_the_engine_cannot_honour_falls_back_to_native(router: tuple[OpenAI, str], kw: dict[str, Any], param: str) -> None:
     client, _ = router
@@ -83,10 +83,10 @@ def test_chat_fallback_and_client_kv_params_never_reach_the_decode_node(router: 
 def test_without_native_pool_the_refusal_names_the_parameter(plain_router: tuple[str, Any]) -> None:
     url, _ = plain_router
     r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-                                                            "response_format": {"type": "json_object"}})
+                                                            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
     assert r.status_code == 501
-    assert r.json()["error"]["param"] == "response_format" and r.json()["error"]["code"] == "unsupported_parameter"
-    assert r.headers["x-tilepd-route-reason"] == "unsupported:response_format"
+    assert r.json()["error"]["param"] == "tools" and r.json()["error"]["code"] == "unsupported_parameter"
+    assert r.headers["x-tilepd-route-reason"] == "unsupported:tools"
     native = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"},
                         headers={"x-tilepd-latency-class": "native"})
     assert native.status_code == 400 and native.json()["error"]["code"] == "native_pool_not_configured"
