@@ -183,6 +183,18 @@ class Engine:
         if not use_greedy:
             self.sampler.configure(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
         step = self.graph_step or self.eager_step
+
+        def produce(pos: int) -> int:
+            if not use_greedy:
+                self.sampler.draw_noise()
+            return int(step(self.io, pos, use_greedy).item())
+
+        return self._loop(first_token, max_tokens, stops, cancel, produce, on_token)
+
+    def _loop(self, first_token: int, max_tokens: int, stops: set[int], cancel: threading.Event | None,
+              produce: Callable[[int], int | None], on_token: Callable[[int], None]) -> DecodeResult:
+        """The decode loop both paths share: `produce(pos)` runs one step and returns the token (None: a stop
+        without a token, e.g. a finished grammar); cancel, cache end, stop tokens and timings are handled here."""
         self.io.token.fill_(int(first_token))
         self.io.position.fill_(self.seq_len)
         tokens: list[int] = []
@@ -196,9 +208,10 @@ class Engine:
                 break
             if pos >= self.max_seq_len:
                 break
-            if not use_greedy:
-                self.sampler.draw_noise()
-            tok = int(step(self.io, pos, use_greedy).item())
+            tok = produce(pos)
+            if tok is None:
+                reason = "stop"
+                break
             if not tokens:
                 t_first = time.perf_counter() - t0
             pos += 1
@@ -232,22 +245,10 @@ class Engine:
         if not use_greedy:
             self.sampler.configure(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
         step = self.logits_step()
-        self.io.token.fill_(int(first_token))
-        self.io.position.fill_(self.seq_len)
-        tokens: list[int] = []
-        reason: FinishReason = "length"
-        t0 = time.perf_counter()
-        t_first = 0.0
-        pos = self.seq_len
-        while len(tokens) < max_tokens:
-            if cancel is not None and cancel.is_set():
-                reason = "cancelled"
-                break
-            if pos >= self.max_seq_len:
-                break
+
+        def produce(pos: int) -> int | None:
             if grammar is not None and grammar.terminated:  # its stop token was accepted (ignore_eos kept the loop going)
-                reason = "stop"
-                break
+                return None
             logits = step.logits(self.io, pos)
             if grammar is not None:
                 grammar.mask(logits)
@@ -258,24 +259,13 @@ class Engine:
                 nxt = self.sampler(logits)
             self.io.token.copy_(nxt.view(1))
             tok = int(nxt.item())
-            if not tokens:
-                t_first = time.perf_counter() - t0
-            pos += 1
-            tokens.append(tok)
             if grammar is not None and not grammar.accept(tok):
                 raise RuntimeError(f"token {tok} sampled under the grammar's bitmask was rejected by its matcher")
             if logprobs is not None and on_logprobs is not None:
                 on_logprobs(token_logprobs(logits, tok, logprobs))
-            on_token(tok)
-            if tok in stops:
-                reason = "stop"
-                break
-        elapsed = time.perf_counter() - t0
-        self.seq_len = pos
-        n = len(tokens)
-        timings = {"decode_ms": elapsed * 1e3, "first_step_ms": t_first * 1e3,
-                   "ms_per_token": (elapsed / n * 1e3) if n else 0.0, "tokens": float(n)}
-        return DecodeResult(tokens, reason, timings)
+            return tok
+
+        return self._loop(first_token, max_tokens, stops, cancel, produce, on_token)
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
