@@ -69,10 +69,22 @@ def start_native_decode(model_dir: Path, workdir: Path) -> Server:
     The prefill runs MultiConnector with a child that lacks hybrid-KV-cache-manager support,
     so vLLM turns HMA off there; NIXL's handshake hashes that flag, so the decode must turn
     it off too or every transfer fails with "NIXL compatibility hash mismatch".
+
+    One bounded retry: beside a NIXL prefill on a 2-core box its worker once never finished initialising (no log
+    line after the OpenMP binding for 10 min, 13 s of CPU, while the prefill's UCX progress thread spun a core;
+    issue 13 part 8). A normal start takes well under a minute, so the first try is cut at 300 s.
     """
-    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-    return start_vllm(model_dir, workdir / "native-decode.log", kv_config=NIXL_CONSUMER,
-                      extra_args=[*VLLM_ARGS, "--disable-hybrid-kv-cache-manager"], env=env)
+    errors: list[str] = []
+    for attempt in (1, 2):
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        log = workdir / ("native-decode.log" if attempt == 1 else f"native-decode-{attempt}.log")
+        try:
+            return start_vllm(model_dir, log, kv_config=NIXL_CONSUMER, timeout=300.0,
+                              extra_args=[*VLLM_ARGS, "--disable-hybrid-kv-cache-manager"], env=env)
+        except RuntimeError as e:
+            errors.append(str(e)[:2000])
+            print(f"native vLLM decode start {attempt} failed, log {log}", file=sys.stderr)
+    raise RuntimeError("native vLLM decode did not start in 2 tries:\n" + "\n---\n".join(errors))
 
 
 def router_config(model_dir: Path, prefill_url: str, endpoints: Sequence[DecodeEndpoint], *, native: tuple[str, str] | None = None,
