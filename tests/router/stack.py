@@ -4,6 +4,7 @@ tilepd decode nodes, and the router itself. Each is its own process group; `stop
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,8 +60,19 @@ def start_prefill(model_dir: Path, workdir: Path, endpoints: Sequence[DecodeEndp
     """vLLM prefill: the tilepd connector for marked requests, plus NixlConnector (kv_producer) for the native pool."""
     extra = connector_extra(endpoints)
     kv = multi_with_nixl(extra) if with_nixl else kv_transfer_config(extra)
-    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), **cpu_bind("prefill")}
     return start_vllm(model_dir, workdir / "prefill.log", kv_config=kv, extra_args=VLLM_ARGS, env=env)
+
+
+def cpu_bind(role: str) -> dict[str, str]:
+    """Disjoint cores for the two vLLM instances of this stack. vLLM's CPU platform binds each worker (and the
+    threads it starts, NIXL's busy UCX progress thread among them) to the same core when left on 'auto': the
+    native decode's worker then got 3 s of CPU in 2 min beside the prefill's spinning progress thread and never
+    finished starting (issue 13 part 8; py-spy showed it importing torch._dynamo, affinity core 0 for both)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[0] if role == "prefill" else cores[1])}
 
 
 def start_native_decode(model_dir: Path, workdir: Path) -> Server:
@@ -76,7 +88,7 @@ def start_native_decode(model_dir: Path, workdir: Path) -> Server:
     """
     errors: list[str] = []
     for attempt in (1, 2):
-        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), **cpu_bind("native")}
         log = workdir / ("native-decode.log" if attempt == 1 else f"native-decode-{attempt}.log")
         try:
             return start_vllm(model_dir, log, kv_config=NIXL_CONSUMER, timeout=300.0,
