@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,13 @@ def stop_all(servers: Sequence[Server]) -> None:
             srv.stop()
         except Exception:  # noqa: BLE001 - stop the others anyway
             pass
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll `check` every 50 ms until it holds or `timeout_s` passes; True when it held."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from .conftest import Stack
-from .stack import MAX_SEQ_LEN, MODEL_NAME
+from .stack import MAX_SEQ_LEN, MODEL_NAME, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -39,13 +39,6 @@ def _all_idle(stack: Stack, router_url: str) -> bool:
     return status["queue_depth"] == 0 and not any(n["leased"] for n in status["nodes"]) and not node["busy"]
 
 
-def _wait(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # native-fallback: 19 requests reach ONE native vLLM decode at once. On a 2-core box its first NIXL
@@ -74,7 +67,7 @@ def test_twenty_concurrent_requests_one_node(router_stack: Stack, plain_router: 
         assert any(r[1] == "native" for r in results)
     else:
         assert 429 in codes
-    assert _wait(lambda: _all_idle(router_stack, url)), "a lease leaked"
+    assert wait_until(lambda: _all_idle(router_stack, url)), "a lease leaked"
 
 
 def test_client_dropping_mid_stream_frees_the_node_within_a_second(router_stack: Stack, plain_router: tuple[str, Any]) -> None:
@@ -89,10 +82,10 @@ def test_client_dropping_mid_stream_frees_the_node_within_a_second(router_stack:
             assert httpx.get(router_stack.decode_url + "/status").json()["state"] == "decoding"
             dropped = time.monotonic()
     # leaving the block closed the connection mid-stream
-    assert _wait(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
+    assert wait_until(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
     freed_s = time.monotonic() - dropped
     assert freed_s < 1.0, f"decode node still busy {freed_s:.2f}s after the client left"
-    assert _wait(lambda: _all_idle(router_stack, url), 5.0)
+    assert wait_until(lambda: _all_idle(router_stack, url), 5.0)
     again = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
 
@@ -105,12 +98,12 @@ def test_client_dropping_a_non_streamed_request_frees_the_node_within_a_second(r
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
-        assert _wait(lambda: httpx.get(router_stack.decode_url + "/status").json()["state"] == "decoding", 30.0)
+        assert wait_until(lambda: httpx.get(router_stack.decode_url + "/status").json()["state"] == "decoding", 30.0)
     dropped = time.monotonic()
-    assert _wait(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
+    assert wait_until(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
     freed_s = time.monotonic() - dropped
     assert freed_s < 1.0, f"decode node still busy {freed_s:.2f}s after the client left"
-    assert _wait(lambda: _all_idle(router_stack, url), 5.0)
+    assert wait_until(lambda: _all_idle(router_stack, url), 5.0)
     assert any("outcome=disconnected" in p.read_text() for p in Path(router_stack.workdir).glob("router-*.log"))
 
 
@@ -142,7 +135,7 @@ def test_unhealthy_node_leaves_rotation_and_is_probed_back(router_stack: Stack, 
     opened_before = _breaker_opens(url)
     os.kill(pid, signal.SIGSTOP)
     try:
-        assert _wait(lambda: not httpx.get(url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
+        assert wait_until(lambda: not httpx.get(url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
         # What is checked is the routing decision, which the response headers carry: streamed, they arrive once the
         # native prefill answered and the native decode accepted the request, not after its (slow on CPU: it
         # recomputes, issue 13 part 8) tokens; leaving the block drops the request.
@@ -152,7 +145,7 @@ def test_unhealthy_node_leaves_rotation_and_is_probed_back(router_stack: Stack, 
                 assert (r.headers["x-tilepd-route"], r.headers["x-tilepd-route-reason"]) == ("native", "no_node_in_rotation")
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert _wait(lambda: httpx.get(url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
+    assert wait_until(lambda: httpx.get(url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
     r = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.headers["x-tilepd-route"] == "low_latency"
     # this router also served the earlier tests: count the transitions this test caused. More than one can be
@@ -200,6 +193,6 @@ def test_router_shutdown_mid_stream_frees_the_node(router_stack: Stack, start_ro
     router_log = srv.log_text()
     stopped = re.search(r"event=stopped cancelled_decodes=(\d+)", router_log)
     assert stopped and int(stopped.group(1)) in (0, 1), router_log[-2000:]
-    assert _wait(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
+    assert wait_until(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
     again = httpx.post(plain_router[0] + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4

@@ -24,7 +24,7 @@ from tilepd.connector.launch import Server
 from tilepd.plan.service_configs import RouterConfig
 
 from .conftest import Stack
-from .stack import MODEL_NAME, router_config, start_decode_node, start_router
+from .stack import MODEL_NAME, router_config, start_decode_node, start_router, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -93,7 +93,7 @@ class Router:
         return {n["name"]: n for n in httpx.get(self.url + "/status", timeout=10).json()["nodes"]}
 
     def wait_all_in_rotation(self, timeout_s: float = 60.0) -> None:
-        assert _wait(lambda: all(n["in_rotation"] and not n["leased"] for n in self.status().values()), timeout_s), self.status()
+        assert wait_until(lambda: all(n["in_rotation"] and not n["leased"] for n in self.status().values()), timeout_s), self.status()
 
     def log_events(self, event: str) -> list[str]:
         return [line for line in self.srv.log_text().splitlines() if f"event={event}" in line]
@@ -145,13 +145,6 @@ def _healthy_nodes(nodes: Nodes) -> Iterator[None]:
         nodes.cont(name)
 
 
-def _wait(check: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _stream(router: Router, max_tokens: int, on_chunk: Callable[[int, str], None]) -> tuple[str, int, str]:
