@@ -116,7 +116,7 @@ def test_kv_that_never_arrives_answers_504_and_frees_the_slot(llama_node) -> Non
 
 def test_busy_token_mismatch_and_parameter_errors(llama_node, hf_llama) -> None:
     with llama_node.client() as c:
-        holder = threading.Thread(target=c.post, args=("/v1/decode",), kwargs={"json": _body("tx-hold", 1, [1, 2], kv_timeout_s=2)})
+        holder = threading.Thread(target=c.post, args=("/v1/decode",), kwargs={"json": _body("tx-hold", 1, [1, 2], kv_timeout_s=15)})
         holder.start()
         deadline = time.monotonic() + 10
         while c.get("/status").json()["transfer_id"] != "tx-hold" and time.monotonic() < deadline:
@@ -125,7 +125,7 @@ def test_busy_token_mismatch_and_parameter_errors(llama_node, hf_llama) -> None:
         assert busy.status_code == 429 and busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "busy"
         mismatch = c.post("/v1/decode", json={**_body("tx-hold", 1, [1, 2]), "token": "wrong"})
         assert mismatch.status_code == 409 and mismatch.json()["error"]["code"] == "bad_token"
-        holder.join(10)
+        holder.join(25)  # the hold lasts its kv_timeout_s (15 s: long enough for a loaded 2-core box to ask twice)
         unknown = c.post("/v1/decode", json={**_body("t", 1, [1]), "best_of": 3})
         assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "best_of"
         bad = c.post("/v1/decode", json={**_body("t", 1, [1]), "top_p": 2})
