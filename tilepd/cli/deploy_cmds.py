@@ -14,7 +14,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from tilepd.cli.exitcodes import ExitCode
 
@@ -164,25 +163,13 @@ def down(
     console.print(f"stopped: {sum(1 for rs in result.service_results.values() for r in rs if r.get('action') == 'stop')} service(s)")
 
 
-def _status_table(rows) -> Table:  # noqa: ANN001
-    from tilepd.deploy.status import figures_text
-
-    table = Table(title="tilepd status", title_justify="left")
-    for col in ("host", "service", "role", "run", "health", "live", "drift"):
-        table.add_column(col)
-    for r in rows:
-        run = f"[green]running[/] ({r.pid})" if r.run == "running" else f"[red]{r.run}[/]"
-        health = f"[green]{r.health}[/]" if r.healthy else f"[red]{r.health}[/]"
-        table.add_row(r.host, r.service, r.role, run, health, figures_text(r), "[yellow]" + "; ".join(r.drift) + "[/]" if r.drift else "")
-    return table
-
-
 def status(
     topology: Optional[Path] = typer.Argument(None, help="Topology file; default: the embedded topology_examples/local.yaml."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     watch: Optional[float] = typer.Option(None, "--watch", help="Refresh every N seconds until interrupted."),
+    wide: bool = typer.Option(False, "--wide", help="Every column: role, pid, full health message, all live figures, drift."),
 ) -> None:
-    """Per service: host, role, run state, health, live figures, drift. Exit 0 all healthy, 7 degraded."""
+    """One line per service: host, service, state, health, a live figure. Exit 0 all healthy, 7 degraded."""
     from tilepd.deploy import status as st
 
     dep = _load(topology)
@@ -194,8 +181,8 @@ def status(
         else:
             if watch:
                 console.clear()
-            console.print(_status_table(rows))
-            console.print("[green]all healthy[/]" if healthy else "[red]degraded[/]")
+            console.print(st.table(rows, wide=wide))
+            console.print("[green]all healthy[/]" if healthy else "[red]degraded[/]" + ("" if wide else " (details: --wide or --json)"))
         if not watch:
             break
         try:

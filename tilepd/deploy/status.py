@@ -14,6 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
 from tilepd.deploy import probes
 from tilepd.deploy.inventory import spec_file
 from tilepd.deploy.remote import HostShell, HostUnreachable
@@ -113,3 +117,60 @@ def figures_text(st: ServiceStatus) -> str:
         routes = " ".join(f"{k}={v}" for k, v in (f.get("routes") or {}).items()) or "none"
         return f"in-flight {fmt(f.get('in_flight'))}, queued {fmt(f.get('queued'))}, routes {routes}, 429s {f.get('rejected_429', 0)}"
     return json.dumps(f)
+
+
+def _num(v: Any) -> str:
+    return "-" if v is None else str(int(v))
+
+
+def short_figure(st: ServiceStatus) -> str:
+    """One live figure per role that fits the 80-column table (the full set is under --wide / --json)."""
+    f = st.figures
+    if not f:
+        return ""
+    if st.role == "decode":
+        tps = f.get("tokens_per_s")
+        return f"{'busy' if f.get('busy') else 'idle'} {f'{tps:.1f}' if isinstance(tps, (int, float)) else '-'} tok/s"
+    if st.role in ("prefill", "native_decode"):
+        return f"run {_num(f.get('running'))} wait {_num(f.get('waiting'))}"
+    if st.role == "router":
+        return f"in {_num(f.get('in_flight'))} q {_num(f.get('queued'))} 429s {f.get('rejected_429', 0)}"
+    return ""
+
+
+def state_text(st: ServiceStatus) -> str:
+    """The run state in one word or two: `crashed (orphans)` -> `crashed`, running with drift -> `drift`."""
+    if st.run.startswith("crashed"):
+        return "crashed"
+    return "drift" if st.run == "running" and st.drift else st.run
+
+
+def health_text(st: ServiceStatus) -> str:
+    """`ok`, an HTTP status, or `down` (the exception's name is under --wide); no health endpoint -> `-`."""
+    if st.healthy:
+        return "ok" if st.health.startswith("HTTP") else "-"
+    return st.health if st.health.startswith("HTTP") else "down"
+
+
+def table(rows: list[ServiceStatus], *, wide: bool = False) -> Table:
+    """The status table: one line per service within 80 columns (only the live figure is ever cut), or every detail with `wide`."""
+    if wide:
+        t = Table(title="tilepd status", title_justify="left")
+        for col in ("host", "service", "role"):
+            t.add_column(col, no_wrap=True)
+        for col in ("run", "health", "live", "drift"):
+            t.add_column(col, overflow="fold")
+        for r in rows:
+            run = f"[green]running[/] ({r.pid})" if r.run == "running" else f"[red]{r.run}[/]"
+            health = f"[green]{r.health}[/]" if r.healthy else f"[red]{r.health}[/]"
+            t.add_row(r.host, r.service, r.role, run, health, figures_text(r), "[yellow]" + "; ".join(r.drift) + "[/]" if r.drift else "")
+        return t
+    cells = [(r.host, r.service, state_text(r), health_text(r), short_figure(r)) for r in rows]
+    t = Table(box=None, pad_edge=False, padding=(0, 1), title="tilepd status", title_justify="left", header_style="bold")
+    for i, col in enumerate(("host", "service", "state", "health")):
+        t.add_column(col, no_wrap=True, min_width=max([len(col), *(len(c[i]) for c in cells)]))
+    t.add_column("live", no_wrap=True, overflow="ellipsis")
+    for r, (host, service, state, health, live) in zip(rows, cells):
+        color = "green" if state == "running" else ("yellow" if state == "drift" else "red")
+        t.add_row(escape(host), escape(service), f"[{color}]{escape(state)}[/]", f"[{'green' if r.healthy else 'red'}]{escape(health)}[/]", escape(live))
+    return t
