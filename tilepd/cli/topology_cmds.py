@@ -128,7 +128,8 @@ def register(app: typer.Typer) -> None:
             table.add_column("command", overflow="fold")
             for svc in host.services:
                 ports = ", ".join(f"{k} {v}" for k, v in svc.ports.items()) or "-"
-                table.add_row(str(svc.stage), f"{svc.name} ({svc.kind})", ports, summarise_argv(svc.argv, svc.python))
+                cores = f" cores {svc.env['VLLM_CPU_OMP_THREADS_BIND']}" if "VLLM_CPU_OMP_THREADS_BIND" in svc.env else ""
+                table.add_row(str(svc.stage), f"{svc.name} ({svc.kind}){cores}", ports, summarise_argv(svc.argv, svc.python))
             console.print(table)
 
     @app.command("render")
@@ -145,6 +146,10 @@ def register(app: typer.Typer) -> None:
             written = render_plan(the_plan, out)
         except RenderError as exc:
             typer.echo(f"tilepd render: {exc}", err=True)
+            raise typer.Exit(int(ExitCode.USAGE)) from None
+        except OSError as exc:  # a folder that cannot be created or written: /proc/..., read-only, no permission
+            where = exc.filename or out
+            typer.echo(f"tilepd render: cannot write --out {out.absolute()}: {exc.strerror or exc} ({where})", err=True)
             raise typer.Exit(int(ExitCode.USAGE)) from None
         if as_json:
             typer.echo(json.dumps({"out": str(out.absolute()), "topology_hash": the_plan.topology_hash, "files": [str(p) for p in written]}, indent=2))

@@ -1,21 +1,24 @@
 """build_plan: a validated Topology -> the exact services each host runs.
 
-Pure: no I/O, no clock. The same topology gives the same Plan byte for byte, so
-hashes can detect drift between what was deployed and what the file now says.
+Pure: no I/O, no clock. The same topology (and the same `current_python` and local
+cores) gives the same Plan byte for byte, so hashes can detect drift between what
+was deployed and what the file now says.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from collections import defaultdict
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic_core import to_json
 
 from tilepd import __version__
 from tilepd.plan import vllm_args
+from tilepd.plan.cpu_cores import CpuVllm, split_cores
 from tilepd.plan.model import HOST_ROLES, STAGES, Health, HostPlan, Plan, PythonEnv, SecretFile, Service, SshTarget
 from tilepd.plan.service_configs import (
     ConnectorExtraConfig,
@@ -53,7 +56,7 @@ def topology_hash(topo: Topology) -> str:
 class _Planner:
     """Holds the per-topology facts every service builder needs."""
 
-    def __init__(self, topo: Topology, current_python: str):
+    def __init__(self, topo: Topology, current_python: str, local_cores: Sequence[int] = ()):
         self.topo = topo
         self.current_python = current_python
         self.base = topo.deployment.base_dir.rstrip("/") or "/"
@@ -65,6 +68,23 @@ class _Planner:
         self.entries: dict[str, list[HostBase]] = defaultdict(list)
         self.envs: dict[str, dict[str, PythonEnv]] = defaultdict(dict)
         self.secrets: dict[str, dict[str, SecretFile]] = defaultdict(dict)
+        self.cpu_binds = self._cpu_binds(local_cores)
+
+    def _cpu_binds(self, local_cores: Sequence[int]) -> dict[tuple[str, str], dict[str, str]]:
+        """(address, service) -> {VLLM_CPU_OMP_THREADS_BIND: cores} for co-located CPU vLLM services (cpu_cores.py)."""
+        t = self.topo
+        by_host: dict[str, list[CpuVllm]] = defaultdict(list)
+        for prefix, entries, tp in (("prefill", t.prefill, t.model.tensor_parallel.prefill),
+                                    ("native-decode", t.native_decode, t.model.tensor_parallel.native_decode)):
+            for e in entries:
+                if e.gpus == 0 and is_loopback(e.address):
+                    by_host[e.address].append(CpuVllm(f"{prefix}-{e.name}", tp, dict(e.env)))
+        out: dict[tuple[str, str], dict[str, str]] = {}
+        for address, services in by_host.items():
+            others = any(d.address == address for d in t.decode) or t.router.address == address
+            for name, cores in split_cores(local_cores, services, other_services=others).items():
+                out[(address, name)] = {"VLLM_CPU_OMP_THREADS_BIND": cores}
+        return out
 
     # --- helpers -------------------------------------------------------------
 
@@ -241,7 +261,7 @@ class _Planner:
                 max_seq_len=t.model.max_seq_len,
             )
             kvt = vllm_args.prefill_kv_transfer_config(extra, self.native, cpu=p.gpus == 0)
-            env = self.base_env(p)
+            env = {**self.base_env(p), **self.cpu_binds.get((p.address, f"prefill-{p.name}"), {})}
             ports = {"http": p.port}
             if self.native:
                 env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = p.address
@@ -266,10 +286,10 @@ class _Planner:
         for n in t.native_decode:
             self.note_host(n, "native_decode", vllm=True)
             kvt = vllm_args.nixl_config("kv_consumer", cpu=n.gpus == 0)
-            env = self.base_env(n)
+            name = f"native-decode-{n.name}"
+            env = {**self.base_env(n), **self.cpu_binds.get((n.address, name), {})}
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = n.address
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(n.nixl_side_channel_port)
-            name = f"native-decode-{n.name}"
             self.add(
                 n.address,
                 n,
@@ -348,12 +368,15 @@ class _Planner:
         return out
 
 
-def build_plan(topo: Topology, current_python: str | None = None) -> Plan:
+def build_plan(topo: Topology, current_python: str | None = None, local_cores: Sequence[int] | None = None) -> Plan:
     """Expand a validated topology into per-host services (argv + env + cwd + config).
 
-    `current_python` is what `python: current` resolves to (default: this interpreter).
+    `current_python` is what `python: current` resolves to (default: this interpreter);
+    `local_cores` the cores of loopback hosts, split between their CPU vLLM services
+    (default: the cores this process may run on).
     """
-    p = _Planner(topo, current_python or sys.executable)
+    cores = sorted(os.sched_getaffinity(0)) if local_cores is None else list(local_cores)
+    p = _Planner(topo, current_python or sys.executable, cores)
     for node in topo.decode:
         p.decode(node)
     p.native_decode()

@@ -1,0 +1,91 @@
+"""Disjoint cores for co-located CPU vLLM instances (`VLLM_CPU_OMP_THREADS_BIND`).
+
+Why: on 'auto' vLLM's CPU platform binds every instance's worker to the same cores of
+the NUMA node (on x86 the last logical CPU of each physical core), so two vllm-cpu
+instances on one host (a prefill and a native decode) share one core; beside the
+prefill's busy NIXL progress thread the native decode's worker got 3 s of CPU in
+2 min and never finished starting (issue 13 part 8). Giving each instance (each TP
+rank) its own cores removes that.
+
+Only hosts whose cores the planner knows are bound: loopback hosts, with the cores
+this process may run on (what `build_plan` is given, like `python: current`). A
+service whose topology `env` sets the variable keeps the operator's value, and its
+cores are left to it. When the host also runs tilepd services (decode nodes, router)
+and has a core to spare, the last core is kept free of vLLM for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+@dataclass(frozen=True)
+class CpuVllm:
+    """One CPU vLLM service of a host: its name, TP ranks (one core list each) and the operator's env."""
+
+    name: str
+    ranks: int
+    env: dict[str, str]
+
+
+def parse_cpu_list(text: str) -> set[int] | None:
+    """The cores of a list like '0-3|5,7' (vLLM's syntax); None for 'auto', 'nobind' or anything unparsable."""
+    out: set[int] = set()
+    for group in text.split("|"):
+        for part in group.split(","):
+            part = part.strip()
+            lo, sep, hi = part.partition("-")
+            if not lo.isdigit() or (sep and not hi.isdigit()):
+                return None
+            out.update(range(int(lo), int(hi if sep else lo) + 1))
+    return out
+
+
+def _ranges(cores: Sequence[int]) -> str:
+    """'0-3,6' for [0, 1, 2, 3, 6]."""
+    parts: list[str] = []
+    start = prev = cores[0]
+    for c in (*cores[1:], None):
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(parts)
+
+
+def split_cores(cores: Sequence[int], services: Sequence[CpuVllm], *, other_services: bool) -> dict[str, str]:
+    """Service name -> `VLLM_CPU_OMP_THREADS_BIND` value, for the services the operator did not bind.
+
+    Nothing is bound when fewer than two CPU vLLM services share the host (vLLM's 'auto'
+    is fine alone) or when the free cores cannot give every rank a core of its own.
+    """
+    if len(services) < 2:
+        return {}
+    free = sorted(set(cores))
+    todo: list[CpuVllm] = []
+    for s in services:
+        own = s.env.get(BIND_ENV)
+        if own is None:
+            todo.append(s)
+        else:
+            free = [c for c in free if c not in (parse_cpu_list(own) or set())]
+    ranks = sum(s.ranks for s in todo)
+    if not todo or len(free) < ranks:
+        return {}
+    if other_services and len(free) > ranks:
+        free = free[:-1]  # the decode nodes' and router's core
+    per = len(free) // ranks
+    out: dict[str, str] = {}
+    i = 0
+    for s in todo:
+        lists = []
+        for _ in range(s.ranks):
+            lists.append(_ranges(free[i:i + per]))
+            i += per
+        out[s.name] = "|".join(lists)
+    return out
