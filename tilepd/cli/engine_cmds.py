@@ -71,11 +71,17 @@ def convert_weights_cmd(
         else:
             if model_dir is None or out is None:
                 _fail(ExitCode.USAGE, "--model-dir and --out are required (or give a TOPOLOGY file)")
+            if out.exists() and not out.is_dir():
+                _fail(ExitCode.USAGE, f"--out {out}: exists and is not a directory; give a new or existing folder")
             results = [({"model_dir": str(model_dir)}, _convert_one(model_dir, out, family, dtype, tp, as_json, force))]
     except WeightsError as e:
         _fail(ExitCode.INPUT, f"{e} (no manifest written)")
     except ValueError as e:
         _fail(ExitCode.USAGE, str(e))
+    except OSError as e:  # an --out that cannot be created or written (read-only, /proc, no permission)
+        if out is None or not e.filename or not str(e.filename).startswith(str(out)):
+            raise
+        _fail(ExitCode.USAGE, f"cannot write --out {out}: {e.strerror or e} ({e.filename})")
     for info, r in results:
         if as_json:
             typer.echo(json.dumps({**info, "out": str(r.out_dir), "skipped": r.skipped, "seconds": round(r.seconds, 3),
