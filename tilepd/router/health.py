@@ -3,6 +3,10 @@
 Every interval each node's `/health` is read; a node failing `breaker_failures` checks
 (or calls) in a row leaves rotation, and the first passing check brings it back, after
 re-reading its `/capabilities` (a restarted node may run a different engine build).
+
+A node whose `/health` answers 503 `{"status": "draining"}` is alive: its breaker stays
+closed (its in-flight request is not failed over) but it is leased no more from this
+check on; the first 200 makes it leasable again.
 """
 
 from __future__ import annotations
@@ -12,17 +16,36 @@ import logging
 
 from tilepd.router.leases import NodeState
 from tilepd.router.state import RouterState
-from tilepd.router.upstream import UpstreamError
+from tilepd.router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("tilepd.router")
 PROBE_TIMEOUT_S = 1.0
 
 
+def says_draining(resp: UpstreamResponse) -> bool:
+    """A decode node's `/health` that answers 503 draining: alive, finishing its request, taking no new one."""
+    if resp.status != 503:
+        return False
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"
+
+
+def note_draining(state: RouterState, node: NodeState, draining: bool, why: str) -> None:
+    """Stop or resume leasing a node; logged once per change."""
+    if state.pool.set_draining(node, draining):
+        log.warning("event=%s node=%s why=%s", "node_draining" if draining else "node_undrained", node.name, why)
+
+
 async def probe_node(state: RouterState, node: NodeState) -> None:
     client = state.client
+    draining = False
     try:
         resp = await client.request("GET", f"{node.base_url}/health", timeout_s=PROBE_TIMEOUT_S)
-        healthy = resp.status == 200
+        draining = says_draining(resp)
+        healthy = resp.status == 200 or draining
         why = f"/health answered {resp.status}"
         if healthy and (node.capabilities is None or not node.in_rotation):
             caps = await client.request("GET", f"{node.base_url}/capabilities", timeout_s=PROBE_TIMEOUT_S)
@@ -34,6 +57,7 @@ async def probe_node(state: RouterState, node: NodeState) -> None:
     except ValueError as exc:
         healthy, why = False, f"{type(exc).__name__}: {exc}"
     if healthy:
+        note_draining(state, node, draining, why if draining else "/health answered 200")
         state.metrics.node_ok(state.pool, node)
     else:
         state.metrics.node_failure(state.pool, node, why)

@@ -6,6 +6,11 @@ its node from prefill until the node is idle again (decode ended, was cancelled,
 the slot was released), and waiting requests are served first come, first served,
 each for at most the queue timeout. Nodes out of rotation (circuit breaker open) are
 never leased; a request that finds no node in rotation fails at once.
+
+A draining node (`tilepd drain`: its /health says so, or it refused a request as
+`draining`) is healthy but takes no new lease: the request it serves finishes normally
+(its watchdog does not treat draining as a fault), and it counts as out of rotation for
+everything that asks which nodes can serve. It comes back when its /health answers 200.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class NodeState:
     last_error: str = ""
     leases_total: int = 0
     step_s: float | None = None  # measured seconds per decoded token (EWMA), for the router's deadlines
+    draining: bool = False  # healthy, finishing its request, leased no more (tilepd drain)
     _left_rotation: asyncio.Event | None = None
 
     @property
@@ -102,7 +108,8 @@ class NodePool:
         return sum(1 for n in self.nodes if n.leased)
 
     def in_rotation(self) -> list[NodeState]:
-        return [n for n in self.nodes if n.in_rotation]
+        """Nodes that can be leased: breaker closed and not draining."""
+        return [n for n in self.nodes if n.in_rotation and not n.draining]
 
     async def acquire(self, timeout_s: float) -> Lease:
         """Lease a free node, waiting FIFO for at most `timeout_s`."""
@@ -141,14 +148,14 @@ class NodePool:
     def _take_free(self) -> NodeState | None:
         while self._free:
             node = self._free.popleft()
-            if node.in_rotation and not node.leased:
+            if node.in_rotation and not node.leased and not node.draining:
                 return node
         return None
 
     def _release(self, node: NodeState) -> None:
         node.leased = False
         node.transfer_id = None
-        if node.in_rotation:
+        if node.in_rotation and not node.draining:
             self._offer(node)
 
     def _offer(self, node: NodeState) -> None:
@@ -171,16 +178,31 @@ class NodePool:
             node.left_rotation.clear()
         else:
             node.left_rotation.set()
-        if healthy and not node.leased:
+        if healthy and not node.leased and not node.draining:
             self._offer(node)
         if not healthy:
-            try:
-                self._free.remove(node)
-            except ValueError:
-                pass
-            if not self.in_rotation():
-                # nobody can serve the waiters: let them fail over now rather than time out
-                while self._waiters:
-                    fut = self._waiters.popleft()
-                    if not fut.done():
-                        fut.set_exception(NoNodeInRotation("no decode node is in rotation"))
+            self._withdraw(node)
+
+    def set_draining(self, node: NodeState, draining: bool) -> bool:
+        """Stop (or resume) leasing a node that is healthy; True when this changed anything."""
+        if draining == node.draining:
+            return False
+        node.draining = draining
+        if draining:
+            self._withdraw(node)
+        elif node.in_rotation and not node.leased:
+            self._offer(node)
+        return True
+
+    def _withdraw(self, node: NodeState) -> None:
+        """The node takes no new lease: off the free list; with nothing left to serve, waiters fail over now."""
+        try:
+            self._free.remove(node)
+        except ValueError:
+            pass
+        if not self.in_rotation():
+            # nobody can serve the waiters: let them fail over now rather than time out
+            while self._waiters:
+                fut = self._waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(NoNodeInRotation("no decode node is in rotation"))

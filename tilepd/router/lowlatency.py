@@ -547,6 +547,8 @@ class LowLatencyRun:
             self.state.metrics.node_down(self.state.pool, att.lease.node, f"{err.code}: {err.message}")
             if att.stage != "idle":
                 att.stage = "faulted"
+        elif err.code == "draining":  # leased before the health check saw the drain: lease it no more (health.py undoes it)
+            self.state.pool.set_draining(att.lease.node, True)
         att.settle_soon()
         limit = len(self.state.pool.nodes)
         if self.failovers >= limit:

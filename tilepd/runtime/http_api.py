@@ -3,12 +3,19 @@
 Errors before the first token are HTTP statuses with `{"error": {code, message, param?}}`:
 429 busy, 504 KV never arrived (slot freed), 400 bad/unknown parameter, 501 a
 parameter this engine cannot honour, 499 cancelled, 409 token mismatch or a second
-request for the same transfer, 502 the transfer failed (sender gone or reported an error).
-Once tokens flow, a cancel ends the stream with finish_reason "cancelled".
+request for the same transfer, 502 the transfer failed (sender gone or reported an error),
+503 `draining` (the router goes to another node). Once tokens flow, a cancel ends the stream
+with finish_reason "cancelled".
 
-With a deployment secret (tilepd.auth), the mutating calls (/v1/decode, /v1/cancel) need the
-router's bearer key and /v1/decode a transfer token derived from the secret; anything else is
-401 before the slot is touched. Read-only endpoints stay open: they carry no secret.
+Drain (`POST /admin/drain`, `/admin/undrain`; `tilepd drain`): the transfer that holds the
+slot finishes, no new one may take it (decode requests 503 `draining`, control admits a
+`busy` reject), and `/health` answers 503 `{"status": "draining", "idle": ...}` so health
+pollers (the router's, `proc wait`) stop sending work while `/status` still shows the node
+alive. A restarted node starts undrained.
+
+With a deployment secret (tilepd.auth), the mutating calls (/v1/decode, /v1/cancel, /admin/*)
+need the router's bearer key and /v1/decode a transfer token derived from the secret; anything
+else is 401 before the slot is touched. Read-only endpoints stay open: they carry no secret.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -40,10 +47,12 @@ OPTIONAL_FEATURES: dict[str, Any] = {
 # Sampling parameters the engine must declare (capabilities) when set to a non-default value.
 SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop_token_ids": [], "ignore_eos": False}
 
-MUTATING_PATHS = frozenset({"/v1/decode", "/v1/cancel"})
+ADMIN_PATHS = frozenset({"/admin/drain", "/admin/undrain"})
+MUTATING_PATHS = frozenset({"/v1/decode", "/v1/cancel"}) | ADMIN_PATHS
 
 SLOT_STATUS = {"busy": 429, "bad_token": 409, "duplicate": 409, "kv_timeout": 504, "cancelled": 499, "transfer_failed": 502,
-               "kv_checksum_mismatch": 502}  # the KV that landed is not what the prefill staged: never decoded
+               "kv_checksum_mismatch": 502,  # the KV that landed is not what the prefill staged: never decoded
+               "draining": 503}  # retryable: the router goes to another node
 
 
 class StructuredOutputBody(BaseModel):
@@ -119,9 +128,25 @@ def _unauthorized(message: str, code: str = "unauthorized") -> JSONResponse:
     return _error(401, code, message, headers={"www-authenticate": "Bearer"})
 
 
+def drain_state(svc: DecodeService) -> dict[str, Any]:
+    """What `tilepd drain` waits on: draining, and idle once the slot is free (final while draining)."""
+    snap = svc.slot.snapshot()
+    return {"draining": svc.slot.draining, "idle": not snap["busy"], "state": snap["state"], "transfer_id": snap["transfer_id"]}
+
+
+def _register_drain_gauge(svc: DecodeService) -> None:
+    gauge = Gauge("tilepd_decode_draining", "1 while the node is draining (takes no new request)", registry=None)
+    gauge.set_function(lambda: 1.0 if svc.slot.draining else 0.0)
+    try:
+        svc.metrics.registry.register(gauge)
+    except ValueError:  # a second app over the same service: the gauge is there already
+        pass
+
+
 def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
     """The node's app; with `secret`, only a caller holding the deployment secret may change its state."""
     app = FastAPI(title="tilepd decode node", docs_url=None, redoc_url=None)
+    _register_drain_gauge(svc)
 
     if secret is not None:
         @app.middleware("http")
@@ -148,6 +173,8 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
         problem = svc.health_problem()
         if problem:
             return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+        if svc.slot.draining:  # 503: pollers take it out of rotation; the body says it is alive
+            return JSONResponse({"status": "draining", "idle": not svc.slot.busy}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/capabilities")
@@ -156,7 +183,20 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
 
     @app.get("/status")
     async def status() -> dict:
-        return svc.status()
+        return {**svc.status(), "draining": svc.slot.draining}
+
+    @app.post("/admin/drain")
+    async def drain() -> dict:
+        svc.slot.draining = True
+        state = drain_state(svc)
+        log.warning("event=drain idle=%s state=%s transfer_id=%s", state["idle"], state["state"], state["transfer_id"])
+        return state
+
+    @app.post("/admin/undrain")
+    async def undrain() -> dict:
+        svc.slot.draining = False
+        log.warning("event=undrain")
+        return drain_state(svc)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

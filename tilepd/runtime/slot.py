@@ -87,6 +87,8 @@ class Slot:
         self.orphan_timeout_s = orphan_timeout_s
         self.transfers_total = 0
         self.bytes_total = 0
+        # set by the node's /admin/drain: the transfer holding the slot finishes, no new one may take the free slot
+        self.draining = False
 
     # -- views ----------------------------------------------------------------------
     @property
@@ -104,6 +106,8 @@ class Slot:
         with self._cv:
             cur = self.current
             if self.state == State.FREE:
+                if self.draining:
+                    raise SlotError("draining", "decode node is draining: it takes no new request (undrain it or use another node)")
                 self.current = Transfer(transfer_id, token, http_joined=True)
                 self.state = State.RESERVED
                 log.info("event=reserved transfer_id=%s by=decode_request", transfer_id)
@@ -177,6 +181,8 @@ class Slot:
         with self._cv:
             cur = self.current
             if self.state == State.FREE:
+                if self.draining:  # `busy` is the control protocol's retryable refusal
+                    raise SlotError("busy", "decode node is draining: it takes no new transfer")
                 cur = self.current = Transfer(transfer_id, token)
             elif cur is not None and cur.transfer_id == transfer_id:
                 if cur.token != token:
