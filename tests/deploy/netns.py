@@ -151,10 +151,16 @@ class LabNetwork:
         """Start (or restart) the host's sshd; sshd daemonises and writes its PidFile."""
         host.sshd_pid_file.unlink(missing_ok=True)
         subprocess.run(host.exec_argv(SSHD, "-f", str(host.sshd_config)), check=True, capture_output=True, timeout=30)
+        # sshd creates the PidFile and then writes it: wait for the number, not for the file
         deadline = time.monotonic() + 10
-        while not host.sshd_pid_file.exists() and time.monotonic() < deadline:
+        while True:
+            text = host.sshd_pid_file.read_text() if host.sshd_pid_file.exists() else ""
+            if text.split():
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd of {host.netns} wrote no pid to {host.sshd_pid_file} within 10 s")
             time.sleep(0.05)
-        host.sshd_pid = int(host.sshd_pid_file.read_text().split()[0])
+        host.sshd_pid = int(text.split()[0])
 
     def stop_sshd(self, host: TestHost) -> None:
         """Take the host off SSH: its listening sshd (pid from the PidFile) and every sshd
