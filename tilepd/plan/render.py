@@ -1,6 +1,6 @@
 """render_plan: write a Plan as the files the deploy step copies to each host.
 
-Layout (docs/INTERFACES.md §5): plan.json, inventory.yml, and per host
+Layout (docs/INTERFACES.md §5): plan.json, inventory.yml, monitoring/ (tilepd.plan.monitoring), and per host
 hosts/<host>/{services.json, config/, env/, units/, kv-transfer-config.json}.
 The output folder is replaced as a whole, so no file of an older render survives.
 """
@@ -19,6 +19,7 @@ from ruamel.yaml import YAML
 
 from tilepd.plan.inventory import inventory
 from tilepd.plan.model import Plan
+from tilepd.plan.monitoring import grafana_dashboard, prometheus_config
 from tilepd.plan.systemd import env_file_text, unit_text
 
 
@@ -50,6 +51,8 @@ def plan_files(plan: Plan, out_dir: Path) -> dict[str, str]:
     files: dict[str, str] = {
         "plan.json": _dump_json(plan.model_dump(mode="json")),
         "inventory.yml": _dump_yaml(inventory(plan, out_dir)),
+        "monitoring/prometheus.yml": _dump_yaml(prometheus_config(plan)),
+        "monitoring/grafana-dashboard.json": _dump_json(grafana_dashboard(plan)),
     }
     for host in plan.hosts:
         root = f"hosts/{host.name}"
