@@ -32,6 +32,8 @@ VERB_MODULES: dict[str, str] = {
     "logs": "tilepd.cli.deploy_cmds",
     "doctor": "tilepd.cli.doctor_cmds",
     "runbook": "tilepd.cli.doctor_cmds",
+    "drain": "tilepd.cli.drain_cmds",
+    "undrain": "tilepd.cli.drain_cmds",
     "capacity": "tilepd.cli.capacity_cmds",
 }
 

@@ -16,3 +16,4 @@ class ExitCode(IntEnum):
     UNHEALTHY = 7  # a service failed its health gate or the canary, or status found it degraded
     NOT_AVAILABLE = 8  # the verb exists but this build does not implement it yet
     PREFLIGHT = 9  # `tilepd doctor`: a required preflight check failed on a host (check id, evidence, fix printed)
+    NOT_DRAINED = 10  # `tilepd drain`: the node was still busy when --timeout ran out (it stays draining)

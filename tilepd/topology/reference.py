@@ -31,6 +31,7 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.UNHEALTHY: "a service failed its health gate or the canary, or status found it degraded",
     ExitCode.NOT_AVAILABLE: "the verb exists but this build does not implement it yet",
     ExitCode.PREFLIGHT: "`tilepd doctor`: a required preflight check failed on a host (check id, evidence, fix and runbook printed)",
+    ExitCode.NOT_DRAINED: "`tilepd drain`: the node was still busy when `--timeout` ran out (it stays draining; run drain again or undrain)",
 }
 
 SCHEMA_RULES = {
