@@ -7,6 +7,7 @@ from tilepd.control.layout import LAYOUT_VERSION
 from typing import Any
 
 from tilepd.control.messages import MIN_TILEPD_FOR_PROTOCOL, PROTOCOL_VERSION, ErrorCode, Hello, HelloOk, ProtocolError
+from tilepd.runbooks import see
 
 _HOSTS = {"decode node": "the decode node", "prefill connector": "the prefill hosts (the vLLM connector)"}
 
@@ -37,7 +38,7 @@ def check_protocol(remote: int, *, local_side: str, remote_side: str, remote_ver
         raise ProtocolError(
             ErrorCode.VERSION_MISMATCH,
             f"the {remote_side}{rv} speaks control protocol {remote}, the {local_side} (tilepd {__version__}) speaks "
-            f"{PROTOCOL_VERSION}: {_upgrade_hint(PROTOCOL_VERSION, remote, local_side, remote_side)}",
+            f"{PROTOCOL_VERSION}: {_upgrade_hint(PROTOCOL_VERSION, remote, local_side, remote_side)}" + see("RB-protocol-mismatch"),
         )
 
 
@@ -48,14 +49,15 @@ def check_hello(hello: Hello, *, transport: str, max_seq_len: int | None = None)
         raise ProtocolError(
             ErrorCode.LAYOUT_MISMATCH,
             f"the prefill connector sends cache layout version {hello.layout.layout_version}, this decode node reads "
-            f"version {LAYOUT_VERSION}: {_upgrade_hint(LAYOUT_VERSION, hello.layout.layout_version, 'decode node', 'prefill connector')}",
+            f"version {LAYOUT_VERSION}: {_upgrade_hint(LAYOUT_VERSION, hello.layout.layout_version, 'decode node', 'prefill connector')}"
+            + see("RB-protocol-mismatch"),
         )
     if hello.transport.name != transport:
         raise ProtocolError(
             ErrorCode.TRANSPORT_MISMATCH,
             f"the prefill connector sends over transport {hello.transport.name!r} but this decode node receives over "
             f"{transport!r}: set the same transport name for the prefill hosts' connector "
-            f"(kv_connector_extra_config.transport.name) and the decode node (its config's transport.name)",
+            f"(kv_connector_extra_config.transport.name) and the decode node (its config's transport.name)" + see("RB-protocol-mismatch"),
         )
     # max_seq_len is not compared here: decode nodes of one model may hold fewer tokens than the
     # connector allows; an admit whose seq_len does not fit is refused with too_long instead.
@@ -68,5 +70,5 @@ def check_hello_ok(reply: HelloOk, *, transport: str) -> None:
         raise ProtocolError(
             ErrorCode.TRANSPORT_MISMATCH,
             f"the decode node receives over {reply.transport.name!r} but this connector sends over {transport!r}: "
-            "set the same transport name for the connector and the decode node",
+            "set the same transport name for the connector and the decode node" + see("RB-protocol-mismatch"),
         )

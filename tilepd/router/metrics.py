@@ -52,7 +52,7 @@ class RouterMetrics:
         if node.in_rotation and node.consecutive_failures >= self.breaker_failures:
             pool.set_in_rotation(node, False)
             self.breaker.labels(node.name, "open").inc()
-            log.warning("event=node_out_of_rotation node=%s failures=%d last_error=%s", node.name, node.consecutive_failures, why)
+            log.warning("event=node_out_of_rotation node=%s failures=%d runbook=RB-decode-down last_error=%s", node.name, node.consecutive_failures, why)
 
     def node_down(self, pool: NodePool, node: NodeState, why: str) -> None:
         """A request saw the node fail (refused, reset, silent): out of rotation at once; the health checks bring it back."""
@@ -61,7 +61,7 @@ class RouterMetrics:
         if node.in_rotation:
             pool.set_in_rotation(node, False)
             self.breaker.labels(node.name, "open").inc()
-            log.warning("event=node_out_of_rotation node=%s failures=%d last_error=%s", node.name, node.consecutive_failures, why)
+            log.warning("event=node_out_of_rotation node=%s failures=%d runbook=RB-decode-down last_error=%s", node.name, node.consecutive_failures, why)
 
     def node_ok(self, pool: NodePool, node: NodeState) -> None:
         node.consecutive_failures = 0

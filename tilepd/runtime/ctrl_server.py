@@ -41,6 +41,7 @@ from tilepd.control.messages import (
     dump,
     parse_message,
 )
+from tilepd.runbooks import cite
 from tilepd.runtime.slot import Slot, SlotError
 from tilepd.transport.base import TransportReceiver
 
@@ -48,6 +49,14 @@ log = logging.getLogger("tilepd.runtime.ctrl")
 
 IDLE_TIMEOUT_S = 3600.0  # a quiet sender keeps its connection (hello is cached) for this long
 DATA_DRAIN_TIMEOUT_S = 30.0  # after done: how long bytes the sender reported may take to land
+_MISMATCH = frozenset({ErrorCode.VERSION_MISMATCH, ErrorCode.LAYOUT_MISMATCH, ErrorCode.TRANSPORT_MISMATCH})
+
+
+def _refusal(exc: ProtocolError) -> tuple[str, str]:
+    """(message, log field) of a refused hello: a prefill/decode mismatch names its runbook in both."""
+    if exc.code in _MISMATCH:
+        return cite(exc.message, "RB-protocol-mismatch"), " runbook=RB-protocol-mismatch"
+    return exc.message, ""
 
 
 class ControlServer:
@@ -149,8 +158,9 @@ class ControlServer:
                 try:
                     check_raw_hello(raw)  # another protocol version: answer with what to upgrade, then close
                 except ProtocolError as exc:
-                    log.warning("event=hello_refused peer=%s conn=%d code=%s message=%s", peer, conn_id, exc.code.value, exc.message)
-                    send_frame(sock, dump(Error(code=exc.code, message=exc.message)))
+                    message, book = _refusal(exc)
+                    log.warning("event=hello_refused peer=%s conn=%d code=%s%s message=%s", peer, conn_id, exc.code.value, book, message)
+                    send_frame(sock, dump(Error(code=exc.code, message=message)))
                     return
                 try:
                     msg = parse_message(raw)
@@ -178,7 +188,9 @@ class ControlServer:
                     log.warning("event=bad_frame peer=%s conn=%d reason=unexpected_%s", peer, conn_id, msg.type)
                     return
         except OSError as exc:
-            log.info("event=ctrl_closed peer=%s conn=%d reason=%s", peer, conn_id, exc)
+            # a reset, not a clean close or the idle timeout: the prefill (connector) died or restarted
+            book = "" if isinstance(exc, TimeoutError) else " runbook=RB-prefill-restarted"
+            log.info("event=ctrl_closed peer=%s conn=%d%s reason=%s", peer, conn_id, book, exc)
         finally:
             self.slot.sender_gone(conn_id)
             with self._lock:
@@ -197,8 +209,9 @@ class ControlServer:
             self.check_layout(msg.layout, msg.tp_size)
             self.receiver.add_peer(msg.transport.metadata)
         except ProtocolError as exc:
-            log.warning("event=hello_refused peer=%s conn=%d code=%s message=%s", peer, conn_id, exc.code.value, exc.message)
-            return dump(Error(code=exc.code, message=exc.message)), None
+            message, book = _refusal(exc)
+            log.warning("event=hello_refused peer=%s conn=%d code=%s%s message=%s", peer, conn_id, exc.code.value, book, message)
+            return dump(Error(code=exc.code, message=message)), None
         lay = msg.layout
         base = msg.sender_rank * lay.buffer_bytes(self.max_seq_len)
         stride = lay.region_stride(self.max_seq_len)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
+from tilepd.runbooks import see
+
 log = logging.getLogger("tilepd.runtime.slot")
 
 
@@ -137,9 +139,12 @@ class Slot:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    was = "transferring" if transfer.generation else "reserved"
+                    log.warning("event=transfer_failed transfer_id=%s generation=%s code=kv_timeout runbook=RB-kv-timeout "
+                                "reason=no KV within %g s (state was %s)", transfer.transfer_id, transfer.generation, timeout, was)
                     self._free_locked("kv_timeout")
                     raise SlotError("kv_timeout", f"KV for transfer {transfer.transfer_id} did not arrive within {timeout:g} s "
-                                    f"(state was {('transferring' if transfer.generation else 'reserved')}); slot freed")
+                                    f"(state was {was}); slot freed" + see("RB-kv-timeout"))
                 self._cv.wait(min(left, 0.5))
 
     def start_decoding(self, transfer: Transfer) -> None:
@@ -256,8 +261,9 @@ class Slot:
             if cur is None or self.state != State.TRANSFERRING:
                 return
             ranks = [r for r, c in cur.conn_ids.items() if c == conn_id and r not in cur.done_ranks]
-            if ranks:
-                self._fail_locked(f"the sender's control connection (rank {ranks[0]}) closed mid-transfer")
+            if ranks:  # the prefill (its connector) restarted or died: the decode request fails with this message
+                self._fail_locked(f"the sender's control connection (rank {ranks[0]}) closed mid-transfer" + see("RB-prefill-restarted"),
+                                  runbook="RB-prefill-restarted")
 
     def reap_orphans(self) -> None:
         """Free a slot an admit claimed but no decode request joined in time."""
@@ -269,11 +275,12 @@ class Slot:
                 self._free_locked("orphaned: no decode request joined")
 
     # -- internals ----------------------------------------------------------------------
-    def _fail_locked(self, reason: str, code: str = "transfer_failed", keep_conn: int | None = None) -> None:
+    def _fail_locked(self, reason: str, code: str = "transfer_failed", keep_conn: int | None = None, runbook: str | None = None) -> None:
         cur = self.current
         assert cur is not None
         cur.failure, cur.failure_code = reason, code
-        log.warning("event=transfer_failed transfer_id=%s generation=%s code=%s reason=%s", cur.transfer_id, cur.generation, code, reason)
+        book = f" runbook={runbook}" if runbook else ""
+        log.warning("event=transfer_failed transfer_id=%s generation=%s code=%s%s reason=%s", cur.transfer_id, cur.generation, code, book, reason)
         self._free_locked("transfer_failed", keep_conn)
 
     def _free_locked(self, reason: str, keep_conn: int | None = None) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8, device_supports_fp8, kernel_available
 from tilepd.engine.spec import ModelSpec, spec_from_hf_config
+from tilepd.runbooks import see
 from tilepd.weights import fp8_build
 from tilepd.weights.build import build_chunks, cast_chunk
 from tilepd.weights.layout import family_layout
@@ -44,25 +45,25 @@ def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, ra
     manifest = read_manifest(weights_dir)
     if manifest is None:
         if (weights_dir / MANIFEST).exists():
-            raise WeightsError(f"{weights_dir / MANIFEST}: not a tilepd weights manifest (re-run convert-weights)")
+            raise WeightsError(f"{weights_dir / MANIFEST}: not a tilepd weights manifest (re-run convert-weights)" + see("RB-weights-manifest"))
         if (weights_dir / "config.json").is_file():
             return _load_hf(weights_dir, device, dtype, rank, tp)
         raise WeightsError(f"{weights_dir}: neither converted weights (manifest.json) nor an HF checkpoint (config.json)")
     if manifest["tp"] != tp:
         raise WeightsError(f"{weights_dir}: converted for tp={manifest['tp']}, the decode node runs tp={tp} - "
-                           f"re-run convert-weights with --tp {tp} (or set the node's tp_size to {manifest['tp']})")
+                           f"re-run convert-weights with --tp {tp} (or set the node's tp_size to {manifest['tp']})" + see("RB-weights-manifest"))
     spec = spec_from_hf_config(manifest["model_config"], manifest.get("generation_config"))
     f = SafetensorsFile(weights_dir / f"rank{rank}.safetensors")
     want = set(manifest["layout"]["tensors"])
     if set(f.entries) != want:
-        raise WeightsError(f"{f.path}: tensors differ from the manifest (missing {sorted(want - set(f.entries))[:5]})")
+        raise WeightsError(f"{f.path}: tensors differ from the manifest (missing {sorted(want - set(f.entries))[:5]})" + see("RB-weights-manifest"))
     tensors = manifest["layout"]["tensors"]
     fp8 = {name: tuple(tensors[name].get("block") or ()) for name in f.entries if name + ".scale" in f.entries}
     if fp8:
         unblocked = [n for n, b in fp8.items() if len(b) != 2]
         if unblocked:
             raise WeightsError(f"{weights_dir / MANIFEST}: fp8 tensor {unblocked[0]} has no block size (converted by an "
-                               f"older tilepd with per-tensor scales) - re-run convert-weights")
+                               f"older tilepd with per-tensor scales) - re-run convert-weights" + see("RB-weights-manifest"))
         check_fp8_device(device, weights_dir)
     keep_fp32 = {t.name for t in family_layout(spec, set()) if t.keep_fp32}  # router, DSA weights_proj: float32 as in HF
     out: Weights = {}
