@@ -182,7 +182,7 @@ def status(
             if watch:
                 console.clear()
             console.print(st.table(rows, wide=wide))
-            console.print("[green]all healthy[/]" if healthy else "[red]degraded[/]" + ("" if wide else " (details: --wide or --json)"))
+            console.print("[green]all healthy[/]" if healthy else "[red]degraded[/]" + ("" if wide else " (details: --wide or --json)") + st.runbook_hint(rows))
         if not watch:
             break
         try:

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tilepd.plan import HostPlan
+from tilepd.runbooks import see
 
 
 class HostUnreachable(Exception):
     def __init__(self, host: str, reason: str) -> None:
-        super().__init__(f"{host}: unreachable over SSH: {reason}")
+        super().__init__(f"{host}: unreachable over SSH: {reason}" + see("RB-host-unreachable"))
         self.host = host
         self.reason = reason
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from tilepd.deploy.secrets import SOCKET_ENV, serve
 from tilepd.resources import playbooks_dir
+from tilepd.runbooks import cite
 
 # Task names that gate on health start with this prefix; their failure means exit 7, not 6.
 HEALTH_TASK_PREFIX = "health gate"
@@ -134,7 +135,7 @@ class _Digest:
             self.result.failures.append(self._failure(host, task, res))
             self._emit(TaskEvent("failed", host=host, task=task, message=self.result.failures[-1].message))
         elif kind == "runner_on_unreachable":
-            msg = _message(res)
+            msg = cite(_message(res), "RB-host-unreachable")
             self.result.failures.append(TaskFailure(host=host or "?", task=task, message=msg, unreachable=True))
             self._emit(TaskEvent("unreachable", host=host, task=task, message=msg))
         elif kind == "runner_item_on_ok" and res.get("changed"):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tilepd.auth import new_secret
 from tilepd.plan import Plan
+from tilepd.runbooks import see
 
 SOCKET_ENV = "TILEPD_SECRETS_SOCKET"
 _MAX_NAME = 256
@@ -49,7 +50,8 @@ def values_for(plan: Plan, environ: Mapping[str, str] | None = None) -> dict[str
                 value = env.get(s.source_env, "").strip()
                 if not value:
                     raise SecretsError(f"router.api_key.env names {s.source_env}, which is not set (or empty) in the environment of "
-                                       f"`tilepd up`; export it (the key is written only to {s.path} on {host.name}, mode 0600)")
+                                       f"`tilepd up`; export it (the key is written only to {s.path} on {host.name}, mode 0600)"
+                                       + see("RB-api-key-rotation"))
                 values[f"env:{s.source_env}"] = value
     return values
 

@@ -40,6 +40,19 @@ class ServiceStatus:
     def ok(self) -> bool:
         return self.run == "running" and self.healthy and not self.drift
 
+    @property
+    def runbook(self) -> str | None:
+        """The on-call runbook of what is wrong with this service (None when it is fine or none applies)."""
+        if self.run.startswith("crashed"):
+            return "RB-orphaned-ports"  # main process gone, its group still holds ports / GPU memory
+        if self.run == "unreachable":
+            return "RB-host-unreachable"
+        if any(d.startswith("tilepd ") for d in self.drift):
+            return "RB-upgrade"  # the service runs another tilepd than the controller
+        if self.run in ("running", "stopped") and not self.ok and not self.drift:
+            return {"decode": "RB-decode-down", "prefill": "RB-prefill-restarted"}.get(self.role)
+        return None
+
 
 def _host_states(plan: Plan, host: HostPlan, services: list[Service], known_hosts: Path | None) -> dict[str, dict[str, Any]]:
     """service name -> proc status JSON (or {"run": reason})."""
@@ -94,7 +107,18 @@ def collect(plan: Plan, known_hosts: Path | None = None) -> list[ServiceStatus]:
 
 
 def as_json(rows: list[ServiceStatus]) -> list[dict[str, Any]]:
-    return [{**asdict(r), "ok": r.ok} for r in rows]
+    return [{**asdict(r), "ok": r.ok, "runbook": r.runbook} for r in rows]
+
+
+def runbook_hint(rows: list[ServiceStatus]) -> str:
+    """`; runbooks: RB-<id> (svc, ...), ... (tilepd runbook ID)` for the services a runbook covers, else ''."""
+    by_book: dict[str, list[str]] = {}
+    for r in rows:
+        if r.runbook:
+            by_book.setdefault(r.runbook, []).append(r.service)
+    if not by_book:
+        return ""
+    return "; runbooks: " + ", ".join(f"{b} ({', '.join(s)})" for b, s in by_book.items()) + " (tilepd runbook ID)"
 
 
 def figures_text(st: ServiceStatus) -> str:
