@@ -23,6 +23,29 @@ from tilepd.engine.sampling import SamplerState, greedy
 log = logging.getLogger(__name__)
 
 
+def capture_graph(body: Callable[[], None], state: list[torch.Tensor], pool=None) -> torch.cuda.CUDAGraph:
+    """Capture `body` (two warm-up runs on a side stream first: lazy inits, cuBLAS handles, Triton builds),
+    restoring the static `state` buffers the body advances after every run, so capturing changes nothing."""
+    saved = [t.clone() for t in state]
+
+    def restore() -> None:
+        for t, v in zip(state, saved):
+            t.copy_(v)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+            restore()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    restore()
+    return graph
+
+
 def default_buckets(max_seq_len: int, smallest: int = 256, ratio: float = 1.25, align: int = 256) -> list[int]:
     """Cache windows ~25% apart, multiples of `align`, ending exactly at max_seq_len."""
     out: list[int] = []
@@ -92,22 +115,8 @@ class GraphStep:
                 log.warning("event=speed_path_fallback window=%d error=%s; %s", attn_len, e, what)
 
     def _capture(self, attn_len: int, use_greedy: bool) -> torch.cuda.CUDAGraph:
-        io = self.io
-        token, position = io.token.clone(), io.position.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy inits, cuBLAS handles, torch.compile compilation
-                self._body(attn_len, use_greedy)
-                io.token.copy_(token)
-                io.position.copy_(position)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._body(attn_len, use_greedy)
+        graph = capture_graph(lambda: self._body(attn_len, use_greedy), [self.io.token, self.io.position], self.pool)
         self.pool = graph.pool()
-        io.token.copy_(token)
-        io.position.copy_(position)
         self.graphs[(attn_len, use_greedy)] = graph
         return graph
 

@@ -4,7 +4,8 @@ One request at a time: `inject` copies the received prefix into the static cache
 first token at position seq_len and streams generated tokens until EOS / a stop id / max_tokens / the
 end of the cache / cancel (checked before every step). Each step is `model.forward` on one token plus
 the on-device sampler; on CUDA the step is a captured graph (cuda_graph.py) and only the token id is
-read back. DeepSeek-V3 checkpoints with an MTP layer decode greedily through speculative.py.
+read back. DeepSeek-V3 checkpoints with an MTP layer decode greedily through speculative.py (the verify +
+draft step, also one captured graph per window on CUDA).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tilepd.engine.types import DecodeResult, FinishReason, KVState, SamplingPar
 CAPABILITIES: dict[str, Any] = {
     "temperature": True, "top_p": True, "top_k": True, "seed": True, "stop_token_ids": True, "ignore_eos": True,
     "max_tokens": True, "logprobs": True, "top_logprobs": True, "top_logprobs_max": TOP_LOGPROBS_MAX,
-    "structured_output": ["json_schema", "json_object", "regex", "grammar"],  # tilepd.engine.grammar.KINDS
+    "structured_output": ["json_schema", "json_object", "regex", "grammar", "structural_tag"],  # tilepd.engine.grammar.KINDS
     "n": False, "presence_penalty": False, "frequency_penalty": False,
     "repetition_penalty": False, "min_p": False, "min_tokens": False, "logit_bias": False, "stop": False,
 }
@@ -80,6 +81,7 @@ class Engine:
             self.graph_step = GraphStep(model, self.sampler, self.io, max_seq_len)
         self.num_speculative_tokens = num_speculative_tokens if getattr(model, "has_mtp", False) else 0
         self.last_spec_stats: dict[str, float] = {}
+        self._spec_step = None  # speculative.SpecStep, built on the first speculative request
         self.speed_path = "graph" if self.graph_step is not None and device.type == "cuda" else "eager"
 
     @property
@@ -92,8 +94,15 @@ class Engine:
 
     @torch.no_grad()
     def warmup(self, max_windows: int | None = None) -> int:
-        """Capture the greedy decode graphs ahead of the first request (CUDA); returns how many exist."""
-        return self.graph_step.warmup(True, max_windows) if self.graph_step is not None else 0
+        """Capture the greedy decode graphs (and the MTP step's) ahead of the first request (CUDA); returns how many exist."""
+        if self.graph_step is None:
+            return 0
+        n = self.graph_step.warmup(True, max_windows)
+        if self.num_speculative_tokens > 0:
+            from tilepd.engine.speculative import spec_step
+
+            n += spec_step(self).warmup(max_windows)
+        return n
 
     def reset(self) -> None:
         """Forget the current request (the cache is overwritten by the next inject; no clearing needed)."""
