@@ -31,7 +31,8 @@ def test_local_runs_everything_here_with_this_interpreter() -> None:
     assert plan.services_mode == "process" and plan.transport == "tcp"
     assert [s.name for s in host.services] == ["tiny-model", "convert-d0", "decode-d0", "prefill-p0", "router"]
     assert {s.python for s in host.services} == {sys.executable}
-    assert host.base_dir == "/tmp/tilepd-local"
+    home = str(Path.home())
+    assert host.base_dir == f"{home}/.local/state/tilepd/local"  # the user's own folder (`~` in local.yaml)
     decode = plan.service("decode-d0")
     assert decode.config["device"] == "cpu" and decode.config["recv_buffer"] == "dram"
     assert decode.config["transport"] == {
@@ -40,8 +41,8 @@ def test_local_runs_everything_here_with_this_interpreter() -> None:
     # below Linux's default ephemeral range: an outgoing connection's local port cannot take them first
     assert all(10000 <= port < 32768 for s in host.services for port in s.ports.values())
     tiny = plan.service("tiny-model")
-    assert tiny.argv[1:] == ["-m", "tilepd", "dev", "tiny-model", "llama", "/tmp/tilepd-local/models/tiny-llama"]
-    assert tiny.kind == "oneshot" and tiny.creates == "/tmp/tilepd-local/models/tiny-llama/config.json"
+    assert tiny.argv[1:] == ["-m", "tilepd", "dev", "tiny-model", "llama", f"{home}/.local/state/tilepd/local/models/tiny-llama"]
+    assert tiny.kind == "oneshot" and tiny.creates == f"{home}/.local/state/tilepd/local/models/tiny-llama/config.json"
 
 
 def test_lab_hosts_and_roles() -> None:

@@ -181,7 +181,7 @@ def test_fp8_weights_dequantise_close(tiny_deepseek: Path, tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_topology_form_converts_once_per_weights_path(tmp_path: Path, repo_root: Path, python_exe: str) -> None:
-    text = (repo_root / "topology_examples" / "local.yaml").read_text().replace("/tmp/tilepd-local", str(tmp_path / "dep"))
+    text = (repo_root / "topology_examples" / "local.yaml").read_text().replace("~/.local/state/tilepd/local", str(tmp_path / "dep"))
     topo = tmp_path / "local.yaml"
     topo.write_text(text)
     r = _cli(python_exe, str(topo), "--local", "--json")

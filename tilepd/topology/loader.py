@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from tilepd.topology import rules
 from tilepd.topology.errors import Finding, TopologyError, TopologyFileError
+from tilepd.topology.home import expand_home
 from tilepd.topology.schema import API_VERSION, Topology
 from tilepd.topology.yaml_source import MAX_BYTES, Loc, SourceMap, parse_yaml
 
@@ -44,6 +45,7 @@ def load_topology_text(text: str, file: str = "<string>") -> Topology:
     if not isinstance(data, dict):
         kind = "empty" if data is None else type(data).__name__
         raise TopologyError([Finding(file, 1, 1, "", f"a topology is a YAML mapping with apiVersion: {API_VERSION}; this document is {kind}", "schema.invalid")])
+    expand_home(data)  # `~/...` paths of an all-loopback deployment: the operator's own home
     try:
         topo = Topology.model_validate(data)
     except ValidationError as exc:

@@ -379,7 +379,8 @@ def absolute_paths(topo: Topology) -> Iterator[Violation]:
         if loc[-1] == "python" and value == CURRENT_PYTHON:
             continue
         if value is not None and not PurePosixPath(value).is_absolute():
-            yield Violation(loc, f"path {value!r} must be absolute", "absolute-path")
+            hint = " (`~` stands for your home only when every host is a loopback address)" if value.startswith("~") else ""
+            yield Violation(loc, f"path {value!r} must be absolute{hint}", "absolute-path")
 
 
 # flags the plan sets on vLLM; extra_args may not repeat them
