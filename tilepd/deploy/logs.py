@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tilepd.deploy.remote import HostShell, HostUnreachable
 from tilepd.plan import HostPlan, Plan, Service
+from tilepd.runbooks import see
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def tail(plan: Plan, sources: list[Source], *, lines: int = 50, emit: Callable[[
             try:
                 out = shell.run(_argv(plan, src, lines, follow=False))
             except HostUnreachable as e:
-                emit(f"{src.prefix} | <unreachable: {e.reason}>")
+                emit(f"{src.prefix} | <unreachable: {e.reason}{see('RB-host-unreachable')}>")
                 failed += 1
                 continue
             if out.rc != 0:
@@ -80,7 +81,7 @@ def follow(plan: Plan, sources: list[Source], *, lines: int = 10, known_hosts: P
             for line in shell.stream(_argv(plan, src, lines, follow=True)):
                 q.put(f"{src.prefix} | {line}")
         except HostUnreachable as e:
-            q.put(f"{src.prefix} | <unreachable: {e.reason}>")
+            q.put(f"{src.prefix} | <unreachable: {e.reason}{see('RB-host-unreachable')}>")
         except (OSError, ValueError):
             pass  # the stream was closed under us: we are stopping
 
