@@ -86,6 +86,7 @@ from tilepd.connector.layout import (
     read_paged_cache,
 )
 from tilepd.connector.marker import RESULT_KEY, TilepdMarker, decide_claim
+from tilepd.connector.peer_workers import PeerWorkers
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
 from tilepd.plan.service_configs import ConnectorExtraConfig
 
@@ -201,6 +202,7 @@ class TilePDConnector(KVConnectorBase_V1):
         self._inflight: dict[str, _Staged] = {}
         self._jobs: queue.Queue[_Staged | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._workers = PeerWorkers("tilepd-connector-send")  # one thread per decode node: a stalled node delays only its own sends
 
     # ------------------------------------------------------------------ properties
     @property
@@ -450,16 +452,20 @@ class TilePDConnector(KVConnectorBase_V1):
         while True:
             st = self._jobs.get()
             if st is None:
+                self._workers.close(timeout=30)
                 return
-            try:
-                self._send_one(st)
-            except Exception as exc:  # noqa: BLE001 - a send must never kill the thread
-                self.events.count(failures=1)
-                self.events.event("failed", st.spec.req_id, level=logging.ERROR, transfer_id=st.spec.marker.transfer_id,
-                                  code="internal", message=f"{type(exc).__name__}: {exc}")
-            finally:
-                assert self._pool is not None
-                self._pool.release(st.slot)
+            self._workers.submit((st.spec.marker.host, st.spec.marker.ctrl_port), self._send_job, st)
+
+    def _send_job(self, st: _Staged) -> None:
+        try:
+            self._send_one(st)
+        except Exception as exc:  # noqa: BLE001 - a send must never kill the thread
+            self.events.count(failures=1)
+            self.events.event("failed", st.spec.req_id, level=logging.ERROR, transfer_id=st.spec.marker.transfer_id,
+                              code="internal", message=f"{type(exc).__name__}: {exc}")
+        finally:
+            assert self._pool is not None
+            self._pool.release(st.slot)
 
     def _send_one(self, st: _Staged) -> None:
         assert self._pool is not None and self._sender is not None

@@ -44,14 +44,15 @@ def _agent(name: str, ucx_net_devices: str | None) -> Any:
     if ucx_net_devices:
         os.environ["UCX_NET_DEVICES"] = ucx_net_devices
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
         raise TransportUnavailable(f"the nixl transport needs the nixl package (pip install 'tilepd[nixl]'): {exc}") from exc
     # No NIXL progress thread: the python binding sets its delay to 0, so it spins a whole core
     # even when idle (measured: 5.0 CPU-s per 5 s idle; two such agents starve a 2-core host).
     # Progress is driven by our own polls instead: check_xfer_state on the writer while a write
     # is in flight, and the receiver's progress thread below (UCX over TCP needs the target).
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    # STRICT: the connector sends to several decode nodes from several threads at once (one per node)
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
     if "UCX" not in agent.backends:
         raise TransportUnavailable("NIXL loaded but its UCX backend did not: check the UCX plugin of the nixl wheel")
     return agent
