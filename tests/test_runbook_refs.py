@@ -160,3 +160,19 @@ def test_bad_weights_manifest_names_its_runbook(tmp_path: Path) -> None:
     with pytest.raises(WeightsError) as exc:
         load_weights(tmp_path, torch.device("cpu"), torch.float32)
     assert "not a tilepd weights manifest" in str(exc.value) and str(exc.value).endswith(see("RB-weights-manifest"))
+
+
+def test_router_http_answer_carries_the_runbook_field(tiny_llama: Path) -> None:
+    """The real router app, no decode node and no native pool: the 503 body names RB-decode-down."""
+    from fastapi.testclient import TestClient
+
+    from tilepd.plan.service_configs import RouterConfig, RoutingConfig
+    from tilepd.router.app import create_app
+    from tilepd.router.auth import ApiKeys
+
+    config = RouterConfig(port=1, served_model_name="m", tokenizer_dir=tiny_llama, prefill_urls=("http://127.0.0.1:9",),
+                          decode_nodes=(), routing=RoutingConfig(fallback_to_native=False))
+    with TestClient(create_app(config, ApiKeys.load(None, None))) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "no_decode_node" and r.json()["error"]["runbook"] == "RB-decode-down"
