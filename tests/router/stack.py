@@ -24,9 +24,11 @@ from tilepd.plan.service_configs import (
 )
 
 MODEL_NAME = "tiny-llama"
+TOOL_CALL_PARSER = "hermes"  # the prefill is also "vLLM alone" for tool calls (test_agents_tools.py)
+TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", TOOL_CALL_PARSER]
 MAX_SEQ_LEN = 1024
 VLLM_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "--max-model-len", str(MAX_SEQ_LEN),
-             "--served-model-name", MODEL_NAME, "--enforce-eager"]
+             "--served-model-name", MODEL_NAME, "--enforce-eager", *TOOL_ARGS]
 NIXL_CONSUMER = nixl_config("kv_consumer", cpu=True)  # what the planner renders for a CPU native decode
 
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 # what the node compiles; vLLM's names (StructuredOutputOptions) for the same constraints
-KINDS = ("json_schema", "json_object", "regex", "grammar")
+# ("structural_tag": what vLLM's tool parsers build for tool_choice required/named/auto)
+KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
 
 
 class GrammarError(ValueError):
@@ -38,7 +39,8 @@ def _xgr() -> Any:
 
 @dataclass(frozen=True)
 class Constraint:
-    """kind (one of KINDS) and its text: a JSON schema, a regex, an EBNF/Lark grammar ("" for json_object)."""
+    """kind (one of KINDS) and its text: a JSON schema, a regex, an EBNF/Lark grammar, an xgrammar structural tag
+    (JSON, vLLM's `structural_tag` string), or "" for json_object."""
 
     kind: str
     spec: str
@@ -67,11 +69,11 @@ class GrammarCompiler:
         xgr = _xgr()
         if c.kind not in KINDS:
             raise GrammarError(f"{field}.type", f"{c.kind!r} is not one of {', '.join(KINDS)}")
-        if c.kind == "json_schema":
+        if c.kind in ("json_schema", "structural_tag"):
             try:
                 json.loads(c.spec)
             except ValueError as exc:
-                raise GrammarError(f"{field}.spec", f"the JSON schema is not JSON: {exc}") from None
+                raise GrammarError(f"{field}.spec", f"the {c.kind} spec is not JSON: {exc}") from None
         try:
             with self._lock:
                 if c.kind == "json_schema":
@@ -80,9 +82,20 @@ class GrammarCompiler:
                     return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
                 if c.kind == "regex":
                     return self.compiler.compile_regex(c.spec)
+                if c.kind == "structural_tag":
+                    return self._structural_tag(c.spec)
                 return self.compiler.compile_grammar(c.spec)  # EBNF (GBNF) as xgrammar reads it
-        except (ValueError, RuntimeError, TypeError) as exc:
+        except (ValueError, RuntimeError, TypeError, KeyError) as exc:
             raise GrammarError(f"{field}.spec", f"{c.kind} does not compile: {exc}") from None
+
+    def _structural_tag(self, spec: str) -> Any:
+        """As vLLM's xgrammar backend: the legacy {"structures", "triggers"} form, else xgrammar's own format."""
+        xgr = _xgr()
+        tag = json.loads(spec)
+        if isinstance(tag, dict) and "structures" in tag:
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]) for s in tag["structures"]]
+            return self.compiler.compile_structural_tag(items, tag["triggers"])
+        return self.compiler.compile_structural_tag(spec)
 
     def matcher(self, compiled: Any, stop_token_ids: set[int]) -> "GrammarState":
         return GrammarState(compiled, sorted(stop_token_ids), self.vocab_size)

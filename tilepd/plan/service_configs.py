@@ -124,3 +124,5 @@ class RouterConfig(_Strict):
     # the deployment secret (tilepd.auth) the router derives decode-node credentials from
     secret_file: Path | None = None
     log_file: Path | None = None
+    # vLLM's --tool-call-parser for this model family (with --enable-auto-tool-choice): tool calls on the low-latency path
+    tool_call_parser: str | None = Field(default=None, min_length=1, max_length=64)

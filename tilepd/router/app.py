@@ -34,6 +34,7 @@ from tilepd.router.leases import LeaseTimeout, NodePool, NoNodeInRotation
 from tilepd.router.limits import BodySizeLimit
 from tilepd.router.logprobs import LogprobsRenderer
 from tilepd.router.structured import structured_plan
+from tilepd.router.tools import ToolCalling, ToolPlan, Unsupported
 from tilepd.router.lowlatency import EnginePlan, Finished, LowLatencyRun, TextDelta
 from tilepd.router.metrics import RouterMetrics
 from tilepd.router.native import serve_native
@@ -66,7 +67,10 @@ def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
     # while a 2-core host was saturated no longer fails the request outright (seen: native decode
     # connects timing out during a burst fallback on the CPU test box).
     client = Upstream(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s, connect_retries=UPSTREAM_CONNECT_RETRIES)
-    return RouterState(config=config, client=client, renderer=PromptRenderer(config.tokenizer_dir), pool=pool,
+    renderer = PromptRenderer(config.tokenizer_dir)
+    if config.tool_call_parser:  # vLLM (and torch) load here, at startup, not on the first tool request
+        renderer.tools = ToolCalling(config.tool_call_parser, renderer.tokenizer, config.served_model_name)
+    return RouterState(config=config, client=client, renderer=renderer, pool=pool,
                        metrics=RouterMetrics(pool, config.breaker_failures), keys=keys,
                        node_secret=load_secret(config.secret_file) if config.secret_file else None)
 
@@ -146,7 +150,7 @@ async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> R
         raise
     if route.pool == "low_latency":
         try:
-            return await _serve_low_latency(state, request, endpoint, req, route, rid, t0)
+            return await _serve_low_latency(state, request, endpoint, req, body, route, rid, t0)
         except _Fallback as fb:
             if state.config.native_pool is None or not state.config.routing.fallback_to_native:
                 _count(state, Route("low_latency", fb.reason), fb.error.status, t0)
@@ -212,10 +216,11 @@ def _count(state: RouterState, route: Route, status: int, t0: float) -> None:
     m.request_seconds.labels(route.pool).observe(time.perf_counter() - t0)
 
 
-def _plan(state: RouterState, endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, max_seq_len: int) -> EnginePlan:
+def _plan(state: RouterState, endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, max_seq_len: int,
+          tools: ToolPlan | None = None) -> EnginePlan:
     renderer = state.renderer
     if isinstance(req, ChatCompletionRequest):
-        prompt_ids = renderer.chat_ids(req)
+        prompt_ids = renderer.chat_ids(req, tools.tool_dicts if tools is not None else None)
         limit, limit_name = req.token_limit(), ("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     else:
         prompt_ids = renderer.completion_ids(req)
@@ -240,10 +245,36 @@ def _plan(state: RouterState, endpoint: Endpoint, req: CompletionRequest | ChatC
         include_stop_str_in_output=req.include_stop_str_in_output,
         stop_token_ids=list(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=tools.skip_special_tokens if tools is not None else req.skip_special_tokens,
         logprobs=wanted_logprobs(req),
-        structured=structured_plan(req.response_format) if isinstance(req, ChatCompletionRequest) else None,
+        structured=_structured(req, tools),
     )
+
+
+def _structured(req: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None) -> Any:
+    """The tool parser's constraint when it set one (vLLM drops response_format then), else response_format's."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    if tools is not None and tools.structured is not None:
+        return tools.structured
+    return structured_plan(req.response_format)
+
+
+def _tool_plan(state: RouterState, req: CompletionRequest | ChatCompletionRequest, body: dict[str, Any],
+               caps: dict[str, Any]) -> ToolPlan | None:
+    """vLLM's parser's view of a request with tools; None without tools. The node must compile the constraint
+    the parser built (an older node without that kind sends the request to the native pool)."""
+    if not isinstance(req, ChatCompletionRequest) or not (req.tools or req.tool_choice not in (None, "none")):
+        return None
+    try:
+        tools = state.renderer.tools.plan(body)
+    except Unsupported as exc:
+        raise _Fallback(f"unsupported:{exc.param}", unsupported(exc.param, exc.reason)) from None
+    kind = tools.structured.node["type"] if tools.structured is not None else None
+    if kind is not None and kind not in ((caps.get("sampling") or {}).get("structured_output") or ()):
+        raise _Fallback("unsupported:tool_choice", unsupported("tool_choice", f"the decode node does not decode under a {kind!r} "
+                                                               "constraint, which this tool_choice needs"))
+    return tools
 
 
 def wanted_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -260,16 +291,19 @@ def _engine_caps(state: RouterState) -> dict[str, Any] | None:
     return None
 
 
-async def _serve_low_latency(state: RouterState, request: Request, endpoint: Endpoint,
-                             req: CompletionRequest | ChatCompletionRequest, route: Route, rid: str, t0: float) -> Response:
+async def _serve_low_latency(state: RouterState, request: Request, endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest,
+                             body: dict[str, Any], route: Route, rid: str, t0: float) -> Response:
     caps = _engine_caps(state)
     if caps is None:
         raise _Fallback("no_node_in_rotation", RouterError(503, "no low-latency decode node is healthy", type="service_unavailable",
                                                            code="no_decode_node", headers={"retry-after": str(RETRY_AFTER_S)}))
-    refusal = gate(req, caps.get("sampling") or {})
+    refusal = gate(req, caps.get("sampling") or {}, tool_parser=state.renderer.tools is not None)
     if refusal is not None:
         raise _Fallback(f"unsupported:{refusal.param}", unsupported(refusal.param, refusal.reason))
-    plan = _plan(state, endpoint, req, int(caps.get("max_seq_len") or 0))
+    tools = _tool_plan(state, req, body, caps)
+    plan = _plan(state, endpoint, req, int(caps.get("max_seq_len") or 0), tools)
+    if tools is not None and tools.choice == "none":
+        tools = None  # rendered with the tools, answered as text: vLLM parses nothing under "none"
     try:
         lease = await state.pool.acquire(state.config.queue_timeout_s)
     except LeaseTimeout as exc:
@@ -285,6 +319,7 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
     writer = ResponseWriter(endpoint, req.model or state.config.served_model_name)
     if plan.logprobs is not None:
         writer.logprobs = LogprobsRenderer(state.renderer.tokenizer, plan.logprobs)
+    writer.tools = tools
     headers = {**_route_headers(route, rid), "x-tilepd-node": lease.node.name}
     try:
         first = await events.__anext__()  # prefill done: errors here still get a proper HTTP status
@@ -308,18 +343,26 @@ async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[Tex
         role = writer.role_chunk()
         if role is not None:
             yield role
-        if isinstance(first, TextDelta) and (first.text or first.logprobs):
-            yield writer.text_chunk(first.text, first.logprobs)
-        async for ev in events:
-            if isinstance(ev, TextDelta):
-                if ev.text or ev.logprobs:
-                    yield writer.text_chunk(ev.text, ev.logprobs)
-            else:
-                fin = ev
+        if writer.tools is not None:
+            async for chunk in _tool_chunks(run, events, first, writer):
+                if isinstance(chunk, Finished):
+                    fin = chunk
+                elif chunk:
+                    yield chunk
+        else:
+            if isinstance(first, TextDelta) and (first.text or first.logprobs):
+                yield writer.text_chunk(first.text, first.logprobs)
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    if ev.text or ev.logprobs:
+                        yield writer.text_chunk(ev.text, ev.logprobs)
+                else:
+                    fin = ev
         assert fin is not None
         # the events after the last text go out in one write (EventStreamResponse ends the body with it)
         usage = writer.usage_chunk(fin.prompt_tokens, fin.completion_tokens) if include_usage else b""
-        yield writer.finish_chunk(fin.finish_reason, fin.stop_reason) + usage + DONE
+        reason = writer.tools.stream_finish_reason(fin.finish_reason) if writer.tools is not None else fin.finish_reason
+        yield writer.finish_chunk(reason, fin.stop_reason) + usage + DONE
         outcome = "ok"
     except (DecodeNodeError, RouterError) as exc:
         err = exc.to_router_error() if isinstance(exc, DecodeNodeError) else exc
@@ -331,20 +374,50 @@ async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[Tex
         _finish_log(state, route, rid, run, fin, 200, outcome, t0)
 
 
+async def _tool_chunks(run: LowLatencyRun, events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
+                       writer: ResponseWriter) -> AsyncIterator[bytes | Finished]:
+    """Deltas through vLLM's tool parser (`parse_delta`), then the Finished event. Each delta is held until the next
+    event, so the last one is parsed with finished=True, as vLLM parses the output that carries the finish reason."""
+    tools = writer.tools
+    held = first if isinstance(first, TextDelta) else None
+    fin: Finished | None = first if isinstance(first, Finished) else None
+
+    def chunk(ev: TextDelta, finished: bool) -> bytes:
+        delta = tools.delta(ev.text, list(ev.tokens), run.plan.prompt_ids, finished)
+        if delta is None and not ev.logprobs:
+            return b""
+        return writer.delta_chunk(delta or {}, ev.logprobs)
+
+    async for ev in events:
+        if isinstance(ev, Finished):
+            fin = ev
+            continue
+        if held is not None:
+            yield chunk(held, False)
+        held = ev
+    if held is not None:
+        yield chunk(held, True)
+    assert fin is not None
+    yield fin
+
+
 async def _collect_unless_disconnected(state: RouterState, request: Request, run: LowLatencyRun,
                                        events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
                                        writer: ResponseWriter, route: Route, rid: str, t0: float, headers: dict[str, str]) -> Response:
     records: list = []
+    token_ids: list[int] = []  # for vLLM's tool parser
 
     async def collect() -> tuple[str, Finished]:
         parts = [first.text] if isinstance(first, TextDelta) else []
         if isinstance(first, TextDelta):
             records.extend(first.logprobs)
+            token_ids.extend(first.tokens)
         fin: Finished | None = None
         async for ev in events:
             if isinstance(ev, TextDelta):
                 parts.append(ev.text)
                 records.extend(ev.logprobs)
+                token_ids.extend(ev.tokens)
             else:
                 fin = ev
         assert fin is not None
@@ -374,7 +447,8 @@ async def _collect_unless_disconnected(state: RouterState, request: Request, run
         _finish_log(state, route, rid, run, None, err.status, f"error:{err.code}", t0)
         return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
     _finish_log(state, route, rid, run, fin, 200, "ok", t0)
-    body = writer.full(text, fin.finish_reason, fin.stop_reason, fin.prompt_tokens, fin.completion_tokens, records)
+    message, reason = writer.tools.message(text, token_ids, fin.finish_reason) if writer.tools is not None else (None, fin.finish_reason)
+    body = writer.full(text, reason, fin.stop_reason, fin.prompt_tokens, fin.completion_tokens, records, message)
     return JSONResponse(body, headers=headers)
 
 

@@ -31,8 +31,12 @@ def _lacks(caps: dict[str, Any], name: str) -> bool:
     return not bool(caps.get(name, False))
 
 
-def gate(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any]) -> Refusal | None:
-    """Return the first parameter the engine cannot honour, or None when it can take the request."""
+def gate(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any], *, tool_parser: bool = False) -> Refusal | None:
+    """Return the first parameter the engine cannot honour, or None when it can take the request.
+
+    tool_parser: the router has the deployment's vLLM tool parser (tilepd.router.tools); without it, any
+    `tools` go to the native pool. The constraint a tool_choice needs is checked against the node's
+    `structured_output` kinds once vLLM's parser has built it (app._tool_plan)."""
     if req.n > 1:
         return Refusal("n", "the low-latency engine returns one choice per request")
     if isinstance(req, CompletionRequest):
@@ -51,16 +55,18 @@ def gate(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any]) -
             return Refusal("top_logprobs", "top_logprobs needs logprobs: true")
         if req.logprobs and (_lacks(caps, "logprobs") or (req.top_logprobs or 0) > int(caps.get("top_logprobs_max", 0))):
             return Refusal("logprobs", f"the engine does not return {req.top_logprobs or 0} top logprobs per token")
-        if req.tools:
-            return Refusal("tools", "tool calling is served by the native pool only")
-        if req.tool_choice not in (None, "none"):
-            return Refusal("tool_choice", "tool calling is served by the native pool only")
+        if (req.tools or req.tool_choice not in (None, "none")) and not tool_parser:
+            return Refusal("tools" if req.tools else "tool_choice", "this router has no tool_call_parser: tool calling is served "
+                           "by the native pool only")
         rf_type = (req.response_format or {}).get("type", "text")
         if rf_type != "text" and rf_type not in (caps.get("structured_output") or ()):
             return Refusal("response_format", f"the engine does not decode under a {rf_type!r} constraint")
         for i, msg in enumerate(req.messages):
             if isinstance(msg.content, list) and any(p.type != "text" for p in msg.content):
                 return Refusal(f"messages[{i}].content", "only text content parts are supported")
+            for key, value in (msg.model_extra or {}).items():  # tool_calls, tool_call_id, ...: the router's template call drops them
+                if value not in (None, []):
+                    return Refusal(f"messages[{i}].{key}", "the low-latency pool renders role, content and name only")
     refusal = _gate_sampling(req, caps)
     if refusal is not None:
         return refusal

@@ -126,6 +126,7 @@ class EnginePlan:
 class TextDelta:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens consumed since the last delta (when asked)
+    tokens: tuple[int, ...] = ()  # the token ids consumed since the last delta (vLLM's tool parsers read them)
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,16 @@ class _TextState:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.pending_logprobs: list[TokenLogprob] = []
+        self._tokens_taken = 0
 
     @property
     def count(self) -> int:
         return len(self.tokens)
+
+    def take_tokens(self) -> tuple[int, ...]:
+        out = tuple(self.tokens[self._tokens_taken:])
+        self._tokens_taken = len(self.tokens)
+        return out
 
     def take_logprobs(self) -> tuple[TokenLogprob, ...]:
         out = tuple(self.pending_logprobs)
@@ -416,13 +423,13 @@ class LowLatencyRun:
                 if text.finish_reason is None and finish == "stop":
                     text.finish_reason = "stop"  # vLLM knows a stop token the router's list missed
                 if out or self.failovers == 0 or text.pending_logprobs:
-                    yield TextDelta(out, text.take_logprobs())
+                    yield TextDelta(out, text.take_logprobs(), text.take_tokens())
                 if text.finish_reason is not None:
                     break
                 try:
                     async for out in self._decode(att, text):
                         if out or text.pending_logprobs:
-                            yield TextDelta(out, text.take_logprobs())
+                            yield TextDelta(out, text.take_logprobs(), text.take_tokens())
                     break
                 except NodeFault as fault:
                     if self.plan.structured is not None:
@@ -433,7 +440,7 @@ class LowLatencyRun:
                                                   "continuation cannot return logprobs") from None
                         async for out in self._continue_native(text):
                             if out:
-                                yield TextDelta(out)
+                                yield TextDelta(out, tokens=text.take_tokens())
                         break
             timings = {"prefill_ms": (t_prefill - t0) * 1e3, "total_ms": (time.perf_counter() - t0) * 1e3}
             yield Finished(text.finish_reason or "length", text.stop_reason, self.prompt_tokens, text.count, timings, self.failovers)

@@ -25,6 +25,7 @@ class PromptRenderer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self.eos_token_ids = _eos_ids(self.tokenizer, tokenizer_dir)
         self.generation_defaults = _generation_defaults(tokenizer_dir)
+        self.tools: Any = None  # a tilepd.router.tools.ToolCalling when the deployment names a tool parser
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -40,7 +41,8 @@ class PromptRenderer:
             raise invalid("prompt", "empty prompt")
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """tools: vLLM's tool dicts (`tool.model_dump()` of its parsed request), given to the template as vLLM does."""
         messages: list[dict[str, Any]] = []
         for msg in req.messages:
             content = msg.content
@@ -53,6 +55,7 @@ class PromptRenderer:
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message,
+                **({"tools": tools} if tools is not None else {}),
                 **(req.chat_template_kwargs or {}),
             )
         except Exception as exc:  # the template raised: the messages do not fit it

@@ -68,6 +68,7 @@ class ResponseWriter:
             self._text_tail = b', "logprobs": null, "finish_reason": null}]}\n\n'
         self._chunk_base = {"id": self.id, "object": chunk_object, "created": self.created, "model": self.model}
         self.logprobs: Any = None  # a tilepd.router.logprobs.LogprobsRenderer when the request asked for logprobs
+        self.tools: Any = None  # a tilepd.router.tools.ToolPlan: content and tool_calls parsed by vLLM's tool parser
         self._sent_chars = 0  # completions' text_offset in a stream starts at the text sent so far (as vLLM's)
 
     def role_chunk(self) -> bytes | None:
@@ -87,6 +88,11 @@ class ResponseWriter:
         choice["finish_reason"] = None
         return sse({**self._chunk_base, "choices": [choice]})
 
+    def delta_chunk(self, delta: dict[str, Any], records: tuple = ()) -> bytes:
+        """A chat chunk with a delta someone else built (vLLM's tool parser: content and/or tool_calls)."""
+        lp = self.logprobs.chat(list(records)) if self.logprobs is not None else None
+        return sse({**self._chunk_base, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}]})
+
     def finish_chunk(self, finish_reason: str, stop_reason: str | int | None) -> bytes:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
         if self.endpoint == "chat":
@@ -99,12 +105,13 @@ class ResponseWriter:
         return sse({**self._chunk_base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
 
     def full(self, text: str, finish_reason: str, stop_reason: str | int | None, prompt_tokens: int, completion_tokens: int,
-             records: list | None = None) -> dict[str, Any]:
+             records: list | None = None, message: dict[str, Any] | None = None) -> dict[str, Any]:
+        """message: the chat message when someone else built it (vLLM's tool parser), else role + text."""
         lp: Any = None
         if self.logprobs is not None:
             lp = self.logprobs.chat(records or []) if self.endpoint == "chat" else self.logprobs.completions(records or [])
         if self.endpoint == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+            choice: dict[str, Any] = {"index": 0, "message": message or {"role": "assistant", "content": text}, "logprobs": lp,
                                       "finish_reason": finish_reason, "stop_reason": stop_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason, "stop_reason": stop_reason}
