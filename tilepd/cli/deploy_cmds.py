@@ -99,8 +99,13 @@ def up(
     check: bool = typer.Option(False, "--check", help="Show what would change; change nothing."),
     yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask before changing remote hosts."),
     canary: bool = typer.Option(True, "--canary/--no-canary", help="Finish with one real request through the router."),
+    force: bool = typer.Option(False, "--force", help="Restart every decode node (one at a time, each drained first) even if unchanged."),
 ) -> None:
-    """Deploy a topology: validate, render, run the playbooks, gate on health, send a canary."""
+    """Deploy a topology: validate, render, run the playbooks, gate on health, send a canary.
+
+    Running decode nodes that must restart (config, secret or tilepd version changed; all with --force) are
+    restarted one at a time: drained (their request finishes, new ones go elsewhere), restarted, health-gated.
+    """
     from tilepd.deploy import deployment, probes
 
     dep = _load(topology)
@@ -109,7 +114,8 @@ def up(
         raise typer.Exit(int(ExitCode.OK))
     deployment.render(dep)
     console.print(f"[bold]tilepd up[/] {dep.plan.deployment}: {len(dep.plan.hosts)} host(s), render in {dep.render_dir}")
-    result = _run_playbook(dep, "up.yml", title="tilepd up", limit=limit, only=only, check=check)
+    result = _run_playbook(dep, "up.yml", title="tilepd up", limit=limit, only=only, check=check,
+                           extravars={"tilepd_force_restart": True} if force else None)
     code = deployment.exit_code(result)
     if code != ExitCode.OK:
         _report_failures(result, dep)

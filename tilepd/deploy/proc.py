@@ -17,6 +17,12 @@ after a SIGKILL of the API server, still holding their ports) keep the group id,
 ends them and `start` ends them before starting the service again. The kernel does not
 hand out a pid again while a group of that id has members, so the recorded group id
 cannot name someone else's processes.
+
+Rolling restart: a running decode node that must restart (config hash, secret, tilepd
+version changed, or `--force`) is drained first (tilepd.deploy.drain: its request finishes,
+new ones go to other nodes), restarted, and gated on health here, in the same call, so the
+playbook's loop (and its `throttle: 1` across hosts) restarts decode nodes one at a time and
+never takes a second one away before the first serves again.
 """
 
 from __future__ import annotations
@@ -38,10 +44,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tilepd import __version__
+from tilepd.deploy import logpipe
 
 # Variables a service inherits from the supervisor's environment; everything else
 # comes from the spec, so process mode sees what a systemd EnvironmentFile would give.
 _INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR")
+
+# rolling restart of a decode node: the longest wait for its request to finish before it is restarted anyway
+# (the router then moves that request to another node); and how long a drained or restarted node is left before
+# the next step, so that the router's health check (every health_interval_s, 1 s by default) has seen the change
+RESTART_DRAIN_TIMEOUT_S = 120.0
+ROTATION_GRACE_S = 3.0
 
 
 class ServiceSpec(BaseModel):
@@ -235,23 +248,26 @@ def status(spec: ServiceSpec) -> dict[str, Any]:
     }
 
 
-def start(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
-    """Start the service unless it already runs with the same config hash and secrets (then changed=False).
+def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dict[str, Any]:
+    """Start the service unless it already runs with the same config hash, secrets and tilepd version (then
+    changed=False; `force` restarts it anyway). A running decode node is drained first and gated on health after.
 
     A service whose main process died while others of its group live on (orphans) is
     recovered: the group is ended first, so the new one finds its ports free.
     """
     state = _read_state(spec)
     running = _systemd_state(spec)["running"] if spec.mode == "systemd" else _alive(state)
-    same = bool(state and state.get("config_hash") == spec.config_hash and state.get("secrets_fingerprint") == secrets_fingerprint(spec))
-    if running and same:
+    same = bool(state and state.get("config_hash") == spec.config_hash and state.get("secrets_fingerprint") == secrets_fingerprint(spec)
+                and state.get("tilepd_version", __version__) == __version__)
+    if running and same and not force:
         return {**status(spec), "action": "none"}
     orphans = _orphans(state) if spec.mode == "process" else []
     action = "restart" if running else ("recover" if orphans else "start")
     if check:
         return {**status(spec), "changed": True, "action": action}
+    drained = _drain_for_restart(spec) if running else None
     if spec.mode == "systemd":
-        return _start_unit(spec, action)
+        return _rejoin(spec, _start_unit(spec, action), drained)
     recovered: dict[str, Any] = {}
     if running:
         stop(spec)
@@ -272,7 +288,7 @@ def start(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
         log.write(f"--- tilepd {__version__}: starting {spec.name} ({spec.config_hash[:19]}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            spec.argv,
+            logpipe.wrap(spec.argv, spec.log_file),  # execs argv (same pid) with its output rotated into log_file
             cwd=spec.cwd,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -282,7 +298,50 @@ def start(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
             close_fds=True,
         )
     _write_state(spec, proc.pid)
-    return {**status(spec), "changed": True, "action": action, **recovered}
+    return _rejoin(spec, {**status(spec), "changed": True, "action": action, **recovered}, drained)
+
+
+def _drain_for_restart(spec: ServiceSpec) -> dict[str, Any] | None:
+    """Drain a running decode node before its restart (None for other roles): wait until its request finished
+    (at most RESTART_DRAIN_TIMEOUT_S), then long enough for the router to have stopped leasing it.
+
+    A node that cannot be drained (no admin API in an older tilepd, a rotated secret it does not know yet, no
+    answer) is restarted anyway, as before drain existed: the router moves its request to another node.
+    """
+    if spec.role != "decode" or not spec.health_url:
+        return None
+    from tilepd.deploy.drain import DrainError, drain
+
+    base = spec.health_url.removesuffix("/health")
+    t0 = time.monotonic()
+    try:
+        secret = _node_secret(spec)
+        r = drain(base, secret, timeout_s=RESTART_DRAIN_TIMEOUT_S, node=spec.name)
+    except (DrainError, OSError) as exc:  # OSError: SecretFileError
+        _note(spec, f"could not drain before the restart ({exc}); restarting without it")
+        return {"drained": False, "error": str(exc)}
+    time.sleep(max(0.0, ROTATION_GRACE_S - (time.monotonic() - t0)))
+    _note(spec, f"drained before the restart: {'idle' if r.idle else 'still busy'} after {r.waited_s:.1f}s")
+    return {"drained": r.idle, "waited_s": r.waited_s}
+
+
+def _node_secret(spec: ServiceSpec) -> bytes | None:
+    """The deployment secret the running node derives its API key from (its config's secret_file, the spec's first)."""
+    from tilepd.deploy.drain import secret_from
+
+    return secret_from(Path(spec.secret_files[0])) if spec.secret_files else None
+
+
+def _rejoin(spec: ServiceSpec, result: dict[str, Any], drained: dict[str, Any] | None) -> dict[str, Any]:
+    """After a drained restart: gate on health now, then leave the router time to lease the node again."""
+    if drained is None or result.get("failed"):
+        return result if drained is None else {**result, "drain": drained}
+    gate = wait_healthy(spec)
+    if gate.get("failed"):
+        return {**result, "drain": drained, "failed": True, "healthy": False, "msg": gate["msg"], "log_tail": gate.get("log_tail", [])}
+    time.sleep(ROTATION_GRACE_S)
+    _note(spec, "restarted after a drain; healthy")
+    return {**result, "drain": drained, "healthy": True}
 
 
 def _note(spec: ServiceSpec, text: str) -> None:
@@ -382,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("verb", choices=("start", "stop", "status", "wait", "version"))
     parser.add_argument("--spec", type=Path, help="service spec JSON")
     parser.add_argument("--check", action="store_true", help="report what would change, change nothing")
+    parser.add_argument("--force", action="store_true", help="start: restart even when nothing changed (a decode node drains first)")
     parser.add_argument("--config-hash", help="with --check: the hash the new spec will have (the spec file may not be updated yet)")
     args = parser.parse_args(argv)
     if args.verb == "version":
@@ -402,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"failed": True, "changed": False, "msg": f"{args.spec}: {e}"}))
         return 2
     if args.verb == "start":
-        result = start(spec, check=args.check)
+        result = start(spec, check=args.check, force=args.force)
     elif args.verb == "stop":
         result = stop(spec, check=args.check)
     elif args.verb == "wait":

@@ -1,0 +1,148 @@
+"""Drain and undrain of a decode node: the request holding the slot finishes, new ones are refused as draining.
+
+The slot rules run without a node; the live test drives a real `python -m tilepd.runtime` (tiny Llama, CPU,
+a deployment secret) through tilepd.deploy.drain, the client `tilepd drain` and the supervisor use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.runtime.conftest import start_node, stop_node, wire_payload
+from tests.runtime.hf_engine import hf_greedy, hf_prefill_kv
+from tests.runtime.test_decode_server import PROMPTS, _handoff, _layout
+from tilepd import auth
+from tilepd.control.sender import KVSender
+from tilepd.deploy import drain as dr
+from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.runtime.slot import Slot, SlotError, State
+from tilepd.transport import Buffer
+
+SECRET = "c3" * 32
+
+
+def test_a_draining_slot_takes_no_new_transfer_but_keeps_its_own() -> None:
+    slot = Slot()
+    slot.draining = True
+    with pytest.raises(SlotError) as refused:
+        slot.reserve_for_decode("tx-new", "t")
+    assert refused.value.code == "draining" and slot.state == State.FREE
+    with pytest.raises(SlotError) as admit:
+        slot.admit("tx-new", "t", 4, 1, 64, None, conn_id=1)
+    assert admit.value.code == "busy" and "draining" in admit.value.message and slot.state == State.FREE
+    slot.draining = False
+    held = slot.reserve_for_decode("tx-held", "t")
+    slot.draining = True  # drained while the request waits for its KV: the admit of that transfer joins it
+    assert slot.admit("tx-held", "t", 4, 1, 64, None, conn_id=1) > 0 and slot.current is held
+    slot.release(held)
+    with pytest.raises(SlotError):
+        slot.reserve_for_decode("tx-after", "t")
+
+
+def test_the_drain_client_names_what_went_wrong(tmp_path: Path) -> None:
+    from tilepd.connector.launch import free_port
+    from tilepd.plan.builder import DEPLOYMENT_SECRET_ENV
+
+    assert dr.DEPLOYMENT_SECRET_ENV == DEPLOYMENT_SECRET_ENV  # one variable, named in two places
+    port = free_port()
+    with pytest.raises(dr.DrainError) as exc:
+        dr.drain(f"http://127.0.0.1:{port}", None, timeout_s=1, node="decode-x")
+    assert exc.value.kind == "unreachable" and "decode-x" in str(exc.value) and str(port) in str(exc.value)
+    assert dr.secret_from(None) is None  # a node without a secret (dev run)
+    with pytest.raises(auth.SecretFileError, match=f"missing: No such file.*nor is \\${DEPLOYMENT_SECRET_ENV} set"):
+        dr.secret_from(tmp_path / "missing", environ={})
+    assert dr.secret_from(tmp_path / "missing", environ={DEPLOYMENT_SECRET_ENV: SECRET}) == SECRET.encode()
+
+
+def _secret_file(tmp: Path) -> Path:
+    path = tmp / "deployment.secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(SECRET + "\n")
+    return path
+
+
+def _admit_once(node, model, prompt, tid: str, token: str):
+    """The connector's admit + KV write, with one busy retry only (a draining node refuses the admit as busy)."""
+    layout = _layout(model)
+    first, layers = hf_prefill_kv(model, prompt)
+    cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=node.ctrl_port, http_port=1),),
+                               transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512, busy_retries=1)
+    sender = KVSender(cfg, layout, Buffer.from_array(wire_payload(layers, layout)))
+    nb = layout.blocks_for(len(prompt))
+    try:
+        return first, sender.send(("127.0.0.1", node.ctrl_port), tid, token, len(prompt), nb,
+                                  [l * nb * layout.block_bytes for l in range(layout.num_layers)])
+    finally:
+        sender.close()
+
+
+@pytest.mark.slow
+def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_restores(python_exe: str, tiny_llama: Path, hf_llama,
+                                                                                    tmp_path: Path) -> None:
+    s = SECRET.encode()
+    node = start_node(python_exe, tiny_llama, tmp_path, secret_file=_secret_file(tmp_path), kv_timeout_s=60)
+    router = auth.node_auth_header(s)
+    prompt = PROMPTS["multi_block"]
+
+    def body(tid: str, first: int = 5, **kw: object) -> dict:
+        return {"transfer_id": tid, "token": auth.transfer_token(s, tid), "first_token": first, "prompt_tokens": len(prompt),
+                "max_tokens": 8, "ignore_eos": True, "stream": False, "kv_timeout_s": 60, **kw}
+
+    try:
+        with node.client() as c:
+            # only the router's key may drain
+            assert c.post("/admin/drain").status_code == 401 and c.post("/admin/drain", headers={"Authorization": "Bearer x"}).status_code == 401
+            assert c.get("/health").json() == {"status": "ok"}
+
+            # a request in flight: its decode call holds the slot and waits for the KV
+            answer: dict = {}
+            first_ref = hf_greedy(hf_llama, prompt, 9)
+            inflight = threading.Thread(target=lambda: answer.update(r=httpx.post(
+                node.http + "/v1/decode", headers=router, json=body("tx-held", first_ref[0]), timeout=120)))
+            inflight.start()
+            deadline = time.monotonic() + 30
+            while c.get("/status").json()["state"] != "reserved" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.get("/status").json()["transfer_id"] == "tx-held"
+
+            started = dr.drain(node.http, s, timeout_s=0.3, node="decode-t")  # still busy at the timeout
+            assert started.draining and not started.idle and started.transfer_id == "tx-held"
+            health = c.get("/health")
+            assert health.status_code == 503 and health.json() == {"status": "draining", "idle": False}
+            assert c.get("/status").json()["draining"] is True
+            # a new request: 503 draining before any KV; its admit is refused as busy; the held one is untouched
+            refused = c.post("/v1/decode", headers=router, json=body("tx-new"))
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining", refused.text
+            _, sent = _admit_once(node, hf_llama, prompt, "tx-new2", auth.transfer_token(s, "tx-new2"))
+            assert not sent.ok and sent.code == "busy" and "draining" in sent.message
+            assert c.get("/status").json()["transfer_id"] == "tx-held"
+
+            # the held request's KV arrives (its admit joins the reserved slot): it decodes to the end, exactly
+            first = _handoff(node, hf_llama, prompt, "tx-held", token=auth.transfer_token(s, "tx-held"))
+            inflight.join(60)
+            r = answer["r"]
+            assert r.status_code == 200, r.text
+            assert [first] + r.json()["tokens"] == first_ref and r.json()["finish_reason"] == "length"
+
+            done = dr.drain(node.http, s, timeout_s=30, node="decode-t")  # idle now, and stays so
+            assert done.draining and done.idle
+            assert c.get("/health").json() == {"status": "draining", "idle": True}
+            assert "tilepd_decode_draining 1.0" in c.get("/metrics").text
+
+            back = dr.undrain(node.http, s, node="decode-t")
+            assert not back.draining and back.idle
+            assert c.get("/health").status_code == 200 and "tilepd_decode_draining 0.0" in c.get("/metrics").text
+            first = _handoff(node, hf_llama, prompt, "tx-after", token=auth.transfer_token(s, "tx-after"))
+            r = c.post("/v1/decode", headers=router, json=body("tx-after", first))
+            assert r.status_code == 200 and [first] + r.json()["tokens"] == first_ref, r.text
+    finally:
+        stop_node(node)
+    text = node.log.read_text()
+    assert "event=drain " in text and "event=undrain" in text
