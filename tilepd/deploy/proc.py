@@ -44,7 +44,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tilepd import __version__
-from tilepd.deploy import logpipe
 
 # Variables a service inherits from the supervisor's environment; everything else
 # comes from the spec, so process mode sees what a systemd EnvironmentFile would give.
@@ -288,7 +287,7 @@ def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dic
         log.write(f"--- tilepd {__version__}: starting {spec.name} ({spec.config_hash[:19]}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            logpipe.wrap(spec.argv, spec.log_file),  # execs argv (same pid) with its output rotated into log_file
+            spec.argv,
             cwd=spec.cwd,
             env=env,
             stdin=subprocess.DEVNULL,
