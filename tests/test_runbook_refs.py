@@ -176,3 +176,20 @@ def test_router_http_answer_carries_the_runbook_field(tiny_llama: Path) -> None:
         r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "no_decode_node" and r.json()["error"]["runbook"] == "RB-decode-down"
+
+
+def test_health_gate_failing_on_a_taken_port_names_the_orphans_runbook() -> None:
+    from tilepd.deploy.runner import PlaybookResult, _Digest
+
+    def gate(log_tail: list[str]) -> str:
+        result = PlaybookResult("up.yml", "failed", 2)
+        line = json.dumps({"msg": "decode-0 did not become healthy within 60 s", "name": "decode-0", "log_tail": log_tail})
+        _Digest(result, None)({"event": "runner_on_failed", "event_data": {"host": "h1", "task": "health gate: decode", "res": {
+            "failed": True, "stdout": line, "msg": "non-zero return code"}}})
+        (failure,) = result.failures
+        assert failure.health and failure.service == "decode-0"
+        return failure.message
+
+    taken = "ERROR: [Errno 98] error while attempting to bind on address ('0.0.0.0', 8200): address already in use"
+    assert gate(["INFO: Started server process", taken]).endswith(see("RB-orphaned-ports"))
+    assert "runbook" not in gate(["RuntimeError: CUDA out of memory"])

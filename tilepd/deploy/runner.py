@@ -159,6 +159,8 @@ class _Digest:
             failure.service = parsed.get("name")
             failure.log_tail = list(parsed.get("log_tail") or [])
             failure.message = parsed.get("msg") or failure.message
+            if any("address already in use" in line.lower() for line in [failure.message, *failure.log_tail]):
+                failure.message = cite(failure.message, "RB-orphaned-ports")  # a leftover of an earlier run holds the port
         return failure
 
 
