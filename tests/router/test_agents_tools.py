@@ -163,3 +163,16 @@ def test_gate_takes_tools_only_with_a_tool_parser_and_refuses_a_tool_history_by_
                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
     refusal = gate(ChatCompletionRequest(messages=history, tools=TOOLS), {}, tool_parser=True)
     assert refusal is not None and refusal.param == "messages[1].tool_calls"
+
+
+def test_the_plan_gives_the_router_the_tool_parser_vllm_is_given() -> None:
+    from tilepd.plan import build_plan
+    from tilepd.topology import load_topology_text
+
+    base = (Path(__file__).parents[1] / "topology" / "base_valid.yaml").read_text()
+    assert '["--max-num-seqs", "64"]' in base
+    for text, want in ((base, None),
+                       (base.replace('["--max-num-seqs", "64"]', '["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]'), "hermes"),
+                       (base.replace('["--max-num-seqs", "64"]', '["--tool-call-parser=llama3_json"]'), "llama3_json")):
+        plan = build_plan(load_topology_text(text))
+        assert RouterConfig.model_validate(plan.service("router").config).tool_call_parser == want

@@ -331,6 +331,7 @@ class _Planner:
             # router's own environment, where `ps e` and /proc/PID/environ would show it)
             api_key_file=(self.secret(r, "router_api_key", r.api_key.env) if r.api_key.env else r.api_key.file) if r.api_key else None,
             secret_file=self.secret(r, "deployment", DEPLOYMENT_SECRET_ENV),
+            tool_call_parser=tool_call_parser(t),
         )
         config_file = f"{self.base_of(r)}/config/router.json"
         self.add(
@@ -366,6 +367,19 @@ class _Planner:
                 )
             )
         return out
+
+
+def tool_call_parser(topo: Topology) -> str | None:
+    """The router parses tool calls with the parser the deployment gives vLLM: `--tool-call-parser NAME` in a prefill's
+    or native decode's extra_args (the first named; with --enable-auto-tool-choice, as vLLM needs it for "auto")."""
+    for entry in (*topo.prefill, *topo.native_decode):
+        args = list(entry.extra_args)
+        for j, arg in enumerate(args):
+            if arg == "--tool-call-parser" and j + 1 < len(args):
+                return args[j + 1]
+            if arg.startswith("--tool-call-parser="):
+                return arg.split("=", 1)[1]
+    return None
 
 
 def build_plan(topo: Topology, current_python: str | None = None, local_cores: Sequence[int] | None = None) -> Plan:
