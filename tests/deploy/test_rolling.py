@@ -7,10 +7,18 @@ drain itself against real decode nodes under load is tests/router/test_drain_rol
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
 
 from tests.deploy.test_proc import _spec, cleanup  # noqa: F401 - the fixture is used by name
-from tilepd.deploy import proc
+from tilepd.connector.launch import free_port
+from tilepd.deploy import probes, proc
+from tilepd.plan.model import Health
 
 
 def test_force_restarts_an_unchanged_service_and_an_upgrade_restarts_it_too(tmp_path: Path, cleanup) -> None:  # noqa: F811
@@ -53,3 +61,36 @@ def test_cli_force_flag(tmp_path: Path, cleanup, capsys) -> None:  # noqa: F811
     assert json.loads(capsys.readouterr().out)["action"] == "restart" and proc.status(spec)["pid"] == pid
     assert proc.main(["start", "--spec", str(path), "--force"]) == 0
     assert json.loads(capsys.readouterr().out)["pid"] != pid
+
+
+_DRAINING = r"""
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "draining", "idle": True} if self.path == "/health" else {"status": "starting"}).encode()
+        self.send_response(503); self.send_header("content-type", "application/json"); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_draining_node_passes_the_health_gate_but_status_shows_it_draining(tmp_path: Path) -> None:
+    port = free_port()
+    script = tmp_path / "draining.py"
+    script.write_text(_DRAINING)
+    server = subprocess.Popen([sys.executable, str(script), str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert proc.probe(url + "/health") == (True, "HTTP 503 draining")  # up on purpose: `up` does not fail on it
+        assert proc.probe(url + "/other") == (False, "HTTP 503")  # any other 503 is not
+        service = SimpleNamespace(health=Health(url=url + "/health", timeout_s=5))  # probes.health reads only .health
+        assert probes.health(service) == (False, "draining")  # status: alive, not serving
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -55,6 +55,14 @@ def metric_sum(samples: list[tuple[str, dict[str, str], float]], name: str, **ma
     return sum(vals) if vals else None
 
 
+def _says_draining(r: httpx.Response) -> bool:
+    try:
+        body = r.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"
+
+
 def health(service: Service, timeout_s: float = 2.0) -> tuple[bool, str]:
     if service.health is None:
         return True, "no health endpoint"
@@ -62,6 +70,8 @@ def health(service: Service, timeout_s: float = 2.0) -> tuple[bool, str]:
         r = httpx.get(service.health.url, timeout=timeout_s)
     except httpx.HTTPError as e:
         return False, type(e).__name__
+    if r.status_code == 503 and _says_draining(r):
+        return False, "draining"  # alive, taking no new request (tilepd drain): not serving, so not healthy
     return r.status_code == 200, f"HTTP {r.status_code}"
 
 

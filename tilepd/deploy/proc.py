@@ -408,9 +408,20 @@ def probe(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (URLs come from the plan)
             return resp.status == 200, f"HTTP {resp.status}"
     except urllib.error.HTTPError as e:
+        if e.code == 503 and _draining(e):
+            return True, "HTTP 503 draining"  # up, drained on purpose (tilepd drain): the gate passes, status shows it
         return False, f"HTTP {e.code}"
     except (urllib.error.URLError, OSError) as e:
         return False, str(getattr(e, "reason", e))
+
+
+def _draining(e: urllib.error.HTTPError) -> bool:
+    """A decode node's 503 whose body says it is draining."""
+    try:
+        body = json.loads(e.read(4096) or b"{}")
+    except (OSError, ValueError):
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"
 
 
 def wait_healthy(spec: ServiceSpec, *, check: bool = False, log_lines: int = 30) -> dict[str, Any]:
