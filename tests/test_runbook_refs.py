@@ -142,13 +142,14 @@ def test_status_names_runbooks_for_orphans_drift_unreachable_and_down_nodes() ->
         ServiceStatus("h3", "decode-1", "decode", "running", healthy=False, health="HTTP 503"),
         ServiceStatus("h3", "prefill-1", "prefill", "stopped"),
         ServiceStatus("h3", "decode-2", "decode", "running", healthy=True, health="HTTP 200"),
+        ServiceStatus("h3", "decode-3", "decode", "running", healthy=False, health="draining"),  # `tilepd drain`: on purpose
     ]
     assert [r.runbook for r in rows] == ["RB-orphaned-ports", "RB-upgrade", "RB-host-unreachable", "RB-decode-down",
-                                         "RB-prefill-restarted", None]
+                                         "RB-prefill-restarted", None, None]
     assert [j["runbook"] for j in as_json(rows)][:2] == ["RB-orphaned-ports", "RB-upgrade"]
     hint = runbook_hint(rows)
     assert "RB-orphaned-ports (decode-0)" in hint and "RB-upgrade (router)" in hint and "tilepd runbook ID" in hint
-    assert runbook_hint(rows[-1:]) == ""
+    assert runbook_hint(rows[-2:]) == ""
 
 
 def test_bad_weights_manifest_names_its_runbook(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ class ServiceStatus:
             return "RB-host-unreachable"
         if any(d.startswith("tilepd ") for d in self.drift):
             return "RB-upgrade"  # the service runs another tilepd than the controller
-        if self.run in ("running", "stopped") and not self.ok and not self.drift:
+        if self.run in ("running", "stopped") and not self.ok and not self.drift and self.health != "draining":  # drained on purpose
             return {"decode": "RB-decode-down", "prefill": "RB-prefill-restarted"}.get(self.role)
         return None
 
