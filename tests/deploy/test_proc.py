@@ -69,7 +69,7 @@ def test_start_is_idempotent_and_stop_takes_the_group(tmp_path: Path, cleanup) -
     again = proc.start(spec)
     assert again["changed"] is False and again["pid"] == first["pid"]
     pgid = first["pid"]
-    assert len(proc._group_members(pgid)) == 2  # the server and its grandchild
+    assert len(proc._group_members(pgid)) == 3  # the server, its grandchild and the log pump (tilepd.deploy.logpipe)
     assert "mark-42" in (tmp_path / "logs" / "svc.log").read_text()  # env from the spec reached it
     stopped = proc.stop(spec)
     assert stopped["changed"] and stopped["signal"] == "SIGTERM" and not stopped["running"]
@@ -166,17 +166,18 @@ def test_sigkill_of_the_main_process_leaves_orphans_that_start_and_stop_end(tmp_
     os.kill(pid, signal.SIGKILL)
     assert _wait_gone(pid)
     orphans = proc.status(spec)["orphans"]
-    assert proc.status(spec)["running"] is False and len(orphans) == 1 and orphans[0] != pid  # the grandchild lives on
+    # the grandchild lives on, and the log pump with it (it still logs the grandchild's output)
+    assert proc.status(spec)["running"] is False and len(orphans) == 2 and pid not in orphans
     assert proc.start(spec, check=True)["action"] == "recover" and proc._group_members(pid) == orphans  # --check moves nothing
     res = proc.start(spec)
     assert res["changed"] and res["action"] == "recover" and res["orphans_ended"] == orphans and res["pid"] != pid
     assert proc._group_members(pid) == [] and proc.wait_healthy(spec)["healthy"] is True
-    assert "ended 1 orphaned process(es) of group" in spec.log_file.read_text()
+    assert "ended 2 orphaned process(es) of group" in spec.log_file.read_text()
     second = res["pid"]
     os.kill(second, signal.SIGKILL)
-    assert _wait_gone(second) and len(proc._group_members(second)) == 1
+    assert _wait_gone(second) and len(proc._group_members(second)) == 2
     stopped = proc.stop(spec)
-    assert stopped["changed"] and len(stopped["orphans"]) == 1 and not stopped["running"]
+    assert stopped["changed"] and len(stopped["orphans"]) == 2 and not stopped["running"]
     assert proc._group_members(second) == []
 
 

@@ -1,7 +1,8 @@
 """`tilepd logs`: tail service logs from their hosts, each line prefixed `host/service`.
 
-Process mode reads the log files under `<base_dir>/logs`; systemd mode asks journalctl
-for the unit (the units also append to the same files). With `follow`, one reader
+Process mode reads the log files under `<base_dir>/logs` (size-capped and rotated by
+tilepd.deploy.logpipe: `tail -F` follows the new file); systemd mode asks journalctl for the
+unit (the units send their output to journald, which bounds its own storage). With `follow`, one reader
 thread per service feeds a shared queue so lines from all hosts interleave as they come.
 """
 

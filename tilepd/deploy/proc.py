@@ -44,6 +44,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tilepd import __version__
+from tilepd.deploy import logpipe
 
 # Variables a service inherits from the supervisor's environment; everything else
 # comes from the spec, so process mode sees what a systemd EnvironmentFile would give.
@@ -183,6 +184,17 @@ def tail(path: Path, n: int = 20) -> list[str]:
         return []
 
 
+def log_tail(spec: ServiceSpec, n: int = 20) -> list[str]:
+    """The service's last n log lines: journald's for a systemd unit (its output goes there), else the log file."""
+    if spec.mode != "systemd" or not spec.unit:
+        return tail(spec.log_file, n)
+    try:
+        r = subprocess.run(["journalctl", "--no-pager", "-o", "cat", "-u", spec.unit, "-n", str(n)], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"<journalctl -u {spec.unit}: {exc}>"]
+    return r.stdout.splitlines()[-n:] if r.returncode == 0 else [f"<journalctl -u {spec.unit}: {r.stderr.strip()[-200:]}>"]
+
+
 # --- verbs ---------------------------------------------------------------------------
 
 
@@ -287,7 +299,7 @@ def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dic
         log.write(f"--- tilepd {__version__}: starting {spec.name} ({spec.config_hash[:19]}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            spec.argv,
+            logpipe.wrap(spec.argv, spec.log_file),  # execs argv (same pid) with its output rotated into log_file
             cwd=spec.cwd,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -443,7 +455,7 @@ def wait_healthy(spec: ServiceSpec, *, check: bool = False, log_lines: int = 30)
             reason = f"no 200 from {spec.health_url} within {spec.health_timeout_s:.0f}s (last: {reason})"
             break
         time.sleep(0.5)
-    return {**base, "healthy": False, "failed": True, "msg": f"{spec.name} unhealthy: {reason}", "log_tail": tail(spec.log_file, log_lines)}
+    return {**base, "healthy": False, "failed": True, "msg": f"{spec.name} unhealthy: {reason}", "log_tail": log_tail(spec, log_lines)}
 
 
 def main(argv: list[str] | None = None) -> int:

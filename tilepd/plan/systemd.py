@@ -36,7 +36,7 @@ def env_file_text(env: dict[str, str]) -> str:
 
 
 def unit_text(plan: Plan, service: Service, env_file: str) -> str:
-    """The unit for `service`: restart on failure (daemons), raised limits, output appended to its log."""
+    """The unit for `service`: restart on failure (daemons), raised limits, output to journald."""
     oneshot = service.kind == "oneshot"
     unit = [
         "[Unit]",
@@ -67,8 +67,10 @@ def unit_text(plan: Plan, service: Service, env_file: str) -> str:
     if plan.rdma:
         svc.append("LimitMEMLOCK=infinity")  # RDMA registers (pins) the KV buffers
     svc += [
-        f"StandardOutput=append:{service.log_file}",
+        # output to journald, which caps its own storage (SystemMaxUse); process mode rotates log_file instead
+        "StandardOutput=journal",
         "StandardError=inherit",
+        f"SyslogIdentifier=tilepd-{service.name}",
         "",
         "[Install]",
         "WantedBy=multi-user.target",
