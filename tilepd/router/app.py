@@ -447,7 +447,9 @@ async def _collect_unless_disconnected(state: RouterState, request: Request, run
         _finish_log(state, route, rid, run, None, err.status, f"error:{err.code}", t0)
         return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
     _finish_log(state, route, rid, run, fin, 200, "ok", t0)
-    message, reason = writer.tools.message(text, token_ids, fin.finish_reason) if writer.tools is not None else (None, fin.finish_reason)
+    message, reason = None, fin.finish_reason
+    if writer.tools is not None:  # content and tool_calls as vLLM's tool parser reads the text
+        message, reason = writer.tools.message(text, token_ids, run.plan.prompt_ids, fin.finish_reason)
     body = writer.full(text, reason, fin.stop_reason, fin.prompt_tokens, fin.completion_tokens, records, message)
     return JSONResponse(body, headers=headers)
 

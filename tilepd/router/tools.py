@@ -145,7 +145,7 @@ class ToolPlan:
         tc = self.request.tool_choice
         return None if isinstance(tc, str) or tc is None else str(tc.function.name)
 
-    def message(self, text: str, token_ids: list[int], finish_reason: str) -> tuple[dict[str, Any], str]:
+    def message(self, text: str, token_ids: list[int], prompt_ids: list[int], finish_reason: str) -> tuple[dict[str, Any], str]:
         """The non-streamed message and finish_reason, as OpenAIServingChat.chat_completion_full_generator builds them."""
         from vllm.entrypoints.generate.base.protocol import ToolCall
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponseChoice, ChatMessage
@@ -153,6 +153,7 @@ class ToolPlan:
         from vllm.renderers.chat_utils import make_tool_call_id
 
         req = self.request
+        self.parser.set_prompt_token_ids(prompt_ids)
         reasoning, content, tool_calls = self.parser.parse(text, req, enable_auto_tools=True, model_output_token_ids=token_ids)
         named_or_required = self.named is not None or req.tool_choice == "required"
         auto_called = False
