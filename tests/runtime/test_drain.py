@@ -6,7 +6,10 @@ a deployment secret) through tilepd.deploy.drain, the client `tilepd drain` and 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -60,12 +63,50 @@ def test_the_drain_client_names_what_went_wrong(tmp_path: Path) -> None:
     assert dr.secret_from(tmp_path / "missing", environ={DEPLOYMENT_SECRET_ENV: SECRET}) == SECRET.encode()
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _topology(tmp: Path, http_port: int) -> Path:
+    """The local example with its base_dir under tmp and decode node d0 on `http_port` (where the test's node listens)."""
+    text = (REPO / "topology_examples" / "local.yaml").read_text()
+    text = text.replace("~/.local/state/tilepd/local", str(tmp / "base")).replace("http_port: 18557", f"http_port: {http_port}")
+    path = tmp / "topology.yaml"
+    path.write_text(text)
+    return path
+
+
 def _secret_file(tmp: Path) -> Path:
-    path = tmp / "deployment.secret"
+    """The deployment secret where the plan of _topology puts it (so `tilepd drain` reads the node's own file)."""
+    path = tmp / "base" / "secrets" / "deployment"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(SECRET + "\n")
     return path
+
+
+def _cli(*args: str, secret_env: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`tilepd ARGS` from this checkout; $TILEPD_DEPLOYMENT_SECRET only when given."""
+    env = {k: v for k, v in os.environ.items() if k != "TILEPD_DEPLOYMENT_SECRET"}
+    env["PYTHONPATH"] = str(REPO)
+    if secret_env is not None:
+        env["TILEPD_DEPLOYMENT_SECRET"] = secret_env
+    return subprocess.run([sys.executable, "-m", "tilepd", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_drain_cli_names_the_node_the_secret_and_the_address(tmp_path: Path) -> None:
+    from tilepd.connector.launch import free_port
+    from tilepd.cli.exitcodes import ExitCode
+
+    port = free_port()
+    topo = _topology(tmp_path, port)
+    unknown = _cli("drain", str(topo), "d9")
+    assert unknown.returncode == ExitCode.USAGE and "no decode node 'd9'" in unknown.stderr and "d0" in unknown.stderr
+    no_secret = _cli("drain", str(topo), "d0")
+    assert no_secret.returncode == ExitCode.INPUT, no_secret.stderr
+    assert f"{tmp_path}/base/secrets/deployment" in no_secret.stderr and "TILEPD_DEPLOYMENT_SECRET" in no_secret.stderr
+    down = _cli("undrain", str(topo), "decode-d0", secret_env=SECRET)
+    assert down.returncode == ExitCode.UNREACHABLE and f"127.0.0.1:{port}" in down.stderr, down.stderr
 
 
 def _admit_once(node, model, prompt, tid: str, token: str):
@@ -88,6 +129,7 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
                                                                                     tmp_path: Path) -> None:
     s = SECRET.encode()
     node = start_node(python_exe, tiny_llama, tmp_path, secret_file=_secret_file(tmp_path), kv_timeout_s=60)
+    topo = _topology(tmp_path, int(node.http.rsplit(":", 1)[1]))
     router = auth.node_auth_header(s)
     prompt = PROMPTS["multi_block"]
 
@@ -112,8 +154,11 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
                 time.sleep(0.05)
             assert c.get("/status").json()["transfer_id"] == "tx-held"
 
-            started = dr.drain(node.http, s, timeout_s=0.3, node="decode-t")  # still busy at the timeout
-            assert started.draining and not started.idle and started.transfer_id == "tx-held"
+            # `tilepd drain`, its key from the node's secret file: still busy at the timeout -> exit 10, node draining
+            cli = _cli("drain", str(topo), "d0", "--timeout", "0.3", "--json")
+            assert cli.returncode == 10, cli.stdout + cli.stderr
+            started = json.loads(cli.stdout)
+            assert started["draining"] and not started["idle"] and started["transfer_id"] == "tx-held"
             health = c.get("/health")
             assert health.status_code == 503 and health.json() == {"status": "draining", "idle": False}
             assert c.get("/status").json()["draining"] is True
@@ -133,11 +178,15 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
 
             done = dr.drain(node.http, s, timeout_s=30, node="decode-t")  # idle now, and stays so
             assert done.draining and done.idle
+            cli = _cli("drain", str(topo), "d0", "--json")
+            assert cli.returncode == 0 and json.loads(cli.stdout)["idle"] is True, cli.stdout + cli.stderr
             assert c.get("/health").json() == {"status": "draining", "idle": True}
             assert "tilepd_decode_draining 1.0" in c.get("/metrics").text
 
-            back = dr.undrain(node.http, s, node="decode-t")
-            assert not back.draining and back.idle
+            cli = _cli("undrain", str(topo), "d0", "--json")
+            assert cli.returncode == 0, cli.stderr
+            back = json.loads(cli.stdout)
+            assert not back["draining"] and back["idle"]
             assert c.get("/health").status_code == 200 and "tilepd_decode_draining 0.0" in c.get("/metrics").text
             first = _handoff(node, hf_llama, prompt, "tx-after", token=auth.transfer_token(s, "tx-after"))
             r = c.post("/v1/decode", headers=router, json=body("tx-after", first))
