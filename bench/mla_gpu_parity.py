@@ -5,7 +5,9 @@ For a tiny DeepSeek-V3 (dense MLA, bf16-style dense experts) and a tiny GLM-5 (D
 HF), each injected with the same random prefix state (40 and 300 tokens):
   - `graph`: CUDA graphs, MLA and experts on the reference path (SDPA / gather+matmul, gather+einsum);
   - `speed-path`: compiled.accelerate (MLA kernel + expert GEMV) in CUDA graphs, windows changing mid-run;
-  - `speed-path+mtp`: the same kernels in the eager MTP speculative path (verify steps of 2 tokens).
+  - `speed-path+mtp` / `+mtp3`: the same kernels in the MTP step's CUDA graphs (speculative.SpecStep, k=1 / k=3:
+    verify steps of 2 / 4 tokens); `+mtp3-oracle`: k=3 with drafts from the reference tokens, every 5th wrong
+    (accepted and rejected drafts in one run; the random MTP layer alone is almost never accepted).
 float32 everywhere, so the greedy tokens must be identical. Prints one OK/FAIL line per case, exits 1 on a FAIL.
 
     python bench/mla_gpu_parity.py [--tokens 48]
@@ -32,16 +34,20 @@ from tilepd.engine.spec import spec_from_hf_config  # noqa: E402
 from tilepd.engine.types import SamplingParams  # noqa: E402
 
 
-def decode(spec, weights, device, variant: str, context: int, tokens: int) -> tuple[list[int], str]:
+def decode(spec, weights, device, variant: str, context: int, tokens: int, oracle: list[int] | None = None) -> tuple[list[int], str]:
     layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = "reference", "gather"
     max_seq = context + tokens + 64
     model = build_model(spec, weights, max_seq, device, torch.float32)
     path = accelerate(model, compile_layers=False) if variant.startswith("speed-path") else None
-    mtp = variant.endswith("+mtp")
-    engine = Engine(model, spec, device, max_seq, use_cuda_graph=not mtp, num_speculative_tokens=1 if mtp else 0)
+    mtp = "+mtp" in variant
+    engine = Engine(model, spec, device, max_seq, use_cuda_graph=True, num_speculative_tokens=(3 if "+mtp3" in variant else 1) if mtp else 0)
     if engine.graph_step is not None:
         engine.graph_step.buckets = [context + 8, context + 24, max_seq]  # windows change during the run
         engine.graph_step.fallbacks = list(path.fallbacks) if path is not None else []
+    if oracle is not None:
+        from tilepd.engine.speculative import spec_step
+
+        spec_step(engine).set_oracle([0] * context + [3] + [(t + 1) % spec.vocab_size if i % 5 == 4 else t for i, t in enumerate(oracle)])
     engine.inject(random_state(spec, context, device, torch.float32))
     res = engine.decode(3, tokens, SamplingParams(ignore_eos=True), lambda t: None)
     gs = engine.graph_step
@@ -49,7 +55,9 @@ def decode(spec, weights, device, variant: str, context: int, tokens: int) -> tu
     if gs is not None and gs.capture_error:
         note += f" capture_error={gs.capture_error[:120]}"
     if mtp:
-        note += f" spec={engine.last_spec_stats}"
+        note += f" spec={engine.last_spec_stats} mtp_graphs={len(engine._spec_step.graphs)}"
+        if engine._spec_step.capture_error:
+            note += f" capture_error={engine._spec_step.capture_error[:120]}"
     layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = "reference", "gather"
     return res.tokens, note
 
@@ -74,9 +82,9 @@ def main() -> int:
                 print(f"FAIL {name} ctx={context} reference path raised")
                 failed = True
                 continue
-            for variant in ("speed-path", "speed-path+mtp"):
+            for variant in ("speed-path", "speed-path+mtp", "speed-path+mtp3", "speed-path+mtp3-oracle"):
                 try:
-                    got, note = decode(spec, weights, device, variant, context, args.tokens)
+                    got, note = decode(spec, weights, device, variant, context, args.tokens, want if variant.endswith("oracle") else None)
                     ok = got == want and "capture_error" not in note
                     first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
                     print(f"{'OK  ' if ok else 'FAIL'} {name} ctx={context} {variant:15s} tokens={len(got)} first_diff={first} {note}", flush=True)
