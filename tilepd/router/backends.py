@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tilepd.router.errors import PassThroughError, RouterError
+from tilepd.router.health import says_draining
 from tilepd.router.upstream import Upstream, UpstreamError, UpstreamStream
 
 TOKEN_ID_PREFIX = "token_id:"
@@ -161,9 +162,10 @@ async def cancel_decode(client: Upstream, base_url: str, transfer_id: str, timeo
 
 
 async def node_alive(client: Upstream, base_url: str, timeout_s: float) -> bool:
-    """GET /health answered 200 within `timeout_s` (per phase)."""
+    """GET /health answered 200 within `timeout_s` (per phase), or 503 draining (alive: it finishes what it holds)."""
     try:
-        return (await client.request("GET", f"{base_url}/health", timeout_s=timeout_s)).status == 200
+        resp = await client.request("GET", f"{base_url}/health", timeout_s=timeout_s)
+        return resp.status == 200 or says_draining(resp)
     except UpstreamError:
         return False
 
