@@ -197,10 +197,14 @@ class DecodeService:
         extra: dict[str, Any] = {} if job.logprobs is None else {"logprobs": job.logprobs, "on_logprobs": job.on_logprobs}
         if job.grammar is not None:
             extra["grammar"] = job.grammar
+        c2 = time.process_time()
         result = self.engine.decode(job.first_token, job.max_tokens, sampling_cls(**job.sampling), job.on_token, transfer.cancel, **extra)
         t3 = time.perf_counter()
         n = len(result.tokens)
+        # decode_cpu_ms: CPU time of the whole process while the engine decoded (its thread, and the HTTP streaming
+        # the tokens cause): the host work per token that serving costs (bench/served_decode.py)
         timings = {"convert_ms": (t1 - t0) * 1e3, "inject_ms": (t2 - t1) * 1e3, "decode_ms": (t3 - t2) * 1e3,
+                   "first_step_ms": float(result.timings.get("first_step_ms", 0.0)), "decode_cpu_ms": (time.process_time() - c2) * 1e3,
                    "tokens": n, "tokens_per_s": n / (t3 - t2) if t3 > t2 else 0.0}
         self.metrics.convert.observe(t1 - t0)
         self.metrics.inject.observe(t2 - t1)
