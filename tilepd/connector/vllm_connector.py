@@ -75,6 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from tilepd.connector import vllm_version
 from tilepd.connector.cpu_attn import cpu_attn_isa, probe_block_perm
 from tilepd.connector.events import EventLog, ensure_logging
 from tilepd.connector.layout import (
@@ -178,6 +179,7 @@ class TilePDConnector(KVConnectorBase_V1):
     """Producer-only connector; see the module docstring for the hook-by-hook design."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        vllm_version.require_supported()  # another vLLM's connector API differs: refuse it first, naming both versions
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ensure_logging()
         ktc = self._kv_transfer_config

@@ -17,6 +17,7 @@ from tilepd.deploy.remote import Output
 from tilepd.doctor import parsers as P
 from tilepd.doctor.expect import HostExpect
 from tilepd.doctor.probe import Probe, first_line, missing_tool
+from tilepd.doctor.checks_vllm import evaluate_vllm_version
 from tilepd.doctor.result import Finding, ok, skip
 from tilepd.plan import Plan
 from tilepd.plan.model import PythonEnv
@@ -47,7 +48,7 @@ _VERSIONS = (
 
 
 def evaluate_python_env(host: str, env: PythonEnv, out: Output, *, roles: list[str]) -> list[Finding]:
-    """python-version, tilepd-version and (where vLLM runs) vllm-present for one interpreter."""
+    """python-version, tilepd-version and (where vLLM runs) vllm-present and vllm-version for one interpreter."""
     by_playbook = env.install == "playbook"
     later = "`tilepd up` installs it (install: playbook)"
     try:
@@ -79,6 +80,7 @@ def evaluate_python_env(host: str, env: PythonEnv, out: Output, *, roles: list[s
         vv = seen.get("vllm")
         if vv:
             out_.append(ok("vllm-present", host, f"vLLM {vv} in {env.python}"))
+            out_.append(evaluate_vllm_version(host, env.python, str(vv)))
         else:
             out_.append(Finding("vllm-present", host, "warn" if by_playbook else "fail", f"vLLM not importable by {env.python}",
                                 later if by_playbook else f"install vLLM into {env.python} (`pip install 'tilepd[prefill]'`)", "RB-upgrade"))
