@@ -130,3 +130,60 @@ def test_state_with_mtp_layer_kv_is_accepted(tiny_deepseek: Path, deepseek_ref) 
     assert res.tokens == deepseek_ref.tokens[1:17]
     with pytest.raises(ValueError, match="with the MTP layers"):
         engine.inject(KVState(st.seq_len, st.layers[:1]))
+
+
+def _eager_mtp_drafts(model, toks: list[int], hidden, positions: list[int], k: int) -> list[int]:
+    """The reference drafter (the eager path this step replaced): the MTP layer on the accepted rows only,
+    then k-1 recursive single-token steps, each over the exact live prefix."""
+    import torch
+
+    logits, h = model.mtp_forward(torch.tensor(toks), hidden, torch.tensor(positions), positions[-1] + 1)
+    drafts = [int(torch.argmax(logits[-1]))]
+    h = h[-1:]
+    for j in range(1, k):
+        p = positions[-1] + j
+        logits, h = model.mtp_forward(torch.tensor(drafts[-1:]), h, torch.tensor([p]), p + 1)
+        drafts.append(int(torch.argmax(logits[-1])))
+    return drafts
+
+
+@pytest.mark.parametrize("model", ["deepseek", "glm5"])
+def test_mtp_drafts_equal_the_eager_drafter(model: str, request: pytest.FixtureRequest) -> None:
+    """The static step runs the MTP layer on all k+1 rows (rejected ones included) over a fixed window; its drafts
+    must be the eager drafter's, which sees the accepted rows only: rejected rows' cache slots are rewritten
+    before anything reads them. An oracle with wrong entries gives every acceptance count 0..k."""
+    import torch
+
+    path = request.getfixturevalue("tiny_deepseek" if model == "deepseek" else "tiny_glm5")
+    ref = request.getfixturevalue("deepseek_ref") if model == "deepseek" else request.getfixturevalue("dsa_ref")("glm5", "long")
+    k = 3
+    eng = _engine(path, k, buckets=[96, 128, 256])
+    step = spec_step(eng)
+    table = _oracle(ref, None, eng.config.vocab_size)
+    for i in range(len(ref.prompt_ids) + 3, len(table), 3):  # wrong drafts at varying offsets in the k-window
+        table[i] = (table[i] + 7) % eng.config.vocab_size
+    step.set_oracle(table)
+    other_engine = _engine(path, 0)  # the reference runs on its own caches
+    other_engine.inject(ref.state)
+    other = other_engine.model
+    eng.inject(ref.state)
+    p, pending = ref.state.seq_len, ref.tokens[0]
+    eng.io.token.fill_(pending)
+    eng.io.position.fill_(p)
+    step.first.fill_(1)
+    counts = set()
+    for i in range(12):
+        used = [] if i == 0 else step.drafts.tolist()
+        res = step(p)
+        ids = torch.tensor([pending, *used])
+        logits, hs = other.forward(ids, torch.arange(p, p + len(ids)), p + len(ids))
+        out = torch.argmax(logits, dim=-1).tolist()
+        n = 0
+        while n < len(used) and used[n] == out[n]:
+            n += 1
+        assert res[0] == n and res[2 : 3 + n] == out[: n + 1]
+        assert step.mtp_drafts.tolist() == _eager_mtp_drafts(other, out[: n + 1], hs[: n + 1], list(range(p, p + n + 1)), k)
+        counts.add(n)
+        pending, p = out[n], p + n + 1
+    assert {0, 1, 2} <= counts, counts
+

@@ -45,7 +45,8 @@ class SpecStep:
         dev = io.token.device
         self.model, self.k, self.max_seq_len, self.io, self.plain = model, k, max_seq_len, io, plain
         self.capture = capture
-        self.drafts = torch.zeros(k, dtype=torch.long, device=dev)
+        self.drafts = torch.zeros(k, dtype=torch.long, device=dev)  # what the next step verifies
+        self.mtp_drafts = torch.zeros(k, dtype=torch.long, device=dev)  # what the MTP layer drafted (= drafts without an oracle)
         self.first = torch.ones(1, dtype=torch.long, device=dev)  # 1: no drafts yet (a request's first step)
         self.result = torch.zeros(k + 3, dtype=torch.long, device=dev)  # [n, matched, out_0..out_k]
         self.offsets = torch.arange(k + 1, device=dev)
@@ -77,7 +78,7 @@ class SpecStep:
         self.oracle, self.force = buf, force
 
     def _state(self) -> list[torch.Tensor]:
-        return [self.io.token, self.io.position, self.drafts, self.first, self.result]
+        return [self.io.token, self.io.position, self.drafts, self.mtp_drafts, self.first, self.result]
 
     def _body(self, attn_len: int) -> None:
         io, k, model = self.io, self.k, self.model
@@ -100,10 +101,11 @@ class SpecStep:
             drafts.append(d)
         io.token.copy_(out.index_select(0, n))
         io.position.add_(n + 1)
-        new = torch.cat(drafts)
-        if self.oracle is not None:
-            new = self.oracle.index_select(0, (io.position + self.offsets[1:]).clamp(max=self.max_seq_len - 1))
-        self.drafts.copy_(new)
+        self.mtp_drafts.copy_(torch.cat(drafts))
+        if self.oracle is None:
+            self.drafts.copy_(self.mtp_drafts)
+        else:
+            self.drafts.copy_(self.oracle.index_select(0, (io.position + self.offsets[1:]).clamp(max=self.max_seq_len - 1)))
 
     def __call__(self, pos: int) -> list[int]:
         """One step at P=pos; returns [n, matched, out_0..out_k] (the step's only host sync)."""
