@@ -53,3 +53,10 @@ def test_expand_home_fields() -> None:
     remote = {"deployment": {"base_dir": "~/dep"}, "router": {"address": "10.1.1.1", "ssh": {"key_file": "~/.ssh/k"}}}
     expand_home(remote, Path("/home/u"))
     assert remote == {"deployment": {"base_dir": "~/dep"}, "router": {"address": "10.1.1.1", "ssh": {"key_file": "/home/u/.ssh/k"}}}
+
+
+def test_malformed_documents_are_left_to_the_schema() -> None:
+    for data in ({"prefill": 5, "router": "x"}, {"decode": [1, "a", None]}, {"deployment": [], "model": 3}, {"router": {"address": 7}}):
+        before = repr(data)
+        expand_home(data, Path("/home/u"))
+        assert repr(data) == before

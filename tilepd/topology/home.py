@@ -19,7 +19,8 @@ ENTRY_LISTS = ("prefill", "decode", "native_decode")
 
 
 def _entries(data: dict[str, Any]) -> list[dict[str, Any]]:
-    out = [e for key in ENTRY_LISTS for e in (data.get(key) or []) if isinstance(e, dict)]
+    lists = [data.get(key) for key in ENTRY_LISTS]
+    out = [e for entries in lists if isinstance(entries, list) for e in entries if isinstance(e, dict)]
     if isinstance(data.get("router"), dict):
         out.append(data["router"])
     return out
