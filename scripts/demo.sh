@@ -14,3 +14,5 @@ topology=${1:-$root/topology_examples/local.yaml}
 .venv/bin/tilepd status "$topology"
 echo
 echo "The stack is running. Stop it with: .venv/bin/tilepd down $topology"
+# the default deployment is per user: configs, logs (rotated), pids and the tiny model under the user's home
+[ $# -gt 0 ] || echo "Its files and logs: ${HOME}/.local/state/tilepd/local (logs: .venv/bin/tilepd logs)"
