@@ -43,7 +43,8 @@ class Deployment(_Model):
     """Deployment-wide settings."""
 
     name: str = Field(pattern=NAME_PATTERN, description="Deployment name (lowercase letters, digits, '-'); names the deployment in units, inventory and status.")
-    base_dir: str = Field(description="Absolute directory on every host holding this deployment's configs, env files, logs and pid files.")
+    base_dir: str = Field(description="Absolute directory on every host holding this deployment's configs, env files, logs and pid files. "
+                          "When every host is a loopback address, a leading `~` is the home of the user running tilepd (local.yaml: `~/.local/state/tilepd/local`).")
     services: Literal["systemd", "process"] = Field(
         default="systemd", description="How services run: `systemd` units (production) or plain background `process`es (containers, dev boxes)."
     )
