@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from tilepd.auth import bearer_ok, transfer_token_ok
 from tilepd.runtime.service import DecodeJob, DecodeService
 from tilepd.runtime.slot import SlotError, Transfer
+from tilepd.runtime.token_stream import TokenStream
 
 log = logging.getLogger("tilepd.runtime.http")
 
@@ -149,14 +150,24 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
     _register_drain_gauge(svc)
 
     if secret is not None:
-        @app.middleware("http")
-        async def _authenticate(request: Request, call_next):  # noqa: ANN202 - starlette's middleware signature
-            # before the body is parsed: a stranger learns nothing about the parameters either
-            if request.url.path in MUTATING_PATHS and not bearer_ok(secret, request.headers.get("authorization")):
-                svc.metrics.requests.labels("unauthorized").inc()
-                log.warning("event=unauthorized path=%s peer=%s", request.url.path, request.client.host if request.client else "?")
-                return _unauthorized("missing or invalid node API key (only the router may call this endpoint)")
-            return await call_next(request)
+        def _authenticate(inner: Any) -> Any:
+            # a plain ASGI wrapper, not @app.middleware("http"): that one relays every chunk of a streamed response
+            # through a memory stream, which cost as much event-loop CPU per token as the rest of the stream
+            # (bench/served_decode.py --device cpu --tiny, with and without --no-secret)
+            async def asgi(scope: dict, receive: Any, send: Any) -> None:
+                # before the body is parsed: a stranger learns nothing about the parameters either
+                if scope["type"] == "http":
+                    request = Request(scope)
+                    if request.url.path in MUTATING_PATHS and not bearer_ok(secret, request.headers.get("authorization")):
+                        svc.metrics.requests.labels("unauthorized").inc()
+                        log.warning("event=unauthorized path=%s peer=%s", request.url.path, request.client.host if request.client else "?")
+                        await _unauthorized("missing or invalid node API key (only the router may call this endpoint)")(scope, receive, send)
+                        return
+                await inner(scope, receive, send)
+
+            return asgi
+
+        app.add_middleware(_authenticate)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_req: Request, exc: RequestValidationError) -> JSONResponse:
@@ -271,18 +282,17 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
         svc.metrics.wait.observe(wait_s)
 
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = TokenStream(loop)  # engine thread -> NDJSON chunks (token_stream.py: one wake-up per read, not per token)
         sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "seed", "ignore_eos")}
         sampling["stop_token_ids"] = tuple(body.stop_token_ids)
         token_logprobs: list[dict[str, Any]] = []  # non-streamed: every token's, in order
         if want_logprobs is None:
-            job = DecodeJob(body.first_token, body.max_tokens, sampling, lambda t: loop.call_soon_threadsafe(queue.put_nowait, ("token", t)),
-                            grammar=grammar)
+            job = DecodeJob(body.first_token, body.max_tokens, sampling, queue.push, grammar=grammar)
         else:
             def on_logprobs(lp: Any) -> None:  # called right before on_token, with the same token
                 entry = {"token": lp.token, **lp.to_json()}
                 token_logprobs.append(entry)
-                loop.call_soon_threadsafe(queue.put_nowait, ("token", entry))
+                queue.push(entry)
 
             job = DecodeJob(body.first_token, body.max_tokens, sampling, lambda t: None, logprobs=want_logprobs,
                             on_logprobs=on_logprobs, grammar=grammar)
@@ -294,7 +304,7 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
                 svc.slot.release(transfer, "cancelled" if transfer.cancel.is_set() else "finished")
 
         future = asyncio.wrap_future(svc.worker.submit(work))
-        future.add_done_callback(lambda f: queue.put_nowait(("end", None)))
+        future.add_done_callback(lambda f: queue.close())
         log.info("event=decode_start transfer_id=%s seq_len=%d max_tokens=%d wait_ms=%.2f", tid, transfer.seq_len, body.max_tokens, wait_s * 1e3)
 
         def final(outcome: Any) -> dict[str, Any]:
@@ -325,8 +335,8 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
             try:
                 while True:
                     kind, val = await queue.get()
-                    if kind == "token":  # val: the id, or {"token", "logprob", "top_logprobs"}
-                        yield (json.dumps(val if isinstance(val, dict) else {"token": val}) + "\n").encode()
+                    if kind == "token":  # val: NDJSON lines, {"token"} or {"token", "logprob", "top_logprobs"} each
+                        yield val
                         continue
                     try:
                         outcome = future.result()
