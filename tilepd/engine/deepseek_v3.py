@@ -155,10 +155,13 @@ class DeepseekV3Model:
         h = rms_norm(x, w["norm"], s.rms_norm_eps)
         return self._logits(h), h
 
-    def mtp_forward(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, attn_len: int, k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_forward(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, attn_len: int, k: int = 0,
+                    head_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP module k: embedding of token t_{i+1} with the hidden state of position i -> logits for t_{i+2}.
 
-        Follows vLLM's convention: the module runs at position i (the position of prev_hidden)."""
+        Follows vLLM's convention: the module runs at position i (the position of prev_hidden). head_rows (device
+        indices): logits of those rows only (the speculative step drafts from one row of its k+1; the head is
+        the largest weight the draft reads); the hidden states are always all rows'."""
         s, w, p = self.spec, self.w, f"mtp.{k}."
         e = rms_norm(self._embed(tokens), w[p + "enorm"], s.rms_norm_eps)
         hp = rms_norm(prev_hidden, w[p + "hnorm"], s.rms_norm_eps)
@@ -169,4 +172,4 @@ class DeepseekV3Model:
         mask = None if dsa else self._dense_mask(x, positions, valid, self.mtp_start)
         x = self._layer(p, self.mtp_caches[k], x, positions, cs, mask, True, dsa=dsa)
         h = rms_norm(x, w[p + "head_norm"], s.rms_norm_eps)
-        return self._logits(h), h
+        return self._logits(h if head_rows is None else h.index_select(0, head_rows)), h

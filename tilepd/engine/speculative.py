@@ -90,8 +90,8 @@ class SpecStep:
         n = n * (1 - self.first)
         self.first.zero_()
         self.result.copy_(torch.cat([n, matched, out]))
-        mlogits, mh = model.mtp_forward(out, hs, pos, attn_len)
-        d = greedy(mlogits.index_select(0, n))  # [1]
+        mlogits, mh = model.mtp_forward(out, hs, pos, attn_len, head_rows=n)
+        d = greedy(mlogits)  # [1]
         h = mh.index_select(0, n)
         drafts = [d]
         base = io.position + n
