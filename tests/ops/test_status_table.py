@@ -83,3 +83,19 @@ def test_wide_keeps_every_detail() -> None:
             assert d.replace(" ", "") in text
     assert "4194304" in text  # the pid
     assert "ConnectError" in text and "transfer" + "t" * 40 in text  # the full health reason and live figures
+
+
+def test_cli_status_of_the_default_at_80_columns(tmp_path: Path) -> None:
+    """`tilepd status` on the embedded default, never deployed for this user: one short line per service, exit 7."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80", "HOME": str(tmp_path)}  # a fresh user: nothing deployed under ~/.local/state
+    r = subprocess.run([sys.executable, "-m", "tilepd.cli.app", "status"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 7, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), r.stdout
+    rows = [line for line in lines if line.startswith("127.0.0.1 ")]
+    assert sorted(line.split()[1] for line in rows) == ["decode-d0", "prefill-p0", "router"], r.stdout
+    assert all("not deployed" in line for line in rows) and "degraded" in r.stdout
