@@ -75,6 +75,14 @@ def test_short_columns_say_state_health_and_a_figure() -> None:
         assert "crashed" in next(line for line in render(rows) if crashed.service in line)
 
 
+def test_a_drained_node_says_draining() -> None:
+    rows = rows_for(examples_dir() / "local.yaml", all_running=True)
+    node = next(r for r in rows if r.role == "decode")
+    node.healthy, node.health, node.figures, node.drift = False, "draining", {}, []
+    line = next(line for line in render(rows) if node.service in line)
+    assert line.split()[2:4] == ["running", "draining"], line
+
+
 def test_wide_keeps_every_detail() -> None:
     rows = rows_for(examples_dir() / "lab-3host.yaml")
     text = "".join(render(rows, wide=True, width=250)).replace(" ", "")

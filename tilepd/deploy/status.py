@@ -170,10 +170,10 @@ def state_text(st: ServiceStatus) -> str:
 
 
 def health_text(st: ServiceStatus) -> str:
-    """`ok`, an HTTP status, or `down` (the exception's name is under --wide); no health endpoint -> `-`."""
+    """`ok`, `draining`, an HTTP status, or `down` (the exception's name is under --wide); no health endpoint -> `-`."""
     if st.healthy:
         return "ok" if st.health.startswith("HTTP") else "-"
-    return st.health if st.health.startswith("HTTP") else "down"
+    return st.health if st.health.startswith("HTTP") or st.health == "draining" else "down"
 
 
 def table(rows: list[ServiceStatus], *, wide: bool = False) -> Table:
@@ -196,5 +196,5 @@ def table(rows: list[ServiceStatus], *, wide: bool = False) -> Table:
     t.add_column("live", no_wrap=True, overflow="ellipsis")
     for r, (host, service, state, health, live) in zip(rows, cells):
         color = "green" if state == "running" else ("yellow" if state == "drift" else "red")
-        t.add_row(escape(host), escape(service), f"[{color}]{escape(state)}[/]", f"[{'green' if r.healthy else 'red'}]{escape(health)}[/]", escape(live))
+        t.add_row(escape(host), escape(service), f"[{color}]{escape(state)}[/]", f"[{'green' if r.healthy else ('yellow' if health == 'draining' else 'red')}]{escape(health)}[/]", escape(live))
     return t
