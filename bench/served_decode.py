@@ -30,6 +30,7 @@ deployed node uses when present); a missing one is named before any weights are 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import logging
@@ -66,7 +67,16 @@ BLOCK_SIZE = 16  # vLLM's default block size on the prefill side
 
 
 def missing_packages() -> list[str]:
-    return [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    """Modules the node, the client or the checksums need that do not import here (checked before any GPU work)."""
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    if missing:
+        return missing
+    for mod in ("tilepd.runtime.http_api", "tilepd.runtime.server", "tilepd.control.sender", "uvicorn.config", "httpx"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            missing.append(f"{e.name} (imported by {mod})")
+    return missing
 
 
 # -- weights on disk ---------------------------------------------------------------------------------------
@@ -440,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     missing = missing_packages()
     if missing:
-        sys.exit(f"bench/served_decode.py needs {', '.join(missing)} (pip install {' '.join(m.replace('_', '-') for m in missing)})")
+        sys.exit(f"bench/served_decode.py cannot import: {', '.join(missing)}")
     if args.reps < 1:
         sys.exit("--reps must be at least 1")
     args.contexts = args.contexts or ([64, 256] if args.tiny else [1024, 8192, 32768])
