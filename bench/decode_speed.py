@@ -8,6 +8,9 @@ On a GPU (the target: one NVIDIA H200):
     python bench/decode_speed.py --model dsv3-small --weights fp8 --no-hf   # block-scaled fp8 GEMV weights
     python bench/decode_speed.py --model glm5-small --no-hf --contexts 1024 8192 32768 131072   # DSA (GLM-5.1 shapes)
     python bench/decode_speed.py --sweep               # MLA kernel alone: tile configs at 8K/32K, us and GB/s
+    python bench/decode_speed.py --model dsv3-small --mtp-forced-accept --contexts 1024 8192 32768 --json --out mtp.json
+        # MTP only (k = --spec-tokens, default 1 3): plain vs verify step, tokens/s at forced full acceptance
+    python bench/decode_speed.py --model dsv3-small --layers 61 --mtp-forced-accept   # the same at DeepSeek-V3's depth
 
 Everything is built on the device with random bf16 weights: no download, no disk. Figures printed:
 the measured read bandwidth (GB/s), the floor per token = (weight bytes a step reads + KV bytes at that
@@ -27,7 +30,8 @@ selected latent rows and the indexer keys it scores. Each variant is isolated: a
 its row and the rest still run.
 
 Variants `compile+graph` and `compile(no-attn)+graph` differ only in whether the cache-reading
-attention is inside the compiled code. `--device cpu --tiny` runs the same code on a tiny shape (the test suite does, so this script cannot rot).
+attention is inside the compiled code. DeepSeek-family models also get MTP rows (run_speculative): the captured
+verify+draft step with its own random drafts (`mtp-spec(k)`) and at forced full acceptance (`mtp-forced(k)`). `--device cpu --tiny` runs the same code on a tiny shape (the test suite does, so this script cannot rot).
 """
 
 from __future__ import annotations
@@ -409,7 +413,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
                 except Exception as e:
                     rows.append(Row(name, c, 0, error=f"{type(e).__name__}: {e}"))
                     traceback.print_exc(file=sys.stderr)
-                print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+                print(f"  {_mtp_line(rows[-1].__dict__)}", file=sys.stderr, flush=True)
     del engine, model
     layers.ATTENTION_IMPL["default"] = "sdpa"
     layers.ATTENTION_IMPL["mla"] = "reference"
@@ -782,6 +786,22 @@ def _print_table(report: dict) -> None:
                       f"{r['pct_of_floor']:.1f}%" if r["pct_of_floor"] else "-", escape(note[:80]))
     Console(width=160).print(table)
     _print_mtp(report)
+
+
+def _mtp_line(r: dict) -> str:
+    """One plain-text line per MTP row (stderr while running; no rich needed on a bare GPU machine)."""
+    if r["error"]:
+        return f"{r['variant']} ctx={r['context']}: ERROR {r['error']}"
+    e = r["extra"]
+    line = (f"{r['variant']} ctx={r['context']}: {r['ms_per_token']:.3f} ms/token, step {e['step_ms']:.3f} ms "
+            f"({e['step_vs_plain']:.2f}x plain {e['plain_ms']:.3f} ms, {e['step_pct_of_floor']:.1f}% of its floor), "
+            f"acceptance {e['acceptance_rate']:.2f}")
+    if "speedup" in e:
+        by_len = " ".join(f"{float(v):.0f}" for v in e["tok_s_by_accept_len"].values())
+        line += (f"; verify fwd {e['verify_vs_plain']:.2f}x plain fwd ({e['verify_fwd_ms']:.3f}/{e['plain_fwd_ms']:.3f} ms); "
+                 f"{e['tok_s']:.0f} tok/s vs {e['plain_tok_s']:.0f} no-MTP = {e['speedup']:.2f}x (byte bound {e['ideal_speedup']:.2f}x); "
+                 f"match {e['match_rate']:.2f}, tokens_agree {e['tokens_agree']}; tok/s at accept len 1..k+1: {by_len}")
+    return line
 
 
 def _print_mtp(report: dict) -> None:

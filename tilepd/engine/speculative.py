@@ -51,6 +51,7 @@ class SpecStep:
         self.result = torch.zeros(k + 3, dtype=torch.long, device=dev)  # [n, matched, out_0..out_k]
         self.offsets = torch.arange(k + 1, device=dev)
         self.oracle: torch.Tensor | None = None
+        self._oracle_buf: torch.Tensor | None = None
         self.force = False
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -72,10 +73,12 @@ class SpecStep:
         if tokens is None:
             self.oracle, self.force = None, False
             return
-        buf = torch.zeros(self.max_seq_len, dtype=torch.long, device=self.drafts.device)
+        if self._oracle_buf is None:  # one buffer for good: captured graphs hold its address
+            self._oracle_buf = torch.zeros(self.max_seq_len, dtype=torch.long, device=self.drafts.device)
         n = min(len(tokens), self.max_seq_len)
-        buf[:n] = torch.tensor(tokens[:n], dtype=torch.long)
-        self.oracle, self.force = buf, force
+        self._oracle_buf.zero_()
+        self._oracle_buf[:n] = torch.tensor(tokens[:n], dtype=torch.long)
+        self.oracle, self.force = self._oracle_buf, force
 
     def _state(self) -> list[torch.Tensor]:
         return [self.io.token, self.io.position, self.drafts, self.mtp_drafts, self.first, self.result]
