@@ -205,9 +205,9 @@ class Node:
 
 
 # -- the client process: prefill (KVSender) + router (HTTP stream reader) ----------------------------------------
-def client_main(conn: Any, http_url: str, ctrl_port: int, layout_json: str, max_seq_len: int, max_context: int,
-                secret_hex: str | None) -> None:
-    """Serve ("run", transfer_id, seq_len, max_tokens) requests from `conn` until ("stop",)."""
+def client_main(conn: Any, layout_json: str, max_seq_len: int, max_context: int, secret_hex: str | None) -> None:
+    """Stage the KV (while the node loads), take ("node", http_url, ctrl_port), then serve ("run", transfer_id,
+    seq_len, max_tokens) requests from `conn` until ("stop",)."""
     import httpx
     import numpy as np
 
@@ -223,6 +223,8 @@ def client_main(conn: Any, http_url: str, ctrl_port: int, layout_json: str, max_
     wire = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[layout.dtype]
     pattern = (torch.randn(1 << 20, generator=torch.Generator().manual_seed(1)) * 0.5).to(wire).view(torch.uint8).numpy()
     staging = np.resize(pattern, n_bytes)
+    conn.send(("staged",))
+    _, http_url, ctrl_port = conn.recv()
     cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="bench", host="127.0.0.1", ctrl_port=ctrl_port, http_port=1),),
                                transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=max_seq_len)
     sender = KVSender(cfg, layout, Buffer.from_array(staging))
@@ -321,28 +323,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = args.workdir or pick_workdir(int(2 * 8.1e9) if not args.tiny else 1 << 20)
     node = proc = None
     try:
-        t0 = time.perf_counter()
-        wdir, gb = write_runtime_weights(cfg, work / "weights", device, dtype)
-        report["weights"] = {"dir": str(wdir), "GB": gb, "write_s": time.perf_counter() - t0}
-        print(f"weights: {gb:.2f} GB written to {wdir} in {report['weights']['write_s']:.1f} s", file=sys.stderr, flush=True)
-        secret = None if args.no_secret else secrets.token_bytes(32)
-        node = Node(wdir, args.device, max_seq_len, secret)
-        report["node"] = {"authenticated": secret is not None, "load_s": node.load_s, "warm_up_s": node.warm_s, "speed_path": getattr(node.engine, "speed_path", None),
-                          "max_seq_len": max_seq_len}
-        print(f"node: engine loaded in {node.load_s:.1f} s, warm-up {node.warm_s:.1f} s, speed path {report['node']['speed_path']}",
-              file=sys.stderr, flush=True)
         from tilepd.control.layout import CacheLayout
 
         layout = CacheLayout(kind="attn", num_layers=spec.num_layers, block_size=BLOCK_SIZE, num_heads=spec.num_kv_heads,
                              entry_width=2 * spec.head_dim, dtype=wire_dtype, order="BHNC", head_size_k=spec.head_dim,
                              head_size_v=spec.head_dim)
+        secret = None if args.no_secret else secrets.token_bytes(32)
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
-        proc = ctx.Process(target=client_main, args=(there, f"http://127.0.0.1:{node.http_port}", node.ctrl_port, layout.model_dump_json(),
-                                                      max_seq_len, max(args.contexts), secret.hex() if secret else None), daemon=True)
-        proc.start()
-        if not here.poll(300) or here.recv()[0] != "ready":
-            raise RuntimeError("the client process did not start")
+        proc = ctx.Process(target=client_main, args=(there, layout.model_dump_json(), max_seq_len, max(args.contexts),
+                                                      secret.hex() if secret else None), daemon=True)
+        proc.start()  # it stages the KV while the weights are written and loaded
+        t0 = time.perf_counter()
+        wdir, gb = write_runtime_weights(cfg, work / "weights", device, dtype)
+        report["weights"] = {"dir": str(wdir), "GB": gb, "write_s": time.perf_counter() - t0}
+        print(f"weights: {gb:.2f} GB written to {wdir} in {report['weights']['write_s']:.1f} s", file=sys.stderr, flush=True)
+        node = Node(wdir, args.device, max_seq_len, secret)
+        report["node"] = {"authenticated": secret is not None, "http_protocol": node.server.config.http_protocol_class.__name__,
+                          "uvloop": importlib.util.find_spec("uvloop") is not None, "load_s": node.load_s, "warm_up_s": node.warm_s,
+                          "speed_path": getattr(node.engine, "speed_path", None), "max_seq_len": max_seq_len}
+        print(f"node: engine loaded in {node.load_s:.1f} s, warm-up {node.warm_s:.1f} s, speed path {report['node']['speed_path']}",
+              file=sys.stderr, flush=True)
+        if not here.poll(300) or here.recv()[0] != "staged":
+            raise RuntimeError("the client process did not stage its KV within 300 s")
+        here.send(("node", f"http://127.0.0.1:{node.http_port}", node.ctrl_port))
+        if not here.poll(60) or here.recv()[0] != "ready":
+            raise RuntimeError("the client process did not connect")
         for c in args.contexts:
             report["rows"].append(_context_row(node, here, layout, c, args))
             r = report["rows"][-1]
