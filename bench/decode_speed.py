@@ -372,6 +372,21 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
                 pos = torch.arange(c, c + t, device=device)
                 return _graph_time_us(lambda: model.forward(ids, pos, window), device, reps=5) / 1e3
 
+            def draft_ms(k: int) -> float:
+                """The draft part alone: the MTP layer on k+1 catch-up rows (head on one), then k-1 single-row steps."""
+                ids = torch.full((k + 1,), 3, dtype=torch.long, device=device)
+                pos = torch.arange(c, c + k + 1, device=device)
+                hid = torch.randn(k + 1, spec.hidden_size, device=device, dtype=dtype)
+                row = torch.zeros(1, dtype=torch.long, device=device)
+
+                def chain() -> None:
+                    _, h = model.mtp_forward(ids, hid, pos, window, head_rows=row)
+                    h = h[:1]
+                    for j in range(1, k):
+                        _, h = model.mtp_forward(ids[:1], h, pos[:1] + j, window)
+
+                return _graph_time_us(chain, device, reps=5) / 1e3
+
             plain_fwd = fwd_ms(1)
         except Exception as e:
             rows += [Row(f"mtp-spec(k={k})", c, 0, error=f"{type(e).__name__}: {e}") for k in ks]
@@ -396,12 +411,13 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
                              "step_pct_of_floor": 100 * floor_step / step_ms,
                              "graphs": len(step.graphs), "capture_error": step.capture_error}
                     if forced:
-                        verify_fwd = fwd_ms(k + 1)
+                        verify_fwd, draft_fwd = fwd_ms(k + 1), draft_ms(k)
                         wb, kvb = step_read_bytes(spec, weights, c)
                         agree = next((i for i, (a, b) in enumerate(zip(base.tokens, res.tokens)) if a != b), len(res.tokens))
                         extra.update({
                             "plain_tok_s": 1e3 / plain_ms, "tok_s": 1e3 / ms, "speedup": plain_ms / ms,
                             "plain_fwd_ms": plain_fwd, "verify_fwd_ms": verify_fwd, "verify_vs_plain": verify_fwd / plain_fwd,
+                            "draft_fwd_ms": draft_fwd, "host_and_rest_ms": step_ms - verify_fwd - draft_fwd,
                             "verify_bytes_vs_plain": parts["verify"] / (wb + kvb), "draft_bytes_vs_plain": parts["draft"] / (wb + kvb),
                             "ideal_speedup": (k + 1) * (wb + kvb) / (parts["verify"] + parts["draft"]),
                             "match_rate": st["matched"] / st["drafted"] if st["drafted"] else 0.0, "tokens_agree": agree,
@@ -798,7 +814,8 @@ def _mtp_line(r: dict) -> str:
             f"acceptance {e['acceptance_rate']:.2f}")
     if "speedup" in e:
         by_len = " ".join(f"{float(v):.0f}" for v in e["tok_s_by_accept_len"].values())
-        line += (f"; verify fwd {e['verify_vs_plain']:.2f}x plain fwd ({e['verify_fwd_ms']:.3f}/{e['plain_fwd_ms']:.3f} ms); "
+        line += (f"; verify fwd {e['verify_vs_plain']:.2f}x plain fwd ({e['verify_fwd_ms']:.3f}/{e['plain_fwd_ms']:.3f} ms), "
+                 f"draft {e['draft_fwd_ms']:.3f} ms, rest {e['host_and_rest_ms']:.3f} ms; "
                  f"{e['tok_s']:.0f} tok/s vs {e['plain_tok_s']:.0f} no-MTP = {e['speedup']:.2f}x (byte bound {e['ideal_speedup']:.2f}x); "
                  f"match {e['match_rate']:.2f}, tokens_agree {e['tokens_agree']}; tok/s at accept len 1..k+1: {by_len}")
     return line
