@@ -70,7 +70,7 @@ def test_twenty_concurrent_requests_one_node(router_stack: Stack, plain_router: 
     assert wait_until(lambda: _all_idle(router_stack, url)), "a lease leaked"
 
 
-def test_client_dropping_mid_stream_frees_the_node_within_a_second(router_stack: Stack, plain_router: tuple[str, Any]) -> None:
+def test_client_dropping_mid_stream_cancels_the_decode(router_stack: Stack, plain_router: tuple[str, Any]) -> None:
     url, _ = plain_router
     body = {**BODY, "max_tokens": 600, "stream": True}
     with httpx.Client(timeout=60) as client:
@@ -81,16 +81,18 @@ def test_client_dropping_mid_stream_frees_the_node_within_a_second(router_stack:
             assert all(g.startswith("data: ") or g == "" for g in got)
             assert httpx.get(router_stack.decode_url + "/status").json()["state"] == "decoding"
             dropped = time.monotonic()
-    # leaving the block closed the connection mid-stream
-    assert wait_until(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
+    # leaving the block closed the connection mid-stream: the node is freed by a cancel, not by the
+    # decode running out (the proof is the token count, which no machine's speed changes)
+    assert wait_until(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 10.0)
     freed_s = time.monotonic() - dropped
-    assert freed_s < 1.0, f"decode node still busy {freed_s:.2f}s after the client left"
+    decoded = httpx.get(router_stack.decode_url + "/status").json()["last"]["tokens"]
+    assert decoded < 300, f"the node decoded {decoded} of 600 tokens ({freed_s:.2f} s) after the client left: not cancelled"
     assert wait_until(lambda: _all_idle(router_stack, url), 5.0)
     again = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
 
 
-def test_client_dropping_a_non_streamed_request_frees_the_node_within_a_second(router_stack: Stack, plain_router: tuple[str, Any]) -> None:
+def test_client_dropping_a_non_streamed_request_cancels_the_decode(router_stack: Stack, plain_router: tuple[str, Any]) -> None:
     """A plain socket sends the request, waits until the node decodes, then closes: the router must notice with no body to write."""
     url, _ = plain_router
     host, port = url.removeprefix("http://").split(":")
@@ -100,9 +102,10 @@ def test_client_dropping_a_non_streamed_request_frees_the_node_within_a_second(r
                      b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
         assert wait_until(lambda: httpx.get(router_stack.decode_url + "/status").json()["state"] == "decoding", 30.0)
     dropped = time.monotonic()
-    assert wait_until(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 5.0)
+    assert wait_until(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 10.0)
     freed_s = time.monotonic() - dropped
-    assert freed_s < 1.0, f"decode node still busy {freed_s:.2f}s after the client left"
+    decoded = httpx.get(router_stack.decode_url + "/status").json()["last"]["tokens"]
+    assert decoded < 500, f"the node decoded {decoded} of 1000 tokens ({freed_s:.2f} s) after the client left: not cancelled"
     assert wait_until(lambda: _all_idle(router_stack, url), 5.0)
     assert any("outcome=disconnected" in p.read_text() for p in Path(router_stack.workdir).glob("router-*.log"))
 
