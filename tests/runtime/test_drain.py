@@ -42,6 +42,9 @@ def test_a_draining_slot_takes_no_new_transfer_but_keeps_its_own() -> None:
     slot.draining = False
     held = slot.reserve_for_decode("tx-held", "t")
     slot.draining = True  # drained while the request waits for its KV: the admit of that transfer joins it
+    with pytest.raises(SlotError) as other:
+        slot.reserve_for_decode("tx-other", "t")  # a busy draining node says draining, not busy: go elsewhere, do not wait
+    assert other.value.code == "draining"
     assert slot.admit("tx-held", "t", 4, 1, 64, None, conn_id=1) > 0 and slot.current is held
     slot.release(held)
     with pytest.raises(SlotError):

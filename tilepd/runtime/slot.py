@@ -122,6 +122,9 @@ class Slot:
                 cur.http_joined = True
                 log.info("event=joined transfer_id=%s state=%s", transfer_id, self.state.value)
                 return cur
+            if self.draining:  # not `busy`: the router should not wait for this node, and should lease it no more
+                raise SlotError("draining", f"decode node is draining (finishing transfer {cur.transfer_id if cur else '?'}): it "
+                                "takes no new request")
             raise SlotError("busy", f"decode node busy with transfer {cur.transfer_id if cur else '?'} ({self.state.value})")
 
     def wait_complete(self, transfer: Transfer, timeout: float) -> None:
@@ -198,7 +201,8 @@ class Slot:
                     raise SlotError("layout_mismatch", f"rank {sender_rank} admits transfer {transfer_id} with tp_size {tp_size} "
                                     f"and seq_len {seq_len}; rank(s) {sorted(cur.conn_ids)} admitted {cur.tp_size} and {cur.seq_len}")
             else:
-                raise SlotError("busy", f"decode node busy with transfer {cur.transfer_id if cur else '?'} ({self.state.value})")
+                raise SlotError("busy", f"decode node {'is draining, ' if self.draining else ''}busy with transfer "
+                                f"{cur.transfer_id if cur else '?'} ({self.state.value})")
             if self.state == State.TRANSFERRING and sender_rank not in cur.conn_ids:
                 cur.conn_ids[sender_rank] = conn_id  # another rank of the same transfer joins its generation
                 if sender_rank == 0:
