@@ -101,7 +101,7 @@ def test_auto_and_none_answer_as_vllm_alone(tool_router: OpenAI, router_stack: S
         assert raw.headers["x-tilepd-route"] == "low_latency", choice
         got = raw.parse()
         assert got.choices[0].message.content == want["message"]["content"], choice
-        assert _calls([tc.model_dump() for tc in got.choices[0].message.tool_calls or []]) == _calls(want["message"]["tool_calls"])
+        assert _calls([tc.model_dump() for tc in got.choices[0].message.tool_calls or []]) == _calls(want["message"].get("tool_calls"))
         assert got.choices[0].finish_reason == want["finish_reason"], choice
 
 
