@@ -42,8 +42,9 @@ class ToolCalling:
 
     def plan(self, body: dict[str, Any]) -> "ToolPlan":
         """vLLM's view of the request; a 400 naming the field when vLLM (or the constraint) refuses it."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.exceptions import VLLMClientError
 
         try:
             vreq = ChatCompletionRequest.model_validate(body)
@@ -52,13 +53,13 @@ class ToolCalling:
             param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
             param = param or _vllm_param(first.get("ctx", {}).get("error"), "tools")
             raise invalid(param, str(first["msg"])) from None
-        except ValueError as exc:  # vLLM's model validators raise VLLMValidationError (parameter=...)
+        except (ValueError, VLLMClientError) as exc:  # vLLM's model validators raise VLLMValidationError (parameter=...)
             raise invalid(_vllm_param(exc, "tools"), str(exc)) from None
         parser = self.parser_cls(self.tokenizer, vreq.tools, chat_template_kwargs=vreq.chat_template_kwargs or {}, model_config=None)
         if vreq.tool_choice != "none":  # OnlineRenderer.preprocess_chat: no adjust_request for "none"
             try:
                 vreq = parser.adjust_request(vreq)
-            except ValueError as exc:
+            except (ValueError, VLLMClientError) as exc:
                 raise invalid(_vllm_param(exc, "tool_choice"), str(exc)) from None
         structured = _constraint(vreq)
         return ToolPlan(request=vreq, parser=parser, tool_dicts=[t.model_dump() for t in vreq.tools or ()],
