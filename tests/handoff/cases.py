@@ -11,7 +11,7 @@ from tilepd.connector.launch import Server
 # vLLM runs with --max-num-batched-tokens 256, llama's kernel block is 128 tokens (MLA: 16):
 # short, one block minus/exactly/plus one, and three that span several prefill steps (chunked).
 PROMPT_LENGTHS = (5, 64, 127, 128, 129, 300, 700, 1500)
-GEN_TOKENS = 6
+GEN_TOKENS = 32  # issue 13 part 7: at least 32 greedy tokens per prompt equal vLLM's own
 
 
 def wait_event(server: Server, event: str, transfer_id: str, timeout: float = 30.0) -> dict[str, Any]:
