@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,10 +19,12 @@ from tilepd.control.messages import PROTOCOL_VERSION, dump
 from tilepd.control.sender import KVSender
 from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer
-from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
-from tilepd.runtime.slot import Slot, State
+from tilepd.runtime.geometry import CacheGeometry
+from tilepd.runtime.slot import State
 from tilepd.transport import Buffer, TransportError
-from tilepd.transport.tcp import TcpReceiver, TcpSender
+from tilepd.transport.tcp import TcpSender
+
+from .harness import close_control_node, start_control_node
 
 MAX = 256
 GEOM = CacheGeometry("llama", "attn", num_layers=2, num_heads=2, entry_width=64, head_size_k=32, head_size_v=32)
@@ -33,18 +34,9 @@ LAYOUT = CacheLayout(kind="attn", num_layers=2, block_size=16, num_heads=2, entr
 
 @pytest.fixture
 def node():
-    cap = recv_buffer_bytes(GEOM, MAX, "auto", "cpu")
-    buf = np.zeros(cap, np.uint8)
-    rx = TcpReceiver("127.0.0.1", 0)
-    rx.register(Buffer.from_array(buf))
-    holder: list[ControlServer] = []
-    slot = Slot(on_arm=rx.arm, on_disarm=rx.disarm, on_revoke=lambda conn_id: holder[0].revoke(conn_id))
-    srv = ControlServer(slot=slot, receiver=rx, max_seq_len=MAX, node_name="n0",
-                        check_layout=lambda lay, tp: check_layout(lay, GEOM, max_seq_len=MAX, capacity=cap, tp_size=tp)).start()
-    holder.append(srv)
-    yield SimpleNamespace(buf=buf, rx=rx, slot=slot, srv=srv, port=srv.port)
-    srv.close()
-    rx.close()
+    n = start_control_node(GEOM, MAX)
+    yield n
+    close_control_node(n)
 
 
 def _config(port: int, **kw) -> ConnectorExtraConfig:

@@ -25,11 +25,11 @@ from tilepd.connector.vllm_connector import KVConnectorRole, SendSpec, TilePDCon
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import REPLY_TIMEOUT_S, KVSender
 from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
-from tilepd.runtime.ctrl_server import ControlServer
-from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
-from tilepd.runtime.slot import Slot, State
+from tilepd.runtime.geometry import CacheGeometry
+from tilepd.runtime.slot import State
 from tilepd.transport import Buffer
-from tilepd.transport.tcp import TcpReceiver
+
+from ..control.harness import close_control_node, start_control_node
 
 MAX = 256
 SEQ = 40
@@ -57,15 +57,8 @@ def _job(c: TilePDConnector, port: int, tid: str) -> _Staged:
 
 def test_a_stopped_node_does_not_hold_up_the_transfer_to_another() -> None:
     stopped = subprocess.Popen([sys.executable, "-c", LISTENER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    cap = recv_buffer_bytes(GEOM, MAX, "auto", "cpu")
-    buf = np.zeros(cap, np.uint8)
-    rx = TcpReceiver("127.0.0.1", 0)
-    rx.register(Buffer.from_array(buf))
-    holder: list[ControlServer] = []
-    slot = Slot(on_arm=rx.arm, on_disarm=rx.disarm, on_revoke=lambda conn_id: holder[0].revoke(conn_id))
-    srv = ControlServer(slot=slot, receiver=rx, max_seq_len=MAX, node_name="live",
-                        check_layout=lambda lay, tp: check_layout(lay, GEOM, max_seq_len=MAX, capacity=cap, tp_size=tp)).start()
-    holder.append(srv)
+    live = start_control_node(GEOM, MAX, "live")
+    buf, slot, srv = live.buf, live.slot, live.srv
     c = TilePDConnector.__new__(TilePDConnector)
     try:
         dead_port = int(stopped.stdout.readline())
@@ -104,8 +97,7 @@ def test_a_stopped_node_does_not_hold_up_the_transfer_to_another() -> None:
         stopped.wait()
         if c.__dict__.get("_thread") is not None:
             c.shutdown()
-        srv.close()
-        rx.close()
+        close_control_node(live)
 
 
 

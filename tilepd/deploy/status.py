@@ -134,12 +134,10 @@ def figures_text(st: ServiceStatus) -> str:
         parts.append(f"transfers {f.get('transfers_total')}")
         return ", ".join(parts)
     if st.role in ("prefill", "native_decode"):
-        fmt = lambda v: "-" if v is None else str(int(v))  # noqa: E731
-        return f"running {fmt(f.get('running'))}, waiting {fmt(f.get('waiting'))}"
+        return f"running {_num(f.get('running'))}, waiting {_num(f.get('waiting'))}"
     if st.role == "router":
-        fmt = lambda v: "-" if v is None else str(int(v))  # noqa: E731
         routes = " ".join(f"{k}={v}" for k, v in (f.get("routes") or {}).items()) or "none"
-        return f"in-flight {fmt(f.get('in_flight'))}, queued {fmt(f.get('queued'))}, routes {routes}, 429s {f.get('rejected_429', 0)}"
+        return f"in-flight {_num(f.get('in_flight'))}, queued {_num(f.get('queued'))}, routes {routes}, 429s {f.get('rejected_429', 0)}"
     return json.dumps(f)
 
 
