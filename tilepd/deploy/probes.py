@@ -102,9 +102,8 @@ def live_figures(service: Service, timeout_s: float = 2.0) -> dict[str, Any]:
             for n, labels, v in samples:
                 if n == "tilepd_router_routes_total":
                     routes[labels.get("route", "?")] = routes.get(labels.get("route", "?"), 0) + v
-            in_flight = metric_sum(samples, "tilepd_router_in_flight")
-            return {
-                "in_flight": in_flight if in_flight is not None else metric_sum(samples, "tilepd_router_nodes_leased"),
+            return {  # low-latency requests in flight: each holds one decode node
+                "in_flight": metric_sum(samples, "tilepd_router_nodes_leased"),
                 "queued": metric_sum(samples, "tilepd_router_queue_depth"),
                 "routes": {k: int(v) for k, v in sorted(routes.items())},
                 "rejected_429": int(metric_sum(samples, "tilepd_router_responses_total", status="429") or 0),
