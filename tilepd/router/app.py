@@ -154,7 +154,8 @@ async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> R
         except _Fallback as fb:
             if state.config.native_pool is None or not state.config.routing.fallback_to_native:
                 _count(state, Route("low_latency", fb.reason), fb.error.status, t0)
-                log.info("req=%s event=refused route=low_latency reason=%s status=%d", rid, fb.reason, fb.error.status)
+                log.info("req=%s event=refused route=low_latency reason=%s status=%d runbook=%s", rid, fb.reason, fb.error.status,
+                         fb.error.runbook or "-")
                 fb.error.headers.update(_route_headers(Route("low_latency", fb.reason), rid))
                 raise fb.error from None
             route = Route("native", fb.reason)
@@ -483,8 +484,9 @@ async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, 
         exc.headers.update(_route_headers(route, rid))
         raise
     _count(state, route, resp.status_code, t0)
-    log.info("req=%s event=done route=native reason=%s status=%d ms=%.1f", rid, route.reason, resp.status_code,
-             (time.perf_counter() - t0) * 1e3)
+    chosen = route.reason in ("header", "model", "default")  # routed native on purpose; any other reason is a fallback
+    log.info("req=%s event=done route=native reason=%s status=%d ms=%.1f runbook=%s", rid, route.reason, resp.status_code,
+             (time.perf_counter() - t0) * 1e3, "-" if chosen else "RB-native-fallback")
     return resp
 
 
