@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich import box
 from rich.markup import escape
 from rich.table import Table
 
