@@ -53,13 +53,8 @@ sys.path.insert(0, str(REPO))
 
 NEEDED = ("fastapi", "uvicorn", "httpx", "prometheus_client", "xxhash", "numpy")
 
-LLAMA3_8B = {
-    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-}
+from decode_speed import LLAMA3_8B  # noqa: E402 - the same shapes decode_speed.py measures (bench/ is sys.path[0])
+
 TINY_LLAMA = {**LLAMA3_8B, "bos_token_id": 0, "eos_token_id": 1, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 FIRST_TOKEN = 3
