@@ -38,6 +38,7 @@ BODY_LIMIT = 256 * 1024
 
 class InProcess:
     def __init__(self, app: Any) -> None:
+        self.app = app
         self.loop = asyncio.new_event_loop()
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
@@ -147,3 +148,17 @@ def test_a_valid_body_reaches_the_prefill(router: InProcess) -> None:
     """The harness is not refusing everything: a valid request gets as far as the (closed) prefill port."""
     resp = router.post("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3}).encode())
     assert resp.status_code == 502 and resp.json()["error"]["code"] == "prefill_unreachable"
+
+
+def test_the_capability_gate_uses_the_last_known_capabilities_while_no_node_is_up(router: InProcess) -> None:
+    """A request no node could decode is refused as unsupported by name, not as "no node": the answer must not
+    depend on whether a health check happened to miss at that instant (CI, 2026-11-30)."""
+    node = router.app.state.router.pool.nodes[0]
+    router.app.state.router.pool.set_in_rotation(node, False)
+    try:
+        refused = router.post("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "n": 2}).encode())
+        assert refused.status_code == 501 and refused.json()["error"]["param"] == "n", refused.text
+        down = router.post("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3}).encode())
+        assert down.status_code == 503 and down.json()["error"]["code"] == "no_decode_node", down.text
+    finally:
+        router.app.state.router.pool.set_in_rotation(node, True)

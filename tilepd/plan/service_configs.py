@@ -120,6 +120,9 @@ class RouterConfig(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     # decode-node health checks: a node failing `breaker_failures` in a row leaves rotation
     health_interval_s: float = Field(default=1.0, gt=0)
+    # how long one check waits for `/health`; a node busy decoding still answers in milliseconds, a CPU host
+    # shared with vLLM can take over a second, and a missed check is not a dead node
+    health_timeout_s: float = Field(default=2.0, gt=0)
     breaker_failures: int = Field(default=2, ge=1)
     # the deployment secret (tilepd.auth) the router derives decode-node credentials from
     secret_file: Path | None = None

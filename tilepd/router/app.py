@@ -286,7 +286,9 @@ def wanted_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | Non
 
 
 def _engine_caps(state: RouterState) -> dict[str, Any] | None:
-    for node in state.pool.in_rotation():
+    """What the engine can honour: a node in rotation's capabilities, else the last ones any node reported, so that
+    a request no node could decode is sent native as `unsupported:<param>` whether or not a node is up right now."""
+    for node in [*state.pool.in_rotation(), *state.pool.nodes]:
         if node.capabilities is not None:
             return node.capabilities
     return None

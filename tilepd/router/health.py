@@ -19,7 +19,6 @@ from tilepd.router.state import RouterState
 from tilepd.router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("tilepd.router")
-PROBE_TIMEOUT_S = 1.0
 
 
 def says_draining(resp: UpstreamResponse) -> bool:
@@ -43,12 +42,12 @@ async def probe_node(state: RouterState, node: NodeState) -> None:
     client = state.client
     draining = False
     try:
-        resp = await client.request("GET", f"{node.base_url}/health", timeout_s=PROBE_TIMEOUT_S)
+        resp = await client.request("GET", f"{node.base_url}/health", timeout_s=state.config.health_timeout_s)
         draining = says_draining(resp)
         healthy = resp.status == 200 or draining
         why = f"/health answered {resp.status}"
         if healthy and (node.capabilities is None or not node.in_rotation):
-            caps = await client.request("GET", f"{node.base_url}/capabilities", timeout_s=PROBE_TIMEOUT_S)
+            caps = await client.request("GET", f"{node.base_url}/capabilities", timeout_s=state.config.health_timeout_s)
             if caps.status != 200:
                 raise ValueError(f"/capabilities answered {caps.status}")
             node.capabilities = caps.json()
