@@ -10,4 +10,5 @@ cd "$root"
 # whichever one bootstrapped last; this checkout's own code always comes first for the tests and
 # every process they start.
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-exec .venv/bin/python -m pytest tests -p no:cacheprovider --durations=20 "$@"
+# The long fault runs (marker `faults`, minutes each) have their own command: scripts/faults.sh.
+exec .venv/bin/python -m pytest tests -p no:cacheprovider -m "not faults" --durations=20 "$@"
