@@ -30,7 +30,8 @@ from tilepd.router.upstream import Upstream
 
 MODEL = "tiny-llama"
 CAPS = {"max_seq_len": 1024, "sampling": {"temperature": True, "top_p": True, "top_k": True, "seed": True, "stop_token_ids": True,
-                                          "ignore_eos": True, "max_tokens": True}}
+                                          "ignore_eos": True, "max_tokens": True,
+                                          "structured_output": ["json_schema", "json_object", "regex", "grammar"]}}
 # typed answers a fuzzed body may get: refused (400/404/413/501) or, having passed every check, the unreachable prefill (502)
 ALLOWED = {400, 404, 413, 501, 502}
 BODY_LIMIT = 256 * 1024
@@ -74,7 +75,8 @@ json_values = st.recursive(
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
           "stop_token_ids", "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "ignore_eos", "user",
           "include_stop_str_in_output", "skip_special_tokens", "best_of", "tools", "response_format", "chat_template_kwargs",
-          "continue_final_message", "add_generation_prompt", "kv_transfer_params", "presence_penalty", "min_tokens"]
+          "continue_final_message", "add_generation_prompt", "kv_transfer_params", "presence_penalty", "min_tokens",
+          "structured_outputs"]
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | st.text(max_size=5)},
                                 optional={"content": json_values | st.text(max_size=30), "name": json_values})
 # bodies near the real shape, so validation, the gate, the template and the planner all see odd values
@@ -84,6 +86,9 @@ near_valid = st.fixed_dictionaries(
               "prompt": st.text(max_size=40) | st.lists(st.integers(min_value=-5, max_value=40000), max_size=8) | json_values,
               "messages": st.lists(message, max_size=3) | json_values,
               "max_tokens": st.integers(min_value=-2, max_value=5000) | json_values,
+              "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object",
+                                                                     "structural_tag", "whitespace_pattern", "x"]),
+                                                    json_values | st.text(max_size=20), max_size=2) | json_values,
               "stream": st.booleans()},
 )
 

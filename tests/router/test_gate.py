@@ -38,7 +38,7 @@ def test_supported_completions_pass(kw: dict[str, Any]) -> None:
     ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": 0.1}, "frequency_penalty"),
     ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"), ({"min_tokens": 3}, "min_tokens"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"), ({"min_tokens": 3}, "min_tokens"),
     ({"logit_bias": {"5": 10}}, "logit_bias"), ({"prompt": ["a", "b"]}, "prompt"), ({"suffix": "x"}, "suffix"),
 ])
 def test_unsupported_completions_name_the_parameter(kw: dict[str, Any], param: str) -> None:

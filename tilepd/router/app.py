@@ -253,12 +253,11 @@ def _plan(state: RouterState, endpoint: Endpoint, req: CompletionRequest | ChatC
 
 
 def _structured(req: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None) -> Any:
-    """The tool parser's constraint when it set one (vLLM drops response_format then), else response_format's."""
-    if not isinstance(req, ChatCompletionRequest):
-        return None
+    """The tool parser's constraint when it set one (vLLM drops response_format then), else the client's
+    response_format / structured_outputs (the gate sent structured_outputs with tools native)."""
     if tools is not None and tools.structured is not None:
         return tools.structured
-    return structured_plan(req.response_format)
+    return structured_plan(req)
 
 
 def _tool_plan(state: RouterState, req: CompletionRequest | ChatCompletionRequest, body: dict[str, Any],

@@ -9,9 +9,11 @@ error naming the parameter. The engine says what it supports in the decode node'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Any
 
-from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest
+from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, StructuredOutputs
+from tilepd.router.structured import NODE_KIND, RESPONSE_FORMAT_FIELD, constraint_fields, is_lark, options_set, requested_fields
 
 # extra (undeclared) fields that never change the output
 HARMLESS_EXTRAS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "priority"})
@@ -58,19 +60,52 @@ def gate(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any], *
         if (req.tools or req.tool_choice not in (None, "none")) and not tool_parser:
             return Refusal("tools" if req.tools else "tool_choice", "this router has no tool_call_parser: tool calling is served "
                            "by the native pool only")
-        rf_type = (req.response_format or {}).get("type", "text")
-        if rf_type != "text" and rf_type not in (caps.get("structured_output") or ()):
-            return Refusal("response_format", f"the engine does not decode under a {rf_type!r} constraint")
         for i, msg in enumerate(req.messages):
             if isinstance(msg.content, list) and any(p.type != "text" for p in msg.content):
                 return Refusal(f"messages[{i}].content", "only text content parts are supported")
             for key, value in (msg.model_extra or {}).items():  # tool_calls, tool_call_id, ...: the router's template call drops them
                 if value not in (None, []):
                     return Refusal(f"messages[{i}].{key}", "the low-latency pool renders role, content and name only")
-    refusal = _gate_sampling(req, caps)
+    refusal = _gate_structured(req, caps) or _gate_sampling(req, caps)
     if refusal is not None:
         return refusal
     return _gate_extras(req)
+
+
+def _gate_structured(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any]) -> Refusal | None:
+    """response_format and structured_outputs: the node must compile the one constraint they ask for, as vLLM's xgrammar
+    backend would. Anything else (options, several kinds, structural tags, Lark) goes native, where vLLM answers it."""
+    kinds = caps.get("structured_output") or ()
+    rf_type = (req.response_format or {}).get("type", "text")
+    if rf_type != "text" and (rf_type not in RESPONSE_FORMAT_FIELD or rf_type not in kinds):
+        return Refusal("response_format", f"the engine does not decode under a {rf_type!r} response_format")
+    if req.structured_outputs is None:
+        return None
+    return _gate_structured_outputs(req, req.structured_outputs, kinds)
+
+
+def _gate_structured_outputs(req: CompletionRequest | ChatCompletionRequest, so: StructuredOutputs,
+                             kinds: Collection[str]) -> Refusal | None:
+    """Refused by name, never dropped: unknown fields, non-default options, tools alongside, several kinds, and the kinds
+    the node does not compile as vLLM does (structural_tag via this field, Lark grammars, kinds missing from `kinds`)."""
+    extra = next(iter(so.model_extra or {}), None)
+    if extra is not None:
+        return Refusal(f"structured_outputs.{extra}", "not a structured_outputs field of vLLM 0.32")
+    option = next(iter(options_set(so)), None)
+    if option is not None:
+        return Refusal(f"structured_outputs.{option}", "the decode node compiles constraints with this option's default only")
+    if isinstance(req, ChatCompletionRequest) and (req.tools or req.tool_choice is not None):
+        return Refusal("structured_outputs", "with tools, vLLM's tool parser owns the constraint: served by the native pool")
+    if len(requested_fields(req)) > 1:
+        return Refusal("structured_outputs", "several constraint kinds at once (vLLM refuses them): served by the native pool")
+    for name, value in constraint_fields(so).items():
+        if name == "structural_tag":
+            return Refusal("structured_outputs.structural_tag", "structural tags are served by the native pool")
+        if name == "grammar" and value.strip() and is_lark(value):  # a blank grammar is vLLM's 400 (structured_plan)
+            return Refusal("structured_outputs.grammar", "a Lark grammar (no '::=' rule): the decode node compiles EBNF only")
+        if NODE_KIND[name] not in kinds:
+            return Refusal(f"structured_outputs.{name}", f"the engine does not decode under a {NODE_KIND[name]!r} constraint")
+    return None
 
 
 def _gate_sampling(req: CompletionRequest | ChatCompletionRequest, caps: dict[str, Any]) -> Refusal | None:

@@ -27,6 +27,7 @@ MAX_TOKENS = 1 << 20
 MAX_TOOLS = 128
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_CHOICES = 4096  # structured_outputs.choice entries
 TOKEN_ID_MAX = (1 << 31) - 1
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -57,6 +58,25 @@ class ChatMessage(BaseModel):
     name: Name | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` field (StructuredOutputsParams, v0.32): one constraint kind plus options.
+
+    Only types are checked here (a 400 naming `structured_outputs.<field>`, as vLLM's own validation names it);
+    which kinds and options the low-latency pool serves is the gate's business (tilepd.router.structured)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    json_: Text | dict[str, Any] | None = Field(default=None, alias="json")  # `json` would shadow BaseModel.json
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(max_length=MAX_CHOICES)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Text | None = None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completions."""
 
@@ -80,6 +100,8 @@ class _SamplingFields(BaseModel):
     presence_penalty: Real | None = None
     frequency_penalty: Real | None = None
     repetition_penalty: Real | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
     # never forwarded: only the router marks requests for the low-latency pool
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -108,7 +130,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

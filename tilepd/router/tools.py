@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilepd.router.errors import invalid
-from tilepd.router.structured import StructuredPlan
+from tilepd.router.structured import NODE_KIND, StructuredPlan, constraint_fields, options_set
 
-# structured-output fields of vLLM's StructuredOutputsParams the decode node compiles, and its kind for each
-NODE_KINDS = {"json": "json_schema", "structural_tag": "structural_tag"}
+# the structured-output fields vLLM's tool parsers set (adjust_request) that this path carries to the node
+TOOL_FIELDS = ("json", "structural_tag")
 
 
 class ToolCalling:
@@ -84,18 +84,17 @@ def _constraint(vreq: Any) -> StructuredPlan | None:
     so = vreq.structured_outputs
     if so is None:
         return None
-    used = {name: getattr(so, name) for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-            if getattr(so, name, None) is not None}
-    if len(used) != 1 or next(iter(used)) not in NODE_KINDS:
+    used = constraint_fields(so)
+    if len(used) != 1 or next(iter(used)) not in TOOL_FIELDS:
         raise Unsupported("tool_choice", f"the tool parser asked for a {'/'.join(used) or 'empty'} constraint, which the "
                                          "low-latency engine does not compile")
-    if so.disable_any_whitespace or so.disable_additional_properties or so.whitespace_pattern:
+    if options_set(so):
         raise Unsupported("tool_choice", "the tool parser's constraint changes JSON whitespace/properties rules the decode "
                                          "node does not compile")
     name, value = next(iter(used.items()))
     spec = value if isinstance(value, str) else json.dumps(value)
-    _check_compiles(vreq, NODE_KINDS[name], spec)
-    return StructuredPlan({"structured_outputs": {name: value}}, {"type": NODE_KINDS[name], "spec": spec}, "tools")
+    _check_compiles(vreq, NODE_KIND[name], spec)
+    return StructuredPlan({"structured_outputs": {name: value}}, {"type": NODE_KIND[name], "spec": spec}, "tools")
 
 
 def _check_compiles(vreq: Any, kind: str, spec: str) -> None:
