@@ -77,3 +77,29 @@ def test_cancel_within_one_step(slow_node) -> None:
     # tokens generated when the cancel returned + at most the one step that was running
     assert last["completion_tokens"] <= tokens_at_cancel + 1
     assert svc.slot.snapshot()["state"] == "free"
+
+
+def test_done_line_reports_the_node_phases(slow_node, caplog) -> None:
+    """The final `timings` carry the node's phases in order (the router's timeline places them; INTERFACES §4)."""
+    svc, eng, base = slow_node
+    c = eng.config
+    layout = CacheLayout(kind="attn", num_layers=c.num_layers, block_size=16, num_heads=c.num_kv_heads, entry_width=2 * c.head_dim,
+                         dtype="float32", head_size_k=c.head_dim, head_size_v=c.head_dim)
+    prompt = [3, 14, 15, 92, 65]
+    first, layers = hf_prefill_kv(eng.model, prompt)
+    ecfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=svc.ctrl.port, http_port=1),),
+                                transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
+    sender = KVSender(ecfg, layout, Buffer.from_array(wire_payload(layers, layout)))
+    assert sender.send(("127.0.0.1", svc.ctrl.port), "tx-t", "tok", len(prompt), 1, [0, layout.block_bytes]).ok
+    sender.close()
+    caplog.set_level("INFO", logger="tilepd.runtime.http")
+    body = {"transfer_id": "tx-t", "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 4, "ignore_eos": True}
+    with httpx.Client(base_url=base, timeout=30) as cl:
+        lines = [json.loads(x) for x in cl.post("/v1/decode", json=body, headers={"x-request-id": "req-t1"}).text.splitlines() if x]
+    t = lines[-1]["timings"]
+    for key in ("wait_ms", "queue_ms", "convert_ms", "inject_ms", "decode_ms", "transfer_ms", "node_ms", "first_step_ms", "tokens_per_s"):
+        assert isinstance(t[key], float) and t[key] >= 0, key
+    assert t["tokens"] == 4 and t["decode_ms"] >= 4 * 50 * 0.9
+    assert t["node_ms"] >= t["wait_ms"] + t["queue_ms"] + t["convert_ms"] + t["inject_ms"] + t["decode_ms"] - 0.5
+    done = [r.getMessage() for r in caplog.records if "event=decode_done transfer_id=tx-t " in r.getMessage()]
+    assert len(done) == 1 and " req=req-t1 " in done[0] and " transfer_ms=" in done[0]

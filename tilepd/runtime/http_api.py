@@ -280,6 +280,10 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
             return _error(SLOT_STATUS.get(exc.code, 500), exc.code, exc.message)
         wait_s = time.perf_counter() - t_arrive
         svc.metrics.wait.observe(wait_s)
+        # the wire time as this node saw it (admit -> every rank done); it overlaps the router's prefill call
+        transfer_ms = ((transfer.completed_at - transfer.admitted_at) * 1e3
+                       if transfer.completed_at is not None and transfer.admitted_at is not None else None)
+        rid = request.headers.get("x-request-id", "-")
 
         loop = asyncio.get_running_loop()
         queue = TokenStream(loop)  # engine thread -> NDJSON chunks (token_stream.py: one wake-up per read, not per token)
@@ -297,7 +301,11 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
             job = DecodeJob(body.first_token, body.max_tokens, sampling, lambda t: None, logprobs=want_logprobs,
                             on_logprobs=on_logprobs, grammar=grammar)
 
+        t_submit = time.perf_counter()
+        started: list[float] = []
+
         def work() -> Any:
+            started.append(time.perf_counter())
             try:
                 return svc.run_decode(transfer, job)
             finally:
@@ -305,14 +313,18 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
 
         future = asyncio.wrap_future(svc.worker.submit(work))
         future.add_done_callback(lambda f: queue.close())
-        log.info("event=decode_start transfer_id=%s seq_len=%d max_tokens=%d wait_ms=%.2f", tid, transfer.seq_len, body.max_tokens, wait_s * 1e3)
+        log.info("event=decode_start transfer_id=%s req=%s seq_len=%d max_tokens=%d wait_ms=%.2f", tid, rid, transfer.seq_len,
+                 body.max_tokens, wait_s * 1e3)
 
         def final(outcome: Any) -> dict[str, Any]:
-            timings = {"wait_ms": wait_s * 1e3, **outcome.timings}
+            # the node's phases, in order (the router's timeline places them in its decode stretch; INTERFACES §4)
+            timings = {"wait_ms": wait_s * 1e3, "queue_ms": ((started[0] if started else t_submit) - t_submit) * 1e3, **outcome.timings}
+            if transfer_ms is not None:
+                timings["transfer_ms"] = transfer_ms
+            timings["node_ms"] = (time.perf_counter() - t_arrive) * 1e3
             svc.last = timings
             svc.metrics.requests.labels(outcome.finish_reason).inc()
-            log.info("event=decode_done transfer_id=%s finish=%s tokens=%d decode_ms=%.2f tokens_per_s=%.1f", tid,
-                     outcome.finish_reason, len(outcome.tokens), timings["decode_ms"], timings["tokens_per_s"])
+            log.info("event=decode_done transfer_id=%s req=%s finish=%s %s", tid, rid, outcome.finish_reason, " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in timings.items()))
             return timings
 
         if not body.stream:
