@@ -67,3 +67,14 @@ def test_malformed_constraints_name_the_field(compiler) -> None:
                          "response_format.json_schema")
     with pytest.raises(GrammarError, match="structured_output.type"):
         compiler.compile(Constraint("choice", "[]"))
+
+
+def test_choice_compiles_as_the_grammar_vllm_builds(engine, compiler, llama_ref, tiny_llama: Path) -> None:
+    """The router sends structured_outputs.choice to the node as vLLM's choice_as_grammar EBNF (kind "grammar"),
+    which is what vLLM's xgrammar backend compiles for a choice: the output is one of the choices."""
+    from tilepd.router.structured import choice_as_grammar
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    choices = ["red", "green", 'dark "blue"']
+    ids = _constrained(engine, compiler, llama_ref, Constraint("grammar", choice_as_grammar(choices)))
+    assert tok.decode(ids[:-1]) in choices
