@@ -332,6 +332,7 @@ class _Planner:
             api_key_file=(self.secret(r, "router_api_key", r.api_key.env) if r.api_key.env else r.api_key.file) if r.api_key else None,
             secret_file=self.secret(r, "deployment", DEPLOYMENT_SECRET_ENV),
             tool_call_parser=tool_call_parser(t),
+            otlp_endpoint=r.otlp_endpoint,
         )
         config_file = f"{self.base_of(r)}/config/router.json"
         self.add(

@@ -129,3 +129,5 @@ class RouterConfig(_Strict):
     log_file: Path | None = None
     # vLLM's --tool-call-parser for this model family (with --enable-auto-tool-choice): tool calls on the low-latency path
     tool_call_parser: str | None = Field(default=None, min_length=1, max_length=64)
+    # OpenTelemetry collector (OTLP/HTTP, e.g. http://collector:4318): one trace per request (tilepd/router/tracing.py); off when None
+    otlp_endpoint: str | None = Field(default=None, min_length=1, max_length=500)

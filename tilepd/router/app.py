@@ -43,6 +43,8 @@ from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, End
 from tilepd.router.responses import DONE, EventStreamResponse, ResponseWriter, error_chunk
 from tilepd.router.routing import Route, choose_route, served_models
 from tilepd.router.state import RouterState
+from tilepd.router.timeline import Timeline
+from tilepd.router.tracing import make_tracing
 from tilepd.router.upstream import Upstream
 
 log = logging.getLogger("tilepd.router")
@@ -72,7 +74,8 @@ def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
         renderer.tools = ToolCalling(config.tool_call_parser, renderer.tokenizer, config.served_model_name)
     return RouterState(config=config, client=client, renderer=renderer, pool=pool,
                        metrics=RouterMetrics(pool, config.breaker_failures), keys=keys,
-                       node_secret=load_secret(config.secret_file) if config.secret_file else None)
+                       node_secret=load_secret(config.secret_file) if config.secret_file else None,
+                       tracing=make_tracing(config.otlp_endpoint))
 
 
 def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
@@ -136,9 +139,22 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
     return app
 
 
+def request_id(given: str | None) -> str:
+    """The client's x-request-id made safe for log lines and headers (printable, no spaces or `=`, at most 128), else a fresh one."""
+    if given:
+        safe = "".join(ch if (ch.isalnum() or ch in "-_.:/+@") and ord(ch) < 128 else "_" for ch in given.strip())[:128]
+        if safe:
+            return safe
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
 async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
     t0 = time.perf_counter()
-    rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex[:16]}"
+    rid = request_id(request.headers.get("x-request-id"))
+    tl = Timeline(rid, t0)
+    tl.attrs["endpoint"] = endpoint
+    if state.tracing is not None:
+        state.tracing.start(tl, request.headers, f"POST {request.url.path}")
     try:
         state.keys.check(request.headers.get("authorization"))
         body = await _read_json(request)
@@ -146,20 +162,27 @@ async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> R
         route = choose_route(state.config, req.model, request.headers)
     except RouterError as exc:  # refused before any pool: say so, with the request id, like every other answer
         exc.headers.update({"x-tilepd-route": "none", "x-tilepd-route-reason": exc.code or "refused", "x-request-id": rid})
-        log.info("req=%s event=refused status=%d code=%s", rid, exc.status, exc.code)
+        tl.upto("admission")
+        _close_timeline(state, tl, Route("none", exc.code or "refused"), exc.status)
+        log.info("req=%s event=refused status=%d code=%s %s", rid, exc.status, exc.code, tl.log_fields())
         raise
     if route.pool == "low_latency":
         try:
-            return await _serve_low_latency(state, request, endpoint, req, body, route, rid, t0)
+            return await _serve_low_latency(state, request, endpoint, req, body, route, rid, t0, tl)
         except _Fallback as fb:
+            if not tl.spans:
+                tl.upto("admission")
+            tl.attrs["fallback"] = fb.reason
             if state.config.native_pool is None or not state.config.routing.fallback_to_native:
                 _count(state, Route("low_latency", fb.reason), fb.error.status, t0)
-                log.info("req=%s event=refused route=low_latency reason=%s status=%d runbook=%s", rid, fb.reason, fb.error.status,
-                         fb.error.runbook or "-")
+                _close_timeline(state, tl, Route("low_latency", fb.reason), fb.error.status)
+                log.info("req=%s event=refused route=low_latency reason=%s status=%d runbook=%s %s", rid, fb.reason, fb.error.status,
+                         fb.error.runbook or "-", tl.log_fields())
                 fb.error.headers.update(_route_headers(Route("low_latency", fb.reason), rid))
+                fb.error.headers["server-timing"] = tl.server_timing()
                 raise fb.error from None
             route = Route("native", fb.reason)
-    return await _serve_native(state, endpoint, body, route, rid, t0)
+    return await _serve_native(state, endpoint, body, route, rid, t0, tl)
 
 
 MAX_JSON_DEPTH = 32  # nesting of objects/arrays in a request body (deeper bodies would recurse in copies and validators)
@@ -208,6 +231,26 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> CompletionRequest | C
 
 def _route_headers(route: Route, rid: str) -> dict[str, str]:
     return {"x-tilepd-route": route.pool, "x-tilepd-route-reason": route.reason, "x-request-id": rid}
+
+
+def _close_timeline(state: RouterState, tl: Timeline, route: Route, status: int) -> None:
+    """End the request's timeline: `respond` up to now, the phase histograms, the trace."""
+    if tl.t_end is not None:
+        return
+    if tl.spans:
+        tl.upto("respond")
+    tl.close()
+    tl.attrs.setdefault("route", route.pool)
+    tl.attrs.setdefault("reason", route.reason)
+    hist = state.metrics.phase_seconds
+    for phase, ms in tl.phases_ms().items():
+        if ms > 0 and (phase != "other" or ms >= 0.05):
+            hist.labels(phase, route.pool).observe(ms / 1e3)
+    if state.tracing is not None:
+        try:
+            state.tracing.finish(tl, status)
+        except Exception as exc:  # noqa: BLE001 - tracing never fails a request
+            log.warning("req=%s event=tracing_error error=%r", tl.request_id, exc)
 
 
 def _count(state: RouterState, route: Route, status: int, t0: float) -> None:
@@ -294,7 +337,7 @@ def _engine_caps(state: RouterState) -> dict[str, Any] | None:
 
 
 async def _serve_low_latency(state: RouterState, request: Request, endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest,
-                             body: dict[str, Any], route: Route, rid: str, t0: float) -> Response:
+                             body: dict[str, Any], route: Route, rid: str, t0: float, tl: Timeline) -> Response:
     caps = _engine_caps(state)
     if caps is None:
         raise _Fallback("no_node_in_rotation", RouterError(503, "no low-latency decode node is healthy", type="service_unavailable",
@@ -306,16 +349,20 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
     plan = _plan(state, endpoint, req, int(caps.get("max_seq_len") or 0), tools)
     if tools is not None and tools.choice == "none":
         tools = None  # rendered with the tools, answered as text: vLLM parses nothing under "none"
+    tl.upto("admission")
     try:
         lease = await state.pool.acquire(state.config.queue_timeout_s)
     except LeaseTimeout as exc:
+        tl.upto("queue_wait")
         raise _Fallback("busy", RouterError(429, f"{exc}; retry later", type="rate_limit_error", code="decode_pool_busy",
                                             headers={"retry-after": str(RETRY_AFTER_S)})) from None
     except NoNodeInRotation as exc:
+        tl.upto("queue_wait")
         raise _Fallback("no_node_in_rotation", RouterError(503, str(exc), type="service_unavailable", code="no_decode_node",
                                                            headers={"retry-after": str(RETRY_AFTER_S)})) from None
+    tl.upto("queue_wait", node=lease.node.name)
     state.metrics.lease_wait_seconds.observe(lease.waited_s)
-    run = LowLatencyRun(state, plan, lease, rid)
+    run = LowLatencyRun(state, plan, lease, rid, timeline=tl)
     run.user = req.user
     events = run.events()
     writer = ResponseWriter(endpoint, req.model or state.config.served_model_name)
@@ -327,12 +374,16 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
         first = await events.__anext__()  # prefill done: errors here still get a proper HTTP status
     except (RouterError, PassThroughError) as exc:
         _count(state, route, exc.status, t0)
-        log.info("req=%s event=prefill_failed route=%s node=%s status=%d", rid, route.pool, lease.node.name, exc.status)
+        _close_timeline(state, tl, route, exc.status)
+        log.info("req=%s event=prefill_failed route=%s node=%s status=%d %s", rid, route.pool, lease.node.name, exc.status, tl.log_fields())
         exc.headers.update(headers)
+        exc.headers["server-timing"] = tl.server_timing()
         raise
     state.metrics.ttft_seconds.observe(time.perf_counter() - t0)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # the headers go out now: they carry the phases up to the first token; the rest is in the log, metrics, traces
+        headers["server-timing"] = tl.server_timing(partial=True)
         return EventStreamResponse(_sse(state, run, events, first, writer, include_usage, route, rid, t0), headers=headers)
     return await _collect_unless_disconnected(state, request, run, events, first, writer, route, rid, t0, headers)
 
@@ -447,8 +498,10 @@ async def _collect_unless_disconnected(state: RouterState, request: Request, run
         err = exc.to_router_error() if isinstance(exc, DecodeNodeError) else exc
         _note_decode_error(state, run, exc)
         _finish_log(state, route, rid, run, None, err.status, f"error:{err.code}", t0)
-        return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers})
+        return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers,
+                                                                          "server-timing": run.timeline.server_timing()})
     _finish_log(state, route, rid, run, fin, 200, "ok", t0)
+    headers = {**headers, "server-timing": run.timeline.server_timing()}
     message, reason = None, fin.finish_reason
     if writer.tools is not None:  # content and tool_calls as vLLM's tool parser reads the text
         message, reason = writer.tools.message(text, token_ids, run.plan.prompt_ids, fin.finish_reason)
@@ -468,26 +521,49 @@ def _finish_log(state: RouterState, route: Route, rid: str, run: LowLatencyRun, 
     _count(state, route, status, t0)
     if fin is not None:
         state.metrics.completion_tokens.inc(fin.completion_tokens)
+    tl = run.timeline
+    tl.attrs["outcome"] = outcome
+    _close_timeline(state, tl, route, status)
     log.info("req=%s event=done route=%s reason=%s node=%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%s finish=%s "
-             "ms=%.1f prefill_ms=%s failovers=%d user=%s", rid, route.pool, route.reason, run.lease.node.name, status, outcome,
-             run.prompt_tokens, fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", (time.perf_counter() - t0) * 1e3,
-             f"{fin.timings['prefill_ms']:.1f}" if fin and "prefill_ms" in fin.timings else "-", run.failovers, run.user or "-")
+             "ms=%.1f prefill_ms=%s failovers=%d user=%s transfers=%s %s", rid, route.pool, route.reason, run.lease.node.name, status,
+             outcome, run.prompt_tokens, fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", tl.total_ms,
+             f"{fin.timings['prefill_ms']:.1f}" if fin and "prefill_ms" in fin.timings else "-", run.failovers, run.user or "-",
+             ",".join(run.transfers) or "-", _why(run) + tl.log_fields())
 
 
-async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, Any], route: Route, rid: str, t0: float) -> Response:
+def _why(run: LowLatencyRun) -> str:
+    """`retries=<node>:<cause>;...` when nodes failed the request (the timeline's failed_attempt phases say how long)."""
+    causes = [f"{s.attrs.get('node', '?')}:{s.attrs.get('cause', '?')}" for s in run.timeline.spans if s.name == "failed_attempt"]
+    return f"retries={';'.join(causes)} " if causes else ""
+
+
+async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, Any], route: Route, rid: str, t0: float,
+                        tl: Timeline) -> Response:
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    if not tl.spans:
+        tl.upto("admission")
+    chosen = route.reason in ("header", "model", "default")  # routed native on purpose; any other reason is a fallback
+    if not chosen:
+        tl.attrs["fallback"] = route.reason
+
+    def done(status: int, outcome: str) -> None:  # after the last byte (streams: when the relay ends)
+        _count(state, route, status, t0)
+        _close_timeline(state, tl, route, status)
+        log.info("req=%s event=done route=native reason=%s status=%d outcome=%s ms=%.1f runbook=%s %s%s", rid, route.reason, status,
+                 outcome, tl.total_ms, "-" if chosen else "RB-native-fallback", f"fallback={route.reason} " if not chosen else "",
+                 tl.log_fields())
+
     try:
-        resp = await serve_native(state, path, body, rid, _route_headers(route, rid))
+        resp = await serve_native(state, path, body, rid, _route_headers(route, rid), timeline=tl, on_done=done)
     except (RouterError, PassThroughError) as exc:
         _count(state, route, exc.status, t0)
+        _close_timeline(state, tl, route, exc.status)
         detail = exc.message if isinstance(exc, RouterError) else exc.body[:300].decode("utf-8", "replace")
-        log.info("req=%s event=native_failed route=native reason=%s status=%d error=%r", rid, route.reason, exc.status, detail)
+        log.info("req=%s event=native_failed route=native reason=%s status=%d error=%r %s", rid, route.reason, exc.status, detail,
+                 tl.log_fields())
         exc.headers.update(_route_headers(route, rid))
+        exc.headers["server-timing"] = tl.server_timing()
         raise
-    _count(state, route, resp.status_code, t0)
-    chosen = route.reason in ("header", "model", "default")  # routed native on purpose; any other reason is a fallback
-    log.info("req=%s event=done route=native reason=%s status=%d ms=%.1f runbook=%s", rid, route.reason, resp.status_code,
-             (time.perf_counter() - t0) * 1e3, "-" if chosen else "RB-native-fallback")
     return resp
 
 
@@ -499,4 +575,6 @@ async def _shutdown(state: RouterState) -> None:
     if pending:
         await asyncio.wait(pending, timeout=5.0)
     await state.client.aclose()
+    if state.tracing is not None:
+        await asyncio.get_running_loop().run_in_executor(None, state.tracing.shutdown)
     log.info("event=stopped cancelled_decodes=%d", len(leased))

@@ -49,10 +49,11 @@ class DecodeNodeError(Exception):
         return RouterError(502, f"decode node {self.node} failed: {self.code}: {self.message}", type="decode_node_error", code=self.code or "decode_node_error")
 
 
-async def prefill_first_token(client: Upstream, url: str, body: dict[str, Any], request_id: str) -> PrefillResult:
+async def prefill_first_token(client: Upstream, url: str, body: dict[str, Any], request_id: str,
+                              headers: dict[str, str] | None = None) -> PrefillResult:
     """POST /v1/completions with max_tokens=1; read the first token id from the logprobs."""
     try:
-        resp = await client.request("POST", f"{url}/v1/completions", body=body, headers={"x-request-id": request_id})
+        resp = await client.request("POST", f"{url}/v1/completions", body=body, headers={"x-request-id": request_id, **(headers or {})})
     except UpstreamError as exc:
         raise RouterError(502, f"prefill {url} unreachable: {exc}", type="prefill_error", code="prefill_unreachable") from exc
     if resp.status != 200:

@@ -76,6 +76,7 @@ from tilepd.router.native_continue import native_tokens
 from tilepd.router.state import RouterState
 from tilepd.router.stops import StopStringMatcher
 from tilepd.router.structured import StructuredPlan
+from tilepd.router.timeline import Timeline
 from tilepd.router.upstream import UpstreamStream
 
 log = logging.getLogger("tilepd.router")
@@ -209,6 +210,7 @@ class NodeAttempt(ReadWatch):
         # with a deployment secret the token is HMAC(secret, transfer id): the node checks it without state
         self.token = transfer_token(state.node_secret, self.transfer_id) if state.node_secret else secrets.token_hex(16)
         self.stage = "start"  # start -> prefilled -> decoding -> idle; "refused": prefill answered an error; "faulted"
+        self.node_timings: dict[str, Any] | None = None  # the node's done line's `timings` (its phases, for the timeline)
         self.first_token: int | None = None
         self.first_logprob: TokenLogprob | None = None
         self.resp: UpstreamStream | None = None
@@ -217,6 +219,7 @@ class NodeAttempt(ReadWatch):
         self._opening: asyncio.Future[Any] | None = None
         self._lines_seen = False
         self._settled = False
+        self.trace_headers: dict[str, str] = {}  # `traceparent` when tracing is on
         lease.node.transfer_id = self.transfer_id
 
     @property
@@ -309,7 +312,8 @@ class NodeAttempt(ReadWatch):
         deadline = time.monotonic() + BUSY_RETRY_S
         while True:
             try:
-                return await open_decode(self.state.client, node.name, node.base_url, body, self.request_id, self.state.node_headers)
+                return await open_decode(self.state.client, node.name, node.base_url, body, self.request_id,
+                                         {**self.state.node_headers, **self.trace_headers})
             except DecodeNodeError as exc:
                 if exc.status == 429 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
@@ -381,14 +385,25 @@ class NodeAttempt(ReadWatch):
 class LowLatencyRun:
     """One request on the low-latency pool: one node, or several when a node fails under it."""
 
-    def __init__(self, state: RouterState, plan: EnginePlan, lease: Lease, request_id: str) -> None:
+    def __init__(self, state: RouterState, plan: EnginePlan, lease: Lease, request_id: str, timeline: Timeline | None = None) -> None:
         self.state = state
         self.plan = plan
         self.request_id = request_id
-        self.attempt = NodeAttempt(state, lease, request_id, len(plan.prompt_ids))
+        self.timeline = timeline if timeline is not None else Timeline(request_id)
+        self.attempt = self._attempt(lease, len(plan.prompt_ids))
         self.prompt_tokens = 0
         self.failovers = 0
         self.user: str | None = None  # the client's end-user id, for the log line
+
+    def _attempt(self, lease: Lease, context_len: int) -> NodeAttempt:
+        att = NodeAttempt(self.state, lease, self.request_id, context_len)
+        att.trace_headers = self.timeline.trace_headers
+        return att
+
+    @property
+    def transfers(self) -> list[str]:
+        """Every transfer id this request used, in order (the keys of the connector's and the nodes' log lines)."""
+        return [str(s.attrs["transfer"]) for s in self.timeline.spans if s.name == "prefill" and "transfer" in s.attrs]
 
     @property
     def lease(self) -> Lease:
@@ -410,14 +425,19 @@ class LowLatencyRun:
         """Prefill, then decode; the first event comes only after prefill succeeded."""
         t0 = time.perf_counter()
         t_prefill = t0
+        tl = self.timeline
         text: _TextState | None = None
         try:
             while True:
                 att = self.attempt
                 context = self.plan.prompt_ids + (text.tokens if text is not None else [])
-                first, finish = await self._prefill(att, context, continuing=text is not None)
+                try:
+                    first, finish = await self._prefill(att, context, continuing=text is not None)
+                finally:
+                    tl.upto("prefill", node=att.node_name, transfer=att.transfer_id, tokens=len(context))
                 if text is None:
                     t_prefill = time.perf_counter()
+                    tl.mark("first_token", t_prefill)
                     text = _TextState(self.plan, self.state)
                 out = text.consume(first, att.first_logprob)
                 if text.finish_reason is None and finish == "stop":
@@ -426,22 +446,33 @@ class LowLatencyRun:
                     yield TextDelta(out, text.take_logprobs(), text.take_tokens())
                 if text.finish_reason is not None:
                     break
+                stretch = tl.cursor
                 try:
                     async for out in self._decode(att, text):
                         if out or text.pending_logprobs:
                             yield TextDelta(out, text.take_logprobs(), text.take_tokens())
+                    tl.node_stretch(stretch, time.perf_counter(), att.node_timings, node=att.node_name)
                     break
                 except NodeFault as fault:
+                    tl.upto("failed_attempt", node=att.node_name, cause=fault.error.code, status=fault.error.status)
                     if self.plan.structured is not None:
                         self._give_up(att, fault)
                     if not await self._fail_over(att, fault, text.count):
+                        tl.attrs["fallback"] = "native_continue"
                         if self.plan.logprobs is not None:  # the native continuation carries no logprobs: never drop them
                             raise DecodeNodeError(fault.error.node, 502, "node_faults", "the decode node failed and the native "
                                                   "continuation cannot return logprobs") from None
-                        async for out in self._continue_native(text):
-                            if out:
-                                yield TextDelta(out, tokens=text.take_tokens())
+                        try:
+                            async for out in self._continue_native(text):
+                                if out:
+                                    yield TextDelta(out, tokens=text.take_tokens())
+                        finally:
+                            tl.upto("native_continue")
                         break
+                except BaseException:
+                    if tl.cursor == stretch:  # a decode error, the client gone: the time on the node is still the decode's
+                        tl.node_stretch(stretch, time.perf_counter(), att.node_timings, node=att.node_name)
+                    raise
             timings = {"prefill_ms": (t_prefill - t0) * 1e3, "total_ms": (time.perf_counter() - t0) * 1e3}
             yield Finished(text.finish_reason or "length", text.stop_reason, self.prompt_tokens, text.count, timings, self.failovers)
         finally:
@@ -454,7 +485,8 @@ class LowLatencyRun:
         if self.plan.structured is not None:
             body.update(self.plan.structured.prefill)
         try:
-            prefill = await prefill_first_token(self.state.client, self.state.next_prefill_url(), body, self.request_id)
+            prefill = await prefill_first_token(self.state.client, self.state.next_prefill_url(), body, self.request_id,
+                                                self.timeline.trace_headers)
         except PassThroughError as exc:
             att.stage = "refused"
             if not continuing and exc.status == 400 and self.plan.structured is not None:
@@ -513,6 +545,8 @@ class LowLatencyRun:
                                     down=False)
                 elif msg.get("done"):
                     att.stage = "idle"
+                    if isinstance(msg.get("timings"), dict):
+                        att.node_timings = msg["timings"]
                     reason = msg.get("finish_reason")
                     if reason == "cancelled":
                         raise DecodeNodeError(node.name, 499, "cancelled", "the decode was cancelled on the node")
@@ -564,6 +598,7 @@ class LowLatencyRun:
         try:
             lease = await self.state.pool.acquire(self.state.config.queue_timeout_s)
         except (LeaseTimeout, NoNodeInRotation) as exc:
+            self.timeline.upto("queue_wait", retry=True)
             cfg = self.state.config
             if cfg.native_pool is not None and cfg.routing.fallback_to_native:
                 self.failovers += 1
@@ -572,9 +607,10 @@ class LowLatencyRun:
                 return False
             raise DecodeNodeError(err.node, 502, "no_node_to_continue", f"decode node {err.node} failed ({err.code}: {err.message}) "
                                   f"and no other node could take the request: {exc}") from None
+        self.timeline.upto("queue_wait", node=lease.node.name, retry=True)
         self.failovers += 1
         self.state.metrics.failovers.labels(cause).inc()
-        self.attempt = NodeAttempt(self.state, lease, self.request_id, len(self.plan.prompt_ids) + tokens_sent)
+        self.attempt = self._attempt(lease, len(self.plan.prompt_ids) + tokens_sent)
         log.info("req=%s event=failover from=%s to=%s cause=%s", self.request_id, err.node, lease.node.name, cause)
         return True
 

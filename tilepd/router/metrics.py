@@ -35,6 +35,9 @@ class RouterMetrics:
                                             buckets=_HOLD_BUCKETS, registry=r)
         pool.on_release = self.lease_hold_seconds.observe
         self.completion_tokens = Counter("tilepd_router_completion_tokens", "Tokens generated (low-latency pool)", registry=r)
+        # the request timeline (timeline.py), one observation per phase a request went through (repeats summed)
+        self.phase_seconds = Histogram("tilepd_router_phase_seconds", "Time per request in each phase of its timeline, by route",
+                                       ["phase", "route"], buckets=_LATENCY_BUCKETS, registry=r)
         self.failovers = Counter("tilepd_router_failovers", "Requests moved to another node after a decode-node fault, by cause", ["cause"], registry=r)
         self.decode_errors = Counter("tilepd_router_decode_errors", "Decode node errors by node and code", ["node", "code"], registry=r)
         self.breaker = Counter("tilepd_router_breaker_transitions", "Decode nodes leaving (open) or rejoining (closed) rotation", ["node", "state"], registry=r)

@@ -10,13 +10,14 @@ and streams the decode instance's bytes back untouched.
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.state import RouterState
+from tilepd.router.timeline import Timeline
 from tilepd.router.upstream import UpstreamError, UpstreamStream
 
 # what stock vLLM's NixlConnector producer expects on a prefill that a remote decode continues
@@ -25,8 +26,10 @@ DO_REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "server", "date"})
 
 
-async def native_stream(state: RouterState, path: str, body: dict[str, Any], request_id: str) -> UpstreamStream:
-    """Prefill on a native prefill instance, then open the request on a native decode instance; its response, unread."""
+async def native_stream(state: RouterState, path: str, body: dict[str, Any], request_id: str,
+                        timeline: Timeline | None = None) -> UpstreamStream:
+    """Prefill on a native prefill instance, then open the request on a native decode instance; its response, unread.
+    With `timeline`, the prefill call is its `native_prefill` phase (the decode's is the caller's to close)."""
     prefill_url, decode_url = state.next_native_urls()
     body = dict(body)
     body["model"] = state.config.served_model_name
@@ -35,12 +38,16 @@ async def native_stream(state: RouterState, path: str, body: dict[str, Any], req
     prefill_body.pop("stream_options", None)
     if "max_completion_tokens" in prefill_body:
         prefill_body["max_completion_tokens"] = 1
-    up_headers = {"x-request-id": request_id}
+    up_headers = {"x-request-id": request_id, **(timeline.trace_headers if timeline is not None else {})}
     try:
         resp = await state.client.request("POST", f"{prefill_url}{path}", body=prefill_body, headers=up_headers)
     except UpstreamError as exc:
+        if timeline is not None:
+            timeline.upto("native_prefill")
         raise RouterError(502, f"native prefill {prefill_url} unreachable: {exc}", type="prefill_error",
                           code="prefill_unreachable") from exc
+    if timeline is not None:
+        timeline.upto("native_prefill", url=prefill_url)
     if resp.status != 200:
         raise PassThroughError(resp.status, resp.content, resp.headers.get("content-type", "application/json"))
     try:
@@ -59,27 +66,49 @@ async def native_stream(state: RouterState, path: str, body: dict[str, Any], req
                           code="native_decode_unreachable") from exc
 
 
-async def serve_native(state: RouterState, path: str, body: dict[str, Any], request_id: str, headers: dict[str, str]) -> Response:
-    """Prefill then decode on the native pool; returns the decode instance's response (streamed when asked)."""
+async def serve_native(state: RouterState, path: str, body: dict[str, Any], request_id: str, headers: dict[str, str],
+                       timeline: Timeline | None = None, on_done: Callable[[int, str], None] | None = None) -> Response:
+    """Prefill then decode on the native pool; returns the decode instance's response (streamed when asked).
+    `on_done(status, outcome)` is called after the last byte (a stream: when the relay ends), `timeline` gets the phases
+    (`native_prefill`, `native_decode`) and sets the response's `Server-Timing` (a stream's: the prefill only)."""
     body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # clients never set these
-    dresp = await native_stream(state, path, body, request_id)
+    dresp = await native_stream(state, path, body, request_id, timeline)
     out_headers = {k: v for k, v in dresp.headers.items() if k.lower() not in _HOP_HEADERS}
     out_headers.update(headers)
     if not body.get("stream"):
         try:
             raw = await dresp.aread()
         except UpstreamError as exc:
+            if timeline is not None:
+                timeline.upto("native_decode")
             raise RouterError(502, f"native decode broke off: {exc}", type="decode_node_error",
                               code="native_decode_broken") from exc
         finally:
             await dresp.aclose()
+        if timeline is not None:
+            timeline.upto("native_decode")
+        if on_done is not None:
+            on_done(dresp.status, "ok")
+        if timeline is not None:
+            out_headers["server-timing"] = timeline.server_timing()
         return Response(raw, status_code=dresp.status, headers=out_headers)
+    if timeline is not None:
+        out_headers["server-timing"] = timeline.server_timing(partial=True)
 
     async def relay() -> AsyncIterator[bytes]:
+        outcome = "disconnected"
         try:
             async for chunk in dresp.chunks():
                 yield chunk
+            outcome = "ok"
+        except UpstreamError:
+            outcome = "error:native_decode_broken"
+            raise
         finally:
+            if timeline is not None:
+                timeline.upto("native_decode")
+            if on_done is not None:
+                on_done(dresp.status, outcome)
             state.spawn(dresp.aclose())  # no await here: this may run inside a cancelled request
 
     return StreamingResponse(relay(), status_code=dresp.status, headers=out_headers)

@@ -27,6 +27,7 @@ class RouterState:
     keys: ApiKeys
     # the deployment secret (tilepd.auth): transfer tokens and decode-node credentials derive from it
     node_secret: bytes | None = None
+    tracing: Any = None  # tilepd.router.tracing.Tracing when an OTLP collector is configured
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     _prefill_cycle: Any = None
     _native_prefill_cycle: Any = None

@@ -151,6 +151,11 @@ class Router(HostBase):
     request_timeout_s: float = Field(default=600.0, gt=0, description="Upper bound of one request, end to end.")
     routing: Routing = Field(default_factory=Routing, description="Routing policy.")
     api_key: ApiKey | None = Field(default=None, description="API-key source; no key = no authentication.")
+    otlp_endpoint: str | None = Field(
+        default=None, pattern=r"^https?://[^\s/]+(/\S*)?$",
+        description="OpenTelemetry collector (OTLP over HTTP, e.g. `http://collector:4318`; `/v1/traces` is added when no path is given): "
+        "the router exports one trace per request (its timeline's phases as spans). Unset = no tracing.",
+    )
 
 
 class KvCacheDtypes(_Model):
