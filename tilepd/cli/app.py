@@ -35,6 +35,7 @@ VERB_MODULES: dict[str, str] = {
     "drain": "tilepd.cli.drain_cmds",
     "undrain": "tilepd.cli.drain_cmds",
     "capacity": "tilepd.cli.capacity_cmds",
+    "trace": "tilepd.cli.trace_cmds",
 }
 
 

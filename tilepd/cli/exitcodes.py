@@ -17,3 +17,4 @@ class ExitCode(IntEnum):
     NOT_AVAILABLE = 8  # the verb exists but this build does not implement it yet
     PREFLIGHT = 9  # `tilepd doctor`: a required preflight check failed on a host (check id, evidence, fix printed)
     NOT_DRAINED = 10  # `tilepd drain`: the node was still busy when --timeout ran out (it stays draining)
+    NOT_FOUND = 11  # `tilepd trace`: no log line names that request id (or its final line is not written yet)

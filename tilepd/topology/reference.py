@@ -32,6 +32,7 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.NOT_AVAILABLE: "the verb exists but this build does not implement it yet",
     ExitCode.PREFLIGHT: "`tilepd doctor`: a required preflight check failed on a host (check id, evidence, fix and runbook printed)",
     ExitCode.NOT_DRAINED: "`tilepd drain`: the node was still busy when `--timeout` ran out (it stays draining; run drain again or undrain)",
+    ExitCode.NOT_FOUND: "`tilepd trace`: no router log line names that request id, or its final line is not written yet (still running, or the log rotated away)",
 }
 
 SCHEMA_RULES = {
