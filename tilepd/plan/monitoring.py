@@ -70,6 +70,8 @@ PANELS: list[tuple[str, str, list[dict[str, str]]]] = [
      [_q(f'sum by (route) (rate(tilepd_router_responses_total{{tilepd_deployment="$deployment", status="429"}}{RATE}))', "{{route}}")]),
     ("Time to first token (low-latency pool)", "s", _quantiles("tilepd_router_ttft_seconds")),
     ("Request time by route", "s", _quantiles("tilepd_router_request_seconds", "route")),
+    ("Request time by phase (p99; tilepd trace REQUEST_ID explains one)", "s",
+     [_q(f"histogram_quantile(0.99, sum by (le, phase) (rate(tilepd_router_phase_seconds_bucket{SEL}{RATE})))", "{{phase}}")]),
     ("Queue wait for a decode node", "s", _quantiles("tilepd_router_lease_wait_seconds")),
     ("Lease hold (decode node service time)", "s", _quantiles("tilepd_router_lease_hold_seconds")),
     ("Queue depth", "short", [_q(f"sum(tilepd_router_queue_depth{SEL})", "waiting")]),

@@ -161,6 +161,8 @@ class Timeline:
                 parts.append(f"node_tokens={int(s.attrs.get('tokens', 0))} tokens_per_s={float(s.attrs['tokens_per_s']):.1f}")
         if self.details:
             parts.append("detail=" + ",".join(f"{k}:{v:.1f}" for k, v in self.details.items()))
+        if "trace_id" in self.attrs:
+            parts.append(f"trace_id={self.attrs['trace_id']}")
         return " ".join(parts)
 
     def server_timing(self, *, partial: bool = False) -> str:
