@@ -103,3 +103,45 @@ def test_done_line_reports_the_node_phases(slow_node, caplog) -> None:
     assert t["node_ms"] >= t["wait_ms"] + t["queue_ms"] + t["convert_ms"] + t["inject_ms"] + t["decode_ms"] - 0.5
     done = [r.getMessage() for r in caplog.records if "event=decode_done transfer_id=tx-t " in r.getMessage()]
     assert len(done) == 1 and " req=req-t1 " in done[0] and " transfer_ms=" in done[0]
+
+
+def test_node_exports_its_phases_into_the_callers_trace(slow_node) -> None:
+    """With a traceparent, the node's phases become spans under it. Exporter: the OpenTelemetry SDK's
+    InMemorySpanExporter (this test's stand-in for a collector; the router's OTLP/HTTP export to a real receiver
+    is tested in tests/router/test_timeline.py and test_timeline_e2e.py)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tilepd.runtime.tracing import NodeTracing
+
+    svc, eng, base = slow_node
+    memory = InMemorySpanExporter()
+    svc.tracing = NodeTracing(None, "slow", exporter=memory)
+    try:
+        c = eng.config
+        layout = CacheLayout(kind="attn", num_layers=c.num_layers, block_size=16, num_heads=c.num_kv_heads,
+                             entry_width=2 * c.head_dim, dtype="float32", head_size_k=c.head_dim, head_size_v=c.head_dim)
+        prompt = [3, 14, 15, 92, 65]
+        first, layers = hf_prefill_kv(eng.model, prompt)
+        ecfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=svc.ctrl.port, http_port=1),),
+                                    transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
+        sender = KVSender(ecfg, layout, Buffer.from_array(wire_payload(layers, layout)))
+        assert sender.send(("127.0.0.1", svc.ctrl.port), "tx-o", "tok", len(prompt), 1, [0, layout.block_bytes]).ok
+        sender.close()
+        parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        body = {"transfer_id": "tx-o", "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 3,
+                "ignore_eos": True}
+        with httpx.Client(base_url=base, timeout=30) as cl:
+            lines = [json.loads(x) for x in cl.post("/v1/decode", json=body, headers={"traceparent": parent}).text.splitlines() if x]
+        assert lines[-1]["timings"]["traced"] == 1
+        svc.tracing.provider.force_flush()
+        spans = {s.name: s for s in memory.get_finished_spans()}
+        group = spans["tilepd.decode_node"]
+        assert format(group.context.trace_id, "032x") == "4bf92f3577b34da6a3ce929d0e0e4736"
+        assert format(group.parent.span_id, "016x") == "00f067aa0ba902b7"
+        for name in ("kv_wait", "convert", "inject", "decode"):
+            assert spans[name].parent.span_id == group.context.span_id, name
+        assert spans["decode"].attributes["tilepd.tokens"] == 3
+        assert dict(group.resource.attributes)["service.name"] == "tilepd-decode"
+    finally:
+        svc.tracing.shutdown()
+        svc.tracing = None

@@ -230,6 +230,7 @@ class _Planner:
             cuda_graphs=node.cuda_graphs and not cpu,
             allowed_senders=tuple(sorted({p.address for p in self.topo.prefill})),
             secret_file=self.secret(node, "deployment", DEPLOYMENT_SECRET_ENV),
+            otlp_endpoint=self.topo.router.otlp_endpoint,
         )
         name = f"decode-{node.name}"
         config_file = f"{self.base_of(node)}/config/{name}.json"

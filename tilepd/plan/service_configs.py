@@ -67,6 +67,8 @@ class DecodeServerConfig(_Strict):
     # the deployment secret (tilepd.auth): None = unauthenticated (dev runs; the node warns at start)
     secret_file: Path | None = None
     log_file: Path | None = None
+    # OpenTelemetry collector (OTLP/HTTP): the node's phases as spans in the router's trace (tilepd/runtime/tracing.py); off when None
+    otlp_endpoint: str | None = Field(default=None, min_length=1, max_length=500)
 
 
 class ConnectorExtraConfig(_Strict):

@@ -108,6 +108,8 @@ class Timeline:
     def node_stretch(self, start: float, end: float, timings: dict[str, Any] | None, **attrs: Any) -> None:
         """The decode stretch [start, end] on the router's clock, split with the node's reported phases; the rest is relay."""
         t = start
+        if timings and timings.get("traced"):
+            self.attrs["node_traced"] = True  # the node exported its own spans (tilepd/runtime/tracing.py)
         if not timings:  # no done line (the router stopped the decode: stop string, client gone, error): the router's view only
             self.add("decode", start, end, measured_by="router", **attrs)
             return

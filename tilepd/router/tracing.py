@@ -4,9 +4,11 @@ One trace per request: a root span `tilepd.request` (the router's whole request,
 W3C `traceparent` when it sent one) with one child span per timeline phase (tilepd/router/timeline.py). The
 router sends the root span's `traceparent` to vLLM (prefill, native pool) and to the decode node, so a vLLM
 started with `--otlp-traces-endpoint` puts its own spans in the same trace and the node logs the trace id.
-The node's phases (kv_wait, node_queue, convert, inject, decode) come from the timings the node returns and
-are exported by the router as children of a `tilepd.decode_node` span (attribute `tilepd.reported_by=node`):
-the node itself runs no exporter.
+The node's phases (kv_wait, node_queue, convert, inject, decode) are exported by the node itself when it has a
+collector too (`DecodeServerConfig.otlp_endpoint`, tilepd/runtime/tracing.py; its final timings then say `traced`);
+for a node that does not trace, the router exports them from the timings the node returned, as children of a
+`tilepd.decode_node` span (attribute `tilepd.reported_by=node`). The connector (inside vLLM) exports nothing: its
+staging and wire times are in the prefill log (`tilepd trace` reads them).
 
 Export: the SDK's BatchSpanProcessor and OTLP/HTTP protobuf exporter (opentelemetry-sdk and
 opentelemetry-exporter-otlp-proto-http; vLLM depends on both, `pip install tilepd[tracing]` elsewhere). Spans
@@ -76,7 +78,10 @@ class Tracing:
         try:
             ctx = trace.set_span_in_context(root)
             node_parent = None
+            node_traced = bool(tl.attrs.get("node_traced"))
             for s in tl.spans:
+                if s.source == "node" and node_traced:
+                    continue  # the node exported these itself, in this trace
                 attrs = {f"tilepd.{k}": _attr(v) for k, v in s.attrs.items()}
                 attrs["tilepd.reported_by"] = s.source
                 parent_ctx = ctx

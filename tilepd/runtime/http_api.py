@@ -259,6 +259,7 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
                 return _error(400, "bad_parameter", f"first_token {body.first_token} is not allowed by the structured_output "
                               "constraint (the prefill must sample it under the same constraint)", "first_token")
         t_arrive = time.perf_counter()
+        arrived_ns = time.time_ns()
         try:
             transfer = svc.slot.reserve_for_decode(tid, body.token)
         except SlotError as exc:
@@ -322,6 +323,13 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
             if transfer_ms is not None:
                 timings["transfer_ms"] = transfer_ms
             timings["node_ms"] = (time.perf_counter() - t_arrive) * 1e3
+            traceparent = request.headers.get("traceparent")
+            if svc.tracing is not None and traceparent:
+                try:
+                    if svc.tracing.export(traceparent, arrived_ns, timings, tid, outcome.finish_reason):
+                        timings["traced"] = 1  # the router then leaves these phases out of its own export
+                except Exception as exc:  # noqa: BLE001 - tracing never fails a decode
+                    log.warning("event=tracing_error transfer_id=%s error=%r", tid, exc)
             svc.last = timings
             svc.metrics.requests.labels(outcome.finish_reason).inc()
             log.info("event=decode_done transfer_id=%s req=%s finish=%s %s", tid, rid, outcome.finish_reason, " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in timings.items()))

@@ -25,6 +25,7 @@ from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
 from tilepd.runtime.metrics import DecodeMetrics
 from tilepd.runtime.slot import Slot, Transfer
+from tilepd.runtime.tracing import make_node_tracing
 from tilepd.transport.base import Buffer, TransportReceiver
 from tilepd.transport.registry import make_receiver
 
@@ -89,6 +90,7 @@ class DecodeService:
         self.metrics = DecodeMetrics(self.slot, lambda: self.ctrl.frames_rejected)
         self.worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.last: dict[str, float] = {}
+        self.tracing = make_node_tracing(config.otlp_endpoint, config.name)  # None unless a collector is configured
         self._grammars: Any = None  # tilepd.engine.grammar.GrammarCompiler, built on the first constrained request
         self._grammars_lock = threading.Lock()
         self._stop = threading.Event()
@@ -134,6 +136,8 @@ class DecodeService:
         self.ctrl.close()
         self.receiver.close()
         self.worker.shutdown(wait=False, cancel_futures=True)
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def _reap(self) -> None:
         while not self._stop.wait(1.0):
