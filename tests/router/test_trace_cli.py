@@ -101,3 +101,28 @@ def test_trace_does_not_import_torch_or_vllm() -> None:
             "bad=[m for m in ('torch','vllm','ansible','opentelemetry') if m in sys.modules]; assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_trace_reads_a_deployments_logs_on_its_hosts(repo_root: Path, tmp_path: Path) -> None:
+    """The topology path: each service's log file (and its rotations) on its host, through the same shell `tilepd logs` uses."""
+    from tilepd.deploy.trace import trace_plan
+    from tilepd.plan import build_plan
+    from tilepd.topology import load_topology
+
+    text = (repo_root / "topology_examples" / "local.yaml").read_text()
+    topo = tmp_path / "t.yaml"
+    topo.write_text(text.replace("base_dir: ~/.local/state/tilepd/local", f"base_dir: {tmp_path / 'base'}", 1))
+    plan = build_plan(load_topology(topo))
+    services = {s.role: s for h in plan.hosts for s in h.services}
+    for role, lines in (("router", ROUTER), ("decode", NODE), ("prefill", PREFILL)):
+        log = Path(services[role].log_file)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("\n".join(lines[1:]) + "\n")
+        Path(f"{log}.1").write_text(lines[0] + "\n")  # a rotation, read first
+    tr, problems = trace_plan(RID, plan)
+    assert problems == [] and tr.found
+    t = tr.to_json()
+    assert t["total_ms"] == 512.3 and t["nodes"][0]["decode"] == 150.0 and t["connector"][0]["wire_ms"] == 7.5
+    assert [e["event"] for e in t["events"]] == ["node_fault", "failover", "done"]
+    tr, problems = trace_plan("req-nope", plan)
+    assert not tr.found and problems == []
