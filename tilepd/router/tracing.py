@@ -37,7 +37,6 @@ class Tracing:
     """The router's tracer provider and exporter; `exporter` replaces the OTLP one (tests: InMemorySpanExporter)."""
 
     def __init__(self, endpoint: str | None, service_name: str = "tilepd-router", exporter: Any = None) -> None:
-        from opentelemetry.propagators.textmap import DefaultGetter  # noqa: F401 - fail here, at startup, if absent
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
