@@ -111,6 +111,7 @@ def test_request_id_is_made_safe_for_log_lines() -> None:
 class Fakes:
     def __init__(self) -> None:
         self.headers: list[tuple[str, dict[str, str]]] = []  # (what, headers) of each upstream call
+        self.failed: set[str] = set()
 
 
 def _fake_prefill(fakes: Fakes) -> FastAPI:
@@ -167,6 +168,11 @@ def _fake_node(fakes: Fakes) -> FastAPI:
     async def decode(request: Request) -> Any:
         body = await request.json()
         fakes.headers.append(("node", dict(request.headers)))
+        rid = request.headers.get("x-request-id", "")
+        if rid.startswith("fail-once") and rid not in fakes.failed:  # the first try on this node: not ready (retry elsewhere)
+            fakes.failed.add(rid)
+            await asyncio.sleep(0.02)
+            return JSONResponse({"error": {"code": "not_ready", "message": "decode node is starting"}}, status_code=503)
         n = int(body["max_tokens"])
         if not body.get("stream", True):
             return {"tokens": [101], "finish_reason": "length", "completion_tokens": 1, "timings": {}}
@@ -292,6 +298,18 @@ def test_a_forced_fallback_shows_its_reason(router: Any, caplog: pytest.LogCaptu
     assert st["total"]["dur"] == pytest.approx(client_ms, rel=0.05, abs=30)  # in process; a loaded 2-core box adds thread hops
     line = _done_line(caplog, "tl-3")
     assert "route=native reason=unsupported:n" in line and "fallback=unsupported:n" in line
+
+
+def test_a_retry_shows_its_node_cause_and_time(router: Any, caplog: pytest.LogCaptureFixture) -> None:
+    r = router.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4}, headers={"x-request-id": "fail-once-1"})
+    assert r.status_code == 200, r.text
+    st = parse_server_timing(r.headers["server-timing"])
+    assert st["failed_attempt"]["dur"] >= 20 and st["failed_attempt"]["desc"] == "d0 not_ready"
+    assert st["prefill"]["dur"] >= 2 * PREFILL_S * 1e3  # the prefill ran again for the second try
+    line = _done_line(caplog, "fail-once-1")
+    assert "retries=d0:not_ready " in line and "failovers=1" in line and len(re.search(r" transfers=(\S+)", line).group(1).split(",")) == 2
+    phases = parse_log_timeline(re.search(r" timeline=(\S+)", line).group(1))
+    assert phases["other"] == pytest.approx(0.0, abs=0.2) and phases["queue_wait"] >= 0
 
 
 def test_traceparent_goes_down_and_the_spans_reach_an_otlp_receiver(tiny_llama: Path, fakes: tuple[Fakes, _Served, _Served]) -> None:

@@ -172,8 +172,10 @@ class Timeline:
         items = []
         phases = self.phases_ms()
         other = phases.pop("other")
+        causes = [f"{s.attrs.get('node', '?')} {s.attrs.get('cause', '?')}" for s in self.spans if s.name == "failed_attempt"]
         for name, ms in phases.items():
-            items.append(f"{_token(name)};dur={ms:.1f}")
+            desc = f';desc="{_quoted("; ".join(causes))}"' if name == "failed_attempt" and causes else ""
+            items.append(f"{_token(name)};dur={ms:.1f}{desc}")
         if not partial:
             if abs(other) >= 0.05:
                 items.append(f"other;dur={other:.1f}")
