@@ -203,15 +203,18 @@ def _systemctl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _systemd_state(spec: ServiceSpec) -> dict[str, Any]:
-    """Run state of the service's systemd unit."""
+    """Run state of the service's systemd unit; `restarts`: systemd's NRestarts, how often Restart=on-failure
+    brought it back since it was last started on purpose (`up`, `systemctl start/restart` reset it)."""
     props: dict[str, str] = {}
     try:
-        out = _systemctl("show", "-p", "ActiveState", "-p", "MainPID", str(spec.unit)).stdout
+        out = _systemctl("show", "-p", "ActiveState", "-p", "MainPID", "-p", "NRestarts", str(spec.unit)).stdout
         props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     except (OSError, subprocess.TimeoutExpired):
         pass
     pid = int(props.get("MainPID", "0") or 0)
-    return {"running": props.get("ActiveState") in ("active", "activating", "reloading"), "pid": pid or None}
+    restarts = props.get("NRestarts", "")
+    return {"running": props.get("ActiveState") in ("active", "activating", "reloading"), "pid": pid or None,
+            "restarts": int(restarts) if restarts.isdigit() else None}
 
 
 def _write_state(spec: ServiceSpec, pid: int) -> None:
@@ -237,9 +240,10 @@ def _write_state(spec: ServiceSpec, pid: int) -> None:
 
 def status(spec: ServiceSpec) -> dict[str, Any]:
     state = _read_state(spec)
+    restarts = None  # process mode: nothing restarts a service but `up`
     if spec.mode == "systemd":
         sd = _systemd_state(spec)
-        running, pid = sd["running"], sd["pid"]
+        running, pid, restarts = sd["running"], sd["pid"], sd["restarts"]
     else:
         running = _alive(state)
         pid = int(state["pid"]) if running and state else None
@@ -248,6 +252,7 @@ def status(spec: ServiceSpec) -> dict[str, Any]:
         "name": spec.name,
         "running": running,
         "pid": pid,
+        "restarts": restarts,
         "config_hash": state.get("config_hash") if state else None,
         "hash_matches": bool(state and state.get("config_hash") == spec.config_hash),
         "tilepd_version": state.get("tilepd_version") if state else None,

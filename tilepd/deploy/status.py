@@ -30,6 +30,8 @@ class ServiceStatus:
     role: str
     run: str  # running | stopped | crashed (orphans) | not deployed | unreachable | unknown
     pid: int | None = None
+    # systemd mode: how often systemd restarted the service on its own (Restart=on-failure) since `up` started it
+    restarts: int | None = None
     healthy: bool = False
     health: str = ""
     figures: dict[str, Any] = field(default_factory=dict)
@@ -81,7 +83,7 @@ def _one(plan: Plan, host: HostPlan, svc: Service, state: dict[str, Any]) -> Ser
     else:
         # crashed: the main process died and others of its group hold on (`tilepd up` ends them and restarts)
         run = "running" if state.get("running") else ("crashed (orphans)" if state.get("orphans") else "stopped")
-    st = ServiceStatus(host=host.name, service=svc.name, role=svc.role, run=run, pid=state.get("pid"))
+    st = ServiceStatus(host=host.name, service=svc.name, role=svc.role, run=run, pid=state.get("pid"), restarts=state.get("restarts"))
     st.healthy, st.health = probes.health(svc)
     if st.healthy:
         st.figures = probes.live_figures(svc)
@@ -159,11 +161,19 @@ def short_figure(st: ServiceStatus) -> str:
     return ""
 
 
+def restarts_text(st: ServiceStatus) -> str:
+    """` (N restarts)` when systemd restarted the service on its own (a crash it recovered from), else ''."""
+    if not st.restarts:
+        return ""
+    return f" ({st.restarts} restart{'' if st.restarts == 1 else 's'})"
+
+
 def state_text(st: ServiceStatus) -> str:
-    """The run state in one word or two: `crashed (orphans)` -> `crashed`, running with drift -> `drift`."""
+    """The run state in one word or two: `crashed (orphans)` -> `crashed`, running with drift -> `drift`;
+    `running (1 restart)` after systemd brought a crashed service back."""
     if st.run.startswith("crashed"):
         return "crashed"
-    return "drift" if st.run == "running" and st.drift else st.run
+    return ("drift" if st.run == "running" and st.drift else st.run) + restarts_text(st)
 
 
 def health_text(st: ServiceStatus) -> str:
@@ -182,7 +192,7 @@ def table(rows: list[ServiceStatus], *, wide: bool = False) -> Table:
         for col in ("run", "health", "live", "drift"):
             t.add_column(col, overflow="fold")
         for r in rows:
-            run = f"[green]running[/] ({r.pid})" if r.run == "running" else f"[red]{r.run}[/]"
+            run = (f"[green]running[/] ({r.pid})" if r.run == "running" else f"[red]{r.run}[/]") + escape(restarts_text(r))
             health = f"[green]{r.health}[/]" if r.healthy else f"[red]{r.health}[/]"
             t.add_row(r.host, r.service, r.role, run, health, figures_text(r), "[yellow]" + "; ".join(r.drift) + "[/]" if r.drift else "")
         return t
@@ -192,6 +202,6 @@ def table(rows: list[ServiceStatus], *, wide: bool = False) -> Table:
         t.add_column(col, no_wrap=True, min_width=max([len(col), *(len(c[i]) for c in cells)]))
     t.add_column("live", no_wrap=True, overflow="ellipsis")
     for r, (host, service, state, health, live) in zip(rows, cells):
-        color = "green" if state == "running" else ("yellow" if state == "drift" else "red")
+        color = "green" if r.run == "running" and not r.drift else ("yellow" if state.startswith("drift") else "red")
         t.add_row(escape(host), escape(service), f"[{color}]{escape(state)}[/]", f"[{'green' if r.healthy else ('yellow' if health == 'draining' else 'red')}]{escape(health)}[/]", escape(live))
     return t
