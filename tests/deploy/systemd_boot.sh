@@ -1,0 +1,63 @@
+#!/bin/bash
+# Boot systemd as PID 1 of a test host (tests/deploy/systemd_host.py), the way Molecule / systemd-nspawn
+# boot a container: new PID, mount, cgroup, UTS and IPC namespaces inside the host's network namespace.
+#
+#   systemd_boot.sh outer CGROUP NETNS LAB_ROOT UNITS   (root namespace, run by systemd_host.py)
+#   systemd_boot.sh inner LAB_ROOT UNITS                (PID 1 of the new namespaces; execs systemd)
+#
+# The booted systemd must never act on the machine: it sees its own tmpfs /tmp, /var/tmp, /run,
+# /etc/systemd/system and journal (the lab root is moved into the private /tmp at the same path), only
+# the units in UNITS (every *.wants directory and generator of the distribution is hidden, the rest
+# masked), a read-only /sys and /proc/sys (no sysctl, udev or module loading reaches the kernel), and a
+# cgroup2 tree rooted at CGROUP, a cgroup made for this host (no other hierarchy is mounted inside).
+set -euo pipefail
+
+case "$1" in
+outer)
+    cgroup=$2 netns=$3 lab=$4 units=$5
+    echo $$ >"$cgroup/cgroup.procs"  # the cgroup namespace made next is rooted here
+    exec ip netns exec "$netns" unshare --pid --fork --mount --cgroup --uts --ipc --propagation private \
+        bash "$0" inner "$lab" "$units"
+    ;;
+inner)
+    lab=$2 units=$3
+    ;;
+*)
+    echo "usage: $0 outer CGROUP NETNS LAB_ROOT UNITS" >&2
+    exit 2
+    ;;
+esac
+
+mount --make-rprivate /
+# private /run; the lab root (under the machine's /tmp) waits there while /tmp is replaced
+mount -t tmpfs -o mode=755,nosuid,nodev tmpfs /run
+mkdir /run/lab-root
+mount --bind "$lab" /run/lab-root
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /var/tmp
+mkdir -p "$lab"
+mount --move /run/lab-root "$lab"
+rmdir /run/lab-root
+if [ -d /var/log/journal ]; then mount -t tmpfs -o mode=2755 tmpfs /var/log/journal; fi
+
+# units: the lab's own, nothing the distribution enables
+mount -t tmpfs -o mode=755 tmpfs /etc/systemd/system
+cp -a "$units"/. /etc/systemd/system/
+for d in /usr/lib/systemd/system/*.wants /usr/lib/systemd/system/*.requires /usr/lib/systemd/system-generators \
+         /usr/local/lib/systemd/system-generators /etc/systemd/system-generators; do
+    if [ -d "$d" ]; then mount -t tmpfs -o ro,mode=755 tmpfs "$d"; fi
+done
+
+# kernel interfaces: this PID namespace's /proc, read-only /proc/sys and /sys, our cgroup subtree
+mount -t proc -o nosuid,nodev,noexec proc /proc
+for p in /proc/sys /proc/sysrq-trigger; do
+    if [ ! -e "$p" ]; then continue; fi
+    mount --bind "$p" "$p"
+    mount -o remount,bind,ro "$p"
+done
+umount -R /sys/fs/cgroup 2>/dev/null || true
+mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 /sys/fs/cgroup  # shows the cgroup namespace's root only
+mount -o remount,bind,ro /sys
+
+export container=tilepd-lab
+exec /usr/bin/systemd --system --unit=multi-user.target --log-target=console --log-level=notice
