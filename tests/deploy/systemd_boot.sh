@@ -60,4 +60,6 @@ mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 /sys/fs/cgroup  # shows the cgro
 mount -o remount,bind,ro /sys
 
 export container=tilepd-lab
-exec /usr/bin/systemd --system --unit=multi-user.target --log-target=console --log-level=notice
+# the manager's own lines ("Main process exited", "Scheduled restart job") go to the host's journal, as on
+# a real host (`journalctl -u UNIT`); before journald runs, and should it fail, to this script's output
+exec /usr/bin/systemd --system --unit=multi-user.target --log-target=journal --log-level=info

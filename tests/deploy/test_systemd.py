@@ -1,7 +1,10 @@
-"""systemd mode: the units the playbook installs pass `systemd-analyze verify`, carry the
-restart policy, env file and (for RDMA transports) unlimited locked memory; the
-playbook's systemd path runs in --check without touching /etc (systemd is not PID 1
-here, so units cannot be started in tests: process mode is what runs)."""
+"""systemd mode, statically: the units the playbook installs pass `systemd-analyze verify`, carry
+the restart policy, env file and (for RDMA transports) unlimited locked memory; the playbook's
+systemd path runs in --check without touching the machine's /etc.
+
+The units run for real in tests/deploy/test_systemd_pid1.py, on a test host booted with
+systemd as PID 1 (tests/deploy/systemd_host.py): up, health gate, idempotence, a restart by
+Restart=on-failure counted in `tilepd status`, down."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import pytest
 
 from tests.deploy import topo
 from tests.deploy.cli import tilepd
-from tilepd.deploy import deployment
+from tilepd.deploy import deployment, proc
+from tilepd.deploy.status import ServiceStatus, state_text
 
 
 def _systemd(data: dict) -> dict:
@@ -55,3 +59,17 @@ def test_systemd_playbook_path_in_check_mode_touches_nothing(tmp_path: Path) -> 
     assert r.changed() >= 1, r
     assert not Path("/etc/systemd/system/tilepd-router.service").exists()
     assert not Path(data["deployment"]["base_dir"]).exists()
+
+
+def test_status_reports_systemds_restart_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`proc status` of a unit reads NRestarts; the status table says `running (2 restarts)`."""
+    spec = proc.ServiceSpec(name="decode-d0", role="decode", argv=["true"], cwd=tmp_path, log_file=tmp_path / "l",
+                            pid_file=tmp_path / "decode-d0.pid", config_hash="sha256:x", mode="systemd", unit="tilepd-decode-d0.service")
+    shown = "ActiveState=active\nMainPID=4242\nNRestarts=2\n"
+    monkeypatch.setattr(proc, "_systemctl", lambda *a: subprocess.CompletedProcess(["systemctl", *a], 0, shown, ""))
+    st = proc.status(spec)
+    assert (st["running"], st["pid"], st["restarts"]) == (True, 4242, 2)
+    row = ServiceStatus(host="h", service="decode-d0", role="decode", run="running", pid=4242, restarts=st["restarts"])
+    assert state_text(row) == "running (2 restarts)"
+    assert state_text(ServiceStatus(host="h", service="s", role="router", run="running", restarts=0)) == "running"
+    assert state_text(ServiceStatus(host="h", service="s", role="router", run="running", restarts=1)) == "running (1 restart)"

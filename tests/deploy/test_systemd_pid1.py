@@ -1,0 +1,199 @@
+"""systemd mode for real: `tilepd up` with `services: systemd` on a host where systemd is PID 1.
+
+The host (tests/deploy/systemd_host.py) is a network namespace on 10.78.0.0/24 with systemd
+booted in its own PID, mount and cgroup namespaces, the way Molecule tests Ansible roles in a
+systemd container; its sshd is a unit, so the deploy goes over SSH as to any host. The
+topology's decode node d0 and the router run there as units; its prefill names 10.78.0.12, a
+host that is never booted, and every run is `--limit 10.78.0.11` (vLLM would take minutes of
+this 2-core box; the unit path is the same for it).
+
+Shown: the health gate passes and the units are active; a second `up` changes nothing (same
+MainPID, no restart); SIGKILL of the decode node's main process is undone by systemd
+(Restart=on-failure) and `tilepd status` counts the restart; `down` stops, disables and removes
+the units; the host powers off and nothing of it is left.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.deploy import topo
+from tests.deploy.cli import Run, processes_mentioning, tilepd
+from tests.deploy import netns
+from tests.deploy.stack import missing_stack_piece
+from tests.deploy.systemd_host import CGROUP2, SystemdLab, missing_systemd_prerequisites
+
+pytestmark = pytest.mark.slow
+
+HOST, UNBOOTED = "10.78.0.11", "10.78.0.12"
+DECODE_UNIT, ROUTER_UNIT = "tilepd-decode-d0.service", "tilepd-router.service"
+UNITS = (DECODE_UNIT, ROUTER_UNIT)
+
+
+@dataclass
+class Deployed:
+    lab: SystemdLab
+    host: netns.TestHost  # (not imported by name: pytest would try to collect a Test* class)
+    root: Path
+    file: Path
+    first: Run
+    down: Run | None = None
+
+    def run(self, *args: str) -> Run:
+        return tilepd(self.root / "home", *args)
+
+    def up(self) -> Run:
+        return self.run("up", str(self.file), "-y", "--limit", HOST)
+
+    def status(self) -> dict[str, dict]:
+        r = self.run("status", str(self.file), "--json")
+        return {s["service"]: s for s in r.json()["services"]}
+
+    def units(self) -> dict[str, dict[str, str]]:
+        props = ("ActiveState", "SubState", "MainPID", "NRestarts", "UnitFileState", "ExecMainStartTimestampMonotonic")
+        return {u: self.lab.show(self.host, u, *props) for u in UNITS}
+
+    def host_path(self, path: str) -> Path:
+        """A path as the booted host sees it (its own /etc/systemd/system, /run, /tmp)."""
+        return Path(f"/proc/{self.lab.init_pid(self.host)}/root") / path.lstrip("/")
+
+
+def _topology(root: Path, key: Path) -> dict:
+    t = topo.lab_topology(root, key, name="t-sd-pid1")
+    t["deployment"]["services"] = "systemd"
+    base = str(root / "hosts" / "sd")  # one host, one base_dir
+    t["decode"][0].update(address=HOST, base_dir=base)
+    t["router"].update(address=HOST, base_dir=base)
+    t["prefill"][0]["address"] = UNBOOTED
+    return t
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
+    why = missing_systemd_prerequisites() or missing_stack_piece(prefill=False)
+    if why:
+        pytest.skip(f"systemd test host unavailable: {why}")
+    root = tmp_path_factory.mktemp("sd-pid1")
+    lab = SystemdLab(root=root)
+    d = None
+    try:
+        t0 = time.monotonic()
+        lab.start()
+        print(f"boot + ssh: {time.monotonic() - t0:.1f}s")
+        file = topo.write(_topology(root, lab.client_key), root / "sd.yaml")
+        d = Deployed(lab, lab.hosts[0], root, file, Run([], 0, "", ""))
+        t0 = time.monotonic()
+        d.first = d.up()
+        print(f"first up: {time.monotonic() - t0:.1f}s")
+        assert d.first.rc == 0, d.first
+        yield d
+    finally:
+        try:
+            if d is not None and d.down is None:
+                d.down = d.run("down", str(d.file), "-y", "--limit", HOST)
+                assert d.down.rc == 0, d.down
+        finally:
+            lab.stop()
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert f"{lab.name_prefix}-{lab.tag}-" not in listed and not (CGROUP2 / f"tilepd-lab-{lab.tag}").exists()
+            assert processes_mentioning(str(root)) == []
+
+
+def _health_gates(d: Deployed) -> dict[str, bool]:
+    """{task item: healthy} of the health-gate tasks in the newest ansible-runner run (its job events)."""
+    runs = sorted((d.root / "home").glob("*/runner/artifacts/*"), key=lambda p: p.stat().st_mtime)
+    gates = {}
+    for f in sorted((runs[-1] / "job_events").glob("*.json")):
+        ev = json.loads(f.read_text())
+        data = ev.get("event_data", {})
+        if ev.get("event") in ("runner_item_on_ok", "runner_on_ok") and str(data.get("task", "")).startswith("health gate: "):
+            res = data.get("res", {})
+            for item in res.get("results", [res]):  # one event per loop item, and the task's with every item
+                if "stdout" in item:
+                    gates[f"{data['task']} {item['item']['name']}"] = json.loads(item["stdout"])["healthy"]
+    return gates
+
+
+def test_up_passes_the_health_gate_with_active_units(sd: Deployed) -> None:
+    assert sd.first.changed() > 0, sd.first
+    assert _health_gates(sd) == {"health gate: decode decode-d0": True, "health gate: router router": True}
+    units = sd.units()
+    for unit, props in units.items():
+        assert (props["ActiveState"], props["SubState"], props["UnitFileState"]) == ("active", "running", "enabled"), (unit, props)
+        assert props["NRestarts"] == "0" and int(props["MainPID"]) > 0
+        text = sd.host_path(f"/etc/systemd/system/{unit}").read_text()
+        assert "Restart=on-failure" in text and "KillMode=control-group" in text
+    assert not Path(f"/etc/systemd/system/{DECODE_UNIT}").exists()  # the machine's own /etc is untouched
+    assert sd.lab.systemctl(sd.host, "is-system-running", check=False).stdout.strip() == "running"
+    rows = sd.status()
+    for name in ("decode-d0", "router"):
+        row = rows[name]
+        assert (row["host"], row["run"], row["healthy"], row["restarts"]) == (HOST, "running", True, 0), row
+        assert str(row["pid"]) == units[f"tilepd-{name}.service"]["MainPID"]  # systemd's MainPID, read over SSH
+    assert rows["prefill-p0"]["run"] == "unreachable"  # never booted: --limit kept the deploy off it
+
+
+def test_second_up_changes_nothing(sd: Deployed) -> None:
+    before = sd.units()
+    t0 = time.monotonic()
+    again = sd.up()
+    print(f"second up: {time.monotonic() - t0:.1f}s")
+    assert again.rc == 0 and again.changed() == 0, again
+    assert sd.units() == before
+
+
+def test_systemd_restarts_a_killed_decode_node_and_status_counts_it(sd: Deployed) -> None:
+    old = sd.lab.show(sd.host, DECODE_UNIT, "MainPID")["MainPID"]
+    t0 = time.monotonic()
+    kill = sd.lab.run_in(sd.host, "kill", "-KILL", old)  # a crash, not a stop: systemd did not ask for it
+    assert kill.returncode == 0, kill.stderr
+    deadline = time.monotonic() + 60
+    while True:
+        props = sd.lab.show(sd.host, DECODE_UNIT, "ActiveState", "MainPID", "NRestarts", "Result")
+        if props["NRestarts"] == "1" and props["ActiveState"] == "active" and props["MainPID"] not in ("0", old):
+            break
+        assert time.monotonic() < deadline, props
+        time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while not (row := sd.status()["decode-d0"])["healthy"]:
+        assert time.monotonic() < deadline, row
+        time.sleep(1)
+    print(f"killed -> restarted and healthy: {time.monotonic() - t0:.1f}s")
+    assert (row["run"], row["restarts"], str(row["pid"])) == ("running", 1, props["MainPID"]), row
+    table = sd.run("status", str(sd.file))
+    line = next(line for line in table.stdout.splitlines() if "decode-d0" in line)
+    assert "running (1 restart)" in line, table
+    wide = sd.run("status", str(sd.file), "--wide")
+    assert f"running ({props['MainPID']}) (1 restart)" in wide.stdout, wide
+    log = sd.lab.run_in(sd.host, "journalctl", "-u", DECODE_UNIT, "--no-pager", "-o", "cat").stdout
+    assert "Main process exited, code=killed, status=9/KILL" in log, log[-2000:]
+    logs = sd.run("logs", str(sd.file), "--role", "decode", "-n", "5")  # journald's lines, over SSH
+    assert logs.rc == 0 and logs.stdout.splitlines(), logs
+    assert all(line.startswith(f"{HOST}/decode-d0 | ") for line in logs.stdout.splitlines()), logs
+    # a service systemd brought back runs the same config: `up` leaves it alone
+    again = sd.up()
+    assert again.rc == 0 and again.changed() == 0, again
+    assert sd.lab.show(sd.host, DECODE_UNIT, "MainPID", "NRestarts") == {"MainPID": props["MainPID"], "NRestarts": "1"}
+
+
+def test_down_stops_and_removes_the_units(sd: Deployed) -> None:
+    t0 = time.monotonic()
+    sd.down = sd.run("down", str(sd.file), "-y", "--limit", HOST)
+    print(f"down: {time.monotonic() - t0:.1f}s")
+    assert sd.down.rc == 0, sd.down
+    for unit in UNITS:
+        props = sd.lab.show(sd.host, unit, "ActiveState", "LoadState")
+        assert props == {"ActiveState": "inactive", "LoadState": "not-found"}, (unit, props)
+        assert not sd.host_path(f"/etc/systemd/system/{unit}").exists()
+        assert not sd.host_path(f"/etc/systemd/system/multi-user.target.wants/{unit}").exists()
+    # what still runs in the host is its own: unshare (the parent of its PID 1), systemd, journald, sshd
+    comms = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in sd.lab.cgroup_pids() if Path(f"/proc/{pid}/comm").exists()}
+    assert comms <= {"unshare", "systemd", "systemd-journal", "sshd", "sshd-session"}, comms
+    assert processes_mentioning(str(sd.root / "hosts")) == []
