@@ -79,19 +79,25 @@ def test_cancel_within_one_step(slow_node) -> None:
     assert svc.slot.snapshot()["state"] == "free"
 
 
-def test_done_line_reports_the_node_phases(slow_node, caplog) -> None:
-    """The final `timings` carry the node's phases in order (the router's timeline places them; INTERFACES §4)."""
-    svc, eng, base = slow_node
+def _land_prompt_kv(svc, eng, prompt: list[int], transfer_id: str) -> int:
+    """Send HF's prefill KV of `prompt` to the node over tcp, as the connector would; returns the first token."""
     c = eng.config
     layout = CacheLayout(kind="attn", num_layers=c.num_layers, block_size=16, num_heads=c.num_kv_heads, entry_width=2 * c.head_dim,
                          dtype="float32", head_size_k=c.head_dim, head_size_v=c.head_dim)
-    prompt = [3, 14, 15, 92, 65]
     first, layers = hf_prefill_kv(eng.model, prompt)
     ecfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=svc.ctrl.port, http_port=1),),
                                 transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
     sender = KVSender(ecfg, layout, Buffer.from_array(wire_payload(layers, layout)))
-    assert sender.send(("127.0.0.1", svc.ctrl.port), "tx-t", "tok", len(prompt), 1, [0, layout.block_bytes]).ok
+    assert sender.send(("127.0.0.1", svc.ctrl.port), transfer_id, "tok", len(prompt), 1, [0, layout.block_bytes]).ok
     sender.close()
+    return first
+
+
+def test_done_line_reports_the_node_phases(slow_node, caplog) -> None:
+    """The final `timings` carry the node's phases in order (the router's timeline places them; INTERFACES §4)."""
+    svc, eng, base = slow_node
+    prompt = [3, 14, 15, 92, 65]
+    first = _land_prompt_kv(svc, eng, prompt, "tx-t")
     caplog.set_level("INFO", logger="tilepd.runtime.http")
     body = {"transfer_id": "tx-t", "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 4, "ignore_eos": True}
     with httpx.Client(base_url=base, timeout=30) as cl:
@@ -117,16 +123,8 @@ def test_node_exports_its_phases_into_the_callers_trace(slow_node) -> None:
     memory = InMemorySpanExporter()
     svc.tracing = NodeTracing(None, "slow", exporter=memory)
     try:
-        c = eng.config
-        layout = CacheLayout(kind="attn", num_layers=c.num_layers, block_size=16, num_heads=c.num_kv_heads,
-                             entry_width=2 * c.head_dim, dtype="float32", head_size_k=c.head_dim, head_size_v=c.head_dim)
         prompt = [3, 14, 15, 92, 65]
-        first, layers = hf_prefill_kv(eng.model, prompt)
-        ecfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=svc.ctrl.port, http_port=1),),
-                                    transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
-        sender = KVSender(ecfg, layout, Buffer.from_array(wire_payload(layers, layout)))
-        assert sender.send(("127.0.0.1", svc.ctrl.port), "tx-o", "tok", len(prompt), 1, [0, layout.block_bytes]).ok
-        sender.close()
+        first = _land_prompt_kv(svc, eng, prompt, "tx-o")
         parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
         body = {"transfer_id": "tx-o", "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 3,
                 "ignore_eos": True}
