@@ -28,13 +28,15 @@ def _merge_bomb(levels: int = 8) -> str:
 
 
 @pytest.mark.parametrize("text", [_laughs(), _merge_bomb()], ids=["billion-laughs", "merge-keys"])
-def test_alias_bomb_is_refused_within_a_second(text: str) -> None:
+def test_alias_bomb_is_refused_before_it_expands(text: str) -> None:
+    """The proof is the bound's own message and flat memory; the CPU-time ceiling only catches a hang (unbounded,
+    these 1 KB files took over 30 s and 13 GB), so it is this process's CPU seconds, not wall time, and generous."""
     assert len(text.encode()) < 1100
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.monotonic()
+    start = time.process_time()
     with pytest.raises(TopologyFileError) as info:
         load_topology_text(text, "bomb.yaml")
-    assert time.monotonic() - start < 1.0
+    assert time.process_time() - start < 10.0
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) < 200_000  # KB: no blow-up
     assert f"YAML aliases expand to more than {MAX_ALIAS_VALUES} values" in str(info.value)
     assert info.value.line >= 1 and info.value.col >= 1
