@@ -57,10 +57,10 @@ def test_oversized_file_is_refused_without_reading_it_whole(tmp_path: Path) -> N
         load_topology(big)
     with pytest.raises(TopologyFileError, match="larger than a topology file may be"):
         load_topology_text(big.read_text(), str(big))
-    start = time.monotonic()
+    start = time.process_time()
     with pytest.raises(TopologyFileError, match="larger than"):
-        load_topology("/dev/zero")  # endless: only MAX_BYTES + 1 are read
-    assert time.monotonic() - start < 1.0
+        load_topology("/dev/zero")  # endless: only MAX_BYTES + 1 are read (reading it whole would never end)
+    assert time.process_time() - start < 10.0
 
 
 def test_merge_keys_keep_yaml_semantics_and_positions() -> None:
