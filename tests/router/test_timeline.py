@@ -389,7 +389,7 @@ def test_the_topology_names_the_collector_and_the_plan_gives_it_to_the_router(re
 
 
 def test_traces_url() -> None:
-    from tilepd.router.tracing import traces_url
+    from tilepd.otel import traces_url
 
     assert traces_url("http://c:4318") == "http://c:4318/v1/traces"
     assert traces_url("http://c:4318/") == "http://c:4318/v1/traces"

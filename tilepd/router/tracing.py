@@ -21,36 +21,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tilepd.otel import otel_export, traces_url
 from tilepd.router.timeline import Timeline
 
 log = logging.getLogger("tilepd.router")
-
-
-def traces_url(endpoint: str) -> str:
-    """`http://collector:4318` -> `http://collector:4318/v1/traces`; a URL with a path is used as given."""
-    e = endpoint.rstrip("/")
-    after_scheme = e.split("://", 1)[-1]
-    return e if "/" in after_scheme else e + "/v1/traces"
 
 
 class Tracing:
     """The router's tracer provider and exporter; `exporter` replaces the OTLP one (tests: InMemorySpanExporter)."""
 
     def __init__(self, endpoint: str | None, service_name: str = "tilepd-router", exporter: Any = None) -> None:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        if exporter is None:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter(endpoint=traces_url(endpoint or "http://127.0.0.1:4318"), timeout=5)
         self.endpoint = endpoint
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
-        self.tracer = self.provider.get_tracer("tilepd.router")
-        self.propagator = TraceContextTextMapPropagator()
+        self.otel = otel_export(endpoint, {"service.name": service_name}, "tilepd.router", exporter)
+        self.provider, self.tracer, self.propagator = self.otel.provider, self.otel.tracer, self.otel.propagator
 
     def start(self, tl: Timeline, headers: Any, name: str) -> None:
         """Open the request's root span at the timeline's start (parent: the client's traceparent, if any)."""
@@ -112,10 +95,7 @@ class Tracing:
             tl.trace_span = None
 
     def shutdown(self) -> None:
-        try:
-            self.provider.shutdown()
-        except Exception as exc:  # noqa: BLE001 - never fail the router's stop on a collector
-            log.warning("event=tracing_shutdown_error error=%r", exc)
+        self.otel.shutdown(log)
 
 
 def _attr(v: Any) -> Any:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tilepd.otel import otel_export
+
 log = logging.getLogger("tilepd.runtime")
 
 PHASES = (("wait_ms", "kv_wait"), ("queue_ms", "node_queue"), ("convert_ms", "convert"), ("inject_ms", "inject"), ("decode_ms", "decode"))
@@ -20,22 +22,9 @@ PHASES = (("wait_ms", "kv_wait"), ("queue_ms", "node_queue"), ("convert_ms", "co
 
 class NodeTracing:
     def __init__(self, endpoint: str | None, node: str, exporter: Any = None) -> None:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        from tilepd.router.tracing import traces_url
-
-        if exporter is None:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter(endpoint=traces_url(endpoint or "http://127.0.0.1:4318"), timeout=5)
         self.node = node
-        self.provider = TracerProvider(resource=Resource.create({"service.name": "tilepd-decode", "tilepd.node": node}))
-        self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
-        self.tracer = self.provider.get_tracer("tilepd.runtime")
-        self.propagator = TraceContextTextMapPropagator()
+        self.otel = otel_export(endpoint, {"service.name": "tilepd-decode", "tilepd.node": node}, "tilepd.runtime", exporter)
+        self.provider, self.tracer, self.propagator = self.otel.provider, self.otel.tracer, self.otel.propagator
 
     def export(self, traceparent: str, arrived_ns: int, timings: dict[str, Any], transfer_id: str, finish: str) -> bool:
         """The node's phases as spans under the caller's span; False when `traceparent` is not a valid context."""
@@ -66,10 +55,7 @@ class NodeTracing:
         return True
 
     def shutdown(self) -> None:
-        try:
-            self.provider.shutdown()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("event=tracing_shutdown_error error=%r", exc)
+        self.otel.shutdown(log)
 
 
 def make_node_tracing(endpoint: str | None, node: str) -> NodeTracing | None:
