@@ -95,12 +95,21 @@ def _trace_cli(stack: Stack, rid: str) -> dict[str, Any]:
     return out
 
 
+def assert_total_is_the_clients(pairs: list[tuple[float, float]]) -> None:
+    """The timeline's total is the client's measured latency within 5%, taken as the median over a few requests: on
+    a loaded 2-core box the client process itself can be descheduled for tens of ms around one request (CI once:
+    193 ms on the router's clock, 211 ms on the client's). A phase left out of the timeline moves every request."""
+    ratios = sorted(server / client for server, client in pairs)
+    assert ratios[len(ratios) // 2] == pytest.approx(1.0, abs=0.05), pairs
+
+
 def test_phases_add_up_to_the_clients_latency(traced: tuple[str, Receiver], router_stack: Stack) -> None:
     url, rx = traced
     body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
     with httpx.Client(timeout=300) as client:
         client.get(url + "/health")  # connect first: the measured time is the request's, as the router's is
-        for i in range(3):
+        totals: list[tuple[float, float]] = []
+        for i in range(5):
             t = time.perf_counter()
             r = client.post(url + "/v1/completions", json=body, headers={"x-request-id": f"e2e-tl-{i}"})
             client_ms = (time.perf_counter() - t) * 1e3
@@ -111,20 +120,25 @@ def test_phases_add_up_to_the_clients_latency(traced: tuple[str, Receiver], rout
             assert not missing, (missing, r.headers["server-timing"])
             parts = sum(v["dur"] for k, v in st.items() if k not in ("total", "fallback"))
             assert parts == pytest.approx(st["total"]["dur"], abs=0.1 * len(st))  # each dur is rounded to 0.1 ms
-            assert st["total"]["dur"] == pytest.approx(client_ms, rel=0.05), (client_ms, r.headers["server-timing"])
+            totals.append((st["total"]["dur"], client_ms))
             assert st.get("other", {"dur": 0.0})["dur"] < 1.0
             assert st["decode"]["dur"] > 0 and st["prefill"]["dur"] > 0
+        assert_total_is_the_clients(totals)
 
         # streamed: the headers carry the phases up to the first token, the log line the rest
-        t = time.perf_counter()
-        with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers={"x-request-id": "e2e-tl-s"}) as r:
-            early = parse_server_timing(r.headers["server-timing"])
-            raw = b"".join(r.iter_bytes())
-        client_ms = (time.perf_counter() - t) * 1e3
-    assert raw.endswith(b"data: [DONE]\n\n") and set(early) == {"admission", "queue_wait", "prefill"}
-    tr = _trace_cli(router_stack, "e2e-tl-s")
-    assert tr["total_ms"] == pytest.approx(client_ms, rel=0.05)
-    assert sum(tr["phases_ms"].values()) == pytest.approx(tr["total_ms"], abs=0.1 * len(tr["phases_ms"]))
+        streamed: list[tuple[float, float]] = []
+        for i in range(3):
+            rid = f"e2e-tl-s{i}"
+            t = time.perf_counter()
+            with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers={"x-request-id": rid}) as r:
+                early = parse_server_timing(r.headers["server-timing"])
+                raw = b"".join(r.iter_bytes())
+            client_ms = (time.perf_counter() - t) * 1e3
+            assert raw.endswith(b"data: [DONE]\n\n") and set(early) == {"admission", "queue_wait", "prefill"}
+            tr = _trace_cli(router_stack, rid)
+            assert sum(tr["phases_ms"].values()) == pytest.approx(tr["total_ms"], abs=0.1 * len(tr["phases_ms"]))
+            streamed.append((tr["total_ms"], client_ms))
+    assert_total_is_the_clients(streamed)
 
     tr = _trace_cli(router_stack, "e2e-tl-2")
     assert tr["status"] == "200" and tr["route"] == "low_latency" and len(tr["transfers"]) == 1
@@ -151,17 +165,21 @@ def test_a_forced_fallback_shows_its_reason(traced: tuple[str, Receiver], router
     url, rx = traced
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a story"}], "n": 2, "max_tokens": 24,
             "temperature": 0.8, "seed": 1}  # vLLM refuses n > 1 with greedy sampling
+    totals: list[tuple[float, float]] = []
     with httpx.Client(timeout=300) as client:
         client.get(url + "/health")
-        t = time.perf_counter()
-        r = client.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": "e2e-tl-fb"})
-        client_ms = (time.perf_counter() - t) * 1e3
-    assert r.status_code == 200, r.text
-    assert (r.headers["x-tilepd-route"], r.headers["x-tilepd-route-reason"]) == ("native", "unsupported:n")
-    st = parse_server_timing(r.headers["server-timing"])
-    assert st["fallback"]["desc"] == "unsupported:n"
-    assert {"admission", "native_prefill", "native_decode", "respond"} <= set(st)
-    assert st["total"]["dur"] == pytest.approx(client_ms, rel=0.05)
+        for i in range(3):
+            rid = "e2e-tl-fb" if i == 0 else f"e2e-tl-fb{i}"
+            t = time.perf_counter()
+            r = client.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": rid})
+            client_ms = (time.perf_counter() - t) * 1e3
+            assert r.status_code == 200, r.text
+            assert (r.headers["x-tilepd-route"], r.headers["x-tilepd-route-reason"]) == ("native", "unsupported:n")
+            st = parse_server_timing(r.headers["server-timing"])
+            assert st["fallback"]["desc"] == "unsupported:n"
+            assert {"admission", "native_prefill", "native_decode", "respond"} <= set(st)
+            totals.append((st["total"]["dur"], client_ms))
+    assert_total_is_the_clients(totals)
     tr = _trace_cli(router_stack, "e2e-tl-fb")
     assert tr["fallback"] == "unsupported:n" and tr["reason"] == "unsupported:n" and tr["route"] == "native"
     r2 = CliRunner().invoke(build_app(["tilepd.cli.trace_cmds"]), ["trace", "e2e-tl-fb", "--logs", str(router_stack.workdir)])
