@@ -16,6 +16,24 @@ def traces_url(endpoint: str) -> str:
     return e if "/" in after_scheme else e + "/v1/traces"
 
 
+class TracingUnavailable(RuntimeError):
+    """A collector is named but this host cannot export to it (opentelemetry is not installed): the service refuses
+    to start rather than run untraced while the operator believes it traced."""
+
+
+def require_otel(endpoint: str | None, field: str) -> None:
+    """Fail at startup, naming the field and the missing package, when `endpoint` is set and the SDK cannot load."""
+    if not endpoint:
+        return
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError as exc:
+        raise TracingUnavailable(
+            f"{field} names an OpenTelemetry collector ({endpoint}) but this host cannot export traces: {exc}; "
+            f"install them (pip install 'tilepd[tracing]') or remove {field}") from exc
+
+
 @dataclass
 class OtelExport:
     provider: Any  # opentelemetry.sdk.trace.TracerProvider

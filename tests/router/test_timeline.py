@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -394,3 +396,43 @@ def test_traces_url() -> None:
     assert traces_url("http://c:4318") == "http://c:4318/v1/traces"
     assert traces_url("http://c:4318/") == "http://c:4318/v1/traces"
     assert traces_url("https://c/otlp/v1/traces") == "https://c/otlp/v1/traces"
+
+
+# Without opentelemetry installed a service cannot export: it must refuse to start, naming the field, not run
+# untraced. The SDK is installed here, so the child hides it with an import blocker (a fault injected on purpose).
+_HIDE_OTEL = """
+import sys
+class _NoOtel:
+    def find_spec(self, name, path=None, target=None):
+        if name == "opentelemetry" or name.startswith("opentelemetry."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _NoOtel())
+sys.argv = sys.argv[1:]
+"""
+
+
+def _run_without_otel(module_main: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    code = _HIDE_OTEL + f"from {module_main} import main\nsys.exit(main())\n"
+    return subprocess.run([sys.executable, "-c", code, "x", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_a_collector_named_without_opentelemetry_installed_is_refused_by_name(tiny_llama: Path, tmp_path: Path) -> None:
+    from tilepd.cli.exitcodes import ExitCode
+    from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
+
+    cfg = RouterConfig(port=free_port(), served_model_name=MODEL, tokenizer_dir=tiny_llama, prefill_urls=("http://127.0.0.1:9",),
+                       decode_nodes=(DecodeEndpoint(name="d0", host="127.0.0.1", ctrl_port=free_port(), http_port=free_port()),),
+                       otlp_endpoint="http://127.0.0.1:4318")
+    (tmp_path / "router.json").write_text(cfg.model_dump_json())
+    r = _run_without_otel("tilepd.router.__main__", ["--config", str(tmp_path / "router.json")])
+    assert r.returncode == ExitCode.NOT_AVAILABLE, r.stderr
+    assert "router.otlp_endpoint" in r.stderr and "http://127.0.0.1:4318" in r.stderr and "opentelemetry" in r.stderr, r.stderr
+    assert "tilepd[tracing]" in r.stderr and "Traceback" not in r.stderr
+
+    node = DecodeServerConfig(name="d0", served_model_name=MODEL, family="llama", weights_dir=tmp_path / "no-weights-needed",
+                              max_seq_len=512, advertise_host="127.0.0.1", ctrl_port=free_port(), http_port=free_port(),
+                              transport=TransportConfig(name="tcp"), otlp_endpoint="http://127.0.0.1:4318")
+    (tmp_path / "node.json").write_text(node.model_dump_json())
+    r = _run_without_otel("tilepd.runtime.__main__", ["--config", str(tmp_path / "node.json")])
+    assert r.returncode == ExitCode.NOT_AVAILABLE, r.stderr
+    assert "router.otlp_endpoint" in r.stderr and "tilepd[tracing]" in r.stderr and "Traceback" not in r.stderr

@@ -35,6 +35,7 @@ def decode_server(
     tp_size: int = typer.Option(1, "--tp-size", min=1, help="Tensor-parallel ranks (GPUs on cuda); weights converted with --tp N."),
 ) -> None:
     """Run a tilepd decode node: control port for KV handoff, HTTP API on --http-port."""
+    from tilepd.otel import TracingUnavailable
     from tilepd.runtime.server import EngineLoadError, load_config, serve, setup_logging
 
     try:
@@ -64,6 +65,9 @@ def decode_server(
     except EngineLoadError as exc:
         typer.echo(f"decode-server: {exc}", err=True)
         raise typer.Exit(int(ExitCode.INPUT)) from exc
+    except TracingUnavailable as exc:
+        typer.echo(f"decode-server: {exc}", err=True)
+        raise typer.Exit(int(ExitCode.NOT_AVAILABLE)) from exc
     except OSError as exc:
         typer.echo(f"decode-server: {exc}", err=True)
         raise typer.Exit(int(ExitCode.ERROR)) from exc

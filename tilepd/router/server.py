@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from tilepd.auth import SecretFileError, load_secret
 from tilepd.cli.exitcodes import ExitCode
+from tilepd.otel import TracingUnavailable, require_otel
 from tilepd.plan.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeyConfigError, ApiKeys
 
@@ -48,9 +49,13 @@ def serve(config_path: Path) -> int:
         keys = ApiKeys.load(config.api_key_env, config.api_key_file)
         if config.secret_file is not None:
             load_secret(config.secret_file)  # checked here so a bad file is a config error, not a traceback
+        require_otel(config.otlp_endpoint, "router.otlp_endpoint")
     except (ConfigError, ApiKeyConfigError, SecretFileError) as exc:
         print(f"tilepd router: {exc}", file=sys.stderr)
         return int(ExitCode.INPUT)
+    except TracingUnavailable as exc:
+        print(f"tilepd router: {exc}", file=sys.stderr)
+        return int(ExitCode.NOT_AVAILABLE)
     setup_logging(config.log_file)
     if keys.open:
         log.warning("event=auth_open no API key configured (api_key_env/api_key_file): anyone who reaches port %d can use the router",

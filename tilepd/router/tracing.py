@@ -105,10 +105,6 @@ def _attr(v: Any) -> Any:
 def make_tracing(endpoint: str | None) -> Tracing | None:
     if not endpoint:
         return None
-    try:
-        t = Tracing(endpoint)
-    except ImportError as exc:
-        log.warning("event=tracing_unavailable otlp_endpoint=%s error=%r hint='pip install tilepd[tracing]'", endpoint, exc)
-        return None
+    t = Tracing(endpoint)
     log.info("event=tracing otlp_endpoint=%s", traces_url(endpoint))
     return t

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tilepd.auth import load_secret, transfer_token_ok
+from tilepd.otel import require_otel
 from tilepd.plan.service_configs import DecodeServerConfig
 from tilepd.runtime.geometry import CacheGeometry, geometry_from_spec
 
@@ -91,6 +92,7 @@ def serve(config: DecodeServerConfig) -> None:
 
     # read before the engine loads: a bad secret file fails in a second, not after minutes of loading
     secret = load_secret(config.secret_file) if config.secret_file is not None else None
+    require_otel(config.otlp_endpoint, "router.otlp_endpoint (the decode nodes export to the router's collector)")
     if secret is None:
         log.warning("event=unauthenticated node=%s no secret_file configured: anyone who reaches ports %d (HTTP) and %d (control) "
                     "can reserve this node", config.name, config.http_port, config.ctrl_port)

@@ -61,10 +61,6 @@ class NodeTracing:
 def make_node_tracing(endpoint: str | None, node: str) -> NodeTracing | None:
     if not endpoint:
         return None
-    try:
-        t = NodeTracing(endpoint, node)
-    except ImportError as exc:
-        log.warning("event=tracing_unavailable otlp_endpoint=%s error=%r hint='pip install tilepd[tracing]'", endpoint, exc)
-        return None
+    t = NodeTracing(endpoint, node)
     log.info("event=tracing otlp_endpoint=%s", endpoint)
     return t

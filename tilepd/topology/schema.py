@@ -154,7 +154,8 @@ class Router(HostBase):
     otlp_endpoint: str | None = Field(
         default=None, pattern=r"^https?://[^\s/]+(/\S*)?$",
         description="OpenTelemetry collector (OTLP over HTTP, e.g. `http://collector:4318`; `/v1/traces` is added when no path is given): "
-        "the router exports one trace per request (its timeline's phases as spans) and each decode node its own phases in it. Unset = no tracing.",
+        "the router exports one trace per request (its timeline's phases as spans) and each decode node its own phases in it. Unset = no tracing. "
+        "A router or decode node whose host lacks opentelemetry (`tilepd[tracing]`) refuses to start (exit 8) rather than run untraced.",
     )
 
 
