@@ -20,6 +20,7 @@ import pytest
 from tilepd.connector.launch import Server
 from tilepd.plan.service_configs import DecodeEndpoint, RouterConfig
 
+from .otlp_receiver import Receiver
 from .stack import (
     MODEL_NAME,
     router_config,
@@ -51,6 +52,8 @@ class Stack:
         self.native: Server | None = None
         self.native_prefill_url: str | None = None  # default: the prefill (MultiConnector serves both pools)
         self.spares: list[DecodeEndpoint] = [spare_endpoint(n) for n in SPARE_NODES]
+        # the collector the prefill's connector exports to (only requests a tracing router marks are traced)
+        self.otlp = Receiver()
 
     @property
     def decode_url(self) -> str:
@@ -75,7 +78,8 @@ def router_stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     try:
         stack.decode, stack.endpoint = start_decode_node(tiny_llama, stack.workdir)
         stack.servers.append(stack.decode)
-        stack.prefill = start_prefill(tiny_llama, stack.workdir, [stack.endpoint, *stack.spares], with_nixl=True)
+        stack.prefill = start_prefill(tiny_llama, stack.workdir, [stack.endpoint, *stack.spares], with_nixl=True,
+                                      otlp_endpoint=stack.otlp.url)
         stack.servers.append(stack.prefill)
         stack.native = start_native_decode(tiny_llama, stack.workdir)
         stack.servers.append(stack.native)
@@ -83,6 +87,7 @@ def router_stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         yield stack
     finally:
         stop_all(stack.servers)
+        stack.otlp.close()
 
 
 def _warm_up(stack: Stack) -> None:

@@ -54,14 +54,15 @@ def start_decode_node(model_dir: Path, workdir: Path, name: str = "d0", *, kv_ti
     return srv, ep
 
 
-def connector_extra(endpoints: Sequence[DecodeEndpoint]) -> ConnectorExtraConfig:
+def connector_extra(endpoints: Sequence[DecodeEndpoint], otlp_endpoint: str | None = None) -> ConnectorExtraConfig:
     return ConnectorExtraConfig(decode_allowlist=tuple(endpoints), transport=TransportConfig(name="tcp"), model_family="llama",
-                                max_seq_len=MAX_SEQ_LEN, connect_timeout_s=2.0)
+                                max_seq_len=MAX_SEQ_LEN, connect_timeout_s=2.0, otlp_endpoint=otlp_endpoint)
 
 
-def start_prefill(model_dir: Path, workdir: Path, endpoints: Sequence[DecodeEndpoint], *, with_nixl: bool) -> Server:
+def start_prefill(model_dir: Path, workdir: Path, endpoints: Sequence[DecodeEndpoint], *, with_nixl: bool,
+                  otlp_endpoint: str | None = None) -> Server:
     """vLLM prefill: the tilepd connector for marked requests, plus NixlConnector (kv_producer) for the native pool."""
-    extra = connector_extra(endpoints)
+    extra = connector_extra(endpoints, otlp_endpoint)
     kv = multi_with_nixl(extra) if with_nixl else kv_transfer_config(extra)
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), **cpu_bind("prefill")}
     return start_vllm(model_dir, workdir / "prefill.log", kv_config=kv, extra_args=VLLM_ARGS, env=env)

@@ -383,6 +383,8 @@ def test_the_topology_names_the_collector_and_the_plan_gives_it_to_the_router(re
     assert router_cfg["otlp_endpoint"] == "http://127.0.0.1:4318"
     decode = [s.config["otlp_endpoint"] for h in plan.hosts for s in h.services if s.role == "decode"]
     assert decode and set(decode) == {"http://127.0.0.1:4318"}  # each node exports its own phases into the same trace
+    prefill_argv = [" ".join(s.argv) for h in plan.hosts for s in h.services if s.role == "prefill"]
+    assert prefill_argv and all('"otlp_endpoint":"http://127.0.0.1:4318"' in a.replace(" ", "") for a in prefill_argv)  # the connector's spans
     path.write_text(text.replace("  port: 18000\n", "  port: 18000\n  otlp_endpoint: collector:4318\n", 1))
     with pytest.raises(TopologyError, match="otlp_endpoint"):
         load_topology(path)

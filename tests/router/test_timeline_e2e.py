@@ -5,16 +5,15 @@ node, the native vLLM pair, and a router exporting traces to an OTLP/HTTP receiv
 - a forced fallback (`n: 2` -> native, `unsupported:n`) shows its reason;
 - `tilepd trace REQUEST_ID --logs <the stack's log folder>` finds both, with the node's and the connector's lines;
 - the OTLP export reaches the receiver (a tiny HTTP server decoding `ExportTraceServiceRequest` protobuf): one trace
-  per request, the phases as children of the request span, the node's under `tilepd.decode_node`.
+  per request, the phases as children of the request span, the node's under `tilepd.decode_node`, the connector's
+  hand-off (`kv_stage`, `kv_send`) under `tilepd.connector`, exported from inside vLLM's worker.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -22,11 +21,12 @@ import pytest
 from typer.testing import CliRunner
 
 from tilepd.cli.app import build_app
-from tilepd.connector.launch import Server, free_port
+from tilepd.connector.launch import Server
 from tilepd.plan.service_configs import RouterConfig
 from tilepd.router.timeline import parse_server_timing
 
 from .conftest import Stack
+from .otlp_receiver import Receiver
 from .stack import MODEL_NAME, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -34,50 +34,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 LOW_LATENCY_PHASES = ("admission", "queue_wait", "prefill", "kv_wait", "node_queue", "convert", "inject", "decode", "relay", "respond")
 
 
-class Receiver:
-    """An OTLP/HTTP traces receiver: POST /v1/traces with a protobuf ExportTraceServiceRequest."""
-
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        self.spans: list[Any] = []
-        lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
-                ok = self.path == "/v1/traces"
-                if ok:
-                    req = ExportTraceServiceRequest()
-                    req.ParseFromString(raw)
-                    with lock:
-                        outer.spans += [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
-                self.send_response(200 if ok else 404)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def trace_of(self, request_id: str) -> list[Any]:
-        roots = [s for s in list(self.spans) if any(a.key == "tilepd.request_id" and a.value.string_value == request_id for a in s.attributes)]
-        return [s for s in list(self.spans) if roots and s.trace_id == roots[0].trace_id]
-
-
 @pytest.fixture(scope="module")
 def traced(router_stack: Stack, start_router_proc: Callable[..., tuple[Server, RouterConfig]]) -> Iterator[tuple[str, Receiver]]:
-    rx = Receiver()
+    rx = router_stack.otlp  # the stack's prefill connector exports to it too (it is named in its extra config)
     srv, _ = start_router_proc(router_stack.config(native=True, queue_timeout_s=5.0, otlp_endpoint=rx.url))
     yield srv.url, rx
-    rx.server.shutdown()
 
 
 def _trace_cli(stack: Stack, rid: str) -> dict[str, Any]:
@@ -159,6 +120,16 @@ def test_phases_add_up_to_the_clients_latency(traced: tuple[str, Receiver], rout
         parent = group if p in ("kv_wait", "node_queue", "convert", "inject", "decode") else root
         assert by_name[p].parent_span_id == parent.span_id, p
     assert (root.end_time_unix_nano - root.start_time_unix_nano) / 1e6 == pytest.approx(tr["total_ms"], abs=1.0)
+    # the connector (inside vLLM's worker) exported its hand-off into the same trace, under the request span
+    assert wait_until(lambda: any(s.name == "kv_send" for s in rx.trace_of("e2e-tl-2")), 15.0), [s.name for s in rx.trace_of("e2e-tl-2")]
+    by_name = {s.name: s for s in rx.trace_of("e2e-tl-2")}
+    conn_span = by_name["tilepd.connector"]
+    assert conn_span.parent_span_id == root.span_id
+    assert by_name["kv_stage"].parent_span_id == conn_span.span_id and by_name["kv_send"].parent_span_id == conn_span.span_id
+    attrs = {a.key: a.value for a in conn_span.attributes}
+    assert attrs["tilepd.transfer_id"].string_value == tr["transfers"][0] and attrs["tilepd.bytes"].int_value > 0
+    slack = 5_000_000  # ns: two processes' perf_counter -> epoch conversions
+    assert root.start_time_unix_nano - slack <= conn_span.start_time_unix_nano <= conn_span.end_time_unix_nano <= root.end_time_unix_nano + slack
 
 
 def test_a_forced_fallback_shows_its_reason(traced: tuple[str, Receiver], router_stack: Stack) -> None:

@@ -87,6 +87,7 @@ from tilepd.connector.layout import (
     read_paged_cache,
 )
 from tilepd.connector.marker import RESULT_KEY, TilepdMarker, decide_claim
+from tilepd.connector.tracing import make_connector_tracing, traceparent_of
 from tilepd.connector.peer_workers import PeerWorkers
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
 from tilepd.plan.service_configs import ConnectorExtraConfig
@@ -117,6 +118,7 @@ class SendSpec:
     end_tokens: int = 0  # tokens computed after this step
     final: bool = True
     group_block_ids: tuple[list[int], ...] = ()  # every KV cache group's ids when vLLM has several groups
+    traceparent: str | None = None  # the router's request span (tilepd/connector/tracing.py)
 
     def ids_of_group(self, group: int) -> list[int]:
         return self.group_block_ids[group] if self.group_block_ids else self.block_ids
@@ -133,6 +135,7 @@ class _Claim:
     marker: TilepdMarker
     seq_len: int
     scheduled: bool = False  # its final step has been scheduled
+    traceparent: str | None = None
     staged_tokens: int = 0  # tokens whose steps have been scheduled (staged by the worker)
 
 
@@ -205,6 +208,8 @@ class TilePDConnector(KVConnectorBase_V1):
         self._jobs: queue.Queue[_Staged | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._workers = PeerWorkers("tilepd-connector-send")  # one thread per decode node: a stalled node delays only its own sends
+        # worker side exports hand-off spans when a collector is named (None: tracing off)
+        self._tracing = make_connector_tracing(config.otlp_endpoint) if role != KVConnectorRole.SCHEDULER else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -222,7 +227,7 @@ class TilePDConnector(KVConnectorBase_V1):
             self._refused[rid] = {"transfer_id": decision.transfer_id, "state": "refused", "reason": decision.refused}
             self.events.event("refused", rid, level=logging.WARNING, transfer_id=decision.transfer_id, reason=decision.refused)
             return
-        self._claims[rid] = _Claim(decision.marker, request.num_prompt_tokens)
+        self._claims[rid] = _Claim(decision.marker, request.num_prompt_tokens, traceparent=traceparent_of(request.kv_transfer_params))
         self.events.count(claimed=1)
         m = decision.marker
         self.events.event("claimed", rid, transfer_id=m.transfer_id, peer=f"{m.host}:{m.ctrl_port}", seq_len=request.num_prompt_tokens)
@@ -256,7 +261,8 @@ class TilePDConnector(KVConnectorBase_V1):
             groups = self._kv_cache_manager.get_block_ids(rid)
             block_ids = list(groups[0])
             every = tuple(list(g) for g in groups) if len(groups) > 1 else ()
-            meta.sends.append(SendSpec(rid, claim.marker, claim.seq_len, block_ids, claim.staged_tokens, end, final, every))
+            meta.sends.append(SendSpec(rid, claim.marker, claim.seq_len, block_ids, claim.staged_tokens, end, final, every,
+                                       claim.traceparent))
             claim.staged_tokens = end
             if not final:
                 self.events.event("chunk", rid, transfer_id=claim.marker.transfer_id, computed=end, of=claim.seq_len, level=logging.DEBUG)
@@ -480,7 +486,14 @@ class TilePDConnector(KVConnectorBase_V1):
         if ix is not None and st.ix_blocks != ix.blocks_for(spec.seq_len):
             raise RuntimeError(f"staged {st.ix_blocks} indexer blocks for {spec.seq_len} tokens, {ix.blocks_for(spec.seq_len)} needed")
         src = self._pool.region_offsets(st.slot)
+        t_send = time.perf_counter()
         res = self._sender.send((m.host, m.ctrl_port), m.transfer_id, m.token, spec.seq_len, n, src)
+        if self._tracing is not None and spec.traceparent is not None:
+            self._tracing.handoff(spec.traceparent, t_stage=st.t_start, t_staged=st.t_start + st.window_ms / 1e3, t_send=t_send,
+                                  t_end=time.perf_counter(), ok=res.ok,
+                                  attrs={"transfer_id": m.transfer_id, "vllm_request_id": spec.req_id, "peer": f"{m.host}:{m.ctrl_port}",
+                                         "bytes": res.bytes, "retries": max(res.attempts - 1, 0), "wire_ms": res.timings.get("wire_ms"),
+                                         "code": None if res.ok else res.code})
         retries = max(res.attempts - 1, 0)
         t = res.timings
         if res.ok:
@@ -501,6 +514,8 @@ class TilePDConnector(KVConnectorBase_V1):
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+        if self._tracing is not None:
+            self._tracing.shutdown()
 
 
 def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts) -> torch.Tensor | None:

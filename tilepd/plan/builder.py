@@ -260,6 +260,7 @@ class _Planner:
                 transport=self.transport_config(p),
                 model_family=self.family,
                 max_seq_len=t.model.max_seq_len,
+                otlp_endpoint=t.router.otlp_endpoint,
             )
             kvt = vllm_args.prefill_kv_transfer_config(extra, self.native, cpu=p.gpus == 0)
             env = {**self.base_env(p), **self.cpu_binds.get((p.address, f"prefill-{p.name}"), {})}

@@ -83,6 +83,8 @@ class ConnectorExtraConfig(_Strict):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     # requests whose KV can be staged / in flight at once (each slot holds max_seq_len tokens)
     staging_slots: int = Field(default=2, ge=1)
+    # OpenTelemetry collector (topology `router.otlp_endpoint`): the worker exports each hand-off's spans there
+    otlp_endpoint: str | None = Field(default=None, min_length=1, max_length=500)
 
 
 class NativePoolConfig(_Strict):

@@ -23,7 +23,8 @@ def tilepd_connector_config(extra: ConnectorExtraConfig) -> dict[str, Any]:
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": extra.model_dump(mode="json"),
+        # tracing off: the key stays out, so the argv of an untraced deployment does not change
+        "kv_connector_extra_config": extra.model_dump(mode="json", exclude={"otlp_endpoint"} if extra.otlp_endpoint is None else None),
     }
 
 

@@ -227,8 +227,12 @@ class NodeAttempt(ReadWatch):
         return self.lease.node.name
 
     def marker(self) -> dict[str, Any]:
+        """vLLM's `kv_transfer_params`: the connector's marker, and (tracing on) the request span for its hand-off spans."""
         ep = self.lease.node.endpoint
-        return {"tilepd": {"host": ep.host, "ctrl_port": ep.ctrl_port, "transfer_id": self.transfer_id, "token": self.token}}
+        params: dict[str, Any] = {"tilepd": {"host": ep.host, "ctrl_port": ep.ctrl_port, "transfer_id": self.transfer_id, "token": self.token}}
+        if "traceparent" in self.trace_headers:
+            params["tilepd_traceparent"] = self.trace_headers["traceparent"]  # beside the marker: an older connector ignores it
+        return params
 
     # -- the watchdog --------------------------------------------------------------------
     def step_s(self) -> float:

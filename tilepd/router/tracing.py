@@ -7,8 +7,9 @@ started with `--otlp-traces-endpoint` puts its own spans in the same trace and t
 The node's phases (kv_wait, node_queue, convert, inject, decode) are exported by the node itself when it has a
 collector too (`DecodeServerConfig.otlp_endpoint`, tilepd/runtime/tracing.py; its final timings then say `traced`);
 for a node that does not trace, the router exports them from the timings the node returned, as children of a
-`tilepd.decode_node` span (attribute `tilepd.reported_by=node`). The connector (inside vLLM) exports nothing: its
-staging and wire times are in the prefill log (`tilepd trace` reads them).
+`tilepd.decode_node` span (attribute `tilepd.reported_by=node`). The connector (inside vLLM's worker) exports its
+hand-off (`tilepd.connector`: `kv_stage`, `kv_send`) under the request span, from the `tilepd_traceparent` the
+router puts beside its marker (tilepd/connector/tracing.py).
 
 Export: the SDK's BatchSpanProcessor and OTLP/HTTP protobuf exporter (opentelemetry-sdk and
 opentelemetry-exporter-otlp-proto-http; vLLM depends on both, `pip install tilepd[tracing]` elsewhere). Spans
