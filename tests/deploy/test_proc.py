@@ -194,3 +194,47 @@ def test_a_changed_secret_file_restarts_the_service(tmp_path: Path, cleanup) -> 
     secret.write_text("two" * 20)
     res = proc.start(spec)
     assert res["changed"] and res["action"] == "restart" and res["pid"] != first["pid"]
+
+
+def _install_standin(site: Path, version: str) -> None:
+    """A stand-in distribution on the service's PYTHONPATH (the test cannot install two vLLM releases): its
+    dist-info is what `pip install -U` would replace, and what importlib.metadata reads."""
+    for old in site.glob("tilepd_upgrade_standin-*.dist-info"):
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    d = site / f"tilepd_upgrade_standin-{version}.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tilepd-upgrade-standin\nVersion: {version}\n")
+
+
+@pytest.mark.slow
+def test_an_upgraded_package_restarts_the_service_and_says_which(tmp_path: Path, cleanup) -> None:
+    site = tmp_path / "site"
+    _install_standin(site, "0.32.0")
+    spec = _spec(tmp_path, packages=["tilepd-upgrade-standin", "not-installed-anywhere"])
+    spec = spec.model_copy(update={"env": {**spec.env, "PYTHONPATH": str(site)}})
+    cleanup.append(spec)
+    first = proc.start(spec)
+    state = json.loads(spec.state_file.read_text())
+    assert state["package_versions"] == {"tilepd-upgrade-standin": "0.32.0", "not-installed-anywhere": None}
+    assert proc.start(spec)["changed"] is False  # same versions: left alone
+    _install_standin(site, "0.33.1")
+    check = proc.start(spec, check=True)
+    assert check["action"] == "restart" and check["pid"] == first["pid"]
+    assert check["upgraded"] == {"tilepd-upgrade-standin": {"running": "0.32.0", "installed": "0.33.1"}}
+    res = proc.start(spec)
+    assert res["changed"] and res["action"] == "restart" and res["pid"] != first["pid"] and "upgraded" in res
+    assert json.loads(spec.state_file.read_text())["package_versions"]["tilepd-upgrade-standin"] == "0.33.1"
+    assert "restarting: tilepd-upgrade-standin 0.32.0 -> 0.33.1" in spec.log_file.read_text()
+    assert proc.start(spec)["changed"] is False
+
+
+def test_the_plan_names_the_packages_whose_upgrade_restarts_a_service(repo_root: Path) -> None:
+    from tilepd.deploy.inventory import service_spec
+    from tilepd.plan import build_plan
+    from tilepd.topology import load_topology
+
+    plan = build_plan(load_topology(repo_root / "topology_examples" / "local.yaml"))
+    by_role = {s.role: service_spec(plan, s).packages for h in plan.hosts for s in h.services if s.kind == "daemon"}
+    assert by_role == {"prefill": ["vllm"], "decode": ["torch"], "router": []}

@@ -39,6 +39,10 @@ def secret_files(service: Service) -> list[Path]:
     return [Path(p) for p in (cfg.get("secret_file"), cfg.get("api_key_file")) if p]
 
 
+# distributions (besides tilepd) whose upgrade on a host restarts the service there on the next `up`
+RESTART_ON_UPGRADE: dict[str, tuple[str, ...]] = {"prefill": ("vllm",), "native_decode": ("vllm",), "decode": ("torch",)}
+
+
 def service_spec(plan: Plan, service: Service) -> ServiceSpec:
     return ServiceSpec(
         name=service.name,
@@ -46,6 +50,7 @@ def service_spec(plan: Plan, service: Service) -> ServiceSpec:
         argv=service.argv,
         env=dict(service.env),
         secret_files=secret_files(service),
+        packages=list(RESTART_ON_UPGRADE.get(service.role, ())),
         cwd=Path(service.cwd),
         log_file=Path(service.log_file),
         pid_file=Path(service.pid_file),

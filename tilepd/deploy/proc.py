@@ -18,7 +18,12 @@ ends them and `start` ends them before starting the service again. The kernel do
 hand out a pid again while a group of that id has members, so the recorded group id
 cannot name someone else's processes.
 
-Rolling restart: a running decode node that must restart (config hash, secret, tilepd
+The state also records the installed versions of the distributions the service runs on (`packages`:
+vllm for prefill, torch for decode nodes), read with the service's own interpreter before it starts: an
+upgrade of one (`pip install -U vllm` on the host) restarts the service on the next `up`, like a changed
+config does.
+
+Rolling restart: a running decode node that must restart (config hash, secret, tilepd or package
 version changed, or `--force`) is drained first (tilepd.deploy.drain: its request finishes,
 new ones go to other nodes), restarted, and gated on health here, in the same call, so the
 playbook's loop (and its `throttle: 1` across hosts) restarts decode nodes one at a time and
@@ -75,6 +80,9 @@ class ServiceSpec(BaseModel):
     stop_timeout_s: float = Field(default=20.0, gt=0)
     # files the service reads secrets from at start (paths only): their fingerprint is recorded
     secret_files: list[Path] = Field(default_factory=list)
+    # distributions the service runs on besides tilepd (prefill: vllm): their installed versions, read with the
+    # service's own interpreter, are recorded at start, and an upgrade of one restarts the service on the next `up`
+    packages: list[str] = Field(default_factory=list)
     # systemd mode: the unit runs the service; this module only reads its state
     mode: Literal["process", "systemd"] = "process"
     unit: str | None = None
@@ -217,7 +225,43 @@ def _systemd_state(spec: ServiceSpec) -> dict[str, Any]:
             "restarts": int(restarts) if restarts.isdigit() else None}
 
 
-def _write_state(spec: ServiceSpec, pid: int) -> None:
+_VERSIONS_SCRIPT = """
+import importlib.metadata as m, json, sys
+out = {}
+for name in sys.argv[1:]:
+    try:
+        out[name] = m.version(name)
+    except m.PackageNotFoundError:
+        out[name] = None
+print(json.dumps(out))
+"""
+
+
+def package_versions(spec: ServiceSpec) -> dict[str, str | None]:
+    """The installed versions of `spec.packages` as the service's interpreter (argv[0], its env) sees them; {} when
+    the service is not a Python program or the interpreter cannot say (then nothing is compared)."""
+    if not spec.packages or "python" not in Path(spec.argv[0]).name:
+        return {}
+    env = {k: v for k, v in os.environ.items() if k in _INHERITED_ENV}
+    env.update(spec.env)
+    try:
+        r = subprocess.run([spec.argv[0], "-c", _VERSIONS_SCRIPT, *spec.packages], capture_output=True, text=True, timeout=30, env=env)
+        out = json.loads(r.stdout) if r.returncode == 0 else {}
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError):
+        return {}
+    return {k: v for k, v in out.items() if k in spec.packages} if isinstance(out, dict) else {}
+
+
+def _versions_changed(state: dict[str, Any] | None, spec: ServiceSpec) -> dict[str, tuple[str | None, str | None]]:
+    """{package: (running, installed)} for each package whose installed version differs from the one recorded at start."""
+    recorded = (state or {}).get("package_versions") or {}
+    if not spec.packages or not recorded:
+        return {}  # started before versions were recorded: nothing to compare with
+    now = package_versions(spec)
+    return {k: (recorded.get(k), now.get(k)) for k in spec.packages if k in now and k in recorded and now[k] != recorded[k]}
+
+
+def _write_state(spec: ServiceSpec, pid: int, versions: dict[str, str | None] | None = None) -> None:
     st = _proc_stat(pid) if pid else None
     state = {
         "pid": pid,
@@ -226,6 +270,7 @@ def _write_state(spec: ServiceSpec, pid: int) -> None:
         "config_hash": spec.config_hash,
         "secrets_fingerprint": secrets_fingerprint(spec),
         "tilepd_version": __version__,
+        "package_versions": versions if versions is not None else package_versions(spec),
         "started_at": time.time(),
         "argv": spec.argv,
         "mode": spec.mode,
@@ -273,14 +318,18 @@ def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dic
     """
     state = _read_state(spec)
     running = _systemd_state(spec)["running"] if spec.mode == "systemd" else _alive(state)
+    upgraded = _versions_changed(state, spec) if running else {}
     same = bool(state and state.get("config_hash") == spec.config_hash and state.get("secrets_fingerprint") == secrets_fingerprint(spec)
-                and state.get("tilepd_version", __version__) == __version__)
+                and state.get("tilepd_version", __version__) == __version__ and not upgraded)
     if running and same and not force:
         return {**status(spec), "action": "none"}
+    why = {"upgraded": {k: {"running": a, "installed": b} for k, (a, b) in upgraded.items()}} if upgraded else {}
     orphans = _orphans(state) if spec.mode == "process" else []
     action = "restart" if running else ("recover" if orphans else "start")
     if check:
-        return {**status(spec), "changed": True, "action": action}
+        return {**status(spec), "changed": True, "action": action, **why}
+    if upgraded:
+        _note(spec, "restarting: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in upgraded.items()))
     drained = _drain_for_restart(spec) if running else None
     if spec.mode == "systemd":
         return _rejoin(spec, _start_unit(spec, action), drained)
@@ -300,6 +349,7 @@ def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dic
         d.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k in _INHERITED_ENV or k.startswith("LC_")}
     env.update(spec.env)
+    versions = package_versions(spec)  # what the new process will import
     with open(spec.log_file, "ab") as log:
         log.write(f"--- tilepd {__version__}: starting {spec.name} ({spec.config_hash[:19]}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
         log.flush()
@@ -313,8 +363,8 @@ def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dic
             start_new_session=True,  # own session and process group: survives the SSH session, stops as a group
             close_fds=True,
         )
-    _write_state(spec, proc.pid)
-    return _rejoin(spec, {**status(spec), "changed": True, "action": action, **recovered}, drained)
+    _write_state(spec, proc.pid, versions)
+    return _rejoin(spec, {**status(spec), "changed": True, "action": action, **recovered, **why}, drained)
 
 
 def _drain_for_restart(spec: ServiceSpec) -> dict[str, Any] | None:
@@ -369,11 +419,12 @@ def _note(spec: ServiceSpec, text: str) -> None:
 
 def _start_unit(spec: ServiceSpec, action: str) -> dict[str, Any]:
     """systemd mode: enable and (re)start the unit the playbook installed; record the hash it runs with."""
+    versions = package_versions(spec)  # what the new process will import
     for args in (("enable", str(spec.unit)), ("restart", str(spec.unit))):
         r = _systemctl(*args)
         if r.returncode != 0:
             return {"name": spec.name, "changed": True, "failed": True, "msg": f"systemctl {' '.join(args)}: {r.stderr.strip()}"}
-    _write_state(spec, _systemd_state(spec)["pid"] or 0)
+    _write_state(spec, _systemd_state(spec)["pid"] or 0, versions)
     return {**status(spec), "changed": True, "action": action}
 
 
