@@ -1,0 +1,485 @@
+"""`tilepd capacity` against a live stack (issue 17): predicted vs measured p99 queue wait at two load levels.
+
+Brings up a local deployment through the operator path (`tilepd up FILE`, `tilepd down FILE` at the end,
+always): topology_examples/local.yaml with TWO decode nodes, a short router `queue_timeout_s`, its own
+ports (19xxx by default, checked free) and everything under `--workdir`. Then:
+
+1. calibration: `nodes` closed-loop clients for `--calibrate-s` seconds; completions/s is the pool's
+   capacity under full load (on a small CPU box the prefill shares cores with the decode nodes, so a
+   node's service time grows with load: the saturated figure is the honest denominator);
+2. per level (`--levels`, offered utilisation as fractions of that capacity): an open-loop Poisson load
+   (exponential gaps, one fixed prompt, fixed `max_tokens` with `ignore_eos`, temperature 0) for
+   `--level-s` seconds; after `--warmup-s` of it, `tilepd capacity FILE --window W --json` reads the
+   router's /metrics twice W seconds apart. Every request's queue wait comes from the router's
+   `Server-Timing` header (`queue_wait`), its status code too (429 = the router's `busy`).
+
+Printed per level: offered req/s, measured utilisation, measured p99 queue wait (client side from
+Server-Timing over the requests sent inside the capacity window, and the router histogram's as
+`tilepd capacity` reports it), the current pool's predicted p99 (formula, simulation) and
+predicted/measured. A level passes when both predictions are within `--bound` (25%) of the
+client-side p99; exit 0 only when every level passes (1: a level missed, 2: the stack or a
+command failed). Not a pytest test (minutes of real load):
+
+    flock /tmp/tilepd-heavy.lock .venv/bin/python bench/capacity_check.py --out bench/results/capacity_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tilepd.router.timeline import parse_server_timing  # noqa: E402
+
+MODEL = "tiny-llama"
+PROMPT = "Please tell me a short story about a cat and a mouse."
+
+
+# ---------------------------------------------------------------- pure parts (tests/capacity/test_check_bench.py)
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default), as the simulation's p99 is taken; NaN when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def compare(predicted: float | None, measured: float, bound: float) -> tuple[float, bool]:
+    """predicted/measured and whether it is within `bound` (0.25 = 25%) of 1; a ~zero measured wait never passes
+    (the relative comparison means nothing without queueing)."""
+    if predicted is None or not math.isfinite(predicted) or not math.isfinite(measured) or measured < 1e-3:
+        return math.nan, False
+    ratio = predicted / measured
+    return ratio, abs(ratio - 1.0) <= bound
+
+
+@dataclass
+class Sent:
+    """One request of the open-loop load (times on this process's monotonic clock)."""
+
+    t_send: float
+    status: int = 0  # 0: no answer (connection error, timeout)
+    queue_wait_s: float | None = None  # Server-Timing queue_wait
+    admission_s: float = 0.0  # Server-Timing admission: arrival at the lease queue = t_send + this (+ the client's send)
+    service_s: float | None = None  # Server-Timing phases between queue_wait and respond: ~ the node's lease hold
+    latency_s: float = math.nan
+    error: str = ""
+
+
+def in_window(sent: list[Sent], start: float, end: float) -> list[Sent]:
+    """The requests sent inside [start, end): the ones the router's two scrapes bracket (up to admission time)."""
+    return [s for s in sent if start <= s.t_send < end]
+
+
+def replay(sent: list[Sent], nodes: int, timeout_s: float) -> list[tuple[Sent, float]]:
+    """Trace-driven FIFO: these requests' own arrivals and service times through `nodes` batch=1 nodes with the
+    router's patience; the waits of the served. Matching the measured waits says the router queues as the model
+    does, and a gap between them and the prediction comes from the arrivals/service times themselves (not i.i.d.)."""
+    import heapq
+
+    free = [-math.inf] * nodes
+    waits: list[tuple[Sent, float]] = []
+    for s in sorted(sent, key=lambda r: r.t_send + r.admission_s):
+        t = s.t_send + s.admission_s
+        start = max(t, free[0])
+        if start - t > timeout_s or s.service_s is None:
+            continue  # waited out the timeout (429), or no service time known: takes no node
+        heapq.heapreplace(free, start + s.service_s)
+        waits.append((s, start - t))
+    return waits
+
+
+def summarize(sent: list[Sent]) -> dict[str, Any]:
+    """Client-side figures over some requests: counts by status, p99/mean queue wait of the served (200)."""
+    ok = [s.queue_wait_s for s in sent if s.status == 200 and s.queue_wait_s is not None]
+    by_status: dict[str, int] = {}
+    for s in sent:
+        by_status[str(s.status)] = by_status.get(str(s.status), 0) + 1
+    busy = by_status.get("429", 0)
+    return {"requests": len(sent), "by_status": by_status, "served_with_wait": len(ok),
+            "p99_wait_s": percentile(ok, 0.99), "p50_wait_s": percentile(ok, 0.5),
+            "mean_wait_s": sum(ok) / len(ok) if ok else math.nan,
+            "p_wait": sum(1 for w in ok if w > 0.0005) / len(ok) if ok else math.nan,
+            "busy_fraction": busy / len(sent) if sent else math.nan}
+
+
+# ---------------------------------------------------------------- the stack
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def ports_of(base: int) -> list[int]:
+    return [base, base + 100, base + 10, base + 11, base + 12, base + 20, base + 21, base + 22]
+
+
+def topology_yaml(base: Path, port: int, queue_timeout_s: float, decode_threads: int = 0) -> str:
+    """topology_examples/local.yaml with two decode nodes, its own ports and base dir, a short queue timeout.
+
+    `decode_threads` > 0 caps each decode node's torch/OpenMP threads (OMP_NUM_THREADS): by default torch
+    uses every core, so on a small CPU box two busy nodes halve each other's speed, which the M/G/c model
+    (independent nodes, as on GPUs) does not describe."""
+    denv = f"\n    env: {{OMP_NUM_THREADS: \"{decode_threads}\"}}" if decode_threads > 0 else ""
+    return f"""apiVersion: tilepd/v1
+deployment:
+  name: capacity-check
+  base_dir: {base}
+  services: process
+  python: current
+model:
+  served_name: {MODEL}
+  family: llama
+  hf_path: {base}/models/tiny-llama
+  weights_path: {base}/models/tiny-llama-tilepd
+  max_seq_len: 2048
+  generate_tiny: llama
+transport:
+  name: tcp
+prefill:
+  - name: p0
+    address: 127.0.0.1
+    gpus: 0
+    port: {port + 100}
+    enforce_eager: true
+    extra_args: ["--dtype", "float32"]
+    env: {{VLLM_CPU_KVCACHE_SPACE: "1"}}
+decode:
+  - name: d0
+    address: 127.0.0.1
+    gpu: {{type: cpu}}
+    ctrl_port: {port + 10}
+    http_port: {port + 11}
+    data_port: {port + 12}{denv}
+  - name: d1
+    address: 127.0.0.1
+    gpu: {{type: cpu}}
+    ctrl_port: {port + 20}
+    http_port: {port + 21}
+    data_port: {port + 22}{denv}
+router:
+  name: router
+  address: 127.0.0.1
+  port: {port}
+  queue_timeout_s: {queue_timeout_s}
+"""
+
+
+def tilepd_argv(*args: str) -> list[str]:
+    exe = Path(sys.executable).with_name("tilepd")
+    return [str(exe), *args] if exe.exists() else [sys.executable, "-m", "tilepd", *args]
+
+
+def tilepd(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(tilepd_argv(*args), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+# ---------------------------------------------------------------- load
+def body(max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": False}
+
+
+async def one(client: httpx.AsyncClient, url: str, payload: dict[str, Any], rec: Sent) -> None:
+    try:
+        r = await client.post(url, json=payload)
+        rec.status = r.status_code
+        phases = parse_server_timing(r.headers.get("server-timing", ""))
+        dur = phases.get("queue_wait", {}).get("dur")
+        rec.queue_wait_s = dur / 1e3 if isinstance(dur, float) else None
+        rec.admission_s = phases.get("admission", {}).get("dur", 0.0) / 1e3
+        if r.status_code == 200:
+            held = [v.get("dur", 0.0) for k, v in phases.items() if k not in ("admission", "queue_wait", "respond", "total", "other")]
+            rec.service_s = sum(held) / 1e3
+        if r.status_code not in (200, 429):
+            rec.error = r.text[:200]
+    except httpx.HTTPError as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    rec.latency_s = time.monotonic() - rec.t_send
+
+
+def hold_totals(metrics_url: str) -> tuple[float, float]:
+    """(sum, count) of the router's lease-hold histogram: the nodes' service time so far."""
+    from tilepd.capacity.sources import HOLD, scrape
+
+    m = scrape(metrics_url)
+    return m.total(f"{HOLD}_sum"), m.total(f"{HOLD}_count")
+
+
+async def calibrate(client: httpx.AsyncClient, url: str, metrics_url: str, payload: dict[str, Any], nodes: int,
+                    workers: int, seconds: float) -> dict[str, Any]:
+    """`workers` closed-loop clients (more than the nodes: a node never waits for a client) for `seconds`.
+
+    The pool's capacity is nodes / mean lease hold over that saturated stretch (the M/G/c service rate
+    c/E[S]), not completions/s of a few clients: time outside the lease (admission, HTTP, the response)
+    would leave nodes idle and understate it.
+    """
+    done: list[Sent] = []
+    deadline = time.monotonic() + seconds
+
+    async def loop() -> None:
+        while time.monotonic() < deadline:
+            rec = Sent(time.monotonic())
+            await one(client, url, payload, rec)
+            done.append(rec)
+
+    s0, n0 = hold_totals(metrics_url)
+    t0 = time.monotonic()
+    await asyncio.gather(*(loop() for _ in range(workers)))
+    elapsed = time.monotonic() - t0
+    s1, n1 = hold_totals(metrics_url)
+    ok = [s for s in done if s.status == 200]
+    lat = [s.latency_s for s in ok]
+    hold = (s1 - s0) / (n1 - n0) if n1 > n0 else math.nan
+    return {"seconds": elapsed, "workers": workers, "completed": len(ok), "failed": len(done) - len(ok),
+            "throughput_rps": len(ok) / elapsed, "mean_hold_s": hold, "capacity_rps": nodes / hold,
+            "latency_p50_s": percentile(lat, 0.5), "mean_latency_s": sum(lat) / len(lat) if lat else math.nan}
+
+
+async def capacity_run(topo: Path, window_s: float, seed: int) -> tuple[dict[str, Any] | None, float, str]:
+    """`tilepd capacity FILE --window W --json`; returns (its JSON, when its first scrape happened, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        *tilepd_argv("capacity", str(topo), "--window", f"{window_s:g}", "--json", "--seed", str(seed),
+                     "--target-p99-wait-s", "60"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO)
+    assert proc.stderr is not None and proc.stdout is not None
+    started = math.nan
+    err_lines: list[str] = []
+    while True:
+        line = await proc.stderr.readline()
+        if not line:
+            break
+        text = line.decode(errors="replace")
+        err_lines.append(text)
+        if text.startswith("reading ") and math.isnan(started):
+            started = time.monotonic()  # printed right after the first scrape
+    out = await proc.stdout.read()
+    rc = await proc.wait()
+    if rc not in (0, 1) or not out.strip():
+        return None, started, f"rc {rc}: {''.join(err_lines)[-2000:]}"
+    return json.loads(out), started, "".join(err_lines)
+
+
+async def level(client: httpx.AsyncClient, url: str, payload: dict[str, Any], topo: Path, rate: float, seconds: float,
+                warmup_s: float, seed: int, timeout_s: float, keep_trace: bool) -> dict[str, Any]:
+    """Open-loop Poisson arrivals at `rate` for `seconds`; `tilepd capacity` covers the steady part."""
+    rng = random.Random(seed)
+    sent: list[Sent] = []
+    tasks: list[asyncio.Task[None]] = []
+    window_s = max(seconds - warmup_s - 3.0, 10.0)  # its start-up (~1-2 s) and the last scrape stay inside the load
+    t0 = time.monotonic()
+    cap_task = None
+    t_next = t0
+    while t_next < t0 + seconds:
+        now = time.monotonic()
+        if cap_task is None and now >= t0 + warmup_s:
+            cap_task = asyncio.create_task(capacity_run(topo, window_s, seed))
+        if t_next > now:
+            await asyncio.sleep(t_next - now)
+        rec = Sent(time.monotonic())
+        sent.append(rec)
+        tasks.append(asyncio.create_task(one(client, url, payload, rec)))
+        t_next += rng.expovariate(rate)
+    offered_s = time.monotonic() - t0
+    if cap_task is None:
+        cap_task = asyncio.create_task(capacity_run(topo, window_s, seed))
+    await asyncio.gather(*tasks)
+    cap, w_start, cap_err = await cap_task
+    window = in_window(sent, w_start, w_start + window_s) if math.isfinite(w_start) else sent
+    ids = {id(x) for x in window}  # replayed from the first request on, so the window starts with the queue it had
+    replayed = percentile([w for x, w in replay(sent, 2, timeout_s) if id(x) in ids], 0.99)
+    served = [x.service_s for x in window if x.service_s is not None]
+    return {"rate_rps": rate, "offered_rps": len(sent) / offered_s, "replay_p99_wait_s": replayed,
+            "client_service_mean_s": sum(served) / len(served) if served else math.nan,
+            "trace": [[round(x.t_send - t0, 4), x.status, x.queue_wait_s, round(x.admission_s, 4),
+                       None if x.service_s is None else round(x.service_s, 4)] for x in sent] if keep_trace else None, "seconds": offered_s, "window_s": window_s,
+            "window_start_s": w_start - t0 if math.isfinite(w_start) else None,
+            "all": summarize(sent), "window": summarize(window), "capacity": cap, "capacity_stderr": cap_err[-2000:],
+            "errors": sorted({s.error for s in sent if s.error})[:5]}
+
+
+def verdict(lv: dict[str, Any], bound: float) -> dict[str, Any]:
+    """The comparison of one level: client p99 (window) vs the current row's formula and simulation."""
+    cap = lv["capacity"] or {}
+    cur = cap.get("current", {})
+    meas = cap.get("measured", {})
+    client_p99 = lv["window"]["p99_wait_s"]
+    f_p99 = cur.get("formula", {}).get("p99_wait_s")
+    s_p99 = cur.get("simulation", {}).get("p99_wait_s")
+    f_ratio, f_ok = compare(f_p99, client_p99, bound)
+    s_ratio, s_ok = compare(s_p99, client_p99, bound)
+    hist_p99 = meas.get("p99_wait_s")
+    return {"client_p99_wait_s": client_p99, "router_hist_p99_wait_s": hist_p99, "formula_p99_wait_s": f_p99,
+            "simulation_p99_wait_s": s_p99, "formula_ratio": f_ratio, "simulation_ratio": s_ratio,
+            "formula_vs_hist_ratio": compare(f_p99, hist_p99 if hist_p99 is not None else math.nan, bound)[0],
+            "simulation_vs_hist_ratio": compare(s_p99, hist_p99 if hist_p99 is not None else math.nan, bound)[0],
+            "utilisation": meas.get("utilisation"), "measured_rate_rps": meas.get("rate_per_s"),
+            "service_mean_s": cap.get("load", {}).get("service_mean_s"), "service_cv": cap.get("load", {}).get("service_cv"),
+            "busy_fraction": meas.get("busy_fraction"), "formula_busy": cur.get("formula", {}).get("p_timeout"),
+            "simulation_busy": cur.get("simulation", {}).get("p_timeout"),
+            "p_wait": meas.get("p_wait"), "formula_p_wait": cur.get("formula", {}).get("p_wait"),
+            "simulation_p_wait": cur.get("simulation", {}).get("p_wait"),
+            "pass": bool(f_ok and s_ok)}
+
+
+def finite(v: Any) -> Any:
+    """NaN/inf -> None, recursively (strict JSON)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [finite(x) for x in v]
+    return v
+
+
+def fmt_ms(v: float | None) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v * 1e3:.0f} ms"
+
+
+def fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None or not math.isfinite(v) else format(v, spec)
+
+
+async def drive(args: argparse.Namespace, topo: Path) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{args.port_base}/v1/chat/completions"
+    metrics_url = f"http://127.0.0.1:{args.port_base}/metrics"
+    payload = body(args.max_tokens)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=limits) as client:
+        for _ in range(args.warm_requests):  # first requests pay one-off costs (allocations, caches)
+            rec = Sent(time.monotonic())
+            await one(client, url, payload, rec)
+            if rec.status != 200:
+                raise RuntimeError(f"warm-up request failed: {rec.status} {rec.error}")
+        cal = await calibrate(client, url, metrics_url, payload, args.nodes, 2 * args.nodes, args.calibrate_s)
+        print(f"[capacity-check] calibration: {cal['completed']} requests in {cal['seconds']:.1f} s with {cal['workers']} "
+              f"closed-loop clients ({cal['throughput_rps']:.2f} req/s): mean lease hold {fmt_ms(cal['mean_hold_s'])}, "
+              f"capacity {args.nodes} nodes / hold = {cal['capacity_rps']:.2f} req/s", flush=True)
+        levels = []
+        for i, util in enumerate(args.levels):
+            rate = util * cal["capacity_rps"]
+            print(f"[capacity-check] level {util:g}: {rate:.2f} req/s for {args.level_s:g} s", flush=True)
+            lv = await level(client, url, payload, topo, rate, args.level_s, args.warmup_s, args.seed + i,
+                             args.queue_timeout_s, args.trace)
+            lv["target_utilisation"] = util
+            lv["verdict"] = verdict(lv, args.bound)
+            levels.append(lv)
+            await asyncio.sleep(args.gap_s)  # the queue drains before the next level
+    return {"calibration": cal, "levels": levels}
+
+
+def report(result: dict[str, Any], bound: float) -> None:
+    print()
+    print(f"{'level':>5} {'offered':>9} {'util':>6} {'n(win)':>7} {'429':>6} {'p99 client':>11} {'p99 hist':>9} "
+          f"{'p99 formula':>12} {'p99 sim':>8} {'f/meas':>7} {'s/meas':>7}  verdict")
+    for lv in result["levels"]:
+        v = lv["verdict"]
+        w = lv["window"]
+        print(f"{lv['target_utilisation']:>5g} {lv['offered_rps']:>5.2f} r/s {fmt(v['utilisation'], '.2f'):>6} "
+              f"{w['served_with_wait']:>7} {fmt(w['busy_fraction'], '.2%'):>6} {fmt_ms(v['client_p99_wait_s']):>11} "
+              f"{fmt_ms(v['router_hist_p99_wait_s']):>9} {fmt_ms(v['formula_p99_wait_s']):>12} {fmt_ms(v['simulation_p99_wait_s']):>8} "
+              f"{fmt(v['formula_ratio'], '.2f'):>7} {fmt(v['simulation_ratio'], '.2f'):>7}  "
+              f"{'PASS' if v['pass'] else 'FAIL'} (bound {bound:.0%})")
+    for lv in result["levels"]:
+        v = lv["verdict"]
+        print(f"[capacity-check] level {lv['target_utilisation']:g}: service mean {fmt_ms(v['service_mean_s'])} CV "
+              f"{fmt(v['service_cv'], '.2f')}; P(wait) measured {fmt(v['p_wait'], '.1%')} / formula "
+              f"{fmt(v['formula_p_wait'], '.1%')} / sim {fmt(v['simulation_p_wait'], '.1%')}; busy measured "
+              f"{fmt(v['busy_fraction'], '.2%')} / formula {fmt(v['formula_busy'], '.2%')} / sim {fmt(v['simulation_busy'], '.2%')}; "
+              f"vs router histogram: formula {fmt(v['formula_vs_hist_ratio'], '.2f')}, sim {fmt(v['simulation_vs_hist_ratio'], '.2f')}; "
+              f"FIFO replay of the measured arrivals and service times: p99 {fmt_ms(lv['replay_p99_wait_s'])}")
+        if lv["errors"]:
+            print(f"[capacity-check]   errors: {lv['errors']}")
+        if lv["capacity"] is None:
+            print(f"[capacity-check]   tilepd capacity failed: {lv['capacity_stderr']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", help="base dir of the deployment (default: a fresh temp dir)")
+    ap.add_argument("--port-base", type=int, default=19000, help="router port; prefill +100, decode nodes +10..12, +20..22")
+    ap.add_argument("--queue-timeout-s", type=float, default=2.0)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--decode-threads", type=int, default=1, help="OMP_NUM_THREADS of each decode node (0: torch's default, every core)")
+    ap.add_argument("--levels", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 0.8],
+                    help="offered utilisations, as fractions of the calibrated capacity")
+    ap.add_argument("--level-s", type=float, default=150.0, help="seconds of load per level")
+    ap.add_argument("--warmup-s", type=float, default=10.0, help="seconds of each level before the capacity window opens")
+    ap.add_argument("--calibrate-s", type=float, default=20.0)
+    ap.add_argument("--warm-requests", type=int, default=5)
+    ap.add_argument("--gap-s", type=float, default=5.0)
+    ap.add_argument("--request-timeout-s", type=float, default=60.0)
+    ap.add_argument("--bound", type=float, default=0.25, help="largest |predicted/measured - 1| that passes")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", action="store_true", help="keep every request (send time, status, wait, service) in the JSON")
+    ap.add_argument("--keep", action="store_true", help="leave the stack running (default: tilepd down at the end)")
+    ap.add_argument("--json", action="store_true", help="the whole result as JSON on stdout")
+    ap.add_argument("--out", help="also write the JSON result to this file (e.g. bench/results/capacity_check.json)")
+    args = ap.parse_args()
+    args.nodes = 2
+    base = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="tilepd-capacity-check-"))
+    base.mkdir(parents=True, exist_ok=True)
+    topo = base / "capacity-check.yaml"
+    text = topology_yaml(base, args.port_base, args.queue_timeout_s, args.decode_threads)
+    busy = [p for p in ports_of(args.port_base) if not port_free(p)]
+    # busy ports are fine only when they are this workdir's own deployment, left up by an earlier --keep run
+    if busy and not (topo.is_file() and topo.read_text() == text):
+        print(f"[capacity-check] ports in use: {busy}; pick another --port-base")
+        return 2
+    topo.write_text(text)
+    print(f"[capacity-check] topology {topo}; `tilepd up` (a first start builds the tiny model and starts vLLM)", flush=True)
+    t_up = time.monotonic()
+    result: dict[str, Any] = {"topology": str(topo), "args": {k: v for k, v in vars(args).items()},
+                              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host_cpus": os.cpu_count()}
+    try:
+        up = tilepd("up", str(topo), "-y")
+        if up.returncode != 0:
+            print(up.stdout[-4000:], up.stderr[-4000:], sep="\n")
+            print(f"[capacity-check] tilepd up failed (rc {up.returncode})")
+            return 2
+        print(f"[capacity-check] up in {time.monotonic() - t_up:.0f} s", flush=True)
+        result.update(asyncio.run(drive(args, topo)))
+    finally:
+        if not args.keep:
+            down = tilepd("down", str(topo), "-y")
+            print(f"[capacity-check] tilepd down rc={down.returncode}", flush=True)
+            if down.returncode != 0:
+                print(down.stdout[-2000:], down.stderr[-2000:], sep="\n")
+    report(result, args.bound)
+    ok = all(lv["verdict"]["pass"] for lv in result["levels"])
+    result["pass"] = ok
+    text = json.dumps(finite(result), indent=2, default=lambda v: None, allow_nan=False)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        print(text)
+    print(f"capacity-check: {'PASS' if ok else 'FAIL'}: {sum(lv['verdict']['pass'] for lv in result['levels'])}/"
+          f"{len(result['levels'])} levels within {args.bound:.0%}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
