@@ -8,7 +8,8 @@ HF), each injected with the same random prefix state (40 and 300 tokens):
   - `speed-path+mtp` / `+mtp3`: the same kernels in the MTP step's CUDA graphs (speculative.SpecStep, k=1 / k=3:
     verify steps of 2 / 4 tokens); `+mtp3-oracle`: k=3 with drafts from the reference tokens, every 5th wrong
     (accepted and rejected drafts in one run; the random MTP layer alone is almost never accepted).
-float32 everywhere, so the greedy tokens must be identical. Prints one OK/FAIL line per case, exits 1 on a FAIL.
+A tiny Llama goes through its speed path too (split-KV attention, the per-layer functions compiled with
+compiled.SPEED_COMPILE_OPTIONS). float32 everywhere, so the greedy tokens must be identical. Prints one OK/FAIL line per case, exits 1 on a FAIL.
 
     python bench/mla_gpu_parity.py [--tokens 48]
 """
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_speed import TINY_DSV3, TINY_GLM5, random_state  # noqa: E402
+from decode_speed import TINY_DSV3, TINY_GLM5, TINY_LLAMA, random_state  # noqa: E402
 from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
 from tilepd.engine import layers, moe  # noqa: E402
 from tilepd.engine.compiled import accelerate  # noqa: E402
@@ -38,7 +39,8 @@ def decode(spec, weights, device, variant: str, context: int, tokens: int, oracl
     layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = "reference", "gather"
     max_seq = context + tokens + 64
     model = build_model(spec, weights, max_seq, device, torch.float32)
-    path = accelerate(model, compile_layers=False) if variant.startswith("speed-path") else None
+    # Llama's speed path compiles its per-layer functions (Inductor's coordinate descent); the DeepSeek family has no compiled part
+    path = accelerate(model, compile_layers=spec.family == "llama") if variant.startswith("speed-path") else None
     mtp = "+mtp" in variant
     engine = Engine(model, spec, device, max_seq, use_cuda_graph=True, num_speculative_tokens=(3 if "+mtp3" in variant else 1) if mtp else 0)
     if engine.graph_step is not None:
@@ -71,7 +73,7 @@ def main() -> int:
         return 2
     device = torch.device("cuda")
     failed = False
-    for name, cfg in (("dsv3-tiny", TINY_DSV3), ("glm5-tiny", TINY_GLM5)):
+    for name, cfg in (("llama-tiny", TINY_LLAMA), ("dsv3-tiny", TINY_DSV3), ("glm5-tiny", TINY_GLM5)):
         spec = spec_from_hf_config(cfg)
         weights = random_runtime_weights(spec, device, torch.float32)
         for context in (40, 300):
@@ -82,7 +84,8 @@ def main() -> int:
                 print(f"FAIL {name} ctx={context} reference path raised")
                 failed = True
                 continue
-            for variant in ("speed-path", "speed-path+mtp", "speed-path+mtp3", "speed-path+mtp3-oracle"):
+            variants = ("speed-path",) if spec.family == "llama" else ("speed-path", "speed-path+mtp", "speed-path+mtp3", "speed-path+mtp3-oracle")
+            for variant in variants:
                 try:
                     got, note = decode(spec, weights, device, variant, context, args.tokens, want if variant.endswith("oracle") else None)
                     ok = got == want and "capture_error" not in note

@@ -73,16 +73,18 @@ class LlamaModel:
         self.attn_out_mlp: Callable = attn_out_mlp
         self.post_attn: Callable | None = None  # set: attention runs uncompiled between two compiled halves
 
-    def compile(self, mode: str | None = None, include_attention: bool = True) -> None:
-        """torch.compile the per-layer functions (each compiled once, reused by every layer).
+    def compile(self, mode: str | None = None, include_attention: bool = True, options: dict[str, object] | None = None) -> None:
+        """torch.compile the per-layer functions (each compiled once, reused by every layer); `options` (Inductor's,
+        e.g. compiled.SPEED_COMPILE_OPTIONS) go instead of a `mode`, torch.compile takes one or the other.
 
         include_attention=False keeps the cache-reading attention out of the compiled code, in case the
         compiler would copy the strided cache window before its batched GEMV."""
-        self.attn_in = torch.compile(attn_in, mode=mode, dynamic=False)
+        kw: dict[str, object] = {"options": options} if options is not None else {"mode": mode}
+        self.attn_in = torch.compile(attn_in, dynamic=False, **kw)
         if include_attention:
-            self.attn_out_mlp = torch.compile(attn_out_mlp, mode=mode, dynamic=False)
+            self.attn_out_mlp = torch.compile(attn_out_mlp, dynamic=False, **kw)
         else:
-            self.post_attn = torch.compile(post_attn, mode=mode, dynamic=False)
+            self.post_attn = torch.compile(post_attn, dynamic=False, **kw)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions: [T] long on device; attn_len: static cache window (> max position).
