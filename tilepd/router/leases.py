@@ -74,10 +74,11 @@ class NoNodeInRotation(Exception):
 class Lease:
     """The right to use one node; `release()` is idempotent and hands the node to the next waiter."""
 
-    def __init__(self, pool: NodePool, node: NodeState, waited_s: float) -> None:
+    def __init__(self, pool: NodePool, node: NodeState, waited_s: float, busy: int = 1) -> None:
         self._pool = pool
         self.node = node
         self.waited_s = waited_s
+        self.busy = busy  # nodes of the pool leased when this lease was granted, itself included
         self.released = False
         self.leased_at = time.monotonic()
 
@@ -86,7 +87,7 @@ class Lease:
             self.released = True
             self._pool._release(self.node)
             if self._pool.on_release is not None:  # the node's service time, for `tilepd capacity`
-                self._pool.on_release(time.monotonic() - self.leased_at)
+                self._pool.on_release(time.monotonic() - self.leased_at, self.busy)
 
 
 @dataclass
@@ -94,7 +95,9 @@ class NodePool:
     nodes: list[NodeState]
     _free: deque[NodeState] = field(default_factory=deque)
     _waiters: deque[asyncio.Future[NodeState]] = field(default_factory=deque)
-    on_release: Callable[[float], None] | None = None  # called with the seconds a lease held its node
+    # called with the seconds a lease held its node and how many nodes were leased when it was granted (itself
+    # included): on a shared host the service time grows with the nodes busy next to it (`tilepd capacity`)
+    on_release: Callable[[float, int], None] | None = None
 
     @classmethod
     def of(cls, endpoints: tuple[DecodeEndpoint, ...]) -> NodePool:
@@ -143,7 +146,7 @@ class NodePool:
     def _lease(self, node: NodeState, start: float) -> Lease:
         node.leased = True
         node.leases_total += 1
-        return Lease(self, node, time.monotonic() - start)
+        return Lease(self, node, time.monotonic() - start, self.leased_count())
 
     def _take_free(self) -> NodeState | None:
         while self._free:

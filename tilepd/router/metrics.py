@@ -17,6 +17,13 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 _HOLD_BUCKETS = tuple(round(0.005 * 1.125 ** i, 5) for i in range(95))
 # queue waits: a zero-wait bucket, then ~20% steps to 2 min, so a measured p99 wait is good to ~10% (`tilepd capacity`)
 _WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, *(round(0.01 * 1.2 ** i, 5) for i in range(53)))
+# the hold by busy level is labelled 1 .. BUSY_LABEL_CAP - 1, then "<cap>+": bounded cardinality on any pool size
+BUSY_LABEL_CAP = 8
+
+
+def busy_label(busy: int) -> str:
+    """The `busy` label of a lease granted while `busy` nodes (itself included) were leased."""
+    return f"{BUSY_LABEL_CAP}+" if busy >= BUSY_LABEL_CAP else str(max(busy, 1))
 
 
 class RouterMetrics:
@@ -33,7 +40,14 @@ class RouterMetrics:
         self.lease_wait_seconds = Histogram("tilepd_router_lease_wait_seconds", "Time waited for a decode node", buckets=_WAIT_BUCKETS, registry=r)
         self.lease_hold_seconds = Histogram("tilepd_router_lease_hold_seconds", "Time a request held its decode node (the node's service time)",
                                             buckets=_HOLD_BUCKETS, registry=r)
-        pool.on_release = self.lease_hold_seconds.observe
+        # the same hold by how many of the pool's nodes were leased when the lease was granted (itself included): on a
+        # shared host (CPU nodes, one prefill instance) a node's service time grows with its busy neighbours, which
+        # `tilepd capacity` models as a state-dependent queue; the unlabelled histogram above stays the total
+        self.lease_hold_by_busy_seconds = Histogram(
+            "tilepd_router_lease_hold_by_busy_seconds",
+            f"Time a request held its decode node, by the nodes leased when it got it (itself included; {BUSY_LABEL_CAP}+ for more)",
+            ["busy"], buckets=_HOLD_BUCKETS, registry=r)
+        pool.on_release = self.observe_hold
         self.completion_tokens = Counter("tilepd_router_completion_tokens", "Tokens generated (low-latency pool)", registry=r)
         # the request timeline (timeline.py), one observation per phase a request went through (repeats summed)
         self.phase_seconds = Histogram("tilepd_router_phase_seconds", "Time per request in each phase of its timeline, by route",
@@ -44,6 +58,11 @@ class RouterMetrics:
         Gauge("tilepd_router_queue_depth", "Requests waiting for a decode node", registry=r).set_function(lambda: pool.queue_depth)
         Gauge("tilepd_router_nodes_in_rotation", "Decode nodes that can be leased", registry=r).set_function(lambda: len(pool.in_rotation()))
         Gauge("tilepd_router_nodes_leased", "Decode nodes held by a request", registry=r).set_function(pool.leased_count)
+
+    def observe_hold(self, held_s: float, busy: int) -> None:
+        """One released lease: its service time, in total and at its busy level."""
+        self.lease_hold_seconds.observe(held_s)
+        self.lease_hold_by_busy_seconds.labels(busy_label(busy)).observe(held_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
