@@ -231,7 +231,7 @@ async def fault_loop(base: Path, topo: Path, deadline: float, args: argparse.Nam
             return
         kind = kinds[n % 2]
         node = "d0" if kind == "kill" else "d1"
-        pid = service_pid(base, node)
+        pid = service_pid(base, f"decode-{node}")  # the planner names a decode node's service decode-<node>
         if pid is None:
             log.append(f"{time.strftime('%H:%M:%S')} {kind} {node}: not running, skipped")
             n += 1
@@ -317,6 +317,9 @@ async def soak(args: argparse.Namespace) -> int:
     print(f"[soak] {elapsed:.0f} s, {args.clients} clients, {rate:.2f} req/s, faults {len(faults)}, "
           f"mean latency {statistics.fmean(sum(tally.latencies.values(), [])) if tally.completed else float('nan'):.2f} s")
     print(f"soak: requests {tally.requests} / completed {tally.completed} / typed errors {tally.typed} / lost = {tally.lost}")
+    skipped = [line for line in faults if line.endswith("skipped")]
+    if skipped:  # a soak whose faults did not happen proves nothing about them
+        bad.append(f"{len(skipped)} of {len(faults)} faults were not injected (no running process found)")
     for line in bad:
         print(f"[soak] BOUND CROSSED: {line}")
     return 0 if tally.lost == 0 and not bad else 1
