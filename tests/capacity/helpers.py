@@ -32,11 +32,13 @@ def lease_and_release(metrics: RouterMetrics, pool: NodePool, count: int) -> Non
     asyncio.run(go())
 
 
-def drive(metrics: RouterMetrics, *, served: int, hold_s: float, wait_s: float, refused: int = 0, fallbacks: int = 0) -> None:
-    """`served` requests that waited `wait_s` and held a node `hold_s`; `refused` 429s and `fallbacks` after the queue timeout."""
+def drive(metrics: RouterMetrics, *, served: int, hold_s: float, wait_s: float, refused: int = 0, fallbacks: int = 0,
+          busy: int = 1) -> None:
+    """`served` requests that waited `wait_s` and held a node `hold_s`, each granted with `busy` nodes leased (itself
+    included); `refused` 429s and `fallbacks` after the queue timeout."""
     for _ in range(served):
         metrics.lease_wait_seconds.observe(wait_s)
-        metrics.lease_hold_seconds.observe(hold_s)
+        metrics.observe_hold(hold_s, busy)
         metrics.routes.labels("low_latency", "default").inc()
         metrics.responses.labels("low_latency", "200").inc()
     for _ in range(refused):

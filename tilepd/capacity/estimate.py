@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tilepd.capacity.queueing import Prediction, meets, nodes_needed, predict
+from tilepd.capacity.busy import BusyLevels
+from tilepd.capacity.queueing import Prediction, meets, predict, predict_by_busy
 from tilepd.capacity.simulate import ServiceTimes, SimResult, simulate
 
 
@@ -17,6 +18,21 @@ class Load:
     service: ServiceTimes
     timeout_s: float
     source: str  # "live router window ..." or "stated ..."
+    by_busy: BusyLevels | None = None  # service time by the busy nodes at a start; None: independent nodes (M/G/c)
+
+    @property
+    def model(self) -> str:
+        return "state-dependent" if self.by_busy is not None else "independent"
+
+    def formula(self, nodes: int) -> Prediction:
+        """The closed form at `nodes` nodes: M/G/c+D, or the birth-death chain when the service time depends on the busy nodes."""
+        if self.by_busy is None:
+            return predict(self.rate, self.service.mean, self.service.cv, nodes, self.timeout_s)
+        return predict_by_busy(self.rate, self.by_busy.means(nodes), self.by_busy.at(nodes).cv, nodes, self.timeout_s)
+
+    def simulation(self, nodes: int, requests: int, seed: int) -> SimResult:
+        levels = self.by_busy.levels if self.by_busy is not None else None
+        return simulate(self.rate, self.service, nodes, self.timeout_s, requests=requests, seed=seed, by_busy=levels)
 
 
 @dataclass(frozen=True)
@@ -60,13 +76,22 @@ class Estimate:
         return {
             "load": {"source": self.load.source, "rate_per_s": self.load.rate, "service_mean_s": svc.mean, "service_cv": svc.cv,
                      "service_distribution": svc.describe(), "offered_load_erlangs": self.load.rate * svc.mean,
-                     "queue_timeout_s": self.load.timeout_s},
+                     "queue_timeout_s": self.load.timeout_s, "model": self.load.model,
+                     "service_by_busy": self.load.by_busy.as_list() if self.load.by_busy is not None else None},
             "targets": {"p99_wait_s": self.targets.p99_wait_s, "fallback": self.targets.fallback},
             "current": one(self.row(self.current_nodes)),
             "nodes_needed": self.needed,
             "nodes_needed_formula": self.needed_formula,
             "rows": [one(r) for r in self.rows],
         }
+
+
+def nodes_needed(load: Load, targets: Targets, max_nodes: int = 4096) -> int:
+    """The fewest nodes whose closed-form p99 wait and timeout fraction meet both targets."""
+    for c in range(1, max_nodes + 1):
+        if meets(load.formula(c), targets.p99_wait_s, targets.fallback):
+            return c
+    raise ValueError(f"more than {max_nodes} nodes would be needed for {load.rate:g} req/s at {load.service.mean:g} s each")
 
 
 MAX_SEARCH = 64  # nodes past the formula's answer the simulation may ask for
@@ -85,11 +110,10 @@ def estimate(load: Load, targets: Targets, current_nodes: int, *, sim_requests: 
 
     def at(c: int) -> Row:
         if c not in rows:
-            rows[c] = Row(predict(load.rate, load.service.mean, load.service.cv, c, load.timeout_s),
-                          simulate(load.rate, load.service, c, load.timeout_s, requests=sim_requests, seed=seed))
+            rows[c] = Row(load.formula(c), load.simulation(c, sim_requests, seed))
         return rows[c]
 
-    by_formula = nodes_needed(load.rate, load.service.mean, load.service.cv, load.timeout_s, targets.p99_wait_s, targets.fallback)
+    by_formula = nodes_needed(load, targets)
     at(current_nodes)
     c = by_formula
     while not at(c).meets(targets):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -65,26 +66,66 @@ def allen_cunneen_factor(service_cv: float, arrival_cv: float = 1.0) -> float:
 def predict(rate: float, mean_service_s: float, service_cv: float, nodes: int, timeout_s: float = math.inf,
             quantile: float = 0.99) -> Prediction:
     """M/G/c+D at `rate` requests/s, service time of mean `mean_service_s` and CV `service_cv`, on `nodes` nodes."""
+    _check(rate, mean_service_s, nodes, quantile)
+    a = rate * mean_service_s
+    # everything relative to P(c-1 busy): the idle states sum to 1 / ErlangB(c-1, a), their busy nodes to a (1 - B) / B
+    b = erlang_b(nodes - 1, a)
+    return _with_patience(rate, b, a * (1.0 - b), nodes / mean_service_s, service_cv, nodes, timeout_s, quantile)
+
+
+def predict_by_busy(rate: float, level_means_s: Sequence[float], service_cv: float, nodes: int, timeout_s: float = math.inf,
+                    quantile: float = 0.99) -> Prediction:
+    """The state-dependent pool: with k nodes busy a request's service time has mean `level_means_s[k-1]`.
+
+    A birth-death chain on the busy nodes (completion rate in state k < c: k / E[S | k]) below the full
+    pool; with all c busy the pool hands nodes over at c / E[S | c] whatever the queue, so the waiting
+    part is the M/M/c+D one (Baccelli & Hebuterne) at that rate: exact for exponential service in each
+    state, the Allen-Cunneen factor of the full pool's CV (`service_cv`) otherwise. Equal means give
+    `predict`. (A real request's time depends on the busy count over its whole service, the router
+    records it by the count at its start: the chain takes the mean at a start with k busy as the rate
+    while k are busy.)
+    """
+    if len(level_means_s) < nodes:
+        raise ValueError(f"predict_by_busy needs a mean service time for each of 1..{nodes} busy nodes, got {len(level_means_s)}")
+    _check(rate, min(level_means_s[:nodes]), nodes, quantile)
+    # the loss chain on 0..c-1 busy: B_m = a_m B_(m-1) / (m + a_m B_(m-1)) with a_m = rate E[S | m] (Erlang B's recurrence)
+    b, busy = 1.0, 0.0  # P(c-1 busy) of the chain truncated at c-1, and its mean busy nodes
+    for m in range(1, nodes):
+        a_m = rate * level_means_s[m - 1]
+        b_new = a_m * b / (m + a_m * b)
+        busy = busy * (1.0 - b_new) + m * b_new  # the new state m takes B_m of the mass
+        b = b_new
+    return _with_patience(rate, b, busy, nodes / level_means_s[nodes - 1], service_cv, nodes, timeout_s, quantile)
+
+
+def _check(rate: float, mean_service_s: float, nodes: int, quantile: float) -> None:
     if rate <= 0 or mean_service_s <= 0:
         raise ValueError(f"rate and mean service time must be > 0, got rate={rate}, mean_service_s={mean_service_s}")
     if not 0 < quantile < 1:
         raise ValueError(f"quantile must be in (0, 1), got {quantile}")
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
-    a = rate * mean_service_s
-    rho = a / nodes
+
+
+def _with_patience(rate: float, b: float, idle_busy: float, full_rate: float, service_cv: float, nodes: int, timeout_s: float,
+                   quantile: float) -> Prediction:
+    """The M/M/c+D masses: `b` = P(c-1 busy) and `idle_busy` = mean busy nodes of the chain below the full pool
+    (truncated at c-1), `full_rate` = the pool's hand-over rate with all c busy; waits scaled by Allen-Cunneen."""
     k = allen_cunneen_factor(service_cv)
-    mu = 1.0 / mean_service_s
-    theta = nodes * mu - rate
+    theta = full_rate - rate
+    if b <= 0.0:  # the full pool is never reached (underflow): nobody waits
+        return Prediction(nodes, idle_busy / nodes, 0.0, 0.0, 0.0, 0.0, True)
+    idle = 1.0 / b  # relative to P(c-1 busy)
+    busy_idle = idle_busy * idle  # sum of n P(n busy), n < c, relative to P(c-1 busy)
     if not math.isfinite(timeout_s):
         if theta <= 0:
-            return Prediction(nodes, rho, 1.0, math.inf, math.inf, 1.0, False)
-        c_wait = erlang_c(nodes, a)
+            return Prediction(nodes, 1.0, 1.0, math.inf, math.inf, 1.0, False)
+        queued = rate / theta
+        z = idle + queued
+        c_wait = queued / z
         decay = theta / k
         p99 = math.log(c_wait / (1 - quantile)) / decay if c_wait > 1 - quantile else 0.0
-        return Prediction(nodes, rho, c_wait, c_wait / decay, p99, 0.0, True)
-    # everything relative to P(c-1 busy): the idle states sum to 1 / ErlangB(c-1, a)
-    idle = 1.0 / erlang_b(nodes - 1, a)
+        return Prediction(nodes, (busy_idle + nodes * queued) / z / nodes, c_wait, c_wait / decay, p99, 0.0, True)
     x = theta * timeout_s / k
     if abs(x) < 1e-9:  # theta ~ 0: the limits of the expressions below
         within, edge = rate * timeout_s / k, 1.0
@@ -93,7 +134,7 @@ def predict(rate: float, mean_service_s: float, service_cv: float, nodes: int, t
         edge = math.exp(-x)
         within = rate * (1.0 - edge) / theta  # waits in (0, T)
         area = rate / theta * (k / theta * (1.0 - edge) - timeout_s * edge)  # integral of P(W > t, served) on (0, T)
-    beyond = rate * edge / (nodes * mu)  # would wait past T: they leave
+    beyond = rate * edge / full_rate  # would wait past T: they leave
     z = idle + within + beyond
     p_timeout = beyond / z
     served = 1.0 - p_timeout
@@ -105,7 +146,8 @@ def predict(rate: float, mean_service_s: float, service_cv: float, nodes: int, t
         p99 = timeout_s - target * k / rate
     else:
         p99 = -k / theta * math.log(target * theta / rate + edge)
-    return Prediction(nodes, rho * served, p_wait, area / z / served, min(max(p99, 0.0), timeout_s), p_timeout, True)
+    utilisation = (busy_idle + nodes * (within + beyond)) / z / nodes
+    return Prediction(nodes, utilisation, p_wait, area / z / served, min(max(p99, 0.0), timeout_s), p_timeout, True)
 
 
 def meets(p: Prediction, target_p99_wait_s: float, target_timeout: float) -> bool:

@@ -10,8 +10,10 @@ second per 100k requests.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -131,14 +133,22 @@ MAX_REQUESTS = 2_000_000
 
 
 def simulate(rate: float, service: ServiceTimes, nodes: int, timeout_s: float = math.inf, *, requests: int = 100_000,
-             seed: int = 0, warmup: float = 0.1, quantile: float = 0.99) -> SimResult:
-    """Run `requests` Poisson arrivals at `rate`/s through `nodes` FIFO batch=1 nodes; the first `warmup` share is not counted."""
+             seed: int = 0, warmup: float = 0.1, quantile: float = 0.99,
+             by_busy: Sequence[ServiceTimes] | None = None) -> SimResult:
+    """Run `requests` Poisson arrivals at `rate`/s through `nodes` FIFO batch=1 nodes; the first `warmup` share is not counted.
+
+    With `by_busy`, a request that starts while k nodes are busy (itself included) draws its service time from
+    `by_busy[min(k, len) - 1]` instead of `service`: nodes sharing a host slow each other down, as the router's
+    `tilepd_router_lease_hold_by_busy_seconds` records it.
+    """
     if rate <= 0 or nodes < 1:
         raise ValueError(f"simulate needs rate > 0 and nodes >= 1, got rate={rate}, nodes={nodes}")
     if not 1000 <= requests <= MAX_REQUESTS:
         raise ValueError(f"requests must be in [1000, {MAX_REQUESTS}], got {requests}")
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, requests)).tolist()
+    if by_busy:
+        return _simulate_by_busy(rng, arrivals, by_busy, nodes, timeout_s, warmup, quantile)
     services = service.sample(rng, requests).tolist()
     skip = int(requests * warmup)
     free = [0.0] * nodes  # heap of the times each node frees
@@ -158,7 +168,44 @@ def simulate(rate: float, service: ServiceTimes, nodes: int, timeout_s: float = 
             waits.append(wait)
             waited += wait > 0
             busy += s
-    counted = requests - skip
+    return _result(arrivals, skip, nodes, waits, waited, timed_out, busy, quantile)
+
+
+def _simulate_by_busy(rng: np.random.Generator, arrivals: list[float], by_busy: Sequence[ServiceTimes], nodes: int,
+                      timeout_s: float, warmup: float, quantile: float) -> SimResult:
+    """The FIFO run with each service time drawn at its start from the busy count then (a sorted list of free times)."""
+    requests = len(arrivals)
+    draws = [d.sample(rng, requests).tolist() for d in by_busy]
+    used = [0] * len(by_busy)
+    top = len(by_busy)
+    skip = int(requests * warmup)
+    free = [0.0] * nodes  # sorted: the times each node frees
+    waits: list[float] = []
+    waited = timed_out = 0
+    busy = 0.0
+    for i, t in enumerate(arrivals):
+        start = t if free[0] <= t else free[0]
+        wait = start - t
+        if wait > timeout_s:
+            if i >= skip:
+                timed_out += 1
+                waited += 1
+            continue
+        level = min(1 + nodes - bisect.bisect_right(free, start, 1), top)  # the node it takes plus those busy at its start
+        s = draws[level - 1][used[level - 1]]
+        used[level - 1] += 1
+        free.pop(0)
+        bisect.insort(free, start + s)
+        if i >= skip:
+            waits.append(wait)
+            waited += wait > 0
+            busy += s
+    return _result(arrivals, skip, nodes, waits, waited, timed_out, busy, quantile)
+
+
+def _result(arrivals: list[float], skip: int, nodes: int, waits: list[float], waited: int, timed_out: int, busy: float,
+            quantile: float) -> SimResult:
+    counted = len(arrivals) - skip
     span = arrivals[-1] - arrivals[skip]
     served = np.asarray(waits) if waits else np.zeros(1)
     return SimResult(

@@ -85,12 +85,14 @@ class Scrape:
     """Every sample of one /metrics answer: name -> {labels: value}."""
 
     samples: dict[str, dict[Labels, float]] = field(default_factory=dict)
+    families: set[str] = field(default_factory=set)  # every metric named, with samples or not (a labelled one may have none yet)
 
     @classmethod
     def parse(cls, text: str, source: str = "/metrics") -> Scrape:
         out = cls()
         try:
             for family in text_string_to_metric_families(text):
+                out.families.add(family.name)
                 for s in family.samples:
                     out.samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = float(s.value)
         except ValueError as exc:
@@ -155,6 +157,9 @@ class RouterLoad:
     wait: Histogram
     nodes_in_rotation: int | None
     notes: tuple[str, ...]
+    # the service times by how many nodes were leased when each lease was granted ("1", "2", ..., "8+"); None for an
+    # older router without tilepd_router_lease_hold_by_busy_seconds
+    service_by_busy: dict[str, Histogram] | None = None
 
     @property
     def rate(self) -> float:
@@ -170,6 +175,7 @@ class RouterLoad:
 
 ROUTES = "tilepd_router_routes_total"
 HOLD = "tilepd_router_lease_hold_seconds"
+HOLD_BY_BUSY = "tilepd_router_lease_hold_by_busy_seconds"
 WAIT = "tilepd_router_lease_wait_seconds"
 REQUEST = "tilepd_router_request_seconds"
 
@@ -201,7 +207,25 @@ def router_load(before: Scrape, after: Scrape, window_s: float) -> RouterLoad:
     gauge = after.samples.get("tilepd_router_nodes_in_rotation")
     in_rotation = int(sum(gauge.values())) if gauge else None
     return RouterLoad(window_s, wait.count + busy_429 + busy_fallback, wait.count, busy_429, busy_fallback, routes, service,
-                      source, wait, in_rotation, tuple(notes))
+                      source, wait, in_rotation, tuple(notes), hold_by_busy(before, after))
+
+
+def hold_by_busy(before: Scrape, after: Scrape) -> dict[str, Histogram] | None:
+    """The window's lease holds per `busy` label (a label first seen after `before` counts from zero); no empty ones.
+    None: the router does not export the histogram (older tilepd)."""
+    if HOLD_BY_BUSY not in after.families and not after.has(f"{HOLD_BY_BUSY}_count"):
+        return None
+    out: dict[str, Histogram] = {}
+    for label in sorted(after.by_labels(f"{HOLD_BY_BUSY}_count", "busy")):
+        busy = label[0]
+        h_after = after.histogram(HOLD_BY_BUSY, busy=busy)
+        if h_after is None:
+            continue
+        h_before = before.histogram(HOLD_BY_BUSY, busy=busy)
+        h = h_after - h_before if h_before is not None else h_after
+        if h.count > 0:
+            out[busy] = h
+    return out
 
 
 def seconds_per_token(scrapes: list[Scrape]) -> float | None:

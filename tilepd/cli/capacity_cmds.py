@@ -95,6 +95,7 @@ def _scrape_or_exit(url: str):  # noqa: ANN202 - returns Scrape
 
 def _live_load(topo, window_s: float, notes: list[str]):  # noqa: ANN001, ANN202 - returns (Load, RouterLoad)
     from tilepd.capacity import sources
+    from tilepd.capacity.busy import busy_model
     from tilepd.capacity.estimate import Load
 
     url = f"http://{topo.router.address}:{topo.router.port}/metrics"
@@ -111,8 +112,10 @@ def _live_load(topo, window_s: float, notes: list[str]):  # noqa: ANN001, ANN202
         raise _fail(ExitCode.INPUT, f"{url}: no request reached the decode-node queue in {window_s:g} s "
                     "(nothing to measure): use a longer --window, or state the load with --rps")
     notes.append("arrivals taken as Poisson (the router does not record inter-arrival times)")
+    by_busy, busy_notes = busy_model(live.service_by_busy)
+    notes.extend(busy_notes)
     source = f"live: router {topo.router.address}:{topo.router.port}, {window_s:g} s window, {live.arrivals:g} requests"
-    return Load(live.rate, live.service.distribution(), topo.router.queue_timeout_s, source), live
+    return Load(live.rate, live.service.distribution(), topo.router.queue_timeout_s, source, by_busy), live
 
 
 def _table(est, live, current: int) -> Table:  # noqa: ANN001
@@ -151,7 +154,7 @@ def capacity(
 ) -> None:
     """How many batch=1 decode nodes the load needs for a target p99 queue wait and fallback rate.
 
-    Each decode node serves one request at a time, so the pool is a multi-server queue whose service time is the whole request on the node. Erlang C with the router's queue timeout and a service-time-CV correction gives the figures; a seeded simulation with the measured (or stated) service-time distribution checks them. See docs/CAPACITY.md.
+    Each decode node serves one request at a time, so the pool is a multi-server queue whose service time is the whole request on the node. Erlang C with the router's queue timeout and a service-time-CV correction gives the figures; a seeded simulation with the measured (or stated) service-time distribution checks them. When the live service time depends on how many nodes are busy (nodes sharing a host), both use it per busy level. See docs/CAPACITY.md.
     """
     from tilepd.cli.deploy_cmds import _topology_arg
     from tilepd.topology import TopologyError, TopologyFileError, load_topology
@@ -198,7 +201,9 @@ def capacity(
                                "busy_429": live.busy_429, "busy_fallback": live.busy_fallback, "busy_fraction": live.busy_fraction,
                                "utilisation": live.measured_utilisation(current), "p_wait": w.fraction_above(0.0005),
                                "p99_wait_s": w.quantile(0.99), "service_source": live.service_source,
-                               "nodes_in_rotation": live.nodes_in_rotation}
+                               "nodes_in_rotation": live.nodes_in_rotation,
+                               "service_by_busy": ({k: {"count": h.count, "mean_s": h.mean} for k, h in live.service_by_busy.items()}
+                                                   if live.service_by_busy is not None else None)}
         typer.echo(json.dumps(out, indent=2, allow_nan=False, default=lambda v: None))
     else:
         svc = load.service
@@ -206,6 +211,9 @@ def capacity(
         console.print(f"  {load.rate:.3g} req/s x service {svc.describe()} = {load.rate * svc.mean:.3g} erlangs; "
                       f"queue timeout {load.timeout_s:g} s; targets: p99 wait <= {_fmt_s(target_p99_wait_s)}, "
                       f"429/fallback <= {_pct(target_fallback)}", highlight=False)
+        model = ("state-dependent (service time by the busy nodes: " + load.by_busy.describe() + ")" if load.by_busy is not None
+                 else "independent nodes (M/G/c)")
+        console.print(f"  model: {model}", highlight=False)
         console.print(_table(est, live, current))
         verdict = "[green]meets the targets[/]" if ok else "[red]misses the targets[/]"
         console.print(f"now: {current} decode node(s), {verdict}; needed: [bold]{est.needed}[/] "
