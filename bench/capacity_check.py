@@ -13,7 +13,8 @@ ports (19xxx by default, checked free) and everything under `--workdir`. Then:
    router's /metrics twice W seconds apart. Every request's queue wait comes from the router's
    `Server-Timing` header (`queue_wait`), its status code too (429 = the router's `busy`).
 
-Printed per level: offered req/s, measured utilisation, measured p99 queue wait (client side from
+Printed per level: which model `tilepd capacity` chose (independent nodes, or state-dependent when the router's
+hold by busy level shows the nodes slowing each other down), offered req/s, measured utilisation, measured p99 queue wait (client side from
 Server-Timing over the requests sent inside the capacity window, and the router histogram's as
 `tilepd capacity` reports it), the current pool's predicted p99 (formula, simulation) and
 predicted/measured. A level passes when both predictions are within `--bound` (25%) of the
@@ -380,6 +381,9 @@ def verdict(lv: dict[str, Any], bound: float, timeout_s: float) -> dict[str, Any
             "formula_vs_hist_ratio": compare(f_p99, hist_p99 if hist_p99 is not None else math.nan, bound)[0],
             "simulation_vs_hist_ratio": compare(s_p99, hist_p99 if hist_p99 is not None else math.nan, bound)[0],
             "utilisation": meas.get("utilisation"), "measured_rate_rps": meas.get("rate_per_s"),
+            "model": cap.get("load", {}).get("model", "independent"),
+            "service_by_busy": [(x["busy"], x["mean_s"], x["count"]) for x in cap.get("load", {}).get("service_by_busy") or []],
+            "measured_by_busy": meas.get("service_by_busy"),
             "service_mean_s": cap.get("load", {}).get("service_mean_s"), "service_cv": cap.get("load", {}).get("service_cv"),
             "busy_fraction": meas.get("busy_fraction"), "formula_busy": cur.get("formula", {}).get("p_timeout"),
             "simulation_busy": cur.get("simulation", {}).get("p_timeout"),
@@ -447,7 +451,8 @@ def report(result: dict[str, Any], bound: float) -> None:
               f"{w['served_with_wait']:>7} {fmt(w['busy_fraction'], '.2%'):>6} {fmt_ms(v['client_p99_wait_s']):>11} "
               f"{fmt_ms(v['router_hist_p99_wait_s']):>9} {fmt_ms(v['formula_p99_wait_s']):>12} {fmt_ms(v['simulation_p99_wait_s']):>8} "
               f"{fmt(v['formula_ratio'], '.2f'):>7} {fmt(v['simulation_ratio'], '.2f'):>7}  "
-              f"{'PASS' if v['pass'] else 'FAIL'} (bound {bound:.0%}){' saturated: p99 at the queue timeout' if v['saturated'] else ''}")
+              f"{'PASS' if v['pass'] else 'FAIL'} (bound {bound:.0%}; model {v['model']})"
+              f"{' saturated: p99 at the queue timeout' if v['saturated'] else ''}")
     for lv in result["levels"]:
         v = lv["verdict"]
         print(f"[capacity-check] level {lv['target_utilisation']:g}: service mean {fmt_ms(v['service_mean_s'])} CV "
@@ -459,6 +464,10 @@ def report(result: dict[str, Any], bound: float) -> None:
               f"with the service times shuffled (i.i.d., the model's assumption): {fmt_ms(lv['shuffled_replay_p99_wait_s'])}; "
               f"service alone {fmt_ms(lv['service_by_company']['alone_mean_s'])} (n {lv['service_by_company']['alone_n']}) vs next "
               f"to another request {fmt_ms(lv['service_by_company']['shared_mean_s'])} (n {lv['service_by_company']['shared_n']})")
+        levels = ", ".join(f"{b} busy: {fmt_ms(m)} (n {n:g})" for b, m, n in v["service_by_busy"])
+        by_busy = v.get("measured_by_busy") or {}
+        print(f"[capacity-check]   model: {v['model']}" + (f" ({levels})" if levels else "") + "; router hold by busy level: "
+              + (", ".join(f"{k}: {fmt_ms(x['mean_s'])} (n {x['count']:g})" for k, x in sorted(by_busy.items())) or "-"))
         if lv["errors"]:
             print(f"[capacity-check]   errors: {lv['errors']}")
         if lv["capacity"] is None:
