@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(("version", "supported"), [
     ("0.32.0", True), ("0.32.7", True), ("0.32.0+cpu", True), ("v0.32.1", True), ("0.32", True),
-    ("0.31.0", False), ("0.33.0", False), ("0.33.0rc1", False), ("0.11.2.post2", False), ("1.0.0", False),
+    ("0.31.0", True), ("0.31.2", True), ("0.30.0", False), ("0.33.0", False), ("0.33.0rc1", False), ("0.11.2.post2", False), ("1.0.0", False),
 ])
 def test_range(version: str, supported: bool) -> None:
     assert vv.is_supported(version) is supported
@@ -43,16 +43,16 @@ def test_pyproject_extras_declare_the_supported_range() -> None:
 
 
 def test_require_supported_refuses_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__="0.31.0"))  # the loaded module's version wins
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__="0.30.0"))  # the loaded module's version wins
     monkeypatch.delenv(vv.ALLOW_ENV, raising=False)
     with pytest.raises(vv.UnsupportedVllmError) as exc:
         vv.require_supported()
-    assert "0.31.0" in str(exc.value) and vv.SUPPORTED_RANGE in str(exc.value) and "vllm_matrix.sh" in str(exc.value)
-    monkeypatch.setenv(vv.ALLOW_ENV, "0.30.0")  # allows another release only
+    assert "0.30.0" in str(exc.value) and vv.SUPPORTED_RANGE in str(exc.value) and "vllm_matrix.sh" in str(exc.value)
+    monkeypatch.setenv(vv.ALLOW_ENV, "0.29.0")  # allows another release only
     with pytest.raises(vv.UnsupportedVllmError):
         vv.require_supported()
-    monkeypatch.setenv(vv.ALLOW_ENV, "0.31.0")
-    assert vv.require_supported() == "0.31.0"
+    monkeypatch.setenv(vv.ALLOW_ENV, "0.30.0")
+    assert vv.require_supported() == "0.30.0"
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__="0.32.0"))
     monkeypatch.delenv(vv.ALLOW_ENV)
     assert vv.require_supported() == "0.32.0"
@@ -76,10 +76,10 @@ def test_doctor_vllm_version_on_a_prefill_interpreter() -> None:
     env = PythonEnv(python="/opt/venv/bin/python", install="operator", vllm=True)
     good = {f.check: f for f in evaluate_python_env("10.0.0.10", env, _recorded("0.32.0"), roles=["prefill"])}
     assert good["vllm-version"].verdict == "ok"
-    bad = {f.check: f for f in evaluate_python_env("10.0.0.10", env, _recorded("0.31.0"), roles=["prefill"])}
+    bad = {f.check: f for f in evaluate_python_env("10.0.0.10", env, _recorded("0.30.0"), roles=["prefill"])}
     f = bad["vllm-version"]
     assert f.verdict == "fail" and f.required and f.runbook == "RB-upgrade"
-    assert "0.31.0" in f.evidence and vv.SUPPORTED_RANGE in f.evidence and "tilepd[prefill]" in f.fix
+    assert "0.30.0" in f.evidence and vv.SUPPORTED_RANGE in f.evidence and "tilepd[prefill]" in f.fix
     no_vllm = {f.check for f in evaluate_python_env("h", PythonEnv(python="/p", install="operator", vllm=False), _recorded(None), roles=["decode"])}
     assert "vllm-version" not in no_vllm
 
@@ -93,7 +93,7 @@ def test_connector_refuses_another_vllm_before_anything_else(monkeypatch: pytest
 
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
     monkeypatch.delenv(vv.ALLOW_ENV, raising=False)
-    with pytest.raises(vv.UnsupportedVllmError, match=r"0\.31\.0.*>=0\.32\.0,<0\.33|>=0\.32\.0,<0\.33.*0\.31\.0"):
+    with pytest.raises(vv.UnsupportedVllmError, match=r"0\.30\.0.*>=0\.31\.0,<0\.33|>=0\.31\.0,<0\.33.*0\.30\.0"):
         TilePDConnector(vllm_config=None, role=None)  # refused before vLLM's base class reads the config

