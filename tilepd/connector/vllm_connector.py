@@ -87,9 +87,9 @@ from tilepd.connector.layout import (
     read_paged_cache,
 )
 from tilepd.connector.marker import RESULT_KEY, TilepdMarker, decide_claim
-from tilepd.connector.tracing import make_connector_tracing, traceparent_of
 from tilepd.connector.peer_workers import PeerWorkers
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
+from tilepd.connector.tracing import make_connector_tracing, traceparent_of
 from tilepd.plan.service_configs import ConnectorExtraConfig
 
 if TYPE_CHECKING:
