@@ -109,3 +109,36 @@ def test_orphaned_admit_is_reaped() -> None:
     time.sleep(0.02)
     s.reap_orphans()
     assert s.state == State.FREE
+
+
+def test_a_late_decode_request_cannot_take_the_slot_of_its_ended_transfer() -> None:
+    """Seen on the loaded CI box: the router cancelled a transfer whose decode handler was stalled; the handler then
+    reserved the free slot for the dead transfer and the node stayed busy for tens of seconds."""
+    s, _ = _slot()
+    g = s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
+    s.complete("t1", g, True)
+    assert s.cancel("t1") and s.state == State.FREE  # no decode request had joined: freed at once
+    with pytest.raises(SlotError) as e:
+        s.reserve_for_decode("t1", "k")
+    assert e.value.code == "cancelled" and "already ended here (cancelled)" in e.value.message
+    assert s.state == State.FREE and not s.busy
+    tr = s.reserve_for_decode("t2", "k")  # any other transfer still takes it
+    tr2 = s.admit("t2", "k", 10, 1, 100, None, conn_id=1)
+    s.complete("t2", tr2, True)
+    s.wait_complete(tr, 1)
+    s.start_decoding(tr)
+    s.release(tr)
+    with pytest.raises(SlotError) as e:
+        s.reserve_for_decode("t2", "k")
+    assert e.value.code == "duplicate"
+
+
+def test_ended_transfers_are_remembered_boundedly() -> None:
+    from tilepd.runtime import slot as slot_mod
+
+    s, _ = _slot()
+    for i in range(slot_mod.ENDED_REMEMBERED + 10):
+        g = s.admit(f"t{i}", "k", 10, 1, 100, None, conn_id=1)
+        s.complete(f"t{i}", g, True)
+        s.cancel(f"t{i}")
+    assert len(s._ended) == slot_mod.ENDED_REMEMBERED and "t0" not in s._ended

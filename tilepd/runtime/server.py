@@ -118,6 +118,7 @@ def serve(config: DecodeServerConfig) -> None:
             svc.ctrl.token_ok = lambda transfer_id, token: transfer_token_ok(secret, transfer_id, token)
         log.info("event=engine_warm node=%s seconds=%.2f", config.name, svc.warm_up())
         svc.start()
+        svc.warm_grammars()  # in the background: the node serves meanwhile
     except OSError as exc:
         worker.shutdown(wait=False)
         close_engine(engine)

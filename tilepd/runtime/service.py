@@ -160,16 +160,43 @@ class DecodeService:
             "tilepd_version": __version__,
         }
 
-    def grammar_for(self, kind: str, spec: str, stop_token_ids: list[int]) -> Any:
-        """A fresh matcher for one request (the compile is cached); its stop tokens are vLLM's all_stop_token_ids."""
-        from tilepd.engine.grammar import Constraint, GrammarCompiler
+    def _grammar_compiler(self) -> Any:
+        """The node's GrammarCompiler, built once (transformers' tokenizer and xgrammar's token table: seconds of CPU)."""
+        from tilepd.engine.grammar import GrammarCompiler
 
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler.from_pretrained(self.config.weights_dir, int(self.engine.config.vocab_size))
-        compiled = self._grammars.compile(Constraint(kind, spec))
+            return self._grammars
+
+    def warm_grammars(self) -> threading.Thread | None:
+        """Build the grammar compiler on a thread right after start when the engine honours structured output, so
+        the first constrained request does not pay for it: built on that request, it once held the node for 25 s
+        on a loaded 2-core box (imports under the GIL), long enough for the router to call the node silent."""
+        if not (getattr(self.engine, "capabilities", {}) or {}).get("structured_output"):
+            return None
+
+        def build() -> None:
+            t0 = time.perf_counter()
+            try:
+                self._grammar_compiler()
+            except Exception as exc:  # noqa: BLE001 - the first constrained request retries and reports it
+                log.warning("event=grammar_warmup_failed node=%s error=%r", self.config.name, exc)
+            else:
+                log.info("event=grammar_warm node=%s seconds=%.1f", self.config.name, time.perf_counter() - t0)
+
+        th = threading.Thread(target=build, name="grammar-warmup", daemon=True)
+        th.start()
+        return th
+
+    def grammar_for(self, kind: str, spec: str, stop_token_ids: list[int]) -> Any:
+        """A fresh matcher for one request (the compile is cached); its stop tokens are vLLM's all_stop_token_ids."""
+        from tilepd.engine.grammar import Constraint
+
+        grammars = self._grammar_compiler()
+        compiled = grammars.compile(Constraint(kind, spec))
         stops = set(stop_token_ids) | set(getattr(self.engine.config, "eos_token_ids", ()))
-        return self._grammars.matcher(compiled, stops)
+        return grammars.matcher(compiled, stops)
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (a tensor-parallel worker rank died), or None; /health answers 503 with it."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
@@ -69,6 +70,9 @@ class Transfer:
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
+ENDED_REMEMBERED = 4096  # transfer ids (~100 B each) kept to refuse late decode requests
+
+
 class Slot:
     def __init__(
         self,
@@ -91,6 +95,9 @@ class Slot:
         self.bytes_total = 0
         # set by the node's /admin/drain: the transfer holding the slot finishes, no new one may take the free slot
         self.draining = False
+        # transfers that ended here (id -> reason), newest last, bounded: a decode request that comes after its
+        # transfer was cancelled or timed out (its handler stalled, the router gave up) must not take the free slot
+        self._ended: OrderedDict[str, str] = OrderedDict()
 
     # -- views ----------------------------------------------------------------------
     @property
@@ -110,6 +117,10 @@ class Slot:
             if self.state == State.FREE:
                 if self.draining:
                     raise SlotError("draining", "decode node is draining: it takes no new request (undrain it or use another node)")
+                ended = self._ended.get(transfer_id)
+                if ended is not None:
+                    raise SlotError("duplicate" if ended == "finished" else "cancelled",
+                                    f"transfer {transfer_id} already ended here ({ended}): a late decode request cannot take the node")
                 self.current = Transfer(transfer_id, token, http_joined=True)
                 self.state = State.RESERVED
                 log.info("event=reserved transfer_id=%s by=decode_request", transfer_id)
@@ -295,5 +306,9 @@ class Slot:
                 self._on_revoke(conn)
         self.current = None
         self.state = State.FREE
+        if cur is not None:
+            self._ended[cur.transfer_id] = reason
+            while len(self._ended) > ENDED_REMEMBERED:
+                self._ended.popitem(last=False)
         log.info("event=freed transfer_id=%s reason=%s", cur.transfer_id if cur else None, reason)
         self._cv.notify_all()
