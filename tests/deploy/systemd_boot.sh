@@ -2,8 +2,11 @@
 # Boot systemd as PID 1 of a test host (tests/deploy/systemd_host.py), the way Molecule / systemd-nspawn
 # boot a container: new PID, mount, cgroup, UTS and IPC namespaces inside the host's network namespace.
 #
-#   systemd_boot.sh outer CGROUP NETNS LAB_ROOT UNITS   (root namespace, run by systemd_host.py)
-#   systemd_boot.sh inner LAB_ROOT UNITS                (PID 1 of the new namespaces; execs systemd)
+#   systemd_boot.sh outer CGROUP NETNS LAB_ROOT UNITS [KEEP...]   (root namespace, run by systemd_host.py)
+#   systemd_boot.sh inner LAB_ROOT UNITS [KEEP...]                (PID 1 of the new namespaces; execs systemd)
+#
+# KEEP: more folders under /tmp or /var/tmp carried into the private ones at the same path (the checkout, when
+# it lies there).
 #
 # The booted systemd must never act on the machine: it sees its own tmpfs /tmp, /var/tmp, /run,
 # /etc/systemd/system and journal (the lab root is moved into the private /tmp at the same path), only
@@ -15,12 +18,15 @@ set -euo pipefail
 case "$1" in
 outer)
     cgroup=$2 netns=$3 lab=$4 units=$5
+    shift 5
     echo $$ >"$cgroup/cgroup.procs"  # the cgroup namespace made next is rooted here
     exec ip netns exec "$netns" unshare --pid --fork --mount --cgroup --uts --ipc --propagation private \
-        bash "$0" inner "$lab" "$units"
+        bash "$0" inner "$lab" "$units" "$@"
     ;;
 inner)
     lab=$2 units=$3
+    shift 3
+    keep=("$@")
     ;;
 *)
     echo "usage: $0 outer CGROUP NETNS LAB_ROOT UNITS" >&2
@@ -33,11 +39,20 @@ mount --make-rprivate /
 mount -t tmpfs -o mode=755,nosuid,nodev tmpfs /run
 mkdir /run/lab-root
 mount --bind "$lab" /run/lab-root
+for i in "${!keep[@]}"; do
+    mkdir -p "/run/lab-keep/$i"
+    mount --bind "${keep[$i]}" "/run/lab-keep/$i"
+done
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /var/tmp
 mkdir -p "$lab"
 mount --move /run/lab-root "$lab"
 rmdir /run/lab-root
+for i in "${!keep[@]}"; do
+    mkdir -p "${keep[$i]}"
+    mount --move "/run/lab-keep/$i" "${keep[$i]}"
+    rmdir "/run/lab-keep/$i"
+done
 if [ -d /var/log/journal ]; then mount -t tmpfs -o mode=2755 tmpfs /var/log/journal; fi
 
 # units: the lab's own, nothing the distribution enables

@@ -71,6 +71,12 @@ MASKED = (
 WANTED_SOCKETS = ("systemd-journald.socket", "systemd-journald-dev-log.socket")
 
 
+def _masked_checkout() -> list[str]:
+    """The checkout, when it lies under a folder the booted host replaces with its own tmpfs (/tmp, /var/tmp): it is
+    carried into the host at the same path, as the lab root is (a fresh clone in /tmp must still run there)."""
+    return [str(REPO)] if any(REPO.is_relative_to(d) for d in (Path("/tmp"), Path("/var/tmp"))) else []
+
+
 def missing_systemd_prerequisites() -> str | None:
     """Why a systemd test host cannot boot here, or None when it can."""
     why = missing_prerequisites()
@@ -189,7 +195,7 @@ class SystemdLab(LabNetwork):
         log = open(self.root / host.name / "boot.log", "ab")
         with log:
             proc = subprocess.Popen(
-                ["bash", str(BOOT), "outer", str(cgroup), host.netns, str(self.root), str(units)],
+                ["bash", str(BOOT), "outer", str(cgroup), host.netns, str(self.root), str(units), *_masked_checkout()],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         self._boots[host.name] = proc
