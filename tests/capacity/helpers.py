@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from tilepd.plan.service_configs import DecodeEndpoint
@@ -57,3 +61,34 @@ def local_topology(tmp_path: Path, router_port: int) -> Path:
     out = tmp_path / "local.yaml"
     out.write_text(text)
     return out
+
+
+@contextmanager
+def serving_metrics(metrics: RouterMetrics, between_scrapes: Callable[[], None]) -> Iterator[int]:
+    """An HTTP server answering /metrics with the router's own rendering of `metrics` (its port is yielded);
+    `between_scrapes` drives the load just before the second scrape, and exactly two scrapes must come."""
+    scrapes: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            scrapes.append(self.path)
+            if len(scrapes) == 2:
+                between_scrapes()
+            body = metrics.render()
+            self.send_response(200)
+            self.send_header("content-type", "text/plain; version=0.0.4")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert scrapes == ["/metrics", "/metrics"]

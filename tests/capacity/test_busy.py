@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from tests.capacity.helpers import drive, lease_and_release, local_topology, router_metrics
+from tests.capacity.helpers import drive, lease_and_release, local_topology, router_metrics, serving_metrics
 from tilepd.capacity.busy import BusyLevels, busy_model
 from tilepd.capacity.estimate import Load, Targets, estimate
 from tilepd.capacity.queueing import erlang_c, predict, predict_by_busy
@@ -124,28 +121,14 @@ def test_live_window_with_a_slowdown(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(cmds.time, "sleep", lambda s: None)  # a 60 s window, not waited for
     metrics, _ = router_metrics(nodes=2)
-    scrapes: list[str] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            scrapes.append(self.path)
-            if len(scrapes) == 2:
-                drive(metrics, served=120, hold_s=0.11, wait_s=0.0001, busy=1)
-                drive(metrics, served=180, hold_s=0.22, wait_s=0.2, busy=2)
-            body = metrics.render()
-            self.send_response(200)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def load() -> None:
+        drive(metrics, served=120, hold_s=0.11, wait_s=0.0001, busy=1)
+        drive(metrics, served=180, hold_s=0.22, wait_s=0.2, busy=2)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with serving_metrics(metrics, load) as port:
         app = build_app(["tilepd.cli.capacity_cmds"])
-        topo = str(local_topology(tmp_path, server.server_address[1]))
+        topo = str(local_topology(tmp_path, port))
         r = CliRunner().invoke(app, ["capacity", topo, "--window", "60", "--sim-requests", "20000", "--nodes", "2", "--json"])
         assert r.exit_code == 0, r.output
         out = json.loads(r.stdout)
@@ -153,7 +136,3 @@ def test_live_window_with_a_slowdown(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert [round(x["mean_s"], 3) for x in out["load"]["service_by_busy"]] == [0.11, 0.22]
         assert any("alone" in n and "share a host" in n for n in out["notes"])
         assert out["measured"]["service_by_busy"]["2"]["count"] == 180
-    finally:
-        server.shutdown()
-        server.server_close()
-    np.testing.assert_equal(scrapes, ["/metrics", "/metrics"])

@@ -6,15 +6,13 @@ import json
 import socket
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 from typer.testing import CliRunner
 
-from tests.capacity.helpers import REPO, drive, local_topology, router_metrics
+from tests.capacity.helpers import REPO, drive, local_topology, router_metrics, serving_metrics
 from tilepd.capacity.queueing import predict
 from tilepd.cli.app import build_app
 
@@ -80,32 +78,8 @@ def test_unreachable_metrics_endpoint_is_named(tmp_path: Path) -> None:
 def fake_router() -> Iterator[int]:
     """Serves the router's own RouterMetrics; the load arrives between the first and the second scrape."""
     metrics, _ = router_metrics(nodes=1)
-    scrapes = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            scrapes.append(self.path)
-            if len(scrapes) == 2:
-                drive(metrics, served=20, hold_s=0.25, wait_s=0.05, refused=1)
-            body = metrics.render()
-            self.send_response(200)
-            self.send_header("content-type", "text/plain; version=0.0.4")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        assert scrapes == ["/metrics", "/metrics"]
+    with serving_metrics(metrics, lambda: drive(metrics, served=20, hold_s=0.25, wait_s=0.05, refused=1)) as port:
+        yield port
 
 
 def test_live_window_from_the_router_metrics(tmp_path: Path, fake_router: int) -> None:
