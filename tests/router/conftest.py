@@ -32,7 +32,9 @@ from .stack import (
     stop_all,
 )
 
-SPARE_NODES = ("f1", "f2")  # allowlisted, started by the fault tests (test_node_faults.py) only
+SPARE_NODES = ("f1", "f2")
+LOG_LINES_ON_FAILURE = 30
+_LOG_OFFSETS = pytest.StashKey[tuple[Path, dict[Path, int]]]()  # allowlisted, started by the fault tests (test_node_faults.py) only
 
 
 def _engine_available() -> bool:
@@ -63,7 +65,12 @@ class Stack:
     def config(self, *, native: bool, **overrides: object) -> RouterConfig:
         assert self.prefill is not None and self.endpoint is not None
         native_urls = (self.native_prefill_url or self.prefill.url, self.native.url) if (native and self.native is not None) else None
-        return router_config(self.model, self.prefill.url, [self.endpoint], native=native_urls, **overrides)  # type: ignore[arg-type]
+        # these routers serve API tests, not failure detection (test_node_faults.py sets its own): on the loaded 2-core
+        # CI box the shared node's /health once missed two 2 s checks while it waited for a KV, and the router
+        # took it out of rotation mid-request
+        lenient: dict[str, object] = {"health_timeout_s": 5.0, "breaker_failures": 3}
+        return router_config(self.model, self.prefill.url, [self.endpoint], native=native_urls,  # type: ignore[arg-type]
+                             **{**lenient, **overrides})
 
 
 @pytest.fixture(scope="session")
@@ -148,3 +155,34 @@ def native_router(router_stack: Stack, start_router_proc: Callable[..., tuple[Se
     """A router with the native pool as fallback and `<model>-native` routed there."""
     srv, cfg = start_router_proc(router_stack.config(native=True, queue_timeout_s=2.0))
     return srv.url, cfg
+
+
+@pytest.fixture(autouse=True)
+def _remember_stack_logs(request: pytest.FixtureRequest) -> None:
+    """Where each stack log ended when a test on the shared stack started (see pytest_runtest_makereport)."""
+    if "router_stack" in request.fixturenames:
+        stack: Stack = request.getfixturevalue("router_stack")
+        request.node.stash[_LOG_OFFSETS] = (stack.workdir, {p: p.stat().st_size for p in stack.workdir.glob("*.log")})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test on the shared stack reports the warnings its servers logged meanwhile (a node taken out
+    of rotation, a silent node, a failed transfer): CI keeps the failure text, not the logs."""
+    outcome = yield
+    rep = outcome.get_result()
+    seen = item.stash.get(_LOG_OFFSETS, None)
+    if not rep.failed or seen is None:
+        return
+    workdir, offsets = seen
+    lines: list[str] = []
+    for path in sorted(workdir.glob("*.log")):  # a router started during the test logs here too
+        try:
+            with path.open("rb") as f:
+                f.seek(offsets.get(path, 0))
+                new = f.read(4 << 20).decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        lines += [f"{path.name}: {line}" for line in new if "WARNING" in line or "ERROR" in line or "Traceback" in line]
+    if lines:
+        rep.sections.append(("stack warnings during the test", "\n".join(lines[-LOG_LINES_ON_FAILURE:])))

@@ -26,7 +26,7 @@ class DecodeNode:
 
 
 def start_node(python: str, weights: Path, tmp: Path, transport: str = "tcp", family: str = "llama",
-               kv_timeout_s: float = 3.0, max_seq_len: int = 512, use_config_file: bool = False,
+               kv_timeout_s: float = 15.0, max_seq_len: int = 512, use_config_file: bool = False,
                secret_file: Path | None = None) -> DecodeNode:
     """Start `python -m tilepd.runtime` from flags, or from a DecodeServerConfig file as the plan renders it
     (always so with a deployment `secret_file`, which has no flag)."""

@@ -55,6 +55,12 @@ def _handoff(node, model, prompt, tid, *, transport="tcp", layout=None, token="t
     return first
 
 
+def _tokens(r) -> list[int]:
+    """The decoded tokens of a 200 answer; any other answer fails with its body (the node's reason)."""
+    assert r.status_code == 200, f"{r.status_code} {r.text}"
+    return r.json()["tokens"]
+
+
 def _body(tid, first, prompt, **kw):
     return {"transfer_id": tid, "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 8,
             "ignore_eos": True, "stream": False, **kw}
@@ -68,7 +74,7 @@ def test_decode_matches_hf_greedy(llama_node, hf_llama, name) -> None:
         r = c.post("/v1/decode", json=_body(f"tx-{name}", first, prompt))
     assert r.status_code == 200, r.text
     ref = hf_greedy(hf_llama, prompt, 9)
-    assert [first] + r.json()["tokens"] == ref
+    assert [first] + _tokens(r) == ref
     assert r.json()["finish_reason"] == "length" and r.json()["completion_tokens"] == 8
 
 
@@ -79,7 +85,7 @@ def test_other_orders_and_block_sizes(llama_node, hf_llama, order, block_size) -
     first = _handoff(llama_node, hf_llama, prompt, tid, layout=_layout(hf_llama, block_size, order))
     with llama_node.client() as c:
         r = c.post("/v1/decode", json=_body(tid, first, prompt))
-    assert [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 9)
+    assert [first] + _tokens(r) == hf_greedy(hf_llama, prompt, 9)
 
 
 def test_decode_request_first_then_kv_streams_ndjson(llama_node, hf_llama) -> None:
@@ -187,7 +193,7 @@ def test_kv_that_does_not_hash_as_staged_is_never_decoded(llama_node, hf_llama, 
     first = _handoff(llama_node, hf_llama, prompt, "tx-after")
     with llama_node.client() as c:
         ok = c.post("/v1/decode", json=_body("tx-after", first, prompt))
-    assert ok.status_code == 200 and [first] + ok.json()["tokens"] == hf_greedy(hf_llama, prompt, 9)
+    assert ok.status_code == 200 and [first] + _tokens(ok) == hf_greedy(hf_llama, prompt, 9)
 
 
 def test_cancel_stops_a_running_decode(llama_node, hf_llama) -> None:
@@ -234,7 +240,7 @@ def test_nixl_handoff_matches_hf_greedy(python_exe, tiny_llama, hf_llama, tmp_pa
         first = _handoff(node, hf_llama, prompt, "tx-nixl", transport="nixl")
         with node.client() as c:
             r = c.post("/v1/decode", json=_body("tx-nixl", first, prompt))
-        assert [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 9)
+        assert [first] + _tokens(r) == hf_greedy(hf_llama, prompt, 9)
     finally:
         stop_node(node)
 
@@ -306,7 +312,7 @@ def test_prefill_tensor_parallel_ranks_each_send_their_heads(llama_node, hf_llam
     assert all(res.ok for res in results.values()), results
     with llama_node.client() as c:
         r = c.post("/v1/decode", json=_body("tx-tp2", first, prompt))
-    assert [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 9)
+    assert [first] + _tokens(r) == hf_greedy(hf_llama, prompt, 9)
 
 
 def test_prefill_tp_rank_that_never_sends_fails_the_transfer(llama_node, hf_llama) -> None:
