@@ -24,10 +24,14 @@ def wait_event(server: Server, event: str, transfer_id: str, timeout: float = 30
     raise AssertionError(f"no {event} event for {transfer_id} in {server.log_path}")
 
 
-def check_greedy_equal(vllm: Server, model: str, node: DecodeNode, n_prompt: int, tag: str) -> dict[str, Any]:
-    """Prefill+handoff+decode gives exactly vLLM's own greedy tokens; returns the connector's `sent` event."""
+def check_greedy_equal(vllm: Server, model: str, node: DecodeNode, n_prompt: int, tag: str,
+                       stock: dict[int, list[int]] | None = None) -> dict[str, Any]:
+    """Prefill+handoff+decode gives exactly vLLM's own greedy tokens: those of a separate stock vLLM without any
+    connector (`stock`, conftest.py) and of an unmarked request on this instance; returns the connector's `sent`."""
     ids = prompt_ids(n_prompt, seed=n_prompt)
-    want, _ = complete(vllm, model, ids, GEN_TOKENS)  # unmarked: vLLM alone, connector no-op
+    want, _ = complete(vllm, model, ids, GEN_TOKENS)  # unmarked: the connector does nothing for it
+    if stock is not None and n_prompt in stock:
+        assert want == stock[n_prompt], f"prompt of {n_prompt} tokens: vLLM with the connector gave {want} unmarked, stock vLLM {stock[n_prompt]}"
     tid = f"{tag}-{n_prompt}"
     got = handoff(vllm, model, node, ids, GEN_TOKENS, tid)
     assert got == want, f"prompt of {n_prompt} tokens: handoff gave {got}, vLLM alone {want}"

@@ -15,14 +15,16 @@ import pytest
 from tilepd.connector.launch import multi_with_nixl
 
 from .cases import GEN_TOKENS, PROMPT_LENGTHS, check_greedy_equal
+from .conftest import StockGreedy
 from .stack import complete, connector_config, decode_config, dump_logs, events, prompt_ids, start_decode, start_prefill
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, stock_greedy: StockGreedy) -> Iterator[dict]:
     pytest.importorskip("nixl", reason="nixl wheel not installed")
+    stock = stock_greedy(tiny_llama)
     work = tmp_path_factory.mktemp("handoff-llama-nixl")
     started = []
     try:
@@ -31,7 +33,7 @@ def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         extra = connector_config("llama", [node.endpoint], "nixl")
         vllm = start_prefill(tiny_llama, work / "vllm.log", multi_with_nixl(extra))
         started.append(vllm)
-        yield {"vllm": vllm, "node": node, "model": str(tiny_llama)}
+        yield {"vllm": vllm, "node": node, "model": str(tiny_llama), "stock": stock}
     finally:
         for s in reversed(started):
             s.stop()
@@ -40,7 +42,7 @@ def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.mark.parametrize("n_prompt", PROMPT_LENGTHS)
 def test_handoff_over_nixl_matches_vllm_greedy(stack: dict, n_prompt: int) -> None:
     try:
-        sent = check_greedy_equal(stack["vllm"], stack["model"], stack["node"], n_prompt, "nixl")
+        sent = check_greedy_equal(stack["vllm"], stack["model"], stack["node"], n_prompt, "nixl", stack["stock"])
     except AssertionError:
         print(dump_logs(stack["vllm"], stack["node"].server))
         raise

@@ -21,6 +21,7 @@ from tilepd.control.framing import recv_frame, send_frame
 from tilepd.plan.service_configs import DecodeEndpoint
 
 from .cases import GEN_TOKENS, PROMPT_LENGTHS, check_greedy_equal, wait_event
+from .conftest import StockGreedy
 from .stack import (
     DecodeNode,
     complete,
@@ -70,7 +71,9 @@ class FutureProtocolPeer:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama: Path, tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def stack(tiny_llama: Path, tiny_deepseek: Path, tmp_path_factory: pytest.TempPathFactory,
+          stock_greedy: StockGreedy) -> Iterator[dict]:
+    stock = stock_greedy(tiny_llama)
     work = tmp_path_factory.mktemp("handoff-llama-tcp")
     started = []
     fake = FutureProtocolPeer()
@@ -83,7 +86,7 @@ def stack(tiny_llama: Path, tiny_deepseek: Path, tmp_path_factory: pytest.TempPa
         extra = connector_config("llama", [node.endpoint, other.endpoint, fake_ep], "tcp")
         vllm = start_prefill(tiny_llama, work / "vllm.log", kv_transfer_config(extra))
         started.append(vllm)
-        yield {"vllm": vllm, "node": node, "other": other, "fake": fake_ep, "model": str(tiny_llama)}
+        yield {"vllm": vllm, "node": node, "other": other, "fake": fake_ep, "model": str(tiny_llama), "stock": stock}
     finally:
         fake.close()
         for s in reversed(started):
@@ -94,7 +97,7 @@ def stack(tiny_llama: Path, tiny_deepseek: Path, tmp_path_factory: pytest.TempPa
 def test_handoff_matches_vllm_greedy(stack: dict, n_prompt: int) -> None:
     vllm, node = stack["vllm"], stack["node"]
     try:
-        sent = check_greedy_equal(vllm, stack["model"], node, n_prompt, "tcp")
+        sent = check_greedy_equal(vllm, stack["model"], node, n_prompt, "tcp", stack["stock"])
     except AssertionError:
         print(dump_logs(vllm, node.server))
         raise
