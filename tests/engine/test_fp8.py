@@ -98,7 +98,7 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
         assert torch.allclose(y, x @ dequantize(w).T + b, atol=1e-4, rtol=1e-5), float((y - x @ dequantize(w).T - b).abs().max())
         e = rnd((5, 96, 256), (1, 128)); ids = torch.tensor([4, 0, 4]); xe = torch.randn(3, 256, generator=g)
         y = fp8_triton.launch(xe, e.weight, e.scale, ids, None, 1, 128)
-        ref = torch.einsum("ri,roi->ro", xe, dequantize(e[ids]))
+        ref = ref_e = torch.einsum("ri,roi->ro", xe, dequantize(e[ids]))
         assert torch.allclose(y, ref, atol=1e-4, rtol=1e-5), float((y - ref).abs().max())
         p = rnd((300, 200), (1, 128)); xp = torch.randn(2, 200, generator=g)  # per-row scales: gathered per element
         y = fp8_triton.launch(xp, p.weight, p.scale, None, None, 1, 128)
@@ -106,6 +106,19 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
         xb = x.bfloat16(); y = fp8_triton.launch(xb, w.weight, w.scale, None, None, 128, 128)
         ref = xb.float() @ dequantize(w).T
         assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-3), float((y.float() - ref).abs().max())
+        # the variants bench/fp8_gemv_sweep.py times: the chunk tile of the earlier default (a full [BLOCK_N,
+        # BLOCK_K] accumulator) and the e4m3 -> fp16 bit conversion, on zeros, subnormals and the largest values
+        w.weight[0, :8] = torch.tensor([0.0, 2 ** -9, -3 * 2 ** -9, 2 ** -7, 448.0, -448.0, 1.0, -0.0195]).to(FP8)
+        want = x @ dequantize(w).T + b
+        for tune in ({"block_k": 512, "reduce_each": 0}, {"bits_cvt": 1}, {"bits_cvt": 1, "block_k": 2048}):
+            saved = dict(fp8_triton.TUNE); fp8_triton.TUNE.update(tune)
+            try:
+                y = fp8_triton.launch(x, w.weight, w.scale, None, b, 128, 128)
+                ye = fp8_triton.launch(xe, e.weight, e.scale, ids, None, 1, 128)
+            finally:
+                fp8_triton.TUNE.clear(); fp8_triton.TUNE.update(saved)
+            assert torch.allclose(y, want, atol=1e-4, rtol=1e-5), (tune, float((y - want).abs().max()))
+            assert torch.allclose(ye, ref_e, atol=1e-4, rtol=1e-5), (tune, float((ye - ref_e).abs().max()))
         print("kernel ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root)}

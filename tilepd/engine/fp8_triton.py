@@ -39,7 +39,8 @@ if triton is not None:
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, IDS, BIAS, Y, N, K, s_xr, s_we, s_wn, s_se, s_sn, s_yr,
                          BN: tl.constexpr, BK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
+                         BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,29 +52,51 @@ if triton is not None:
             w_base = W + e * s_we
             s_base = S + e * s_se
         w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if REDUCE_EACH:  # wide K chunks: a [BLOCK_N] accumulator (a [BLOCK_N, BLOCK_K] one would spill)
+            acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < K
-            w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            if BITS_CVT:
+                # W holds the e4m3 bytes as uint8: sign to bit 15 and exponent+mantissa to bits 13..7 is the same
+                # number as fp16 times 2^-8 (normals and subnormals alike), two integer ops instead of cvt
+                b = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0).to(tl.uint16)
+                w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
             x = tl.load(X + r * s_xr + cols, mask=cmask, other=0.0).to(tl.float32)
+            if BITS_CVT:
+                x = x * 256.0
             if ROW_UNIFORM:  # the tile's rows share one row block: fold the scales into x
                 s = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
-                acc += w * (x * s)[None, :]
+                prod = w * (x * s)[None, :]
             else:  # per-row block scales (fused parts off block boundaries)
                 s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-                acc += w * s * x[None, :]
-        out = tl.sum(acc, axis=1)
+                prod = w * s * x[None, :]
+            if REDUCE_EACH:
+                acc_rows += tl.sum(prod, axis=1)
+            else:
+                acc += prod
+        if REDUCE_EACH:
+            out = acc_rows
+        else:
+            out = tl.sum(acc, axis=1)
         if HAS_BIAS:
             out += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(Y + r * s_yr + rows, out.to(Y.dtype.element_ty), mask=rmask)
 
 
 # Tile config: (BLOCK_N, BLOCK_K, num_warps). BLOCK_N is picked per call for enough programs to fill the
-# GPU (~16 per SM); TUNE lets bench/fp8_gpu_parity.py sweep the others on the real device. Defaults from
-# that sweep on one H200 (2026-11-30, Llama-8B GEMV shapes): the best tiles were BLOCK_K 512, 4 warps and
-# BLOCK_N 8-16 (1843-3490 GB/s) where the first guess (BLOCK_K 256, ~4 programs per SM) reached 1334-2598.
-TUNE: dict[str, int] = {"block_k": 512, "num_warps": 4, "programs": 16 * 132, "block_n": 0}
+# GPU (~16 per SM); TUNE lets bench/fp8_gemv_sweep.py sweep the others on the real device. Defaults from
+# that sweep on one H200 (2026-12-01, ten Llama-8B and DeepSeek-V3 GEMV shapes): BLOCK_K 1024 with the
+# accumulator reduced every chunk, 4 warps, summed 219.7 us against 239.7 for the earlier BLOCK_K 512 tile
+# (more bytes in flight per program); the bit-arithmetic conversion and deeper pipelining gained nothing.
+# bits_cvt: e4m3 -> fp16 by bit arithmetic instead of the convert instruction; reduce_each: reduce every K chunk
+# (needed for block_k >= 1024); num_stages: Triton's software pipelining of the chunk loads.
+TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
+                        "num_stages": 0}
 
 
 def _block_n(n: int, rows: int) -> int:
@@ -94,11 +117,14 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
     tile_k = min(TUNE["block_k"], triton.next_power_of_2(k))
     has_ids = ids is not None
     grid = (rows, triton.cdiv(n, tile_n))
+    bits = bool(TUNE["bits_cvt"])
+    extra = {"num_stages": TUNE["num_stages"]} if TUNE["num_stages"] else {}
     _fp8_gemv_kernel[grid](
-        x, weight, scale, ids if has_ids else x, bias if bias is not None else x, y, n, k,
+        x, weight.view(torch.uint8) if bits else weight, scale, ids if has_ids else x, bias if bias is not None else x, y, n, k,
         x.stride(0), weight.stride(0) if has_ids else 0, weight.stride(-2), scale.stride(0) if has_ids else 0, scale.stride(-2), y.stride(0),
         BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
-        ROW_UNIFORM=block_n % tile_n == 0, num_warps=TUNE["num_warps"],
+        ROW_UNIFORM=block_n % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
+        num_warps=TUNE["num_warps"], **extra,
     )
     return y
 
