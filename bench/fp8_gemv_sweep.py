@@ -22,13 +22,13 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fp8_gpu_parity import _graph_time  # noqa: E402 - this folder is the script's: one CUDA-graph timer for both
 from tilepd.engine import fp8_triton  # noqa: E402
 from tilepd.engine.fp8 import dequantize, quantize  # noqa: E402
 
@@ -42,25 +42,7 @@ L2_BYTES = 256 << 20  # distinct weight bytes per timed graph: well past the H20
 
 
 def graph_ms(fn, iters: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):  # best of 3 batches: the other tenants' noise only slows down
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            g.replay()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / iters * 1e3)
-    return best
+    return _graph_time(fn, iters, batches=3)
 
 
 def configs_first_pass() -> list[dict[str, int]]:

@@ -183,6 +183,27 @@ def test_systemd_restarts_a_killed_decode_node_and_status_counts_it(sd: Deployed
     assert sd.lab.show(sd.host, DECODE_UNIT, "MainPID", "NRestarts") == {"MainPID": props["MainPID"], "NRestarts": "1"}
 
 
+def test_forced_up_drains_restarts_and_rejoins_the_decode_node(sd: Deployed) -> None:
+    """A rolling restart in systemd mode: `up --force` drains d0 through its admin API (the router sees it draining),
+    restarts its unit, gates on its health, and the router takes it back; the router's unit is left alone. (No
+    prefill runs on this host, so no traffic: the zero-failure restart under load is `scripts/faults.sh -k rolling`.)"""
+    old = sd.units()
+    t0 = time.monotonic()
+    forced = sd.run("up", str(sd.file), "-y", "--limit", HOST, "--force")
+    print(f"forced up: {time.monotonic() - t0:.1f}s")
+    assert forced.rc == 0 and forced.changed() >= 1, forced
+    now = sd.units()
+    assert now[DECODE_UNIT]["ActiveState"] == "active" and now[DECODE_UNIT]["MainPID"] not in ("0", old[DECODE_UNIT]["MainPID"])
+    assert now[DECODE_UNIT]["NRestarts"] == old[DECODE_UNIT]["NRestarts"]  # restarted by `up`, not after a crash
+    assert now[ROUTER_UNIT]["MainPID"] == old[ROUTER_UNIT]["MainPID"]
+    notes = sd.host_path(f"{sd.root}/hosts/sd/logs/decode-d0.log").read_text(errors="replace")
+    assert "drained before the restart: idle" in notes and "restarted after a drain; healthy" in notes, notes[-2000:]
+    router_log = sd.lab.run_in(sd.host, "journalctl", "-u", ROUTER_UNIT, "--no-pager", "-o", "cat").stdout
+    drained_at = router_log.rfind("event=node_draining node=d0")
+    assert drained_at >= 0 and router_log.find("event=node_undrained node=d0", drained_at) > 0, router_log[-3000:]
+    assert sd.status()["decode-d0"]["healthy"] is True
+
+
 def test_down_stops_and_removes_the_units(sd: Deployed) -> None:
     t0 = time.monotonic()
     sd.down = sd.run("down", str(sd.file), "-y", "--limit", HOST)
