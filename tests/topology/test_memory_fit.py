@@ -7,6 +7,8 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -57,7 +59,11 @@ def test_fp8_bytes_is_one_byte_plus_a_scale_per_block() -> None:
 
 
 def _llama8b_on_one(gpu: str, extra: str = "") -> str:
-    text = LOCAL.replace("  generate_tiny: llama\n", "  hf_id: meta-llama/Meta-Llama-3-8B\n").replace("  max_seq_len: 2048\n", "  max_seq_len: 8192\n")
+    # the example's base_dir is the user's own (~/.local/state/tilepd/local): after the README's demo it holds the tiny
+    # generated model, whose config.json the report would read instead of Llama-3-8B's; a base that never exists here
+    absent = f"{tempfile.gettempdir()}/tilepd-memory-fit-{uuid.uuid4().hex}"
+    text = LOCAL.replace("~/.local/state/tilepd/local", absent)
+    text = text.replace("  generate_tiny: llama\n", "  hf_id: meta-llama/Meta-Llama-3-8B\n").replace("  max_seq_len: 2048\n", "  max_seq_len: 8192\n")
     return text.replace("    gpu: {type: cpu}\n", f"    gpu: {{type: {gpu}, count: 1}}\n{extra}")
 
 
