@@ -20,6 +20,9 @@ import stat
 from pathlib import Path
 
 TRANSFER_LABEL = "tilepd-transfer:"
+# transfer ids of a rolling restart's canary (tilepd/deploy/canary.py): the one request a draining decode node takes,
+# so a restarted node is tried end to end before the router leases it; its token is minted like any other
+CANARY_TRANSFER_PREFIX = "canary-"
 NODE_API_LABEL = "tilepd-node-api"
 SECRET_BYTES = 32  # 64 hex characters
 MIN_SECRET_CHARS = 32

@@ -2,9 +2,11 @@
 
 Two real CPU decode nodes (the stack's spare endpoints, which the prefill's allowlist holds) run under the
 process-mode supervisor (`python -m tilepd.deploy.proc`, as `tilepd up` runs them), behind a real router and
-the stack's vLLM prefill. A draining node gets no new lease and comes back on undrain; then both nodes are
-restarted the way `tilepd up --force` restarts them (proc start: drain, restart, health gate), one after the
-other, while two clients send requests without pause: every request must succeed on the low-latency pool.
+the stack's vLLM prefill. A draining node gets no new lease and comes back on undrain; a restart the way
+`tilepd up --force` restarts a node (proc start: drain, restart, health gate, canary, undrain) sends the canary
+through the prefill and the node while it is still drained, and a failed canary leaves it drained; then both
+nodes are restarted one after the other while two clients send requests without pause: every request must
+succeed on the low-latency pool.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import httpx
 import pytest
 
 from tilepd.deploy import proc
+from tilepd.deploy.canary import CanarySpec
 from tilepd.deploy.drain import drain, undrain
 from tilepd.plan.service_configs import DecodeEndpoint, DecodeServerConfig, TransportConfig
 
@@ -37,6 +40,7 @@ def _spec(stack: Stack, ep: DecodeEndpoint, config_hash: str = "rolling-1") -> p
         name=ep.name, served_model_name=MODEL_NAME, family="llama", weights_dir=stack.model, max_seq_len=MAX_SEQ_LEN, device="cpu",
         bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=ep.http_port, ctrl_port=ep.ctrl_port,
         transport=TransportConfig(name="tcp"), kv_timeout_s=30.0, cuda_graphs=False, kv_cache_dtype="float32",
+        drain_file=stack.workdir / "rolling" / f"decode-{ep.name}.drained",
     )
     work = stack.workdir / "rolling"
     work.mkdir(exist_ok=True)
@@ -46,7 +50,9 @@ def _spec(stack: Stack, ep: DecodeEndpoint, config_hash: str = "rolling-1") -> p
     env.update({k: v for k, v in os.environ.items() if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
     return proc.ServiceSpec(name=f"decode-{ep.name}", role="decode", argv=[sys.executable, "-m", "tilepd.runtime", "--config", str(path)],
                             env=env, cwd=work, log_file=work / f"decode-{ep.name}.log", pid_file=work / f"decode-{ep.name}.pid",
-                            config_hash=config_hash, health_url=f"http://127.0.0.1:{ep.http_port}/health", health_timeout_s=300)
+                            config_hash=config_hash, health_url=f"http://127.0.0.1:{ep.http_port}/health", health_timeout_s=300,
+                            canary=CanarySpec(node=ep.name, prefill_urls=[stack.prefill.url], model=MODEL_NAME,  # type: ignore[union-attr]
+                                              ctrl_host=ep.host, ctrl_port=ep.ctrl_port))
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +121,41 @@ def test_a_draining_node_gets_no_new_lease_and_rejoins_on_undrain(router_url: st
     assert _transfers(a) > before_a, "the undrained node got no lease"
 
 
+def _drain_file(spec: proc.ServiceSpec) -> Path:
+    return spec.cwd / f"{spec.name}.drained"
+
+
+def test_a_restart_sends_the_canary_while_drained_then_undrains(router_url: str, supervised: list[proc.ServiceSpec]) -> None:
+    a, _ = supervised
+    result = proc.start(a, force=True)
+    assert result["action"] == "restart" and result["healthy"] and result["drain"]["drained"], result
+    canary = result["canary"]
+    assert canary["outcome"] == "ok" and len(canary["tokens"]) == 4 and canary["matches_prefill"] is True, canary
+    text = Path(a.log_file).read_text()
+    new_process = text[text.rindex("event=start_drained"):]  # the restarted node came back draining ...
+    assert f"event=complete transfer_id={canary['transfer_id']}" in new_process  # ... and took the canary's KV so
+    assert new_process.index("event=start_drained") < new_process.index("event=undrain")
+    assert "canary ok" in text and not _drain_file(a).exists()
+    assert wait_until(lambda: _in_rotation(router_url) == 2, 10), "the node did not come back after its canary"
+
+
+def test_a_failed_canary_leaves_the_node_drained_and_fails_the_start(router_url: str, supervised: list[proc.ServiceSpec]) -> None:
+    a, _ = supervised
+    assert a.canary is not None
+    bad = a.model_copy(update={"canary": a.canary.model_copy(update={"max_tokens": MAX_SEQ_LEN})})  # the node refuses: too long
+    result = proc.start(bad, force=True)
+    try:
+        assert result["failed"] and result["healthy"] and result["canary"]["outcome"] == "failed", result
+        assert "too_long" in result["canary"]["reason"] and "RB-upgrade" in result["msg"], result
+        health = httpx.get(_node_url(a) + "/health", timeout=5)
+        assert health.status_code == 503 and health.json() == {"status": "draining", "idle": True}, health.text  # its KV freed
+        assert _drain_file(a).exists()
+        assert wait_until(lambda: _in_rotation(router_url) == 1, 10), "the router leased a node whose canary failed"
+    finally:
+        undrain(_node_url(a), None, node=a.name)
+    assert wait_until(lambda: _in_rotation(router_url) == 2, 10)
+
+
 @pytest.mark.faults  # ~4 min on the 2-core CI box: run by `bash scripts/faults.sh`, not by the suite
 def test_rolling_restart_of_every_decode_node_under_steady_load_fails_nothing(router_url: str,
                                                                                supervised: list[proc.ServiceSpec]) -> None:
@@ -145,6 +186,7 @@ def test_rolling_restart_of_every_decode_node_under_steady_load_fails_nothing(ro
             result = proc.start(spec, force=True)
             restarts.append(result)
             assert result["action"] == "restart" and result["healthy"] and result["drain"]["drained"], result
+            assert result["canary"]["outcome"] == "ok", result
             assert result["pid"] != old_pid
         # the first node restarted served while the second was away: both were never out at once
         first_after = _transfers(supervised[0])

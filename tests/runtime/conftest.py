@@ -27,18 +27,20 @@ class DecodeNode:
 
 def start_node(python: str, weights: Path, tmp: Path, transport: str = "tcp", family: str = "llama",
                kv_timeout_s: float = 15.0, max_seq_len: int = 512, use_config_file: bool = False,
-               secret_file: Path | None = None) -> DecodeNode:
+               secret_file: Path | None = None, drain_file: Path | None = None) -> DecodeNode:
     """Start `python -m tilepd.runtime` from flags, or from a DecodeServerConfig file as the plan renders it
-    (always so with a deployment `secret_file`, which has no flag)."""
+    (always so with a deployment `secret_file` or a `drain_file`, which have no flag). Returns once /health answers
+    (200, or 503 draining: a node that starts drained)."""
     http_port, ctrl_port = free_port(), free_port()
     log = tmp / f"decode-{transport}.log"
-    if use_config_file or secret_file is not None:
+    if use_config_file or secret_file is not None or drain_file is not None:
         from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
 
         cfg = DecodeServerConfig(name=f"test-{transport}", served_model_name="tiny", family=family, weights_dir=weights,
                                  max_seq_len=max_seq_len, device="cpu", bind_host="127.0.0.1", advertise_host="127.0.0.1",
                                  http_port=http_port, ctrl_port=ctrl_port, transport=TransportConfig(name=transport),
-                                 kv_timeout_s=kv_timeout_s, log_file=tmp / f"decode-{transport}.file.log", secret_file=secret_file)
+                                 kv_timeout_s=kv_timeout_s, log_file=tmp / f"decode-{transport}.file.log", secret_file=secret_file,
+                                 drain_file=drain_file)
         cfg_file = tmp / "decode.json"
         cfg_file.write_text(cfg.model_dump_json(indent=2))
         argv = [python, "-m", "tilepd.runtime", "--config", str(cfg_file)]
@@ -53,7 +55,8 @@ def start_node(python: str, weights: Path, tmp: Path, transport: str = "tcp", fa
         if proc.poll() is not None:
             raise RuntimeError(f"decode server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(node.http + "/health", timeout=1).status_code == 200:
+            health = httpx.get(node.http + "/health", timeout=1)
+            if health.status_code == 200 or (health.status_code == 503 and health.json().get("status") == "draining"):
                 return node
         except httpx.HTTPError:
             pass

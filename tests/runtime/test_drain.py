@@ -198,3 +198,35 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
         stop_node(node)
     text = node.log.read_text()
     assert "event=drain " in text and "event=undrain" in text
+
+
+@pytest.mark.slow
+def test_a_drained_node_restarts_drained_and_takes_only_a_canary(python_exe: str, tiny_llama: Path, hf_llama, tmp_path: Path) -> None:
+    """The drained state outlives the process (its drain_file), so a node `up` drains and restarts comes back out of
+    rotation; an ordinary request is refused, the canary's transfer (tilepd.deploy.canary) decodes exactly; undrain
+    clears the file."""
+    flag = tmp_path / "run" / "decode-t.drained"
+    node = start_node(python_exe, tiny_llama, tmp_path, drain_file=flag)
+    try:
+        assert not flag.exists()
+        assert dr.drain(node.http, None, timeout_s=10, node="decode-t").idle
+        assert flag.exists()
+    finally:
+        stop_node(node)
+    node = start_node(python_exe, tiny_llama, tmp_path, drain_file=flag)
+    prompt = PROMPTS["multi_block"]
+    try:
+        with node.client() as c:
+            assert c.get("/health").json() == {"status": "draining", "idle": True}
+            plain = {"transfer_id": "tx-plain", "token": "tok", "first_token": 5, "prompt_tokens": len(prompt), "max_tokens": 8,
+                     "ignore_eos": True, "stream": False}
+            refused = c.post("/v1/decode", json=plain)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining", refused.text
+            first = _handoff(node, hf_llama, prompt, f"{auth.CANARY_TRANSFER_PREFIX}1")
+            r = c.post("/v1/decode", json={**plain, "transfer_id": f"{auth.CANARY_TRANSFER_PREFIX}1", "first_token": first})
+            assert r.status_code == 200 and [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 9), r.text
+            assert dr.undrain(node.http, None, node="decode-t").draining is False
+            assert not flag.exists() and c.get("/health").status_code == 200
+    finally:
+        stop_node(node)
+    assert "event=start_drained" in node.log.read_text()

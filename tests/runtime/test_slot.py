@@ -142,3 +142,24 @@ def test_ended_transfers_are_remembered_boundedly() -> None:
         s.complete(f"t{i}", g, True)
         s.cancel(f"t{i}")
     assert len(s._ended) == slot_mod.ENDED_REMEMBERED and "t0" not in s._ended
+
+
+def test_a_draining_slot_takes_a_canary_transfer_only() -> None:
+    """A restarted node comes back draining; the supervisor's canary (transfer id canary-...) is the one request it
+    takes, from either side, before it is undrained."""
+    s, _ = _slot()
+    s.draining = True
+    for tid in ("tx-1", "canaryish-1"):
+        with pytest.raises(SlotError) as e:
+            s.reserve_for_decode(tid, "k")
+        assert e.value.code == "draining"
+        with pytest.raises(SlotError) as e:
+            s.admit(tid, "k", 10, 1, 100, None, conn_id=1)
+        assert e.value.code == "busy"
+    tr = s.reserve_for_decode("canary-1", "k")
+    g = s.admit("canary-1", "k", 10, 1, 100, None, conn_id=1)
+    assert s.complete("canary-1", g, True) == (True, "")
+    s.wait_complete(tr, 1)
+    s.release(tr)
+    g = s.admit("canary-2", "k", 10, 1, 100, None, conn_id=2)  # the KV first, as the prefill sends it
+    assert s.state == State.TRANSFERRING and g > 0

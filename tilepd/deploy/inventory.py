@@ -19,6 +19,7 @@ from typing import Any
 
 from ruamel.yaml import YAML
 
+from tilepd.deploy.canary import CanarySpec
 from tilepd.deploy.proc import ServiceSpec
 from tilepd.plan import HostPlan, Plan, Service
 from tilepd.plan.systemd import env_file_text
@@ -43,6 +44,16 @@ def secret_files(service: Service) -> list[Path]:
 RESTART_ON_UPGRADE: dict[str, tuple[str, ...]] = {"prefill": ("vllm",), "native_decode": ("vllm",), "decode": ("torch",)}
 
 
+def canary_spec(plan: Plan, service: Service) -> CanarySpec | None:
+    """A decode node's canary (tilepd.deploy.canary): through the plan's prefill instances, to the node's control port."""
+    cfg = service.config or {}
+    prefills = [s.health.url.removesuffix("/health") for h in plan.hosts for s in h.services if s.role == "prefill" and s.health]
+    if service.role != "decode" or not prefills or "ctrl_port" not in cfg:
+        return None
+    return CanarySpec(node=str(cfg["name"]), prefill_urls=prefills, model=str(cfg["served_model_name"]), ctrl_host=str(cfg["advertise_host"]),
+                      ctrl_port=int(cfg["ctrl_port"]), kv_timeout_s=float(cfg.get("kv_timeout_s", 30.0)))
+
+
 def service_spec(plan: Plan, service: Service) -> ServiceSpec:
     return ServiceSpec(
         name=service.name,
@@ -60,6 +71,7 @@ def service_spec(plan: Plan, service: Service) -> ServiceSpec:
         mode=plan.services_mode,
         unit=service.unit,
         unit_path=Path(SYSTEMD_DIR) / service.unit,
+        canary=canary_spec(plan, service),
     )
 
 

@@ -27,7 +27,11 @@ Rolling restart: a running decode node that must restart (config hash, secret, t
 version changed, or `--force`) is drained first (tilepd.deploy.drain: its request finishes,
 new ones go to other nodes), restarted, and gated on health here, in the same call, so the
 playbook's loop (and its `throttle: 1` across hosts) restarts decode nodes one at a time and
-never takes a second one away before the first serves again.
+never takes a second one away before the first serves again. The node keeps its drained state
+across the restart (its drain_file), so it comes back healthy but out of rotation; the canary
+(tilepd.deploy.canary: one request through the prefill and this node) runs, and only then is it
+undrained. A failed canary leaves it drained and fails the start. A node an operator had drained
+before `up` stays drained.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tilepd import __version__
 from tilepd.deploy import logpipe
+from tilepd.deploy.canary import CanarySpec
+from tilepd.runbooks import see
 
 # Variables a service inherits from the supervisor's environment; everything else
 # comes from the spec, so process mode sees what a systemd EnvironmentFile would give.
@@ -87,6 +93,8 @@ class ServiceSpec(BaseModel):
     mode: Literal["process", "systemd"] = "process"
     unit: str | None = None
     unit_path: Path | None = None
+    # decode nodes: the request a drained restart sends through the prefill and this node before it is undrained
+    canary: CanarySpec | None = None
 
     @property
     def state_file(self) -> Path:
@@ -380,6 +388,7 @@ def _drain_for_restart(spec: ServiceSpec) -> dict[str, Any] | None:
 
     base = spec.health_url.removesuffix("/health")
     t0 = time.monotonic()
+    before = _node_status(base)
     try:
         secret = _node_secret(spec)
         r = drain(base, secret, timeout_s=RESTART_DRAIN_TIMEOUT_S, node=spec.name)
@@ -388,7 +397,17 @@ def _drain_for_restart(spec: ServiceSpec) -> dict[str, Any] | None:
         return {"drained": False, "error": str(exc)}
     time.sleep(max(0.0, ROTATION_GRACE_S - (time.monotonic() - t0)))
     _note(spec, f"drained before the restart: {'idle' if r.idle else 'still busy'} after {r.waited_s:.1f}s")
-    return {"drained": r.idle, "waited_s": r.waited_s}
+    return {"drained": r.idle, "waited_s": r.waited_s, "by_operator": bool(before.get("draining"))}
+
+
+def _node_status(base: str) -> dict[str, Any]:
+    """The node's /status (whether an operator drained it), {} when it does not say."""
+    try:
+        with urllib.request.urlopen(f"{base}/status", timeout=5) as resp:  # noqa: S310 (URLs come from the plan)
+            body = json.loads(resp.read(65536) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _node_secret(spec: ServiceSpec) -> bytes | None:
@@ -399,15 +418,41 @@ def _node_secret(spec: ServiceSpec) -> bytes | None:
 
 
 def _rejoin(spec: ServiceSpec, result: dict[str, Any], drained: dict[str, Any] | None) -> dict[str, Any]:
-    """After a drained restart: gate on health now, then leave the router time to lease the node again."""
+    """After a drained restart: gate on health, send the canary, undrain, then leave the router time to lease the
+    node again. A failed canary leaves the node drained and fails the start."""
     if drained is None or result.get("failed"):
         return result if drained is None else {**result, "drain": drained}
     gate = wait_healthy(spec)
     if gate.get("failed"):
         return {**result, "drain": drained, "failed": True, "healthy": False, "msg": gate["msg"], "log_tail": gate.get("log_tail", [])}
+    out: dict[str, Any] = {**result, "drain": drained, "healthy": True}
+    base = str(spec.health_url).removesuffix("/health")
+    try:
+        secret = _node_secret(spec)
+    except OSError as exc:  # SecretFileError: the drain above could not have worked either
+        _note(spec, f"restarted after a drain; healthy; no canary and no undrain: {exc}")
+        return out
+    if spec.canary is not None:
+        from tilepd.deploy.canary import run_canary
+
+        canary = run_canary(spec.canary, base, secret)
+        out["canary"] = canary.as_json()
+        _note(spec, f"canary {canary.outcome} in {canary.seconds:.1f}s: {canary.reason}")
+        if canary.outcome == "failed":
+            return {**out, "failed": True, "msg": f"{spec.name}: restarted and healthy, but its canary failed: {canary.reason}; it "
+                    f"stays drained (no lease) until `tilepd undrain`" + see("RB-upgrade")}
+    if drained.get("by_operator"):
+        _note(spec, "restarted after a drain; healthy; drained by an operator before `up`: it stays drained (tilepd undrain)")
+        return out
+    from tilepd.deploy.drain import DrainError, undrain
+
+    try:
+        undrain(base, secret, node=spec.name)
+    except DrainError as exc:  # an older node without the admin API starts undrained anyway
+        _note(spec, f"could not undrain after the restart ({exc})")
     time.sleep(ROTATION_GRACE_S)
     _note(spec, "restarted after a drain; healthy")
-    return {**result, "drain": drained, "healthy": True}
+    return out
 
 
 def _note(spec: ServiceSpec, text: str) -> None:

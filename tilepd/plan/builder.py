@@ -210,6 +210,7 @@ class _Planner:
         if not cpu:  # GPU nodes run the topology's weights dtype (rule memory-fit sizes them); cpu nodes fp32
             convert_argv += ["--dtype", m.weights_dtype]
         self.add(node.address, node, name=f"convert-{node.name}", role="convert", argv=convert_argv, env={"PYTHONUNBUFFERED": "1"}, creates=m.weights_path)
+        name = f"decode-{node.name}"
         cfg = DecodeServerConfig(
             name=node.name,
             served_model_name=m.served_name,
@@ -231,8 +232,8 @@ class _Planner:
             allowed_senders=tuple(sorted({p.address for p in self.topo.prefill})),
             secret_file=self.secret(node, "deployment", DEPLOYMENT_SECRET_ENV),
             otlp_endpoint=self.topo.router.otlp_endpoint,
+            drain_file=f"{self.base_of(node)}/run/{name}.drained",
         )
-        name = f"decode-{node.name}"
         config_file = f"{self.base_of(node)}/config/{name}.json"
         ports = {"http": node.http_port, "ctrl": node.ctrl_port}
         if self.topo.transport.name == "tcp":

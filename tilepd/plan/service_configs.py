@@ -69,6 +69,9 @@ class DecodeServerConfig(_Strict):
     log_file: Path | None = None
     # OpenTelemetry collector (OTLP/HTTP): the node's phases as spans in the router's trace (tilepd/runtime/tracing.py); off when None
     otlp_endpoint: str | None = Field(default=None, min_length=1, max_length=500)
+    # the node's drained state across restarts: /admin/drain writes this file, /admin/undrain removes it, and a node
+    # that starts while it exists starts draining (a drained node that crashes or is restarted stays out of rotation)
+    drain_file: Path | None = None
 
 
 class ConnectorExtraConfig(_Strict):

@@ -198,14 +198,14 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
 
     @app.post("/admin/drain")
     async def drain() -> dict:
-        svc.slot.draining = True
+        svc.set_draining(True)
         state = drain_state(svc)
         log.warning("event=drain idle=%s state=%s transfer_id=%s", state["idle"], state["state"], state["transfer_id"])
         return state
 
     @app.post("/admin/undrain")
     async def undrain() -> dict:
-        svc.slot.draining = False
+        svc.set_draining(False)
         log.warning("event=undrain")
         return drain_state(svc)
 

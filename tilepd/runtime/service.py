@@ -123,12 +123,32 @@ class DecodeService:
         return time.perf_counter() - t0
 
     def start(self) -> "DecodeService":
+        drain_file = self.config.drain_file
+        if drain_file is not None and drain_file.exists():  # drained before it stopped: it stays out until undrained
+            self.slot.draining = True
+            log.warning("event=start_drained node=%s drain_file=%s", self.config.name, drain_file)
         self.ctrl.start()
         self._reaper.start()
         self.ready = True
         log.info("event=ready node=%s ctrl_port=%d transport=%s recv_buffer_bytes=%d", self.config.name, self.ctrl.port,
                  self.receiver.name, self.capacity)
         return self
+
+    def set_draining(self, draining: bool) -> None:
+        """Drain or undrain, and keep the state in `drain_file` for the next start (a failed write is logged: the
+        state in memory still changes)."""
+        self.slot.draining = draining
+        path = self.config.drain_file
+        if path is None:
+            return
+        try:
+            if draining:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"drained at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("event=drain_file_failed node=%s drain_file=%s error=%s", self.config.name, path, exc)
 
     def close(self) -> None:
         self.ready = False

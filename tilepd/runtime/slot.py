@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
+from tilepd.auth import CANARY_TRANSFER_PREFIX
 from tilepd.runbooks import see
 
 log = logging.getLogger("tilepd.runtime.slot")
@@ -94,6 +95,7 @@ class Slot:
         self.transfers_total = 0
         self.bytes_total = 0
         # set by the node's /admin/drain: the transfer holding the slot finishes, no new one may take the free slot
+        # (except a restart's canary, whose transfer id starts with CANARY_TRANSFER_PREFIX)
         self.draining = False
         # transfers that ended here (id -> reason), newest last, bounded: a decode request that comes after its
         # transfer was cancelled or timed out (its handler stalled, the router gave up) must not take the free slot
@@ -115,7 +117,7 @@ class Slot:
         with self._cv:
             cur = self.current
             if self.state == State.FREE:
-                if self.draining:
+                if self.draining and not transfer_id.startswith(CANARY_TRANSFER_PREFIX):
                     raise SlotError("draining", "decode node is draining: it takes no new request (undrain it or use another node)")
                 ended = self._ended.get(transfer_id)
                 if ended is not None:
@@ -174,10 +176,12 @@ class Slot:
                 self._free_locked(reason)
 
     def cancel(self, transfer_id: str) -> bool:
-        """Stop the transfer/decode with this id; a decode stops at its next step."""
+        """Stop the transfer/decode with this id; a decode stops at its next step. An id that does not hold the slot
+        is remembered as cancelled, so its KV, should it come later, cannot take the free slot."""
         with self._cv:
             cur = self.current
             if cur is None or cur.transfer_id != transfer_id:
+                self._remember_ended(transfer_id, "cancelled")
                 return False
             cur.cancel.set()
             if self.state == State.DECODING:
@@ -200,8 +204,11 @@ class Slot:
         with self._cv:
             cur = self.current
             if self.state == State.FREE:
-                if self.draining:  # `busy` is the control protocol's retryable refusal
+                if self.draining and not transfer_id.startswith(CANARY_TRANSFER_PREFIX):  # `busy`: the retryable refusal
                     raise SlotError("busy", "decode node is draining: it takes no new transfer")
+                ended = self._ended.get(transfer_id)
+                if ended is not None:  # its decode request gave up, or it was cancelled before its KV came
+                    raise SlotError("unknown_transfer", f"transfer {transfer_id} already ended here ({ended}): its KV is not taken")
                 cur = self.current = Transfer(transfer_id, token)
             elif cur is not None and cur.transfer_id == transfer_id:
                 if cur.token != token:
@@ -307,8 +314,12 @@ class Slot:
         self.current = None
         self.state = State.FREE
         if cur is not None:
-            self._ended[cur.transfer_id] = reason
-            while len(self._ended) > ENDED_REMEMBERED:
-                self._ended.popitem(last=False)
+            self._remember_ended(cur.transfer_id, reason)
         log.info("event=freed transfer_id=%s reason=%s", cur.transfer_id if cur else None, reason)
         self._cv.notify_all()
+
+    def _remember_ended(self, transfer_id: str, reason: str) -> None:
+        self._ended[transfer_id] = reason
+        self._ended.move_to_end(transfer_id)
+        while len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)

@@ -1,0 +1,154 @@
+"""The canary of a rolling restart: one real request through the prefill and the restarted decode node, before the
+router leases it again.
+
+A decode node that `up` restarts is drained first (tilepd/deploy/proc.py) and, since the node keeps its drained
+state in its `drain_file`, starts again draining: healthy, but no lease. The supervisor on its host then sends the
+canary the way the router sends a request: a prefill (`max_tokens` 1) carrying the tilepd marker for this node, with
+a transfer id that starts with CANARY_TRANSFER_PREFIX (the only transfer a draining node takes) and its token minted
+from the deployment secret, then the decode of the next tokens on the node. Only when that answers the tokens asked
+for is the node undrained. Outcomes:
+
+- `ok`: the node decoded the tokens (and whether they equal the prefill's own greedy continuation is reported:
+  bf16 kernels may legitimately differ on near-ties, so it is not a pass criterion);
+- `failed`: the node refused or failed the decode: the node stays drained and `up` fails, naming RB-upgrade;
+- `skipped`: no prefill answered, or the running prefill refused the hand-off (e.g. a change of the node's ports
+  that the prefill learns only when it restarts, later in the same `up`): nothing about the node is known, and it
+  rejoins as it would without a canary.
+
+Only httpx is imported: the supervisor runs without torch and vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from tilepd.auth import CANARY_TRANSFER_PREFIX, node_auth_header, transfer_token
+
+TOKEN_ID_PREFIX = "token_id:"  # the prefill runs with --return-tokens-as-token-ids (tilepd.plan.vllm_args)
+DEFAULT_PROMPT = tuple(range(100, 116))  # 16 ordinary token ids of any real vocabulary (not BOS/EOS/padding)
+PREFILL_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 5.0  # a prefill host that is down must not hold the rolling restart for a minute
+
+
+class CanarySpec(BaseModel):
+    """What the supervisor needs to send a decode node its canary (tilepd.deploy.inventory.service_spec renders it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node: str  # the decode node's name in the topology
+    prefill_urls: list[str] = Field(min_length=1)
+    model: str  # the name the prefill serves
+    ctrl_host: str  # the node's control endpoint as the prefill's allowlist names it
+    ctrl_port: int
+    prompt_tokens: list[int] = Field(default_factory=lambda: list(DEFAULT_PROMPT), min_length=1)
+    max_tokens: int = Field(default=4, ge=2)
+    kv_timeout_s: float = Field(default=30.0, gt=0)
+
+
+@dataclass
+class CanaryResult:
+    outcome: Literal["ok", "failed", "skipped"]
+    reason: str
+    transfer_id: str
+    tokens: list[int] = field(default_factory=list)
+    matches_prefill: bool | None = None
+    prefill_url: str | None = None
+    seconds: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _first_token(body: dict[str, Any]) -> int:
+    tok = body["choices"][0]["logprobs"]["tokens"][0]
+    if not str(tok).startswith(TOKEN_ID_PREFIX):
+        raise ValueError(f"token {tok!r} has no {TOKEN_ID_PREFIX!r} prefix (the prefill runs without --return-tokens-as-token-ids)")
+    return int(str(tok)[len(TOKEN_ID_PREFIX):])
+
+
+def _token_ids(body: dict[str, Any]) -> list[int]:
+    return [int(str(t)[len(TOKEN_ID_PREFIX):]) for t in body["choices"][0]["logprobs"]["tokens"]]
+
+
+def _prefill(url: str, spec: CanarySpec, max_tokens: int, marker: dict[str, Any] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": spec.model, "prompt": spec.prompt_tokens, "max_tokens": max_tokens, "temperature": 0,
+                            "logprobs": 1, "ignore_eos": True, "stream": False}
+    if marker is not None:
+        body["kv_transfer_params"] = marker
+    r = httpx.post(f"{url.rstrip('/')}/v1/completions", json=body, timeout=httpx.Timeout(PREFILL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+                   headers={"x-request-id": str((marker or {}).get("tilepd", {}).get("transfer_id", "canary-reference"))})
+    r.raise_for_status()
+    return r.json()
+
+
+def _cancel(node_base_url: str, transfer_id: str, secret: bytes | None) -> None:
+    """Best effort: the node frees its slot if the canary's KV holds it, or refuses that KV when it comes later."""
+    try:
+        httpx.post(f"{node_base_url.rstrip('/')}/v1/cancel", json={"transfer_id": transfer_id}, headers=node_auth_header(secret),
+                   timeout=CONNECT_TIMEOUT_S)
+    except httpx.HTTPError:
+        pass
+
+
+def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> CanaryResult:
+    """Send the canary; never raises for what the prefill or the node answers (the outcome says it)."""
+    t0 = time.monotonic()
+    tid = f"{CANARY_TRANSFER_PREFIX}{uuid.uuid4().hex}"
+    token = transfer_token(secret, tid) if secret else uuid.uuid4().hex
+    marker = {"tilepd": {"host": spec.ctrl_host, "ctrl_port": spec.ctrl_port, "transfer_id": tid, "token": token}}
+
+    def result(outcome: Literal["ok", "failed", "skipped"], reason: str, **kw: Any) -> CanaryResult:
+        if outcome == "failed":  # the KV the prefill sent must not hold the node's slot until its orphan timeout
+            _cancel(node_base_url, tid, secret)
+        return CanaryResult(outcome, reason, tid, seconds=round(time.monotonic() - t0, 3), **kw)
+
+    tried: list[str] = []
+    for url in spec.prefill_urls:
+        try:
+            body = _prefill(url, spec, 1, marker)
+        except httpx.HTTPStatusError as exc:
+            tried.append(f"{url} answered {exc.response.status_code}: {exc.response.text[:200]}")
+            continue
+        except httpx.HTTPError as exc:
+            tried.append(f"{url}: {type(exc).__name__}: {exc}")
+            continue
+        break
+    else:
+        return result("skipped", "no prefill took the canary: " + "; ".join(tried))
+    try:
+        first = _first_token(body)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        return result("skipped", f"the prefill {url} answered without a first token id: {exc}", prefill_url=url)
+    handoff = (body.get("kv_transfer_params") or {}).get("tilepd_handoff") or {}
+    if handoff.get("state") == "refused":
+        return result("skipped", f"the running prefill {url} refused the hand-off to this node: {handoff.get('reason', '?')}",
+                      prefill_url=url)
+    decode = {"transfer_id": tid, "token": token, "first_token": first, "prompt_tokens": len(spec.prompt_tokens),
+              "max_tokens": spec.max_tokens - 1, "temperature": 0, "ignore_eos": True, "stream": False,
+              "kv_timeout_s": spec.kv_timeout_s}
+    try:
+        r = httpx.post(f"{node_base_url.rstrip('/')}/v1/decode", json=decode, headers={"x-request-id": tid, **node_auth_header(secret)},
+                       timeout=spec.kv_timeout_s + PREFILL_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return result("failed", f"the node did not answer the canary's decode: {type(exc).__name__}: {exc}", prefill_url=url)
+    if r.status_code != 200:
+        return result("failed", f"the node answered the canary's decode with {r.status_code}: {r.text[:300]}", prefill_url=url)
+    try:
+        tokens = [first] + [int(t) for t in r.json()["tokens"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        return result("failed", f"the node's answer to the canary holds no tokens: {exc}: {r.text[:200]}", prefill_url=url)
+    if len(tokens) != spec.max_tokens:
+        return result("failed", f"the node decoded {len(tokens) - 1} tokens, {spec.max_tokens - 1} were asked for", tokens=tokens,
+                      prefill_url=url)
+    try:  # the prefill's own greedy continuation, for the record
+        same: bool | None = _token_ids(_prefill(url, spec, spec.max_tokens, None)) == tokens
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+        same = None
+    return result("ok", f"{spec.max_tokens} tokens through prefill {url} and the node", tokens=tokens, matches_prefill=same,
+                  prefill_url=url)
