@@ -132,13 +132,15 @@ def test_api_keys_and_body_limit(router_stack: Stack, start_router_proc: Callabl
 
 def test_unhealthy_node_leaves_rotation_and_is_probed_back(router_stack: Stack, native_router: tuple[str, Any]) -> None:
     """SIGSTOP makes the real node miss its health checks (no fake needed); SIGCONT brings it back."""
-    url, _ = native_router
+    url, cfg = native_router
     assert router_stack.decode is not None
     pid = router_stack.decode.proc.pid
     opened_before = _breaker_opens(url)
+    # the router needs breaker_failures probes in a row to fail, each after health_timeout_s at most
+    detect_s = cfg.breaker_failures * (cfg.health_timeout_s + cfg.health_interval_s) + 5.0
     os.kill(pid, signal.SIGSTOP)
     try:
-        assert wait_until(lambda: not httpx.get(url + "/status").json()["nodes"][0]["in_rotation"], 10.0)
+        assert wait_until(lambda: not httpx.get(url + "/status").json()["nodes"][0]["in_rotation"], detect_s)
         # What is checked is the routing decision, which the response headers carry: streamed, they arrive once the
         # native prefill answered and the native decode accepted the request, not after its (slow on CPU: it
         # recomputes, issue 13 part 8) tokens; leaving the block drops the request.
