@@ -36,7 +36,13 @@ class ConnectorTracing:
 
     def __init__(self, endpoint: str | None, exporter: Any = None) -> None:
         self.otel = otel_export(endpoint, {"service.name": "tilepd-connector"}, "tilepd.connector", exporter)
-        # perf_counter -> epoch: one pair read here (the spans' times are perf_counter readings)
+        self._wall_minus_perf_ns = 0
+        self._sync_clocks()
+
+    def _sync_clocks(self) -> None:
+        """perf_counter -> epoch, read again for every hand-off: one pair read when vLLM started went stale by 18 s
+        once the machine was paused (the monotonic clock stops, the wall clock does not) and the connector's spans
+        then began before the router's request."""
         self._wall_minus_perf_ns = time.time_ns() - int(time.perf_counter() * 1e9)
 
     def epoch_ns(self, t: float) -> int:
@@ -49,6 +55,7 @@ class ConnectorTracing:
             from opentelemetry import trace
             from opentelemetry.trace import Status, StatusCode
 
+            self._sync_clocks()
             parent = self.otel.propagator.extract({"traceparent": traceparent})
             clean = {f"tilepd.{k}": (v if isinstance(v, (str, bool, int, float)) else str(v)) for k, v in attrs.items() if v is not None}
             group = self.otel.tracer.start_span("tilepd.connector", context=parent, start_time=self.epoch_ns(t_stage), attributes=clean)
