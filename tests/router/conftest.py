@@ -32,9 +32,9 @@ from .stack import (
     stop_all,
 )
 
-SPARE_NODES = ("f1", "f2")
+SPARE_NODES = ("f1", "f2")  # allowlisted, started by the fault tests (test_node_faults.py) only
 LOG_LINES_ON_FAILURE = 30
-_LOG_OFFSETS = pytest.StashKey[tuple[Path, dict[Path, int]]]()  # allowlisted, started by the fault tests (test_node_faults.py) only
+_LOG_OFFSETS = pytest.StashKey[tuple[Path, dict[Path, int]]]()
 
 
 def _engine_available() -> bool:

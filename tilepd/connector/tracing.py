@@ -36,7 +36,6 @@ class ConnectorTracing:
 
     def __init__(self, endpoint: str | None, exporter: Any = None) -> None:
         self.otel = otel_export(endpoint, {"service.name": "tilepd-connector"}, "tilepd.connector", exporter)
-        self._wall_minus_perf_ns = 0
         self._sync_clocks()
 
     def _sync_clocks(self) -> None:

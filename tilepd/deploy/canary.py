@@ -29,8 +29,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from tilepd.auth import CANARY_TRANSFER_PREFIX, node_auth_header, transfer_token
+from tilepd.router.logprobs import token_id  # the prefill runs with --return-tokens-as-token-ids (tilepd.plan.vllm_args)
 
-TOKEN_ID_PREFIX = "token_id:"  # the prefill runs with --return-tokens-as-token-ids (tilepd.plan.vllm_args)
 DEFAULT_PROMPT = tuple(range(100, 116))  # 16 ordinary token ids of any real vocabulary (not BOS/EOS/padding)
 PREFILL_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 5.0  # a prefill host that is down must not hold the rolling restart for a minute
@@ -65,15 +65,8 @@ class CanaryResult:
         return asdict(self)
 
 
-def _first_token(body: dict[str, Any]) -> int:
-    tok = body["choices"][0]["logprobs"]["tokens"][0]
-    if not str(tok).startswith(TOKEN_ID_PREFIX):
-        raise ValueError(f"token {tok!r} has no {TOKEN_ID_PREFIX!r} prefix (the prefill runs without --return-tokens-as-token-ids)")
-    return int(str(tok)[len(TOKEN_ID_PREFIX):])
-
-
 def _token_ids(body: dict[str, Any]) -> list[int]:
-    return [int(str(t)[len(TOKEN_ID_PREFIX):]) for t in body["choices"][0]["logprobs"]["tokens"]]
+    return [token_id(t) for t in body["choices"][0]["logprobs"]["tokens"]]
 
 
 def _prefill(url: str, spec: CanarySpec, max_tokens: int, marker: dict[str, Any] | None) -> dict[str, Any]:
@@ -122,7 +115,7 @@ def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> Ca
     else:
         return result("skipped", "no prefill took the canary: " + "; ".join(tried))
     try:
-        first = _first_token(body)
+        first = _token_ids(body)[0]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         return result("skipped", f"the prefill {url} answered without a first token id: {exc}", prefill_url=url)
     handoff = (body.get("kv_transfer_params") or {}).get("tilepd_handoff") or {}

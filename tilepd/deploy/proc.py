@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tilepd import __version__
 from tilepd.deploy import logpipe
-from tilepd.deploy.canary import CanarySpec
+from tilepd.deploy.canary import CanarySpec, run_canary
 from tilepd.runbooks import see
 
 # Variables a service inherits from the supervisor's environment; everything else
@@ -433,8 +433,6 @@ def _rejoin(spec: ServiceSpec, result: dict[str, Any], drained: dict[str, Any] |
         _note(spec, f"restarted after a drain; healthy; no canary and no undrain: {exc}")
         return out
     if spec.canary is not None:
-        from tilepd.deploy.canary import run_canary
-
         canary = run_canary(spec.canary, base, secret)
         out["canary"] = canary.as_json()
         _note(spec, f"canary {canary.outcome} in {canary.seconds:.1f}s: {canary.reason}")

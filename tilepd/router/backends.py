@@ -15,9 +15,9 @@ from typing import Any
 
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.health import says_draining
+from tilepd.router.logprobs import token_id
 from tilepd.router.upstream import Upstream, UpstreamError, UpstreamStream
 
-TOKEN_ID_PREFIX = "token_id:"
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,7 @@ async def prefill_first_token(client: Upstream, url: str, body: dict[str, Any], 
     try:
         data = resp.json()
         choice = data["choices"][0]
-        tok = choice["logprobs"]["tokens"][0]
-        if not tok.startswith(TOKEN_ID_PREFIX):
-            raise ValueError(f"token {tok!r} has no '{TOKEN_ID_PREFIX}' prefix: start vLLM with --return-tokens-as-token-ids")
-        return PrefillResult(int(tok[len(TOKEN_ID_PREFIX):]), int(data["usage"]["prompt_tokens"]), choice.get("finish_reason") or "length",
+        return PrefillResult(token_id(choice["logprobs"]["tokens"][0]), int(data["usage"]["prompt_tokens"]), choice.get("finish_reason") or "length",
                              choice)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise RouterError(502, f"prefill {url} answered without a first token id: {exc}", type="prefill_error", code="prefill_bad_response") from exc

@@ -37,14 +37,15 @@ def from_node(msg: dict[str, Any]) -> TokenLogprob:
 def from_prefill(choice: dict[str, Any], top_n: int) -> TokenLogprob:
     """The prefill's first token from vLLM's completions logprobs (--return-tokens-as-token-ids keys)."""
     lp = choice["logprobs"]
-    token = _token_id(lp["tokens"][0])
-    entries = [(_token_id(k), float(v)) for k, v in (lp["top_logprobs"][0] or {}).items()]
+    token = token_id(lp["tokens"][0])
+    entries = [(token_id(k), float(v)) for k, v in (lp["top_logprobs"][0] or {}).items()]
     # the dict is {sampled, top...}: the top n are its n best values (a sampled token outside them sorts last)
     top = sorted(entries, key=lambda e: -e[1])[:top_n]
     return TokenLogprob(token, float(lp["token_logprobs"][0]), tuple(top))
 
 
-def _token_id(text: str) -> int:
+def token_id(text: str) -> int:
+    """A vLLM token string under --return-tokens-as-token-ids (`token_id:N`) -> N; ValueError naming the flag."""
     if not text.startswith(TOKEN_ID_PREFIX):
         raise ValueError(f"token {text!r} has no '{TOKEN_ID_PREFIX}' prefix: start vLLM with --return-tokens-as-token-ids")
     return int(text[len(TOKEN_ID_PREFIX):])

@@ -14,7 +14,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tilepd.router.backends import TOKEN_ID_PREFIX
+from tilepd.router.logprobs import token_id
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.native import native_stream
 from tilepd.router.state import RouterState
@@ -60,7 +60,7 @@ def _tokens(event: bytes) -> list[int]:
             raise RouterError(502, f"the native pool failed the continuation: {msg['error']}", type="decode_node_error",
                               code="continuation_failed")
         tokens = (msg["choices"][0].get("logprobs") or {}).get("tokens") or [] if msg.get("choices") else []
-        return [int(t[len(TOKEN_ID_PREFIX):]) for t in tokens]
+        return [token_id(t) for t in tokens]
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise RouterError(502, f"the native pool sent an event without token ids: {exc}", type="decode_node_error",
                           code="continuation_failed") from exc

@@ -117,7 +117,7 @@ class Slot:
         with self._cv:
             cur = self.current
             if self.state == State.FREE:
-                if self.draining and not transfer_id.startswith(CANARY_TRANSFER_PREFIX):
+                if self._drained_for(transfer_id):
                     raise SlotError("draining", "decode node is draining: it takes no new request (undrain it or use another node)")
                 ended = self._ended.get(transfer_id)
                 if ended is not None:
@@ -204,7 +204,7 @@ class Slot:
         with self._cv:
             cur = self.current
             if self.state == State.FREE:
-                if self.draining and not transfer_id.startswith(CANARY_TRANSFER_PREFIX):  # `busy`: the retryable refusal
+                if self._drained_for(transfer_id):  # `busy`: the control protocol's retryable refusal
                     raise SlotError("busy", "decode node is draining: it takes no new transfer")
                 ended = self._ended.get(transfer_id)
                 if ended is not None:  # its decode request gave up, or it was cancelled before its KV came
@@ -317,6 +317,10 @@ class Slot:
             self._remember_ended(cur.transfer_id, reason)
         log.info("event=freed transfer_id=%s reason=%s", cur.transfer_id if cur else None, reason)
         self._cv.notify_all()
+
+    def _drained_for(self, transfer_id: str) -> bool:
+        """Draining refuses a new transfer on the free slot, except a restart's canary."""
+        return self.draining and not transfer_id.startswith(CANARY_TRANSFER_PREFIX)
 
     def _remember_ended(self, transfer_id: str, reason: str) -> None:
         self._ended[transfer_id] = reason
