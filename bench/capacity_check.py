@@ -382,8 +382,9 @@ def verdict(lv: dict[str, Any], bound: float, timeout_s: float) -> dict[str, Any
             "simulation_vs_hist_ratio": compare(s_p99, hist_p99 if hist_p99 is not None else math.nan, bound)[0],
             "utilisation": meas.get("utilisation"), "measured_rate_rps": meas.get("rate_per_s"),
             "model": cap.get("load", {}).get("model", "independent"),
-            "service_by_busy": [(x["busy"], x["mean_s"], x["count"]) for x in cap.get("load", {}).get("service_by_busy") or []],
-            "measured_by_busy": meas.get("service_by_busy"),
+            "service_by_busy": [(x["busy"], x["mean_s"], x["releases"]) for x in cap.get("load", {}).get("service_by_busy") or []],
+            "work_cv": cap.get("load", {}).get("work_cv"),
+            "measured_by_busy": meas.get("busy_levels"),
             "service_mean_s": cap.get("load", {}).get("service_mean_s"), "service_cv": cap.get("load", {}).get("service_cv"),
             "busy_fraction": meas.get("busy_fraction"), "formula_busy": cur.get("formula", {}).get("p_timeout"),
             "simulation_busy": cur.get("simulation", {}).get("p_timeout"),
@@ -466,8 +467,9 @@ def report(result: dict[str, Any], bound: float) -> None:
               f"to another request {fmt_ms(lv['service_by_company']['shared_mean_s'])} (n {lv['service_by_company']['shared_n']})")
         levels = ", ".join(f"{b} busy: {fmt_ms(m)} (n {n:g})" for b, m, n in v["service_by_busy"])
         by_busy = v.get("measured_by_busy") or {}
-        print(f"[capacity-check]   model: {v['model']}" + (f" ({levels})" if levels else "") + "; router hold by busy level: "
-              + (", ".join(f"{k}: {fmt_ms(x['mean_s'])} (n {x['count']:g})" for k, x in sorted(by_busy.items())) or "-"))
+        print(f"[capacity-check]   model: {v['model']}" + (f" ({levels}; work CV {fmt(v['work_cv'], '.2f')})" if levels else "")
+              + "; router pool by busy level (mean service, seconds there, releases): "
+              + (", ".join(f"{k}: {fmt_ms(x['mean_s'])}, {x['seconds']:.1f} s, n {x['releases']:g}" for k, x in sorted(by_busy.items())) or "-"))
         if lv["errors"]:
             print(f"[capacity-check]   errors: {lv['errors']}")
         if lv["capacity"] is None:

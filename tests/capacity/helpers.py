@@ -17,11 +17,53 @@ from tilepd.router.metrics import RouterMetrics
 REPO = Path(__file__).resolve().parents[2]
 
 
-def router_metrics(nodes: int = 2) -> tuple[RouterMetrics, NodePool]:
+class ManualClock:
+    """A clock the test steps by hand, for the pool's lease and busy-level times (no real waiting)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def router_metrics(nodes: int = 2, clock: ManualClock | None = None) -> tuple[RouterMetrics, NodePool]:
     pool = NodePool.of(tuple(DecodeEndpoint(name=f"d{i}", host="127.0.0.1", ctrl_port=1, http_port=2) for i in range(nodes)))
+    if clock is not None:
+        pool.clock = clock
+        pool.__post_init__()
     for n in pool.nodes:
         pool.set_in_rotation(n, True)
     return RouterMetrics(pool, breaker_failures=3), pool
+
+
+class PoolDriver:
+    """Real leases of a real pool on a `ManualClock`: runs the pool at a busy level for a number of releases."""
+
+    def __init__(self, metrics: RouterMetrics, pool: NodePool, clock: ManualClock) -> None:
+        self.metrics, self.pool, self.clock = metrics, pool, clock
+        self.held: list = []  # leases still held, oldest first
+
+    def at_level(self, level: int, releases: int, hold_s: float, wait_s: float = 0.0) -> None:
+        """Keep `level` nodes leased for `releases` releases, each lease held `hold_s` (so one release every
+        hold_s / level seconds, all at that level); the leases stay held afterwards."""
+
+        async def go() -> None:
+            while len(self.held) < level:
+                self.held.append(await self.pool.acquire(1.0))
+            while len(self.held) > level:
+                self.held.pop(0).release()
+            for _ in range(releases):
+                self.clock.advance(hold_s / level)
+                self.held.pop(0).release()
+                self.held.append(await self.pool.acquire(1.0))
+                self.metrics.lease_wait_seconds.observe(wait_s)
+                self.metrics.routes.labels("low_latency", "default").inc()
+
+        asyncio.run(go())
 
 
 def lease_and_release(metrics: RouterMetrics, pool: NodePool, count: int) -> None:
@@ -36,13 +78,12 @@ def lease_and_release(metrics: RouterMetrics, pool: NodePool, count: int) -> Non
     asyncio.run(go())
 
 
-def drive(metrics: RouterMetrics, *, served: int, hold_s: float, wait_s: float, refused: int = 0, fallbacks: int = 0,
-          busy: int = 1) -> None:
-    """`served` requests that waited `wait_s` and held a node `hold_s`, each granted with `busy` nodes leased (itself
-    included); `refused` 429s and `fallbacks` after the queue timeout."""
+def drive(metrics: RouterMetrics, *, served: int, hold_s: float, wait_s: float, refused: int = 0, fallbacks: int = 0) -> None:
+    """`served` requests that waited `wait_s` and held a node `hold_s`; `refused` 429s and `fallbacks` after the queue
+    timeout."""
     for _ in range(served):
         metrics.lease_wait_seconds.observe(wait_s)
-        metrics.observe_hold(hold_s, busy)
+        metrics.observe_hold(hold_s)
         metrics.routes.labels("low_latency", "default").inc()
         metrics.responses.labels("low_latency", "200").inc()
     for _ in range(refused):

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.capacity.helpers import drive, lease_and_release, local_topology, router_metrics, serving_metrics
+from tests.capacity.helpers import ManualClock, PoolDriver, local_topology, router_metrics, serving_metrics
 from tilepd.capacity.busy import BusyLevels, busy_model
 from tilepd.capacity.estimate import Load, Targets, estimate
 from tilepd.capacity.queueing import erlang_c, predict, predict_by_busy
 from tilepd.capacity.simulate import Exponential, GammaTimes, simulate
-from tilepd.capacity.sources import Histogram, Scrape, router_load
+from tilepd.capacity.sources import BusyLevel, Scrape, router_load
 from tilepd.cli.app import build_app
 
 
@@ -39,80 +39,95 @@ def test_slower_together_waits_longer_than_the_same_mean_independent() -> None:
 
 
 @pytest.mark.parametrize(("means", "rate", "timeout"), [((1.0, 1.5), 1.0, math.inf), ((0.113, 0.215), 6.0, 2.0),
-                                                         ((1.0, 1.2, 1.4, 1.6), 2.0, 1.0)])
-def test_simulation_matches_the_chain_for_exponential_service(means: tuple[float, ...], rate: float, timeout: float) -> None:
-    # the simulation keeps a service time drawn at the start while the chain changes rate with the busy count: close, not equal
+                                                         ((1.0, 1.2, 1.4, 1.6), 2.0, 1.0), ((0.1, 0.3), 5.0, 0.5)])
+def test_simulation_matches_the_chain_for_exponential_work(means: tuple[float, ...], rate: float, timeout: float) -> None:
+    # exponential work at a speed set by the busy count is exactly the birth-death chain: equal up to sampling noise
     c = len(means)
     f = predict_by_busy(rate, means, 1.0, c, timeout)
-    s = simulate(rate, Exponential(1.0), c, timeout, requests=120_000, seed=5, by_busy=[Exponential(m) for m in means])
-    assert s.p_wait == pytest.approx(f.p_wait, rel=0.05)
-    assert s.p99_wait_s == pytest.approx(f.p99_wait_s, rel=0.1)
-    assert s.mean_wait_s == pytest.approx(f.mean_wait_s, rel=0.12)
-    assert s.utilisation == pytest.approx(f.utilisation, rel=0.04)
+    s = simulate(rate, Exponential(1.0), c, timeout, requests=200_000, seed=5, by_busy=means)
+    assert s.p_wait == pytest.approx(f.p_wait, rel=0.03)
+    assert s.p99_wait_s == pytest.approx(f.p99_wait_s, rel=0.08)  # seeds 0-3: within 6%
+    assert s.mean_wait_s == pytest.approx(f.mean_wait_s, rel=0.06)
+    assert s.utilisation == pytest.approx(f.utilisation, rel=0.02)
     if math.isfinite(timeout):
-        assert s.p_timeout == pytest.approx(f.p_timeout, abs=0.015)
+        assert s.p_timeout == pytest.approx(f.p_timeout, abs=0.005)
 
 
-def test_simulation_draws_at_the_busy_count_of_each_start() -> None:
-    same = simulate(1.5, Exponential(1.0), 2, requests=50_000, seed=1, by_busy=[Exponential(1.0), Exponential(1.0)])
+def test_simulation_speed_follows_the_busy_count() -> None:
+    same = simulate(1.5, Exponential(1.0), 2, requests=50_000, seed=1, by_busy=[1.0, 1.0])
     plain = simulate(1.5, Exponential(1.0), 2, requests=50_000, seed=1)
     assert same.p_wait == pytest.approx(plain.p_wait, rel=0.05) and same.utilisation == pytest.approx(plain.utilisation, rel=0.03)
-    # fixed times, 1 s alone and 3 s with both busy: the carried work tells which level each start drew from
-    slow = simulate(0.3, Exponential(1.0), 2, requests=50_000, seed=1, by_busy=[GammaTimes(1.0, 0.0), GammaTimes(3.0, 0.0)])
-    share_two = (2 * slow.utilisation / 0.3 - 1.0) / 2.0  # mean service = 1 + 2 x share of starts at 2 busy
-    assert 0.1 < share_two < 0.7
+    # fixed work, 1 s alone and 3 s with both busy: the carried node-time lies between, and grows with the load
+    light = simulate(0.05, GammaTimes(1.0, 0.0), 2, requests=20_000, seed=1, by_busy=[1.0, 3.0])
+    heavy = simulate(0.5, GammaTimes(1.0, 0.0), 2, requests=20_000, seed=1, by_busy=[1.0, 3.0])
+    mean_light, mean_heavy = 2 * light.utilisation / 0.05, 2 * heavy.utilisation / 0.5  # node-seconds per request
+    assert 1.0 < mean_light < 1.3 < mean_heavy < 3.0
+    with pytest.raises(ValueError, match="every busy level"):
+        simulate(1.0, Exponential(1.0), 2, requests=1000, by_busy=[1.0, 0.0])
 
 
-def _hist(mean: float, count: float) -> Histogram:
-    edges = (0.05, 0.1, 0.2, 0.4, 0.8)
-    i = next(k for k, e in enumerate(edges) if e >= mean)
-    cum = tuple(0.0 if k < i else count for k in range(len(edges) + 1))
-    return Histogram(edges, cum, mean * count, count)
+def _lvl(mean: float, releases: float, busy: int) -> BusyLevel:
+    seconds = mean * releases / busy  # each of the busy nodes completes at 1 / mean
+    return BusyLevel(seconds, seconds * busy, releases)
 
 
 def test_a_slowdown_gives_the_state_dependent_model_and_a_note() -> None:
-    levels, notes = busy_model({"1": _hist(0.113, 300), "2": _hist(0.215, 400)})
+    levels, notes = busy_model({"1": _lvl(0.113, 300, 1), "2": _lvl(0.215, 400, 2)})
     assert levels is not None and levels.means(3) == pytest.approx([0.113, 0.215, 0.215])
     assert "113 ms alone, 215 ms with 2 busy" in notes[0] and "share a host" in notes[0]
     assert "more than 2 busy" in notes[1]
 
 
 def test_agreeing_or_thin_levels_keep_independent_nodes() -> None:
-    levels, notes = busy_model({"1": _hist(0.150, 300), "2": _hist(0.160, 400)})
+    levels, notes = busy_model({"1": _lvl(0.150, 300, 1), "2": _lvl(0.160, 400, 2)})
     assert levels is None and "within 15%" in notes[0]
-    levels, notes = busy_model({"1": _hist(0.113, 300), "2": _hist(0.215, 20)})
+    levels, notes = busy_model({"1": _lvl(0.113, 300, 1), "2": _lvl(0.215, 20, 2)})
     assert levels is None and "too few" in notes[0]
     assert busy_model(None)[0] is None and "older tilepd" in busy_model(None)[1][0]
+    levels, notes = busy_model({"0": BusyLevel(10.0, 0.0, 0.0)})  # idle all along
+    assert levels is None and "no lease ended" in notes[0]
 
 
 def test_an_unmeasured_level_takes_the_nearest() -> None:
-    levels, _ = busy_model({"1": _hist(0.1, 100), "2": _hist(0.15, 5), "3": _hist(0.3, 100), "8+": _hist(0.6, 10)})
-    assert levels is not None and levels.top == 3 and levels.counts == (100, 0, 100)
+    levels, _ = busy_model({"1": _lvl(0.1, 100, 1), "2": _lvl(0.15, 5, 2), "3": _lvl(0.3, 100, 3), "8+": _lvl(0.6, 10, 8)})
+    assert levels is not None and levels.top == 3 and levels.releases == (100, 0, 100)
     assert levels.means(2) == pytest.approx([0.1, 0.3])  # level 2 is thin: its neighbours tie, the slower one is taken
 
 
+def test_work_cv_takes_out_the_speed_mix() -> None:
+    levels = BusyLevels((0.1, 0.3), (100.0, 100.0))  # holds of 0.1 and 0.3 s in equal numbers: CV 0.5 from the mix alone
+    assert levels.work_cv(0.5) == pytest.approx(0.0, abs=1e-6)
+    assert levels.work_cv(0.8) == pytest.approx(math.sqrt((1 + 0.64) / 1.25 - 1))
+    assert BusyLevels((0.2, 0.2), (10.0, 10.0)).work_cv(0.7) == pytest.approx(0.7)
+
+
 def test_estimate_uses_the_levels() -> None:
-    levels = BusyLevels((Exponential(0.113), Exponential(0.215)), (300.0, 400.0))
+    levels = BusyLevels((0.113, 0.215), (300.0, 400.0))
     flat = Load(4.5, Exponential(0.16), 2.0, "test")
     dep = Load(4.5, Exponential(0.16), 2.0, "test", levels)
     t = Targets(60.0, 0.5)
     a, b = estimate(flat, t, 2, sim_requests=20_000), estimate(dep, t, 2, sim_requests=20_000)
     assert b.row(2).formula.p99_wait_s > a.row(2).formula.p99_wait_s
+    assert b.row(2).simulation.p99_wait_s > a.row(2).simulation.p99_wait_s
     assert b.as_dict()["load"]["model"] == "state-dependent" and a.as_dict()["load"]["model"] == "independent"
     assert [x["busy"] for x in b.as_dict()["load"]["service_by_busy"]] == [1, 2]
+    assert 0 < b.as_dict()["load"]["work_cv"] < 1.0
 
 
 def test_router_load_reads_the_levels_of_real_leases() -> None:
-    m, pool = router_metrics(nodes=2)
+    clock = ManualClock()
+    m, pool = router_metrics(nodes=2, clock=clock)
     before = Scrape.parse(m.render().decode())
     load = router_load(before, before, 1.0)
-    assert load.service_by_busy == {}  # exported, nothing yet
-    lease_and_release(m, pool, 4)  # one at a time: all alone
-    drive(m, served=10, hold_s=0.4, wait_s=0.1, busy=2)
+    assert load.busy_levels == {}  # exported, nothing released yet
+    driver = PoolDriver(m, pool, clock)
+    driver.at_level(1, releases=4, hold_s=0.2)
+    driver.at_level(2, releases=10, hold_s=0.4, wait_s=0.1)
     load = router_load(before, Scrape.parse(m.render().decode()), 1.0)
-    assert load.service_by_busy is not None and set(load.service_by_busy) == {"1", "2"}
-    assert load.service_by_busy["1"].count == 4 and load.service_by_busy["2"].count == 10
-    assert load.service_by_busy["2"].mean == pytest.approx(0.4)
+    assert load.busy_levels is not None and set(load.busy_levels) == {"1", "2"}
+    assert load.busy_levels["1"].releases == 4 and load.busy_levels["2"].releases == 10
+    assert load.busy_levels["1"].mean_service_s == pytest.approx(0.2)
+    assert load.busy_levels["2"].mean_service_s == pytest.approx(0.4) and load.busy_levels["2"].seconds == pytest.approx(2.0)
     assert load.service.count == 14
 
 
@@ -120,11 +135,13 @@ def test_live_window_with_a_slowdown(tmp_path: Path, monkeypatch: pytest.MonkeyP
     import tilepd.cli.capacity_cmds as cmds
 
     monkeypatch.setattr(cmds.time, "sleep", lambda s: None)  # a 60 s window, not waited for
-    metrics, _ = router_metrics(nodes=2)
+    clock = ManualClock()
+    metrics, pool = router_metrics(nodes=2, clock=clock)
+    driver = PoolDriver(metrics, pool, clock)
 
     def load() -> None:
-        drive(metrics, served=120, hold_s=0.11, wait_s=0.0001, busy=1)
-        drive(metrics, served=180, hold_s=0.22, wait_s=0.2, busy=2)
+        driver.at_level(1, releases=120, hold_s=0.11)
+        driver.at_level(2, releases=180, hold_s=0.22, wait_s=0.2)
 
     with serving_metrics(metrics, load) as port:
         app = build_app(["tilepd.cli.capacity_cmds"])
@@ -135,4 +152,4 @@ def test_live_window_with_a_slowdown(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert out["load"]["model"] == "state-dependent"
         assert [round(x["mean_s"], 3) for x in out["load"]["service_by_busy"]] == [0.11, 0.22]
         assert any("alone" in n and "share a host" in n for n in out["notes"])
-        assert out["measured"]["service_by_busy"]["2"]["count"] == 180
+        assert out["measured"]["busy_levels"]["2"]["releases"] == 180

@@ -7,7 +7,7 @@ from typing import Any
 
 from tilepd.capacity.busy import BusyLevels
 from tilepd.capacity.queueing import Prediction, meets, predict, predict_by_busy
-from tilepd.capacity.simulate import ServiceTimes, SimResult, simulate
+from tilepd.capacity.simulate import GammaTimes, ServiceTimes, SimResult, simulate
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Load:
     service: ServiceTimes
     timeout_s: float
     source: str  # "live router window ..." or "stated ..."
-    by_busy: BusyLevels | None = None  # service time by the busy nodes at a start; None: independent nodes (M/G/c)
+    by_busy: BusyLevels | None = None  # mean service time by the busy nodes; None: independent nodes (M/G/c)
 
     @property
     def model(self) -> str:
@@ -28,11 +28,15 @@ class Load:
         """The closed form at `nodes` nodes: M/G/c+D, or the birth-death chain when the service time depends on the busy nodes."""
         if self.by_busy is None:
             return predict(self.rate, self.service.mean, self.service.cv, nodes, self.timeout_s)
-        return predict_by_busy(self.rate, self.by_busy.means(nodes), self.by_busy.at(nodes).cv, nodes, self.timeout_s)
+        return predict_by_busy(self.rate, self.by_busy.means(nodes), self.by_busy.work_cv(self.service.cv), nodes, self.timeout_s)
 
     def simulation(self, nodes: int, requests: int, seed: int) -> SimResult:
-        levels = self.by_busy.levels if self.by_busy is not None else None
-        return simulate(self.rate, self.service, nodes, self.timeout_s, requests=requests, seed=seed, by_busy=levels)
+        """With `by_busy`, a request's work has the CV of the holds less their speed mix (gamma), its speed follows
+        the busy count; otherwise its service time is drawn from `service`."""
+        if self.by_busy is None:
+            return simulate(self.rate, self.service, nodes, self.timeout_s, requests=requests, seed=seed)
+        work = GammaTimes(1.0, self.by_busy.work_cv(self.service.cv))
+        return simulate(self.rate, work, nodes, self.timeout_s, requests=requests, seed=seed, by_busy=self.by_busy.means_s)
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,8 @@ class Estimate:
             "load": {"source": self.load.source, "rate_per_s": self.load.rate, "service_mean_s": svc.mean, "service_cv": svc.cv,
                      "service_distribution": svc.describe(), "offered_load_erlangs": self.load.rate * svc.mean,
                      "queue_timeout_s": self.load.timeout_s, "model": self.load.model,
-                     "service_by_busy": self.load.by_busy.as_list() if self.load.by_busy is not None else None},
+                     "service_by_busy": self.load.by_busy.as_list() if self.load.by_busy is not None else None,
+                     "work_cv": self.load.by_busy.work_cv(svc.cv) if self.load.by_busy is not None else None},
             "targets": {"p99_wait_s": self.targets.p99_wait_s, "fallback": self.targets.fallback},
             "current": one(self.row(self.current_nodes)),
             "nodes_needed": self.needed,

@@ -75,15 +75,13 @@ def predict(rate: float, mean_service_s: float, service_cv: float, nodes: int, t
 
 def predict_by_busy(rate: float, level_means_s: Sequence[float], service_cv: float, nodes: int, timeout_s: float = math.inf,
                     quantile: float = 0.99) -> Prediction:
-    """The state-dependent pool: with k nodes busy a request's service time has mean `level_means_s[k-1]`.
+    """The state-dependent pool: with k nodes busy each completes at 1 / `level_means_s[k-1]`.
 
     A birth-death chain on the busy nodes (completion rate in state k < c: k / E[S | k]) below the full
     pool; with all c busy the pool hands nodes over at c / E[S | c] whatever the queue, so the waiting
-    part is the M/M/c+D one (Baccelli & Hebuterne) at that rate: exact for exponential service in each
-    state, the Allen-Cunneen factor of the full pool's CV (`service_cv`) otherwise. Equal means give
-    `predict`. (A real request's time depends on the busy count over its whole service, the router
-    records it by the count at its start: the chain takes the mean at a start with k busy as the rate
-    while k are busy.)
+    part is the M/M/c+D one (Baccelli & Hebuterne) at that rate: exact for exponential work, the
+    Allen-Cunneen factor of the work's CV (`service_cv`) otherwise. Equal means give `predict`. The
+    router measures exactly these rates (releases per node-second at each busy level).
     """
     if len(level_means_s) < nodes:
         raise ValueError(f"predict_by_busy needs a mean service time for each of 1..{nodes} busy nodes, got {len(level_means_s)}")

@@ -10,9 +10,9 @@ second per 100k requests.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -134,12 +134,12 @@ MAX_REQUESTS = 2_000_000
 
 def simulate(rate: float, service: ServiceTimes, nodes: int, timeout_s: float = math.inf, *, requests: int = 100_000,
              seed: int = 0, warmup: float = 0.1, quantile: float = 0.99,
-             by_busy: Sequence[ServiceTimes] | None = None) -> SimResult:
+             by_busy: Sequence[float] | None = None) -> SimResult:
     """Run `requests` Poisson arrivals at `rate`/s through `nodes` FIFO batch=1 nodes; the first `warmup` share is not counted.
 
-    With `by_busy`, a request that starts while k nodes are busy (itself included) draws its service time from
-    `by_busy[min(k, len) - 1]` instead of `service`: nodes sharing a host slow each other down, as the router's
-    `tilepd_router_lease_hold_by_busy_seconds` records it.
+    With `by_busy` (mean service times with 1, 2, ... nodes busy; the last stands for every count above), nodes slow
+    each other down: a request's work is drawn from `service` scaled to mean 1, and while k nodes are busy every
+    request in service gets through it at 1 / by_busy[k-1] per second, as the router's per-level counters measure it.
     """
     if rate <= 0 or nodes < 1:
         raise ValueError(f"simulate needs rate > 0 and nodes >= 1, got rate={rate}, nodes={nodes}")
@@ -148,7 +148,10 @@ def simulate(rate: float, service: ServiceTimes, nodes: int, timeout_s: float = 
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, requests)).tolist()
     if by_busy:
-        return _simulate_by_busy(rng, arrivals, by_busy, nodes, timeout_s, warmup, quantile)
+        if min(by_busy) <= 0:
+            raise ValueError(f"the service time at every busy level must be > 0, got {list(by_busy)}")
+        work = (service.sample(rng, requests) / service.mean).tolist()
+        return _simulate_by_busy(arrivals, work, by_busy, nodes, timeout_s, warmup, quantile)
     services = service.sample(rng, requests).tolist()
     skip = int(requests * warmup)
     free = [0.0] * nodes  # heap of the times each node frees
@@ -171,35 +174,56 @@ def simulate(rate: float, service: ServiceTimes, nodes: int, timeout_s: float = 
     return _result(arrivals, skip, nodes, waits, waited, timed_out, busy, quantile)
 
 
-def _simulate_by_busy(rng: np.random.Generator, arrivals: list[float], by_busy: Sequence[ServiceTimes], nodes: int,
-                      timeout_s: float, warmup: float, quantile: float) -> SimResult:
-    """The FIFO run with each service time drawn at its start from the busy count then (a sorted list of free times)."""
+def _simulate_by_busy(arrivals: list[float], work: list[float], level_means: Sequence[float], nodes: int, timeout_s: float,
+                      warmup: float, quantile: float) -> SimResult:
+    """The FIFO run with the speed of service set by the busy count: an event loop over arrivals and completions.
+
+    Every request in service progresses at the same rate, so one virtual clock `v` (work done per request since the
+    start) and a heap of the virtual times at which each finishes give the next completion in O(log c)."""
     requests = len(arrivals)
-    draws = [d.sample(rng, requests).tolist() for d in by_busy]
-    used = [0] * len(by_busy)
-    top = len(by_busy)
     skip = int(requests * warmup)
-    free = [0.0] * nodes  # sorted: the times each node frees
+    lo, hi = arrivals[skip], arrivals[-1]  # the counted span, for the utilisation
+    top = len(level_means)
+    in_service: list[float] = []  # heap of virtual finish times
+    queue: deque[int] = deque()
+    v = now = 0.0
     waits: list[float] = []
     waited = timed_out = 0
-    busy = 0.0
-    for i, t in enumerate(arrivals):
-        start = t if free[0] <= t else free[0]
-        wait = start - t
-        if wait > timeout_s:
-            if i >= skip:
-                timed_out += 1
-                waited += 1
-            continue
-        level = min(1 + nodes - bisect.bisect_right(free, start, 1), top)  # the node it takes plus those busy at its start
-        s = draws[level - 1][used[level - 1]]
-        used[level - 1] += 1
-        free.pop(0)
-        bisect.insort(free, start + s)
-        if i >= skip:
+    busy = 0.0  # node-seconds inside the counted span
+    i = 0
+
+    def start(j: int) -> None:
+        nonlocal waited
+        heapq.heappush(in_service, v + work[j])
+        if j >= skip:
+            wait = now - arrivals[j]
             waits.append(wait)
             waited += wait > 0
-            busy += s
+
+    while i < requests or in_service:
+        speed = 1.0 / level_means[min(len(in_service), top) - 1] if in_service else 0.0
+        done_at = now + (in_service[0] - v) / speed if in_service else math.inf
+        t = arrivals[i] if i < requests and arrivals[i] <= done_at else done_at
+        busy += len(in_service) * max(0.0, min(t, hi) - max(now, lo))
+        if in_service:
+            v += (t - now) * speed
+        now = t
+        if t != done_at:  # an arrival
+            if len(in_service) < nodes:
+                start(i)
+            else:
+                queue.append(i)
+            i += 1
+            continue
+        v = heapq.heappop(in_service)  # exact: no drift from the float steps above
+        while queue and len(in_service) < nodes:
+            j = queue.popleft()
+            if now - arrivals[j] > timeout_s:  # it left at its timeout: 429 or the native pool
+                if j >= skip:
+                    timed_out += 1
+                    waited += 1
+                continue
+            start(j)
     return _result(arrivals, skip, nodes, waits, waited, timed_out, busy, quantile)
 
 

@@ -157,9 +157,9 @@ class RouterLoad:
     wait: Histogram
     nodes_in_rotation: int | None
     notes: tuple[str, ...]
-    # the service times by how many nodes were leased when each lease was granted ("1", "2", ..., "8+"); None for an
-    # older router without tilepd_router_lease_hold_by_busy_seconds
-    service_by_busy: dict[str, Histogram] | None = None
+    # the pool's time and releases at each busy level ("1", "2", ..., "8+"; levels without a release left out); None
+    # for an older router without tilepd_router_pool_releases_total
+    busy_levels: dict[str, BusyLevel] | None = None
 
     @property
     def rate(self) -> float:
@@ -173,9 +173,26 @@ class RouterLoad:
         return self.service.sum / (self.window_s * nodes)
 
 
+@dataclass(frozen=True)
+class BusyLevel:
+    """One busy level of the pool over a window: seconds spent there, node-seconds leased there, releases made there."""
+
+    seconds: float
+    node_seconds: float
+    releases: float
+
+    @property
+    def mean_service_s(self) -> float:
+        """The mean service time at this level: the chain's completion rate there is releases / seconds, i.e. each of
+        the k busy nodes completes at releases / node_seconds."""
+        return self.node_seconds / self.releases if self.releases > 0 else math.nan
+
+
 ROUTES = "tilepd_router_routes_total"
 HOLD = "tilepd_router_lease_hold_seconds"
-HOLD_BY_BUSY = "tilepd_router_lease_hold_by_busy_seconds"
+BUSY_SECONDS = "tilepd_router_pool_busy_seconds_total"
+BUSY_NODE_SECONDS = "tilepd_router_pool_busy_node_seconds_total"
+RELEASES = "tilepd_router_pool_releases_total"
 WAIT = "tilepd_router_lease_wait_seconds"
 REQUEST = "tilepd_router_request_seconds"
 
@@ -207,25 +224,21 @@ def router_load(before: Scrape, after: Scrape, window_s: float) -> RouterLoad:
     gauge = after.samples.get("tilepd_router_nodes_in_rotation")
     in_rotation = int(sum(gauge.values())) if gauge else None
     return RouterLoad(window_s, wait.count + busy_429 + busy_fallback, wait.count, busy_429, busy_fallback, routes, service,
-                      source, wait, in_rotation, tuple(notes), hold_by_busy(before, after))
+                      source, wait, in_rotation, tuple(notes), busy_levels(before, after))
 
 
-def hold_by_busy(before: Scrape, after: Scrape) -> dict[str, Histogram] | None:
-    """The window's lease holds per `busy` label (a label first seen after `before` counts from zero); no empty ones.
-    None: the router does not export the histogram (older tilepd)."""
-    if HOLD_BY_BUSY not in after.families and not after.has(f"{HOLD_BY_BUSY}_count"):
+def busy_levels(before: Scrape, after: Scrape) -> dict[str, BusyLevel] | None:
+    """The window's time, node-seconds and releases per `busy` label (a label first seen after `before` counts from
+    zero); levels without a release in the window left out. None: the router does not export them (older tilepd)."""
+    if RELEASES.removesuffix("_total") not in after.families:  # a family without samples is still named
         return None
-    out: dict[str, Histogram] = {}
-    for label in sorted(after.by_labels(f"{HOLD_BY_BUSY}_count", "busy")):
-        busy = label[0]
-        h_after = after.histogram(HOLD_BY_BUSY, busy=busy)
-        if h_after is None:
-            continue
-        h_before = before.histogram(HOLD_BY_BUSY, busy=busy)
-        h = h_after - h_before if h_before is not None else h_after
-        if h.count > 0:
-            out[busy] = h
-    return out
+
+    def delta(name: str) -> dict[str, float]:
+        a, b = after.by_labels(name, "busy"), before.by_labels(name, "busy")
+        return {k[0]: v - b.get(k, 0.0) for k, v in a.items()}
+
+    seconds, node_seconds, releases = delta(BUSY_SECONDS), delta(BUSY_NODE_SECONDS), delta(RELEASES)
+    return {k: BusyLevel(seconds.get(k, 0.0), node_seconds.get(k, 0.0), n) for k, n in releases.items() if n > 0}
 
 
 def seconds_per_token(scrapes: list[Scrape]) -> float | None:

@@ -112,7 +112,7 @@ def _live_load(topo, window_s: float, notes: list[str]):  # noqa: ANN001, ANN202
         raise _fail(ExitCode.INPUT, f"{url}: no request reached the decode-node queue in {window_s:g} s "
                     "(nothing to measure): use a longer --window, or state the load with --rps")
     notes.append("arrivals taken as Poisson (the router does not record inter-arrival times)")
-    by_busy, busy_notes = busy_model(live.service_by_busy)
+    by_busy, busy_notes = busy_model(live.busy_levels)
     notes.extend(busy_notes)
     source = f"live: router {topo.router.address}:{topo.router.port}, {window_s:g} s window, {live.arrivals:g} requests"
     return Load(live.rate, live.service.distribution(), topo.router.queue_timeout_s, source, by_busy), live
@@ -202,8 +202,8 @@ def capacity(
                                "utilisation": live.measured_utilisation(current), "p_wait": w.fraction_above(0.0005),
                                "p99_wait_s": w.quantile(0.99), "service_source": live.service_source,
                                "nodes_in_rotation": live.nodes_in_rotation,
-                               "service_by_busy": ({k: {"count": h.count, "mean_s": h.mean} for k, h in live.service_by_busy.items()}
-                                                   if live.service_by_busy is not None else None)}
+                               "busy_levels": ({k: {"seconds": b.seconds, "releases": b.releases, "mean_s": b.mean_service_s}
+                                                for k, b in live.busy_levels.items()} if live.busy_levels is not None else None)}
         typer.echo(json.dumps(out, indent=2, allow_nan=False, default=lambda v: None))
     else:
         svc = load.service

@@ -79,6 +79,11 @@ PANELS: list[tuple[str, str, list[dict[str, str]]]] = [
      [_q(f"sum(tilepd_router_nodes_in_rotation{SEL})", "in rotation"), _q(f"sum(tilepd_router_nodes_leased{SEL})", "leased")]),
     ("Decode-node utilisation (lease hold time per node)", "percentunit",
      [_q(f"sum(rate(tilepd_router_lease_hold_seconds_sum{SEL}{RATE})) / sum(tilepd_router_nodes_in_rotation{SEL})", "busy share")]),
+    ("Share of time with k decode nodes leased (tilepd capacity's busy levels)", "percentunit",
+     [_q(f"sum by (busy) (rate(tilepd_router_pool_busy_seconds_total{SEL}{RATE}))", "{{busy}} busy")]),
+    ("Service time by busy nodes (a shared-host slowdown shows as a rising line)", "s",
+     [_q(f"sum by (busy) (rate(tilepd_router_pool_busy_node_seconds_total{SEL}{RATE})) / "
+         f"sum by (busy) (rate(tilepd_router_pool_releases_total{SEL}{RATE}))", "{{busy}} busy")]),
     ("Generated tokens (low-latency pool)", "short", [_q(f"sum(rate(tilepd_router_completion_tokens_total{SEL}{RATE}))", "tokens/s")]),
     ("Failovers by cause", "reqps", [_q(f"sum by (cause) (rate(tilepd_router_failovers_total{SEL}{RATE}))", "{{cause}}")]),
     ("Decode-node errors seen by the router", "reqps",

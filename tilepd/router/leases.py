@@ -74,20 +74,19 @@ class NoNodeInRotation(Exception):
 class Lease:
     """The right to use one node; `release()` is idempotent and hands the node to the next waiter."""
 
-    def __init__(self, pool: NodePool, node: NodeState, waited_s: float, busy: int = 1) -> None:
+    def __init__(self, pool: NodePool, node: NodeState, waited_s: float) -> None:
         self._pool = pool
         self.node = node
         self.waited_s = waited_s
-        self.busy = busy  # nodes of the pool leased when this lease was granted, itself included
         self.released = False
-        self.leased_at = time.monotonic()
+        self.leased_at = pool.clock()
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self._pool._release(self.node)
             if self._pool.on_release is not None:  # the node's service time, for `tilepd capacity`
-                self._pool.on_release(time.monotonic() - self.leased_at, self.busy)
+                self._pool.on_release(self._pool.clock() - self.leased_at)
 
 
 @dataclass
@@ -95,9 +94,19 @@ class NodePool:
     nodes: list[NodeState]
     _free: deque[NodeState] = field(default_factory=deque)
     _waiters: deque[asyncio.Future[NodeState]] = field(default_factory=deque)
-    # called with the seconds a lease held its node and how many nodes were leased when it was granted (itself
-    # included): on a shared host the service time grows with the nodes busy next to it (`tilepd capacity`)
-    on_release: Callable[[float, int], None] | None = None
+    # called with the seconds a lease held its node (the node's service time, for `tilepd capacity`)
+    on_release: Callable[[float], None] | None = None
+    clock: Callable[[], float] = time.monotonic  # the lease and busy-level times (a test may step it by hand)
+    # the pool as a birth-death chain: seconds spent with k nodes leased and the releases made from k. On a shared host
+    # (CPU nodes, one prefill instance) a node's service time grows with the nodes busy next to it; releases / seconds
+    # at k is the chain's completion rate there, which `tilepd capacity` fits (its maximum-likelihood estimate)
+    _busy_now: int = 0
+    _busy_since: float = 0.0  # set from `clock` at creation
+    _busy_seconds: dict[int, float] = field(default_factory=dict)
+    _releases_from: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._busy_since = self.clock()
 
     @classmethod
     def of(cls, endpoints: tuple[DecodeEndpoint, ...]) -> NodePool:
@@ -110,13 +119,33 @@ class NodePool:
     def leased_count(self) -> int:
         return sum(1 for n in self.nodes if n.leased)
 
+    def busy_time(self) -> tuple[dict[int, float], dict[int, int]]:
+        """({k: seconds with k nodes leased}, {k: releases made while k were leased}) since the pool began; the
+        current stretch is counted up to now."""
+        seconds = dict(self._busy_seconds)
+        seconds[self._busy_now] = seconds.get(self._busy_now, 0.0) + self.clock() - self._busy_since
+        return seconds, dict(self._releases_from)
+
+    def _set_leased(self, node: NodeState, leased: bool) -> None:
+        """Every change of a node's lease goes through here, so the chain's time in each state is exact."""
+        if node.leased == leased:
+            return
+        now = self.clock()
+        k = self._busy_now
+        self._busy_seconds[k] = self._busy_seconds.get(k, 0.0) + now - self._busy_since
+        self._busy_since = now
+        if not leased:
+            self._releases_from[k] = self._releases_from.get(k, 0) + 1
+        self._busy_now = k + (1 if leased else -1)
+        node.leased = leased
+
     def in_rotation(self) -> list[NodeState]:
         """Nodes that can be leased: breaker closed and not draining."""
         return [n for n in self.nodes if n.in_rotation and not n.draining]
 
     async def acquire(self, timeout_s: float) -> Lease:
         """Lease a free node, waiting FIFO for at most `timeout_s`."""
-        start = time.monotonic()
+        start = self.clock()
         node = self._take_free()
         if node is not None:
             return self._lease(node, start)
@@ -144,9 +173,9 @@ class NodePool:
         return self._lease(node, start)
 
     def _lease(self, node: NodeState, start: float) -> Lease:
-        node.leased = True
+        self._set_leased(node, True)  # already, when a release handed it over (_offer)
         node.leases_total += 1
-        return Lease(self, node, time.monotonic() - start, self.leased_count())
+        return Lease(self, node, self.clock() - start)
 
     def _take_free(self) -> NodeState | None:
         while self._free:
@@ -156,7 +185,7 @@ class NodePool:
         return None
 
     def _release(self, node: NodeState) -> None:
-        node.leased = False
+        self._set_leased(node, False)
         node.transfer_id = None
         if node.in_rotation and not node.draining:
             self._offer(node)
@@ -166,7 +195,7 @@ class NodePool:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
-                node.leased = True
+                self._set_leased(node, True)
                 fut.set_result(node)
                 return
         if node not in self._free:

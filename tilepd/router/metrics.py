@@ -5,7 +5,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from tilepd.router.leases import NodePool, NodeState
@@ -17,13 +21,38 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 _HOLD_BUCKETS = tuple(round(0.005 * 1.125 ** i, 5) for i in range(95))
 # queue waits: a zero-wait bucket, then ~20% steps to 2 min, so a measured p99 wait is good to ~10% (`tilepd capacity`)
 _WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, *(round(0.01 * 1.2 ** i, 5) for i in range(53)))
-# the hold by busy level is labelled 1 .. BUSY_LABEL_CAP - 1, then "<cap>+": bounded cardinality on any pool size
+# the pool's busy levels are labelled 0 .. BUSY_LABEL_CAP - 1, then "<cap>+": bounded cardinality on any pool size
 BUSY_LABEL_CAP = 8
 
 
 def busy_label(busy: int) -> str:
-    """The `busy` label of a lease granted while `busy` nodes (itself included) were leased."""
-    return f"{BUSY_LABEL_CAP}+" if busy >= BUSY_LABEL_CAP else str(max(busy, 1))
+    """The `busy` label of the state with `busy` nodes leased."""
+    return f"{BUSY_LABEL_CAP}+" if busy >= BUSY_LABEL_CAP else str(max(busy, 0))
+
+
+class BusyTimeCollector(Collector):
+    """The pool as a birth-death chain, read at scrape time: seconds with k nodes leased and the releases made from k.
+
+    On a shared host a node's service time grows with its busy neighbours; releases / seconds at level k is the pool's
+    completion rate with k busy, which `tilepd capacity` fits (docs/CAPACITY.md)."""
+
+    def __init__(self, pool: NodePool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        seconds, releases = self._pool.busy_time()
+        node_seconds = {k: k * v for k, v in seconds.items()}
+        t = CounterMetricFamily("tilepd_router_pool_busy_seconds", "Seconds the decode pool spent with this many nodes leased", labels=["busy"])
+        ns = CounterMetricFamily("tilepd_router_pool_busy_node_seconds", "Node-seconds leased while this many nodes were leased", labels=["busy"])
+        r = CounterMetricFamily("tilepd_router_pool_releases", "Leases released while this many nodes were leased (the one released included)",
+                                labels=["busy"])
+        for family, values in ((t, seconds), (ns, node_seconds), (r, releases)):
+            merged: dict[str, float] = {}
+            for k, v in values.items():
+                merged[busy_label(k)] = merged.get(busy_label(k), 0.0) + v
+            for label in sorted(merged, key=lambda x: int(x.rstrip("+"))):
+                family.add_metric([label], merged[label])
+            yield family
 
 
 class RouterMetrics:
@@ -40,14 +69,8 @@ class RouterMetrics:
         self.lease_wait_seconds = Histogram("tilepd_router_lease_wait_seconds", "Time waited for a decode node", buckets=_WAIT_BUCKETS, registry=r)
         self.lease_hold_seconds = Histogram("tilepd_router_lease_hold_seconds", "Time a request held its decode node (the node's service time)",
                                             buckets=_HOLD_BUCKETS, registry=r)
-        # the same hold by how many of the pool's nodes were leased when the lease was granted (itself included): on a
-        # shared host (CPU nodes, one prefill instance) a node's service time grows with its busy neighbours, which
-        # `tilepd capacity` models as a state-dependent queue; the unlabelled histogram above stays the total
-        self.lease_hold_by_busy_seconds = Histogram(
-            "tilepd_router_lease_hold_by_busy_seconds",
-            f"Time a request held its decode node, by the nodes leased when it got it (itself included; {BUSY_LABEL_CAP}+ for more)",
-            ["busy"], buckets=_HOLD_BUCKETS, registry=r)
         pool.on_release = self.observe_hold
+        r.register(BusyTimeCollector(pool))
         self.completion_tokens = Counter("tilepd_router_completion_tokens", "Tokens generated (low-latency pool)", registry=r)
         # the request timeline (timeline.py), one observation per phase a request went through (repeats summed)
         self.phase_seconds = Histogram("tilepd_router_phase_seconds", "Time per request in each phase of its timeline, by route",
@@ -59,10 +82,9 @@ class RouterMetrics:
         Gauge("tilepd_router_nodes_in_rotation", "Decode nodes that can be leased", registry=r).set_function(lambda: len(pool.in_rotation()))
         Gauge("tilepd_router_nodes_leased", "Decode nodes held by a request", registry=r).set_function(pool.leased_count)
 
-    def observe_hold(self, held_s: float, busy: int) -> None:
-        """One released lease: its service time, in total and at its busy level."""
+    def observe_hold(self, held_s: float) -> None:
+        """One released lease: its service time."""
         self.lease_hold_seconds.observe(held_s)
-        self.lease_hold_by_busy_seconds.labels(busy_label(busy)).observe(held_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
