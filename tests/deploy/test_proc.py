@@ -70,7 +70,11 @@ def test_start_is_idempotent_and_stop_takes_the_group(tmp_path: Path, cleanup) -
     assert again["changed"] is False and again["pid"] == first["pid"]
     pgid = first["pid"]
     assert len(proc._group_members(pgid)) == 3  # the server, its grandchild and the log pump (tilepd.deploy.logpipe)
-    assert "mark-42" in (tmp_path / "logs" / "svc.log").read_text()  # env from the spec reached it
+    log = tmp_path / "logs" / "svc.log"
+    deadline = time.monotonic() + 10.0  # the log pump writes the line on its own time, health can answer first
+    while "mark-42" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "mark-42" in log.read_text()  # env from the spec reached it
     stopped = proc.stop(spec)
     assert stopped["changed"] and stopped["signal"] == "SIGTERM" and not stopped["running"]
     assert proc._group_members(pgid) == []

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import pytest
 
 from tilepd.connector.launch import kv_transfer_config
@@ -158,10 +159,14 @@ def test_marker_outside_allowlist_is_refused_and_request_still_served(stack: dic
 def test_busy_node_makes_connector_retry_then_give_up(stack: dict) -> None:
     vllm, node = stack["vllm"], stack["node"]
     holder: dict = {}
-    # a decode call for another transfer holds the node's only slot while it waits for KV
-    t = threading.Thread(target=lambda: holder.update(r=decode(node, "tx-holder", 1, 10, 2, kv_timeout_s=6)))
+    # a decode call for another transfer holds the node's only slot while it waits for KV: long enough for the
+    # prefill and the connector's retries on a loaded box (it answers 504 at the end of it)
+    t = threading.Thread(target=lambda: holder.update(r=decode(node, "tx-holder", 1, 10, 2, kv_timeout_s=20)))
     t.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 15.0
+    while httpx.get(node.url + "/status", timeout=5).json()["transfer_id"] != "tx-holder":
+        assert time.monotonic() < deadline, "the holder never reserved the node"
+        time.sleep(0.05)
     complete(vllm, stack["model"], prompt_ids(50, seed=5), 1, marker(node, "tx-busy"))
     failed = wait_event(vllm, "failed", "tx-busy", timeout=30)
     assert failed["code"] == "busy" and int(failed["retries"]) == 3, failed

@@ -77,8 +77,10 @@ def router_url(router_stack: Stack, supervised: list[proc.ServiceSpec], start_ro
     # overflow to). On the 2-core box a restarting node's load and warm-up starve the CPU, and one CI run saw 2 of
     # 247 requests wait past a 10 s queue bound (429): the bound is sized to a request's worst duration there, since
     # what this test counts is requests lost to the restart, not the pool's queue limit.
+    # A drained node leaves at its first probe (503 draining), whatever these; a missed probe of the other node on the
+    # loaded box must not leave the pool empty (no native pool here: that would be a 503), hence 5 s and 3 misses.
     cfg = router_config(router_stack.model, router_stack.prefill.url, router_stack.spares[:2], queue_timeout_s=60.0,  # type: ignore[union-attr]
-                        health_interval_s=0.5)
+                        health_interval_s=0.5, health_timeout_s=5.0, breaker_failures=3)
     srv, _ = start_router_proc(cfg)
     assert wait_until(lambda: _in_rotation(srv.url) == 2, 30), "both nodes never came into rotation"
     return srv.url
