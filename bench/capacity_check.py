@@ -418,6 +418,14 @@ async def drive(args: argparse.Namespace, topo: Path) -> dict[str, Any]:
     metrics_url = f"http://127.0.0.1:{args.port_base}/metrics"
     payload = body(args.max_tokens)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    from tilepd.capacity.sources import RELEASES, scrape
+
+    if RELEASES.removesuffix("_total") not in scrape(metrics_url).families:
+        # the services run the tilepd their venv imports, which need not be this checkout (an editable install points
+        # at whichever checkout bootstrapped last): a router without the busy-level counters would pass for
+        # "independent nodes" and check the wrong model
+        raise RuntimeError(f"the deployed router ({metrics_url}) does not export {RELEASES}: it runs an older tilepd than "
+                           "this checkout; reinstall this checkout into the venv the services use")
     async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=limits) as client:
         for _ in range(args.warm_requests):  # first requests pay one-off costs (allocations, caches)
             rec = Sent(time.monotonic())
