@@ -73,7 +73,10 @@ class Stack:
                              **{**lenient, **overrides})
 
 
-@pytest.fixture(scope="session")
+# package scope: the stack (vLLM prefill with NIXL, the native pair, a decode node) ends with the last test of
+# tests/router, not with the session. Alive, its NIXL/UCX progress threads keep about one core busy (a prefill worker
+# used 2375 CPU-seconds in 49 min), which slowed every later test on the 2-core box (a deploy test ran 10+ min).
+@pytest.fixture(scope="package")
 def router_stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     if not _engine_available():
         pytest.skip("tilepd.engine.load_engine is not in this build yet: no decode node can start")
@@ -129,9 +132,9 @@ def _reused(stack: Stack, info: dict) -> Stack:
     return stack
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def start_router_proc(router_stack: Stack) -> Iterator[Callable[..., tuple[Server, RouterConfig]]]:
-    """Start a router process for a config; every router started is stopped at the end of the session."""
+    """Start a router process for a config; every router started is stopped with the stack."""
     started: list[Server] = []
 
     def start(config: RouterConfig, env: dict[str, str] | None = None) -> tuple[Server, RouterConfig]:
@@ -143,14 +146,14 @@ def start_router_proc(router_stack: Stack) -> Iterator[Callable[..., tuple[Serve
     stop_all(started)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def plain_router(router_stack: Stack, start_router_proc: Callable[..., tuple[Server, RouterConfig]]) -> tuple[str, RouterConfig]:
     """A router with the low-latency pool only (queue timeout 2 s), shared by every module."""
     srv, cfg = start_router_proc(router_stack.config(native=False, queue_timeout_s=2.0))
     return srv.url, cfg
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def native_router(router_stack: Stack, start_router_proc: Callable[..., tuple[Server, RouterConfig]]) -> tuple[str, RouterConfig]:
     """A router with the native pool as fallback and `<model>-native` routed there."""
     srv, cfg = start_router_proc(router_stack.config(native=True, queue_timeout_s=2.0))
