@@ -124,7 +124,7 @@ def test_max_tokens_one_answers_from_prefill_and_frees_the_node(router: tuple[Op
         assert got.choices[0].text == want["choices"][0]["text"]
         assert got.usage.completion_tokens == 1 and got.choices[0].finish_reason == "length"  # type: ignore[union-attr]
         # the answer comes from the prefill; the lease ends in the background (this router queues 2 s at most)
-        assert _eventually(lambda: _node_idle(router_stack) and not _router_status(url)["nodes"][0]["leased"])
+        assert _eventually(lambda: _node_idle(router_stack) and not _router_status(url)["nodes"][0]["leased"], 30.0)
 
 
 def test_token_id_prompt_and_stop_token_ids(router: tuple[OpenAI, str], router_stack: Stack) -> None:
