@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -21,8 +22,12 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
 
 
 def test_refused_connect_is_retried_until_the_upstream_listens() -> None:
-    """Nothing listens at first; the listener opens between the retries (at once, then 0.5 s later)."""
-    port = free_port()
+    """Nothing listens at first (the port is bound, not listening: connects are refused); the listener opens between
+    the retries (at once, then 0.5 s later). It listens on the socket bound beforehand, so opening it needs no
+    address lookup in an executor thread, which on a loaded box once took past the 0.5 s retry (CI: refused 3 times)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -36,7 +41,7 @@ def test_refused_connect_is_retried_until_the_upstream_listens() -> None:
 
         async def listen_later() -> asyncio.base_events.Server:
             await asyncio.sleep(0.2)
-            return await _serve(port, handler)
+            return await asyncio.start_server(handler, sock=sock)
 
         later = asyncio.ensure_future(listen_later())
         try:
