@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from tilepd.plan.service_configs import DecodeEndpoint
-from tilepd.router.leases import NodePool
+from tilepd.router.leases import NodePool, NodeState
 from tilepd.router.metrics import RouterMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,10 +32,8 @@ class ManualClock:
 
 
 def router_metrics(nodes: int = 2, clock: ManualClock | None = None) -> tuple[RouterMetrics, NodePool]:
-    pool = NodePool.of(tuple(DecodeEndpoint(name=f"d{i}", host="127.0.0.1", ctrl_port=1, http_port=2) for i in range(nodes)))
-    if clock is not None:
-        pool.clock = clock
-        pool.__post_init__()
+    endpoints = [DecodeEndpoint(name=f"d{i}", host="127.0.0.1", ctrl_port=1, http_port=2) for i in range(nodes)]
+    pool = NodePool(nodes=[NodeState(endpoint=e) for e in endpoints], clock=clock or time.monotonic)
     for n in pool.nodes:
         pool.set_in_rotation(n, True)
     return RouterMetrics(pool, breaker_failures=3), pool

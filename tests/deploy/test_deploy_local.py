@@ -17,6 +17,7 @@ import pytest
 from tests.deploy import topo
 from tests.deploy.cli import Run, processes_mentioning, tilepd
 from tests.deploy.leaks import leaks
+from tests.waiting import wait_until
 from tilepd.auth import node_api_key
 
 pytestmark = pytest.mark.slow
@@ -161,7 +162,6 @@ def test_logs_follow_streams_and_stops_cleanly(deployed: Deployed) -> None:
     import signal
     import subprocess
     import sys
-    import time
 
     env = dict(os.environ, TILEPD_HOME=str(deployed.home))
     p = subprocess.Popen(
@@ -180,9 +180,7 @@ def test_logs_follow_streams_and_stops_cleanly(deployed: Deployed) -> None:
     def tails() -> list[str]:
         return [c for _, c in processes_mentioning(log_file) if c.startswith("tail ")]
 
-    deadline = time.monotonic() + 10.0  # a descheduled tail may take a moment to go; a leaked one stays
-    while tails() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not tails(), 10.0)  # a descheduled tail may take a moment to go; a leaked one stays
     assert tails() == []
 
 

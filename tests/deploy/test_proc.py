@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_until
 from tilepd.connector.launch import free_port
 from tilepd.deploy import proc
 from tilepd.deploy.proc import ServiceSpec
@@ -71,9 +72,7 @@ def test_start_is_idempotent_and_stop_takes_the_group(tmp_path: Path, cleanup) -
     pgid = first["pid"]
     assert len(proc._group_members(pgid)) == 3  # the server, its grandchild and the log pump (tilepd.deploy.logpipe)
     log = tmp_path / "logs" / "svc.log"
-    deadline = time.monotonic() + 10.0  # the log pump writes the line on its own time, health can answer first
-    while "mark-42" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: "mark-42" in log.read_text(), 10.0)  # the log pump writes on its own time, health can answer first
     assert "mark-42" in log.read_text()  # env from the spec reached it
     stopped = proc.stop(spec)
     assert stopped["changed"] and stopped["signal"] == "SIGTERM" and not stopped["running"]

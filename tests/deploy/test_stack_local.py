@@ -20,6 +20,7 @@ from tests.deploy import topo
 from tests.deploy.cli import processes_mentioning, tilepd
 from tests.deploy.leaks import leaks
 from tests.deploy.stack import missing_stack_piece
+from tests.waiting import wait_until
 from tilepd.auth import node_api_key
 from tilepd.deploy.proc import _group_members, _proc_stat
 
@@ -45,13 +46,15 @@ def test_local_stack_up_canary_status_idempotent_down(tmp_path: Path) -> None:
         up = tilepd(home, "up", str(file))
         assert up.rc == 0, str(up)
         assert "canary ok" in up.stdout and "endpoint: http://127.0.0.1:" in up.stdout, up
-        deadline = time.monotonic() + 30.0  # one status probe (2 s) can miss on the loaded box; a dead service stays down
-        while True:
-            status = tilepd(home, "status", str(file), "--json")
-            rows = {s["role"]: s for s in status.json()["services"]} if status.rc == 0 else {}
-            if (rows and all(r["ok"] for r in rows.values())) or time.monotonic() > deadline:
-                break
-            time.sleep(1.0)
+        seen: dict = {}
+
+        def all_ok() -> bool:
+            seen["status"] = status = tilepd(home, "status", str(file), "--json")
+            seen["rows"] = {s["role"]: s for s in status.json()["services"]} if status.rc == 0 else {}
+            return bool(seen["rows"]) and all(r["ok"] for r in seen["rows"].values())
+
+        wait_until(all_ok, 30.0)  # one status probe (2 s) can miss on the loaded box; a dead service stays down
+        status, rows = seen["status"], seen["rows"]
         assert status.rc == 0, status
         assert set(rows) == {"decode", "prefill", "router"} and all(r["ok"] for r in rows.values()), status
         assert rows["decode"]["figures"]["transfers_total"] >= 1  # the canary went through the handoff

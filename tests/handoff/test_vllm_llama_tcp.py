@@ -17,6 +17,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from tests.waiting import wait_until
 from tilepd.connector.launch import kv_transfer_config
 from tilepd.control.framing import recv_frame, send_frame
 from tilepd.plan.service_configs import DecodeEndpoint
@@ -163,10 +164,8 @@ def test_busy_node_makes_connector_retry_then_give_up(stack: dict) -> None:
     # prefill and the connector's retries on a loaded box (it answers 504 at the end of it)
     t = threading.Thread(target=lambda: holder.update(r=decode(node, "tx-holder", 1, 10, 2, kv_timeout_s=20)))
     t.start()
-    deadline = time.monotonic() + 15.0
-    while httpx.get(node.url + "/status", timeout=5).json()["transfer_id"] != "tx-holder":
-        assert time.monotonic() < deadline, "the holder never reserved the node"
-        time.sleep(0.05)
+    assert wait_until(lambda: httpx.get(node.url + "/status", timeout=5).json()["transfer_id"] == "tx-holder", 15.0), \
+        "the holder never reserved the node"
     complete(vllm, stack["model"], prompt_ids(50, seed=5), 1, marker(node, "tx-busy"))
     failed = wait_event(vllm, "failed", "tx-busy", timeout=30)
     assert failed["code"] == "busy" and int(failed["retries"]) == 3, failed

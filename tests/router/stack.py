@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.waiting import wait_until  # noqa: F401 - the router tests import it from here
 from tilepd.plan.vllm_args import nixl_config
 from tilepd.connector.launch import Server, free_port, kv_transfer_config, multi_with_nixl, start_process, start_vllm
 from tilepd.plan.service_configs import (
@@ -130,11 +130,3 @@ def stop_all(servers: Sequence[Server]) -> None:
             pass
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """Poll `check` every 50 ms until it holds or `timeout_s` passes; True when it held."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False

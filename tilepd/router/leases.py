@@ -100,8 +100,7 @@ class NodePool:
     # the pool as a birth-death chain: seconds spent with k nodes leased and the releases made from k. On a shared host
     # (CPU nodes, one prefill instance) a node's service time grows with the nodes busy next to it; releases / seconds
     # at k is the chain's completion rate there, which `tilepd capacity` fits (its maximum-likelihood estimate)
-    _busy_now: int = 0
-    _busy_since: float = 0.0  # set from `clock` at creation
+    _busy_since: float = 0.0  # when the leased count last changed (set from `clock` at creation)
     _busy_seconds: dict[int, float] = field(default_factory=dict)
     _releases_from: dict[int, int] = field(default_factory=dict)
 
@@ -123,7 +122,8 @@ class NodePool:
         """({k: seconds with k nodes leased}, {k: releases made while k were leased}) since the pool began; the
         current stretch is counted up to now."""
         seconds = dict(self._busy_seconds)
-        seconds[self._busy_now] = seconds.get(self._busy_now, 0.0) + self.clock() - self._busy_since
+        k = self.leased_count()
+        seconds[k] = seconds.get(k, 0.0) + self.clock() - self._busy_since
         return seconds, dict(self._releases_from)
 
     def _set_leased(self, node: NodeState, leased: bool) -> None:
@@ -131,12 +131,11 @@ class NodePool:
         if node.leased == leased:
             return
         now = self.clock()
-        k = self._busy_now
+        k = self.leased_count()
         self._busy_seconds[k] = self._busy_seconds.get(k, 0.0) + now - self._busy_since
         self._busy_since = now
         if not leased:
             self._releases_from[k] = self._releases_from.get(k, 0) + 1
-        self._busy_now = k + (1 if leased else -1)
         node.leased = leased
 
     def in_rotation(self) -> list[NodeState]:
