@@ -14,7 +14,7 @@ from tilepd.capacity.busy import BusyLevels, busy_model
 from tilepd.capacity.estimate import Load, Targets, estimate
 from tilepd.capacity.queueing import erlang_c, predict, predict_by_busy
 from tilepd.capacity.simulate import Exponential, GammaTimes, simulate
-from tilepd.capacity.sources import BusyLevel, Scrape, router_load
+from tilepd.capacity.sources import AloneHolds, BusyLevel, Scrape, router_load
 from tilepd.cli.app import build_app
 
 
@@ -101,6 +101,23 @@ def test_work_cv_takes_out_the_speed_mix() -> None:
     assert BusyLevels((0.2, 0.2), (10.0, 10.0)).work_cv(0.7) == pytest.approx(0.7)
 
 
+def test_the_work_cv_comes_from_the_leases_that_ran_alone_when_there_are_enough() -> None:
+    levels = {"1": _lvl(0.113, 300, 1), "2": _lvl(0.215, 400, 2)}
+    holds = [0.08, 0.1, 0.12] * 20  # 60 leases alone: mean 0.1, CV sqrt(2/3) * 0.02 / 0.1
+    alone = AloneHolds(len(holds), sum(holds), sum(h * h for h in holds))
+    assert alone.mean_s == pytest.approx(0.1) and alone.cv == pytest.approx(math.sqrt(2 / 3) * 0.2)
+    got, notes = busy_model(levels, alone)
+    assert got is not None and got.alone_work_cv == pytest.approx(alone.cv)
+    assert got.work_cv(0.9) == pytest.approx(alone.cv)  # the holds' own CV no longer matters
+    assert any("CV 0.16, from the 60 leases that ran alone" in n for n in notes)
+    few = AloneHolds(10, 1.0, 0.1)
+    got, notes = busy_model(levels, few)
+    assert got is not None and got.alone_work_cv is None and got.work_cv(0.5) < 0.5  # the holds' CV less their level mix
+    assert any("fewer than 50 leases ran alone: the work's CV is taken from the holds" in n for n in notes)
+    assert any("older tilepd: not recorded" in n for n in busy_model(levels, None)[1])
+    assert math.isnan(AloneHolds(0, 0.0, 0.0).cv)
+
+
 def test_estimate_uses_the_levels() -> None:
     levels = BusyLevels((0.113, 0.215), (300.0, 400.0))
     flat = Load(4.5, Exponential(0.16), 2.0, "test")
@@ -129,6 +146,7 @@ def test_router_load_reads_the_levels_of_real_leases() -> None:
     assert load.busy_levels["1"].mean_service_s == pytest.approx(0.2)
     assert load.busy_levels["2"].mean_service_s == pytest.approx(0.4) and load.busy_levels["2"].seconds == pytest.approx(2.0)
     assert load.service.count == 14
+    assert load.alone_holds is not None and load.alone_holds.releases == 4 and load.alone_holds.mean_s == pytest.approx(0.2)
 
 
 def test_live_window_with_a_slowdown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,3 +171,5 @@ def test_live_window_with_a_slowdown(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert [round(x["mean_s"], 3) for x in out["load"]["service_by_busy"]] == [0.11, 0.22]
         assert any("alone" in n and "share a host" in n for n in out["notes"])
         assert out["measured"]["busy_levels"]["2"]["releases"] == 180
+        assert out["measured"]["alone_holds"]["releases"] == 120 and out["measured"]["alone_holds"]["mean_s"] == pytest.approx(0.11)
+        assert out["load"]["work_cv"] == pytest.approx(0.0, abs=1e-6) and out["load"]["work_cv_source"] == "alone"

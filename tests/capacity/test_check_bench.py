@@ -70,3 +70,17 @@ def test_service_by_company() -> None:
     out = bench.service_by_company(sent)
     assert out["alone_n"] == 2 and out["alone_mean_s"] == pytest.approx(0.1)
     assert out["shared_n"] == 2 and out["shared_mean_s"] == pytest.approx(0.4)
+
+
+def test_one_windows_p99_strays_less_in_a_longer_window() -> None:
+    """The band is the spread of one window's p99 around the long run's under the chosen model: it holds 1, and a
+    window five times longer narrows it (the state-dependent and the independent model alike)."""
+    chain = {"rate_per_s": 6.0, "queue_timeout_s": 2.0, "work_cv": 0.2, "service_mean_s": 0.156, "service_cv": 0.5,
+             "service_by_busy": [{"busy": 1, "mean_s": 0.112}, {"busy": 2, "mean_s": 0.186}]}
+    for load in (chain, {**chain, "service_by_busy": None}):
+        short, long = bench.window_band(load, 150.0, 0.25, windows=60), bench.window_band(load, 750.0, 0.25, windows=60)
+        assert short is not None and long is not None
+        assert short["p10"] < 1.0 < short["p90"] and long["p10"] < 1.05 and long["p90"] > 0.95
+        assert long["p90"] - long["p10"] < short["p90"] - short["p10"]
+        assert 0.0 <= short["within_bound"] <= long["within_bound"] <= 1.0
+    assert bench.window_band({"rate_per_s": 0.0, "queue_timeout_s": 2.0}, 150.0, 0.25) is None

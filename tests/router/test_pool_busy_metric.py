@@ -93,3 +93,47 @@ def test_large_pool_shares_one_top_label() -> None:
     assert len(got["seconds"]) == BUSY_LABEL_CAP + 1 and got["seconds"][top] == pytest.approx(4.0)
     assert got["node_seconds"][top] == pytest.approx(sum(range(BUSY_LABEL_CAP, BUSY_LABEL_CAP + 4)))
     assert got["releases"][top] == 4
+
+
+def _alone(m: RouterMetrics) -> tuple[float, float, float]:
+    got: dict[str, float] = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            if s.name.startswith("tilepd_router_pool_alone_"):
+                got[s.name] = s.value
+    return (got["tilepd_router_pool_alone_releases_total"], got["tilepd_router_pool_alone_hold_seconds_total"],
+            got["tilepd_router_pool_alone_hold_seconds_squared_total"])
+
+
+def test_only_leases_that_never_had_company_count_as_alone() -> None:
+    clock = ManualClock()
+    m, pool = router_metrics(nodes=2, clock=clock)
+
+    async def main() -> None:
+        a = await pool.acquire(1.0)
+        clock.advance(0.5)
+        a.release()  # alone throughout: 0.5 s
+        b = await pool.acquire(1.0)
+        clock.advance(0.25)
+        c = await pool.acquire(1.0)  # b started alone and got company: neither counts
+        clock.advance(1.0)
+        b.release()
+        clock.advance(1.0)
+        c.release()  # alone for its last second, not throughout
+        d = await pool.acquire(1.0)
+        e = await pool.acquire(1.0)
+        waiter = asyncio.create_task(pool.acquire(5.0))
+        await asyncio.sleep(0)
+        clock.advance(0.5)
+        d.release()  # handed over to the waiter while e is held
+        f = await waiter
+        e.release()
+        clock.advance(2.0)
+        f.release()  # it began next to e: not alone
+        g = await pool.acquire(1.0)
+        clock.advance(1.5)
+        g.release()  # alone: 1.5 s
+
+    asyncio.run(main())
+    n, total, squares = _alone(m)
+    assert (n, total, squares) == pytest.approx((2, 2.0, 0.25 + 2.25))

@@ -13,9 +13,10 @@ few releases per level to tell).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from tilepd.capacity.sources import BusyLevel
+from tilepd.capacity.sources import AloneHolds, BusyLevel
 
 MIN_PER_LEVEL = 50  # releases a level needs before its mean counts
 AGREE = 0.15  # per-level means within this of each other: independent nodes
@@ -29,6 +30,7 @@ class BusyLevels:
 
     means_s: tuple[float, ...]
     releases: tuple[float, ...]
+    alone_work_cv: float | None = None  # the work's CV measured on the leases that ran alone (enough of them), else None
 
     def at(self, busy: int) -> float:
         return self.means_s[min(max(busy, 1), len(self.means_s)) - 1]
@@ -47,9 +49,13 @@ class BusyLevels:
         return ", ".join(parts)
 
     def work_cv(self, hold_cv: float) -> float:
-        """The CV of a request's work (its length at one fixed speed) from the CV of the holds: the holds also vary
-        because their speed does (the level mix, weighted by releases), (1 + CV_hold^2) = (1 + CV_work^2)(1 + CV_mix^2).
-        A hold that spans levels blends their speeds, so this takes out a little too much (at least 0)."""
+        """The CV of a request's work (its length at one fixed speed): measured on the leases that ran alone when there
+        were enough, else from the CV of the holds less their level mix (weighted by releases),
+        (1 + CV_hold^2) = (1 + CV_work^2)(1 + CV_mix^2). The fallback overstates the work's spread where the holds also
+        spread within a level (a shared host splitting its time unevenly between the leases: 0.45 against 0.20 alone
+        on the 2-core check box), which lengthens the predicted tail (docs/CAPACITY.md)."""
+        if self.alone_work_cv is not None:
+            return self.alone_work_cv
         n = sum(self.releases)
         if n <= 0:
             return hold_cv
@@ -69,10 +75,11 @@ def _level(label: str) -> int:
     return int(label.rstrip("+"))
 
 
-def busy_model(levels: dict[str, BusyLevel] | None, *, min_count: float = MIN_PER_LEVEL,
+def busy_model(levels: dict[str, BusyLevel] | None, alone: AloneHolds | None = None, *, min_count: float = MIN_PER_LEVEL,
                agree: float = AGREE) -> tuple[BusyLevels | None, list[str]]:
     """The per-level mean service times when they differ by more than `agree` over levels with `min_count` releases or
-    more; else None (independent nodes). Notes say which and why; `levels` None: the router does not record them."""
+    more; else None (independent nodes). With `min_count` leases or more that ran `alone`, their holds' CV is the
+    work's. Notes say which and why; `levels` None: the router does not record them."""
     if levels is None:
         return None, ["the router does not record its pool's busy levels (older tilepd): independent nodes assumed"]
     by_level = {_level(k): v for k, v in levels.items() if v.releases > 0 and _level(k) > 0}
@@ -93,12 +100,18 @@ def busy_model(levels: dict[str, BusyLevel] | None, *, min_count: float = MIN_PE
         src = k if k in measured else min(keys, key=lambda m: (abs(m - k), -m))  # nearest measured, the slower on a tie
         level_means.append(measured[src].mean_service_s)
         counts.append(measured[k].releases if k in measured else 0.0)
-    bl = BusyLevels(tuple(level_means), tuple(counts))
+    alone_cv = alone.cv if alone is not None and alone.releases >= min_count and math.isfinite(alone.cv) else None
+    bl = BusyLevels(tuple(level_means), tuple(counts), alone_cv)
     slower = measured[keys[-1]].mean_service_s > measured[keys[0]].mean_service_s
     notes = [f"service time {bl.describe()}: the nodes {'slow each other down (they share a host: CPU cores, a prefill instance)' if slower else 'are faster together'}; "
              "modelled as a state-dependent queue (each busy node completes at the rate measured at the current busy count; "
              "formula: a birth-death chain with the full pool's hand-over rate once all are busy, docs/CAPACITY.md)",
              f"at other pool sizes a node with k busy is taken to run as measured here at k; more than {top} "
              f"busy take the {top}-busy figure ({_ms(bl.means_s[-1])}): right when the nodes share one host as here, "
-             "pessimistic when added nodes get hosts of their own, optimistic if the slowdown keeps growing past what was measured"]
+             "pessimistic when added nodes get hosts of their own, optimistic if the slowdown keeps growing past what was measured",
+             (f"a request's work (its length at one fixed speed) has CV {alone_cv:.2f}, from the {alone.releases:g} leases "
+              "that ran alone" if alone_cv is not None and alone is not None else
+              f"fewer than {min_count:g} leases ran alone{'' if alone is not None else ' (older tilepd: not recorded)'}: the "
+              "work's CV is taken from the holds' CV less their level mix, which overstates it where a shared host splits "
+              "its time unevenly (a longer predicted tail)")]
     return bl, notes

@@ -82,7 +82,9 @@ class Estimate:
                      "service_distribution": svc.describe(), "offered_load_erlangs": self.load.rate * svc.mean,
                      "queue_timeout_s": self.load.timeout_s, "model": self.load.model,
                      "service_by_busy": self.load.by_busy.as_list() if self.load.by_busy is not None else None,
-                     "work_cv": self.load.by_busy.work_cv(svc.cv) if self.load.by_busy is not None else None},
+                     "work_cv": self.load.by_busy.work_cv(svc.cv) if self.load.by_busy is not None else None,
+                     "work_cv_source": (None if self.load.by_busy is None else
+                                        "alone" if self.load.by_busy.alone_work_cv is not None else "holds less level mix")},
             "targets": {"p99_wait_s": self.targets.p99_wait_s, "fallback": self.targets.fallback},
             "current": one(self.row(self.current_nodes)),
             "nodes_needed": self.needed,

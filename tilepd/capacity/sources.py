@@ -160,6 +160,8 @@ class RouterLoad:
     # the pool's time and releases at each busy level ("1", "2", ..., "8+"; levels without a release left out); None
     # for an older router without tilepd_router_pool_releases_total
     busy_levels: dict[str, BusyLevel] | None = None
+    # the holds of the leases that ran alone in the window; None for a router without tilepd_router_pool_alone_*
+    alone_holds: AloneHolds | None = None
 
     @property
     def rate(self) -> float:
@@ -188,11 +190,38 @@ class BusyLevel:
         return self.node_seconds / self.releases if self.releases > 0 else math.nan
 
 
+@dataclass(frozen=True)
+class AloneHolds:
+    """The leases of a window that had the pool to themselves: their count, the sum of their holds and of the squares.
+
+    Alone, a request's speed is not shared with another lease, so the spread of these holds is the spread of the
+    requests' own work (tokens, prompt lengths); with company, the holds also spread with how the host's time is
+    split between the leases, which does not slow the pool's hand-overs (docs/CAPACITY.md)."""
+
+    releases: float
+    seconds: float
+    squared: float
+
+    @property
+    def mean_s(self) -> float:
+        return self.seconds / self.releases if self.releases > 0 else math.nan
+
+    @property
+    def cv(self) -> float:
+        if self.releases <= 0 or self.seconds <= 0:
+            return math.nan
+        mean = self.seconds / self.releases
+        return max(self.squared / self.releases / (mean * mean) - 1.0, 0.0) ** 0.5
+
+
 ROUTES = "tilepd_router_routes_total"
 HOLD = "tilepd_router_lease_hold_seconds"
 BUSY_SECONDS = "tilepd_router_pool_busy_seconds_total"
 BUSY_NODE_SECONDS = "tilepd_router_pool_busy_node_seconds_total"
 RELEASES = "tilepd_router_pool_releases_total"
+ALONE_RELEASES = "tilepd_router_pool_alone_releases_total"
+ALONE_SECONDS = "tilepd_router_pool_alone_hold_seconds_total"
+ALONE_SQUARED = "tilepd_router_pool_alone_hold_seconds_squared_total"
 WAIT = "tilepd_router_lease_wait_seconds"
 REQUEST = "tilepd_router_request_seconds"
 
@@ -224,7 +253,7 @@ def router_load(before: Scrape, after: Scrape, window_s: float) -> RouterLoad:
     gauge = after.samples.get("tilepd_router_nodes_in_rotation")
     in_rotation = int(sum(gauge.values())) if gauge else None
     return RouterLoad(window_s, wait.count + busy_429 + busy_fallback, wait.count, busy_429, busy_fallback, routes, service,
-                      source, wait, in_rotation, tuple(notes), busy_levels(before, after))
+                      source, wait, in_rotation, tuple(notes), busy_levels(before, after), alone_holds(before, after))
 
 
 def busy_levels(before: Scrape, after: Scrape) -> dict[str, BusyLevel] | None:
@@ -239,6 +268,14 @@ def busy_levels(before: Scrape, after: Scrape) -> dict[str, BusyLevel] | None:
 
     seconds, node_seconds, releases = delta(BUSY_SECONDS), delta(BUSY_NODE_SECONDS), delta(RELEASES)
     return {k: BusyLevel(seconds.get(k, 0.0), node_seconds.get(k, 0.0), n) for k, n in releases.items() if n > 0}
+
+
+def alone_holds(before: Scrape, after: Scrape) -> AloneHolds | None:
+    """The window's leases that ran alone (counters absent before the window count from zero); None: an older router."""
+    if ALONE_RELEASES.removesuffix("_total") not in after.families:
+        return None
+
+    return AloneHolds(*(after.total(name) - before.total(name) for name in (ALONE_RELEASES, ALONE_SECONDS, ALONE_SQUARED)))
 
 
 def seconds_per_token(scrapes: list[Scrape]) -> float | None:

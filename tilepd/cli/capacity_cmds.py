@@ -112,10 +112,15 @@ def _live_load(topo, window_s: float, notes: list[str]):  # noqa: ANN001, ANN202
         raise _fail(ExitCode.INPUT, f"{url}: no request reached the decode-node queue in {window_s:g} s "
                     "(nothing to measure): use a longer --window, or state the load with --rps")
     notes.append("arrivals taken as Poisson (the router does not record inter-arrival times)")
-    by_busy, busy_notes = busy_model(live.busy_levels)
+    by_busy, busy_notes = busy_model(live.busy_levels, live.alone_holds)
     notes.extend(busy_notes)
     source = f"live: router {topo.router.address}:{topo.router.port}, {window_s:g} s window, {live.arrivals:g} requests"
     return Load(live.rate, live.service.distribution(), topo.router.queue_timeout_s, source, by_busy), live
+
+
+def _finite(v: float) -> float | None:
+    """JSON has no NaN: an undefined figure (no lease to measure it on) is null."""
+    return v if math.isfinite(v) else None
 
 
 def _table(est, live, current: int) -> Table:  # noqa: ANN001
@@ -203,7 +208,9 @@ def capacity(
                                "p99_wait_s": w.quantile(0.99), "service_source": live.service_source,
                                "nodes_in_rotation": live.nodes_in_rotation,
                                "busy_levels": ({k: {"seconds": b.seconds, "releases": b.releases, "mean_s": b.mean_service_s}
-                                                for k, b in live.busy_levels.items()} if live.busy_levels is not None else None)}
+                                                for k, b in live.busy_levels.items()} if live.busy_levels is not None else None),
+                               "alone_holds": ({"releases": live.alone_holds.releases, "mean_s": _finite(live.alone_holds.mean_s),
+                                                "cv": _finite(live.alone_holds.cv)} if live.alone_holds is not None else None)}
         typer.echo(json.dumps(out, indent=2, allow_nan=False, default=lambda v: None))
     else:
         svc = load.service

@@ -39,6 +39,8 @@ class NodeState:
     leases_total: int = 0
     step_s: float | None = None  # measured seconds per decoded token (EWMA), for the router's deadlines
     draining: bool = False  # healthy, finishing its request, leased no more (tilepd drain)
+    held_since: float = 0.0  # the pool's clock when the current lease began
+    held_alone: bool = False  # no other node has been leased since the current lease began
     _left_rotation: asyncio.Event | None = None
 
     @property
@@ -103,6 +105,9 @@ class NodePool:
     _busy_since: float = 0.0  # when the leased count last changed (set from `clock` at creation)
     _busy_seconds: dict[int, float] = field(default_factory=dict)
     _releases_from: dict[int, int] = field(default_factory=dict)
+    # holds of the leases that had the pool to themselves (no other node leased at any moment): a request's own length
+    # at one fixed speed, whose spread `tilepd capacity` takes as the spread of the work (count, sum, sum of squares)
+    _alone: tuple[int, float, float] = (0, 0.0, 0.0)
 
     def __post_init__(self) -> None:
         self._busy_since = self.clock()
@@ -126,6 +131,10 @@ class NodePool:
         seconds[k] = seconds.get(k, 0.0) + self.clock() - self._busy_since
         return seconds, dict(self._releases_from)
 
+    def alone_holds(self) -> tuple[int, float, float]:
+        """(leases, seconds, seconds squared) summed over the leases that ended having had the pool to themselves."""
+        return self._alone
+
     def _set_leased(self, node: NodeState, leased: bool) -> None:
         """Every change of a node's lease goes through here, so the chain's time in each state is exact."""
         if node.leased == leased:
@@ -134,8 +143,18 @@ class NodePool:
         k = self.leased_count()
         self._busy_seconds[k] = self._busy_seconds.get(k, 0.0) + now - self._busy_since
         self._busy_since = now
-        if not leased:
+        if leased:
+            node.held_since, node.held_alone = now, k == 0
+            for other in self.nodes:
+                if other.leased:
+                    other.held_alone = False
+        else:
             self._releases_from[k] = self._releases_from.get(k, 0) + 1
+            if node.held_alone:
+                n, total, squares = self._alone
+                hold = now - node.held_since
+                self._alone = (n + 1, total + hold, squares + hold * hold)
+            node.held_alone = False
         node.leased = leased
 
     def in_rotation(self) -> list[NodeState]:

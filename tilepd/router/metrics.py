@@ -31,7 +31,8 @@ def busy_label(busy: int) -> str:
 
 
 class BusyTimeCollector(Collector):
-    """The pool as a birth-death chain, read at scrape time: seconds with k nodes leased and the releases made from k.
+    """The pool as a birth-death chain, read at scrape time: seconds with k nodes leased and the releases made from k;
+    and the holds of the leases that ran alone, whose spread is the spread of the requests' own work.
 
     On a shared host a node's service time grows with its busy neighbours; releases / seconds at level k is the pool's
     completion rate with k busy, which `tilepd capacity` fits (docs/CAPACITY.md)."""
@@ -53,6 +54,13 @@ class BusyTimeCollector(Collector):
             for label in sorted(merged, key=lambda x: int(x.rstrip("+"))):
                 family.add_metric([label], merged[label])
             yield family
+        n, total, squares = self._pool.alone_holds()
+        for name, doc, value in (
+                ("tilepd_router_pool_alone_releases", "Leases that ended having had the pool to themselves (no other node leased meanwhile)", n),
+                ("tilepd_router_pool_alone_hold_seconds", "Sum of those leases' holds: a request's length at one fixed speed", total),
+                ("tilepd_router_pool_alone_hold_seconds_squared", "Sum of the squares of those holds (their spread, for tilepd capacity)",
+                 squares)):
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class RouterMetrics:
