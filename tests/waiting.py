@@ -6,11 +6,12 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """Poll `check` every 50 ms until it holds or `timeout_s` passes; True when it held."""
+def wait_until(check: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+    """Poll `check` every `interval_s` until it holds or `timeout_s` passes; True when it held. It is asked once more
+    at the deadline, so a state reached during the last sleep still counts."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if check():
             return True
-        time.sleep(0.05)
-    return False
+        time.sleep(interval_s)
+    return check()

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -148,14 +147,13 @@ def test_cli_prints_one_json_line(tmp_path: Path, cleanup) -> None:
     assert res.returncode == 2 and json.loads(res.stdout)["failed"] is True
 
 
+def _gone(pid: int) -> bool:
+    st = proc._proc_stat(pid)
+    return st is None or st[0] in ("Z", "X")
+
+
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = proc._proc_stat(pid)
-        if st is None or st[0] in ("Z", "X"):
-            return True
-        time.sleep(0.05)
-    return False
+    return wait_until(lambda: _gone(pid), timeout_s)
 
 
 @pytest.mark.slow

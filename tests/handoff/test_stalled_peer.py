@@ -29,6 +29,8 @@ from tilepd.runtime.geometry import CacheGeometry
 from tilepd.runtime.slot import State
 from tilepd.transport import Buffer
 
+from tests.waiting import wait_until
+
 from ..control.harness import close_control_node, start_control_node
 
 MAX = 256
@@ -37,15 +39,6 @@ GEOM = CacheGeometry("llama", "attn", num_layers=2, num_heads=2, entry_width=64,
 LAYOUT = CacheLayout(kind="attn", num_layers=2, block_size=16, num_heads=2, entry_width=64, dtype="float32", head_size_k=32, head_size_v=32)
 # a listening process that is then stopped: what a SIGSTOPped decode node's control port looks like
 LISTENER = "import socket,sys; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen(8); print(s.getsockname()[1], flush=True); sys.stdin.read()"
-
-
-def _wait(cond, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def _job(c: TilePDConnector, port: int, tid: str) -> _Staged:
@@ -79,10 +72,10 @@ def test_a_stopped_node_does_not_hold_up_the_transfer_to_another() -> None:
         t0 = time.monotonic()
         c._jobs.put(first)  # queued first: with one sender thread the live node's transfer waited behind it
         c._jobs.put(second)
-        assert _wait(lambda: slot.state == State.COMPLETE, 10.0), f"live node's transfer not done: {slot.state}, {c.events.snapshot()}"
+        assert wait_until(lambda: slot.state == State.COMPLETE, 10.0), f"live node's transfer not done: {slot.state}, {c.events.snapshot()}"
         took = time.monotonic() - t0
         assert took < REPLY_TIMEOUT_S / 3, took
-        assert _wait(lambda: c.events.snapshot()["sent"] == 1, 5.0)
+        assert wait_until(lambda: c.events.snapshot()["sent"] == 1, 5.0)
         nb, bb = LAYOUT.blocks_for(SEQ), LAYOUT.block_bytes
         for l, off in enumerate(c._pool.region_offsets(second.slot)):
             got = buf[l * LAYOUT.region_stride(MAX):][: nb * bb]
@@ -90,7 +83,7 @@ def test_a_stopped_node_does_not_hold_up_the_transfer_to_another() -> None:
         # the stopped node's transfer is still waiting for its hello answer, holding only its own slot
         assert c._workers.pending() == {("127.0.0.1", dead_port): 1} and c._pool.free_slots() == 1
         stopped.kill()  # its sockets close: the waiting send fails at once and frees its slot
-        assert _wait(lambda: c._pool.free_slots() == 2, 10.0)
+        assert wait_until(lambda: c._pool.free_slots() == 2, 10.0)
         assert c.events.snapshot()["failures"] == 1 and c._workers.pending() == {}
     finally:
         stopped.kill()
@@ -109,7 +102,7 @@ def test_jobs_of_one_node_run_in_order_and_close_waits_for_them() -> None:
     for i in range(5):
         w.submit("a", seen.append, ("a", i))
         w.submit("b", seen.append, ("b", i))
-    assert _wait(lambda: len(seen) == 5, 5.0) and w.pending() == {"a": 6}  # b ran beside a's blocked job
+    assert wait_until(lambda: len(seen) == 5, 5.0) and w.pending() == {"a": 6}  # b ran beside a's blocked job
     gate.set()
     assert w.close(5.0) and w.pending() == {}
     assert [x for x in seen if x[0] == "a"] == [("a", i) for i in range(5)]

@@ -3,7 +3,6 @@ connector and a real tilepd decode node (tiny llama). Greedy output must be exac
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -11,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from .conftest import Stack
-from .stack import MODEL_NAME
+from .stack import MODEL_NAME, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -113,7 +112,7 @@ def test_stop_string_spanning_tokens_matches_vllm(router: tuple[OpenAI, str], ro
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], stream=True, extra_body=extra))
     assert streamed == want["choices"][0]["text"]
-    assert _eventually(lambda: _node_idle(router_stack))
+    assert wait_until(lambda: _node_idle(router_stack))
 
 
 def test_max_tokens_one_answers_from_prefill_and_frees_the_node(router: tuple[OpenAI, str], router_stack: Stack) -> None:
@@ -124,7 +123,7 @@ def test_max_tokens_one_answers_from_prefill_and_frees_the_node(router: tuple[Op
         assert got.choices[0].text == want["choices"][0]["text"]
         assert got.usage.completion_tokens == 1 and got.choices[0].finish_reason == "length"  # type: ignore[union-attr]
         # the answer comes from the prefill; the lease ends in the background (this router queues 2 s at most)
-        assert _eventually(lambda: _node_idle(router_stack) and not _router_status(url)["nodes"][0]["leased"], 30.0)
+        assert wait_until(lambda: _node_idle(router_stack) and not _router_status(url)["nodes"][0]["leased"], 30.0)
 
 
 def test_token_id_prompt_and_stop_token_ids(router: tuple[OpenAI, str], router_stack: Stack) -> None:
@@ -164,14 +163,3 @@ def test_models_health_metrics_and_prefill_errors_pass_through(router: tuple[Ope
 
 def _router_status(url: str) -> dict[str, Any]:
     return httpx.get(url + "/status", timeout=5).json()
-
-
-def _eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
