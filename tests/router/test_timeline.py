@@ -28,6 +28,8 @@ from tilepd.connector.launch import free_port
 from tilepd.plan.service_configs import DecodeEndpoint, NativePoolConfig, RouterConfig
 from tilepd.router.timeline import Timeline, parse_log_timeline, parse_server_timing
 
+from tests.waiting import wait_until
+
 from .latency_gap import assert_total_is_the_clients
 
 MODEL = "tiny-llama"
@@ -294,6 +296,45 @@ def test_a_stream_carries_the_phases_up_to_the_first_token_and_logs_all(router: 
     assert set(st) == {"admission", "queue_wait", "prefill"}
     phases = parse_log_timeline(re.search(r" timeline=(\S+)", _done_line(caplog, "tl-2")).group(1))
     assert phases["decode"] > 0 and phases["kv_wait"] == pytest.approx(NODE["wait_ms"], abs=0.2)
+
+
+def test_a_streams_total_ends_when_its_last_bytes_leave(tiny_llama: Path, fakes: tuple[Fakes, _Served, _Served],
+                                                         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `[DONE]` chunk ends the HTTP body, and the stream's `finally` (settle, log line) runs only when the server asks
+    for more. A fake delay there (150 ms of blocking in settle_soon: an injected fault, standing in for a loaded box)
+    must not count: the router's total is never more than what the client measured over real sockets."""
+    import httpx
+
+    from tilepd.router.app import create_app
+    from tilepd.router.auth import ApiKeys
+    from tilepd.router.lowlatency import LowLatencyRun
+
+    real_settle = LowLatencyRun.settle_soon
+
+    def slow_settle(self: LowLatencyRun) -> None:
+        time.sleep(0.15)
+        real_settle(self)
+
+    monkeypatch.setattr(LowLatencyRun, "settle_soon", slow_settle)
+    _, prefill, node = fakes
+    caplog.set_level("INFO", logger="tilepd.router")
+    served = _Served(create_app(_config(prefill, node, tokenizer_dir=tiny_llama), ApiKeys(keys=())))
+    try:
+        with httpx.Client(timeout=30) as client:
+            assert wait_until(lambda: client.get(served.url + "/health").status_code == 200, 10.0)
+            for i in range(3):
+                rid = f"tl-end-{i}"
+                t = time.perf_counter()
+                with client.stream("POST", served.url + "/v1/completions", headers={"x-request-id": rid},
+                                   json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True}) as r:
+                    body = b"".join(r.iter_bytes())
+                client_ms = (time.perf_counter() - t) * 1e3
+                assert body.endswith(b"data: [DONE]\n\n")
+                assert wait_until(lambda: any(f"req={rid} event=done" in x.getMessage() for x in caplog.records), 5.0)
+                server_ms = float(re.search(r" ms=([0-9.]+)", _done_line(caplog, rid)).group(1))
+                assert server_ms <= client_ms + 0.1, (server_ms, client_ms)  # the log rounds to 0.1 ms
+    finally:
+        served.stop()
 
 
 def test_a_forced_fallback_shows_its_reason(router: Any, caplog: pytest.LogCaptureFixture) -> None:

@@ -233,13 +233,15 @@ def _route_headers(route: Route, rid: str) -> dict[str, str]:
     return {"x-tilepd-route": route.pool, "x-tilepd-route-reason": route.reason, "x-request-id": rid}
 
 
-def _close_timeline(state: RouterState, tl: Timeline, route: Route, status: int) -> None:
-    """End the request's timeline: `respond` up to now, the phase histograms, the trace."""
+def _close_timeline(state: RouterState, tl: Timeline, route: Route, status: int, t_end: float | None = None) -> None:
+    """End the request's timeline: `respond` up to `t_end` (default now), the phase histograms, the trace. A stream
+    ends when its last bytes were handed to the server: the generator's `finally` runs only once the server asks for
+    more, after the client may already have them all."""
     if tl.t_end is not None:
         return
     if tl.spans:
-        tl.upto("respond")
-    tl.close()
+        tl.upto("respond", end=t_end)
+    tl.close(t_end)
     tl.attrs.setdefault("route", route.pool)
     tl.attrs.setdefault("reason", route.reason)
     hist = state.metrics.phase_seconds
@@ -392,6 +394,7 @@ async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[Tex
                writer: ResponseWriter, include_usage: bool, route: Route, rid: str, t0: float) -> AsyncIterator[bytes]:
     outcome = "disconnected"
     fin: Finished | None = None
+    last_out: float | None = None  # when the last bytes went to the server (None: the client left before them)
     try:
         role = writer.role_chunk()
         if role is not None:
@@ -415,16 +418,18 @@ async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[Tex
         # the events after the last text go out in one write (EventStreamResponse ends the body with it)
         usage = writer.usage_chunk(fin.prompt_tokens, fin.completion_tokens) if include_usage else b""
         reason = writer.tools.stream_finish_reason(fin.finish_reason) if writer.tools is not None else fin.finish_reason
+        last_out = time.perf_counter()
         yield writer.finish_chunk(reason, fin.stop_reason) + usage + DONE
         outcome = "ok"
     except (DecodeNodeError, RouterError) as exc:
         err = exc.to_router_error() if isinstance(exc, DecodeNodeError) else exc
         outcome = f"error:{err.code}"
         _note_decode_error(state, run, exc)
+        last_out = time.perf_counter()
         yield error_chunk(err.body()) + DONE
     finally:
         run.settle_soon()
-        _finish_log(state, route, rid, run, fin, 200, outcome, t0)
+        _finish_log(state, route, rid, run, fin, 200, outcome, t0, t_end=last_out)
 
 
 async def _tool_chunks(run: LowLatencyRun, events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
@@ -517,13 +522,13 @@ def _note_decode_error(state: RouterState, run: LowLatencyRun, exc: Exception) -
 
 
 def _finish_log(state: RouterState, route: Route, rid: str, run: LowLatencyRun, fin: Finished | None, status: int,
-                outcome: str, t0: float) -> None:
+                outcome: str, t0: float, t_end: float | None = None) -> None:
     _count(state, route, status, t0)
     if fin is not None:
         state.metrics.completion_tokens.inc(fin.completion_tokens)
     tl = run.timeline
     tl.attrs["outcome"] = outcome
-    _close_timeline(state, tl, route, status)
+    _close_timeline(state, tl, route, status, t_end)
     log.info("req=%s event=done route=%s reason=%s node=%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%s finish=%s "
              "ms=%.1f prefill_ms=%s failovers=%d user=%s transfers=%s %s", rid, route.pool, route.reason, run.lease.node.name, status,
              outcome, run.prompt_tokens, fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", tl.total_ms,
@@ -546,9 +551,9 @@ async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, 
     if not chosen:
         tl.attrs["fallback"] = route.reason
 
-    def done(status: int, outcome: str) -> None:  # after the last byte (streams: when the relay ends)
+    def done(status: int, outcome: str, t_end: float | None = None) -> None:  # after the last byte (streams: when the relay ends)
         _count(state, route, status, t0)
-        _close_timeline(state, tl, route, status)
+        _close_timeline(state, tl, route, status, t_end)
         log.info("req=%s event=done route=native reason=%s status=%d outcome=%s ms=%.1f runbook=%s %s%s", rid, route.reason, status,
                  outcome, tl.total_ms, "-" if chosen else "RB-native-fallback", f"fallback={route.reason} " if not chosen else "",
                  tl.log_fields())

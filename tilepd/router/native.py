@@ -10,6 +10,7 @@ and streams the decode instance's bytes back untouched.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -67,9 +68,10 @@ async def native_stream(state: RouterState, path: str, body: dict[str, Any], req
 
 
 async def serve_native(state: RouterState, path: str, body: dict[str, Any], request_id: str, headers: dict[str, str],
-                       timeline: Timeline | None = None, on_done: Callable[[int, str], None] | None = None) -> Response:
+                       timeline: Timeline | None = None, on_done: Callable[[int, str, float | None], None] | None = None) -> Response:
     """Prefill then decode on the native pool; returns the decode instance's response (streamed when asked).
-    `on_done(status, outcome)` is called after the last byte (a stream: when the relay ends), `timeline` gets the phases
+    `on_done(status, outcome, t_end)` is called after the last byte (a stream: when the relay ends; `t_end` is when
+    its last chunk went to the server, None: now), `timeline` gets the phases
     (`native_prefill`, `native_decode`) and sets the response's `Server-Timing` (a stream's: the prefill only)."""
     body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # clients never set these
     dresp = await native_stream(state, path, body, request_id, timeline)
@@ -88,7 +90,7 @@ async def serve_native(state: RouterState, path: str, body: dict[str, Any], requ
         if timeline is not None:
             timeline.upto("native_decode")
         if on_done is not None:
-            on_done(dresp.status, "ok")
+            on_done(dresp.status, "ok", None)
         if timeline is not None:
             out_headers["server-timing"] = timeline.server_timing()
         return Response(raw, status_code=dresp.status, headers=out_headers)
@@ -97,18 +99,21 @@ async def serve_native(state: RouterState, path: str, body: dict[str, Any], requ
 
     async def relay() -> AsyncIterator[bytes]:
         outcome = "disconnected"
-        try:
+        last_out: float | None = None  # when the last chunk went to the server: the client may hold it all before the
+        try:  # upstream's end is read and this generator resumes
             async for chunk in dresp.chunks():
+                last_out = time.perf_counter()
                 yield chunk
             outcome = "ok"
         except UpstreamError:
             outcome = "error:native_decode_broken"
             raise
         finally:
+            end = last_out if outcome == "ok" else None
             if timeline is not None:
-                timeline.upto("native_decode")
+                timeline.upto("native_decode", end=end)
             if on_done is not None:
-                on_done(dresp.status, outcome)
+                on_done(dresp.status, outcome, end)
             state.spawn(dresp.aclose())  # no await here: this may run inside a cancelled request
 
     return StreamingResponse(relay(), status_code=dresp.status, headers=out_headers)
