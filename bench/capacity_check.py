@@ -322,6 +322,35 @@ async def capacity_run(topo: Path, window_s: float, seed: int) -> tuple[dict[str
     return json.loads(out), started, "".join(err_lines)
 
 
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_times(stat_text: str) -> dict[str, float]:
+    """The machine's CPU seconds by kind from /proc/stat's first line (all cores; USER_HZ is 100 on Linux)."""
+    first = stat_text.splitlines()[0].split()
+    if first[0] != "cpu":
+        raise ValueError(f"not a /proc/stat text: {first[:2]}")
+    return {name: int(v) / 100.0 for name, v in zip(CPU_FIELDS, first[1:])}
+
+
+async def sample_cpu(every_s: float, out: list[list[float]], t0: float) -> None:
+    """Every `every_s`: [seconds since t0, steal, busy (user+nice+system+irq+softirq), idle] since the level began. On a
+    VM, steal is time the host gave this machine's cores to others: a slow stretch with steal is the host's, not ours."""
+    def read() -> dict[str, float]:
+        return cpu_times(Path("/proc/stat").read_text())
+
+    try:
+        base = read()
+    except (OSError, ValueError):
+        return  # not Linux: nothing to record
+    while True:
+        await asyncio.sleep(every_s)
+        now = read()
+        busy = sum(now[k] - base[k] for k in ("user", "nice", "system", "irq", "softirq"))
+        out.append([round(time.monotonic() - t0, 2), round(now["steal"] - base["steal"], 2), round(busy, 2),
+                    round(now["idle"] - base["idle"], 2)])
+
+
 async def level(client: httpx.AsyncClient, url: str, payload: dict[str, Any], topo: Path, rate: float, seconds: float,
                 warmup_s: float, seed: int, timeout_s: float, keep_trace: bool) -> dict[str, Any]:
     """Open-loop Poisson arrivals at `rate` for `seconds`; `tilepd capacity` covers the steady part."""
@@ -330,6 +359,8 @@ async def level(client: httpx.AsyncClient, url: str, payload: dict[str, Any], to
     tasks: list[asyncio.Task[None]] = []
     window_s = max(seconds - warmup_s - 3.0, 10.0)  # its start-up (~1-2 s) and the last scrape stay inside the load
     t0 = time.monotonic()
+    cpu: list[list[float]] = []
+    cpu_task = asyncio.create_task(sample_cpu(1.0, cpu, t0))
     cap_task = None
     t_next = t0
     while t_next < t0 + seconds:
@@ -347,6 +378,7 @@ async def level(client: httpx.AsyncClient, url: str, payload: dict[str, Any], to
         cap_task = asyncio.create_task(capacity_run(topo, window_s, seed))
     await asyncio.gather(*tasks)
     cap, w_start, cap_err = await cap_task
+    cpu_task.cancel()
     window = in_window(sent, w_start, w_start + window_s) if math.isfinite(w_start) else sent
     ids = {id(x) for x in window}  # replayed from the first request on, so the window starts with the queue it had
     replayed = percentile([w for x, w in replay(sent, 2, timeout_s) if id(x) in ids], 0.99)
@@ -359,7 +391,9 @@ async def level(client: httpx.AsyncClient, url: str, payload: dict[str, Any], to
                        None if x.service_s is None else round(x.service_s, 4)] for x in sent] if keep_trace else None, "seconds": offered_s, "window_s": window_s,
             "window_start_s": w_start - t0 if math.isfinite(w_start) else None,
             "all": summarize(sent), "window": summarize(window), "capacity": cap, "capacity_stderr": cap_err[-2000:],
-            "errors": sorted({s.error for s in sent if s.error})[:5]}
+            "errors": sorted({s.error for s in sent if s.error})[:5],
+            "host_cpu": {"fields": ["t_s", "steal_s", "busy_s", "idle_s"], "cumulative": cpu,
+                         "steal_s": cpu[-1][1] if cpu else None}}
 
 
 def verdict(lv: dict[str, Any], bound: float, timeout_s: float) -> dict[str, Any]:
@@ -509,6 +543,10 @@ def report(result: dict[str, Any], bound: float) -> None:
                                                             f"{v.get('work_cv_source') or '-'})" if levels else "")
               + "; router pool by busy level (mean service, seconds there, releases): "
               + (", ".join(f"{k}: {fmt_ms(x['mean_s'])}, {x['seconds']:.1f} s, n {x['releases']:g}" for k, x in sorted(by_busy.items())) or "-"))
+        host = lv.get("host_cpu") or {}
+        if host.get("steal_s") is not None:
+            print(f"[capacity-check]   host: {host['steal_s']:.1f} s of CPU stolen by the hypervisor over the level "
+                  "(per-second samples in the JSON, host_cpu)")
         if lv["errors"]:
             print(f"[capacity-check]   errors: {lv['errors']}")
         if lv["capacity"] is None:

@@ -84,3 +84,13 @@ def test_one_windows_p99_strays_less_in_a_longer_window() -> None:
         assert long["p90"] - long["p10"] < short["p90"] - short["p10"]
         assert 0.0 <= short["within_bound"] <= long["within_bound"] <= 1.0
     assert bench.window_band({"rate_per_s": 0.0, "queue_timeout_s": 2.0}, 150.0, 0.25) is None
+
+
+def test_cpu_times_reads_proc_stat() -> None:
+    text = "cpu  1412055 3933 1154737 819300 4717 0 4695 4812 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n"
+    got = bench.cpu_times(text)
+    assert got["user"] == pytest.approx(14120.55) and got["steal"] == pytest.approx(48.12) and got["idle"] == pytest.approx(8193.0)
+    with pytest.raises(ValueError, match="not a /proc/stat"):
+        bench.cpu_times("intr 1 2 3\n")
+    if Path("/proc/stat").exists():
+        assert bench.cpu_times(Path("/proc/stat").read_text())["idle"] > 0
