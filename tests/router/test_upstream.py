@@ -146,3 +146,54 @@ def test_a_silent_upstream_times_out_within_the_call_bound() -> None:
             server.close()
 
     assert asyncio.run(main()) < 2.0
+
+
+def _full_listener() -> tuple[socket.socket, socket.socket]:
+    """A listening socket whose accept queue is full (backlog 0, one connection never accepted): further connects get
+    no answer and time out, as with an overloaded server that stopped accepting."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    filler = socket.create_connection(srv.getsockname(), timeout=2)
+    return srv, filler
+
+
+def test_connect_timeouts_are_waited_out_with_patience_and_fail_fast_without() -> None:
+    """The upstream takes no connection for 1.5 s, then serves: a call with 10 s of patience gets its answer; the
+    default (patience 0, connect_retries 1) fails with the connect timeout, having sent nothing."""
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await _read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{\"ok\": true}")
+        await writer.drain()
+        writer.close()
+
+    async def main(patience_s: float) -> tuple[dict | None, float, BaseException | None]:
+        srv, filler = _full_listener()
+        port = srv.getsockname()[1]
+        up = Upstream(connect_timeout_s=0.3, read_timeout_s=5.0, connect_retries=1)
+
+        async def serve_later() -> asyncio.base_events.Server:
+            await asyncio.sleep(1.5)
+            filler.close()
+            return await asyncio.start_server(handler, sock=srv)
+
+        later = asyncio.ensure_future(serve_later())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            resp = await up.request("POST", f"http://127.0.0.1:{port}/v1/x", body={"a": 1}, connect_patience_s=patience_s)
+            return resp.json(), loop.time() - t0, None
+        except UpstreamError as exc:
+            return None, loop.time() - t0, exc
+        finally:
+            (await later).close()
+            await up.aclose()
+
+    got, took, err = asyncio.run(main(patience_s=10.0))
+    assert err is None and got == {"ok": True} and 1.5 <= took < 8.0, (took, err)
+    assert len(seen) == 1
+    got, took, err = asyncio.run(main(patience_s=0.0))
+    assert got is None and took < 1.5 and "ConnectionTimeoutError" in str(err), (took, err)
+    assert len(seen) == 1  # nothing reached the upstream

@@ -24,6 +24,10 @@ from tilepd.router.upstream import UpstreamError, UpstreamStream
 # what stock vLLM's NixlConnector producer expects on a prefill that a remote decode continues
 DO_REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+# The native pool is the fallback: a request sent there has nowhere else to go, so connect timeouts to its instances
+# (an overloaded vLLM: a CPU native decode stopped taking connections for ~100 s under 19 concurrent fallbacks on the
+# 2-core box while its NIXL reads stalled, then served them all) are retried this long before the request fails
+NATIVE_CONNECT_PATIENCE_S = 60.0
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "server", "date"})
 
 
@@ -41,7 +45,8 @@ async def native_stream(state: RouterState, path: str, body: dict[str, Any], req
         prefill_body["max_completion_tokens"] = 1
     up_headers = {"x-request-id": request_id, **(timeline.trace_headers if timeline is not None else {})}
     try:
-        resp = await state.client.request("POST", f"{prefill_url}{path}", body=prefill_body, headers=up_headers)
+        resp = await state.client.request("POST", f"{prefill_url}{path}", body=prefill_body, headers=up_headers,
+                                          connect_patience_s=NATIVE_CONNECT_PATIENCE_S)
     except UpstreamError as exc:
         if timeline is not None:
             timeline.upto("native_prefill")
@@ -61,7 +66,8 @@ async def native_stream(state: RouterState, path: str, body: dict[str, Any], req
                           "NixlConnector as kv_producer (or kv_both)?", type="prefill_error", code="native_prefill_no_kv_params")
     body["kv_transfer_params"] = kv_params
     try:
-        return await state.client.stream("POST", f"{decode_url}{path}", body=body, headers=up_headers)
+        return await state.client.stream("POST", f"{decode_url}{path}", body=body, headers=up_headers,
+                                         connect_patience_s=NATIVE_CONNECT_PATIENCE_S)
     except UpstreamError as exc:
         raise RouterError(502, f"native decode {decode_url} unreachable: {exc}", type="decode_node_error",
                           code="native_decode_unreachable") from exc

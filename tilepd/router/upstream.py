@@ -25,6 +25,7 @@ import aiohttp
 # is closing at that moment.
 KEEPALIVE_S = 3.0
 RETRY_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 2.0
 
 
 class UpstreamError(Exception):
@@ -112,24 +113,31 @@ class Upstream:
         return aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=timeout_s, sock_read=timeout_s)
 
     async def _send(self, method: str, url: str, body: Any, headers: Mapping[str, str] | None,
-                    timeout_s: float | None) -> aiohttp.ClientResponse:
+                    timeout_s: float | None, patience_s: float = 0.0) -> aiohttp.ClientResponse:
+        """Retry the connect only (nothing was sent on a connection that never opened): `connect_retries` times, and
+        on connect timeouts also for as long as `patience_s` since the first try (an upstream that takes no connection
+        in time is overloaded: its accept queue full, or its host starved; one that refuses is down)."""
         attempt = 0
+        loop = asyncio.get_running_loop()
+        first = loop.time()
         while True:
             try:
                 return await self._client().request(method, url, json=body, headers=headers, timeout=self._timeout_for(timeout_s))
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                # nothing was sent on a connection that never opened: safe to try again
                 attempt += 1
-                if attempt > self._retries:
+                patient = isinstance(exc, aiohttp.ConnectionTimeoutError) and loop.time() - first < patience_s
+                if attempt > self._retries and not patient:
                     raise UpstreamError(url, exc) from exc
-                await asyncio.sleep(RETRY_BACKOFF_S * (attempt - 1))  # at once, then 0.5 s, 1 s, ... (as httpcore does)
+                # at once, then 0.5 s, 1 s, ... (as httpcore does), at most 2 s apart while patient
+                await asyncio.sleep(min(RETRY_BACKOFF_S * (attempt - 1), MAX_BACKOFF_S))
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 raise UpstreamError(url, exc) from exc
 
     async def request(self, method: str, url: str, *, body: Any = None, headers: Mapping[str, str] | None = None,
-                      timeout_s: float | None = None) -> UpstreamResponse:
-        """Send and read the whole response; `timeout_s` bounds the connect and each read (default: the pool's)."""
-        resp = await self._send(method, url, body, headers, timeout_s)
+                      timeout_s: float | None = None, connect_patience_s: float = 0.0) -> UpstreamResponse:
+        """Send and read the whole response; `timeout_s` bounds the connect and each read (default: the pool's);
+        `connect_patience_s`: how long connect timeouts are retried (see `_send`)."""
+        resp = await self._send(method, url, body, headers, timeout_s, connect_patience_s)
         try:
             content = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -138,9 +146,10 @@ class Upstream:
             resp.release()
         return UpstreamResponse(resp.status, resp.headers, content)
 
-    async def stream(self, method: str, url: str, *, body: Any = None, headers: Mapping[str, str] | None = None) -> UpstreamStream:
+    async def stream(self, method: str, url: str, *, body: Any = None, headers: Mapping[str, str] | None = None,
+                     connect_patience_s: float = 0.0) -> UpstreamStream:
         """Send and return once the status line and headers are in; the body is read from the stream."""
-        return UpstreamStream(url, await self._send(method, url, body, headers, None))
+        return UpstreamStream(url, await self._send(method, url, body, headers, None, connect_patience_s))
 
     async def aclose(self) -> None:
         if self._session is not None:
