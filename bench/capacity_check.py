@@ -559,7 +559,10 @@ def main() -> int:
     ap.add_argument("--port-base", type=int, default=19000, help="router port; prefill +100, decode nodes +10..12, +20..22")
     ap.add_argument("--queue-timeout-s", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--decode-threads", type=int, default=0, help="OMP_NUM_THREADS of each decode node (0: torch's default, every core)")
+    ap.add_argument("--decode-threads", type=int, default=1,
+                    help="OMP_NUM_THREADS of each decode node (0: torch's default, every core). 1 by default: with every "
+                         "core each, the two nodes' OpenMP teams and vLLM's oversubscribe a small box and the holds come "
+                         "in slow stretches no queue model predicts (docs/CAPACITY.md, fifth run)")
     ap.add_argument("--levels", type=lambda s: [float(x) for x in s.split(",")], default=[0.4, 0.6],
                     help="offered utilisations, as fractions of the calibrated capacity")
     ap.add_argument("--level-s", type=float, default=420.0,
