@@ -21,6 +21,18 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
     return head + await reader.readexactly(length)
 
 
+def _answers_ok(seen: list[bytes]):  # noqa: ANN202 - an asyncio.start_server handler
+    """A handler that records each request and answers 200 {"ok": true}."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await _read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{\"ok\": true}")
+        await writer.drain()
+        writer.close()
+
+    return handler
+
+
 def test_refused_connect_is_retried_until_the_upstream_listens() -> None:
     """Nothing listens at first (the port is bound, not listening: connects are refused); the listener opens between
     the retries (at once, then 0.5 s later). It listens on the socket bound beforehand, so opening it needs no
@@ -30,11 +42,7 @@ def test_refused_connect_is_retried_until_the_upstream_listens() -> None:
     port = sock.getsockname()[1]
     seen: list[bytes] = []
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        seen.append(await _read_request(reader))
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{\"ok\": true}")
-        await writer.drain()
-        writer.close()
+    handler = _answers_ok(seen)
 
     async def main() -> dict:
         up = Upstream(connect_timeout_s=2.0, read_timeout_s=5.0, connect_retries=2)
@@ -163,11 +171,7 @@ def test_connect_timeouts_are_waited_out_with_patience_and_fail_fast_without() -
     default (patience 0, connect_retries 1) fails with the connect timeout, having sent nothing."""
     seen: list[bytes] = []
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        seen.append(await _read_request(reader))
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{\"ok\": true}")
-        await writer.drain()
-        writer.close()
+    handler = _answers_ok(seen)
 
     async def main(patience_s: float) -> tuple[dict | None, float, BaseException | None]:
         srv, filler = _full_listener()
