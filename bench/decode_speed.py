@@ -20,7 +20,8 @@ split-KV Triton kernel / as two batched GEMVs), `speed-path` (what `load_engine(
 compiled.accelerate = torch.compile'd layers around the Triton attention, in the graph),
 `compile+graph` (per-layer torch.compile including SDPA attention, then the graph; skipped with --no-compile),
 `speed-path[no-mla]` / `speed-path[no-moe-gemv]` (DeepSeek family: the speed path without the MLA kernel /
-without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py),
+without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py), `speed-path[no-fused-gemv]`
+(Llama family: without the GEMVs that fuse the norms, SiLU-mul and residual adds, gemv_triton.py),
 `eager` (no graph, fewer tokens), and HF transformers `generate` (eager, batch 1, fewer tokens).
 DeepSeek-family models also run `speed-path[no-mla]` (the speed path with MLA attention on the reference
 path: SDPA / gather+matmul) beside `speed-path` (MLA through tilepd/engine/mla_attention.py's kernel), and
@@ -207,7 +208,7 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
     rows: list[Row] = []
     max_ctx = max(args.contexts)
     windows = sorted({c + args.tokens + 16 for c in args.contexts})
-    variants = ["speed-path", "graph", "graph[triton]"] + ([] if args.no_compile else ["compile+graph"]) + ["eager"]
+    variants = ["speed-path", "speed-path[no-fused-gemv]", "graph", "graph[triton]"] + ([] if args.no_compile else ["compile+graph"]) + ["eager"]
     if spec.family == "deepseek_v3":  # no compiled path; the MLA kernel and the expert GEMV on/off side by side
         variants = ["speed-path", "speed-path[no-mla]", "speed-path[no-moe-gemv]", "graph", "eager"]
     if device.type != "cuda":
@@ -219,14 +220,16 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         layers.ATTENTION_IMPL["default"] = next((impl for impl in ("bmm", "triton") if variant.endswith(f"[{impl}]")), "sdpa")
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
+        layers.GEMV_IMPL["dense"] = "torch"
         path = None
         try:
             model = build_model(spec, weights, max_ctx + args.tokens + 16, device, dtype)
             if variant == "speed-path":  # exactly what load_engine(device="cuda") turns on
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode)
-            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]"):  # the same without the MLA kernel / the expert GEMV
+            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-fused-gemv]"):  # the same without one part
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode,
-                                  mla_attention=variant != "speed-path[no-mla]", moe_gemv=variant != "speed-path[no-moe-gemv]")
+                                  mla_attention=variant != "speed-path[no-mla]", moe_gemv=variant != "speed-path[no-moe-gemv]",
+                                  fused_gemv=variant != "speed-path[no-fused-gemv]")
             elif variant.startswith("compile"):
                 if not hasattr(model, "compile"):
                     raise RuntimeError(f"no compiled path for family {spec.family}")
@@ -686,7 +689,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-tokens", type=int, default=None, help="tokens for HF generate (default 32)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-moe-gemv], graph, graph[triton], graph[bmm], "
+                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-moe-gemv], speed-path[no-fused-gemv], graph, graph[triton], graph[bmm], "
                          "compile+graph, compile(no-attn)+graph, "
                          "compile(no-attn)+graph[triton], eager; on CPU 'static' = graph body)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")

@@ -2,7 +2,8 @@
 
 `accelerate(model)` switches a freshly built model to the fastest path measured on an H200
 (bench/decode_speed.py, docs/PERFORMANCE.md): attention through the split-KV Triton kernel
-(attention.py), DeepSeek-family latent attention (dense and DSA) through the MLA kernel (mla_attention.py),
+(attention.py), Llama-family GEMVs with the norms, SiLU-mul and residual adds fused in (gemv_triton.py),
+DeepSeek-family latent attention (dense and DSA) through the MLA kernel (mla_attention.py),
 routed experts with dense weights through the grouped GEMV that reads them in place (moe_triton.py), and the per-layer element-wise work fused by torch.compile, with the cache-reading
 attention left outside the compiled code (so one compilation serves every cache-window bucket and the
 cache is never copied). Compilation and Triton builds only happen at the first graph capture; if that
@@ -23,10 +24,9 @@ log = logging.getLogger(__name__)
 _SWAPPED = ("attn_in", "attn_out_mlp", "post_attn")
 
 # Inductor options of the speed path's torch.compile: coordinate descent over the launch configs of the fused
-# element-wise and reduction kernels (norms, RoPE, SwiGLU, residuals); the GEMVs stay on cuBLAS. Llama-3-8B shapes on
-# one H200, two fresh compilations each: 4.41-4.54 vs 4.91-4.92 ms/token at 1K, 4.79-4.93 vs 5.23-5.24 at 8K over the
-# plain mode, ~10 s more at the first capture; mode "max-autotune-no-cudagraphs" (GEMM backends benchmarked too) was
-# slower, 4.64-4.67 at 1K (docs/PERFORMANCE.md). A `compile_mode` given to accelerate() replaces these.
+# element-wise and reduction kernels. With the fused dense GEMV (Llama) they are only RoPE's; without it Inductor also
+# lowers the batch-1 GEMVs into its own reductions, and its picks moved the Llama-3-8B step by ~8% between compilations
+# (docs/PERFORMANCE.md). A `compile_mode` given to accelerate() replaces these.
 SPEED_COMPILE_OPTIONS: dict[str, object] = {"coordinate_descent_tuning": True}
 
 
@@ -51,10 +51,20 @@ def _triton_available() -> bool:
 
 
 def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, mla_attention: bool = True,
-               moe_gemv: bool = True, compile_mode: str | None = None) -> SpeedPath:
+               moe_gemv: bool = True, fused_gemv: bool = True, compile_mode: str | None = None) -> SpeedPath:
     """Turn on the speed path for `model` (CUDA only; call before the first graph capture); `compile_mode` None compiles
     with SPEED_COMPILE_OPTIONS."""
     path = SpeedPath()
+    if fused_gemv and _triton_available() and getattr(getattr(model, "spec", None), "family", None) == "llama":
+        before_gemv = layers.GEMV_IMPL["dense"]
+        layers.GEMV_IMPL["dense"] = "triton"
+        path.parts.append("fused-gemv")
+
+        def undo_gemv() -> str:
+            layers.GEMV_IMPL["dense"] = before_gemv
+            return f"dense GEMVs back to {before_gemv}"
+
+        path.fallbacks.insert(0, undo_gemv)
     if triton_attention and _triton_available():
         before = layers.ATTENTION_IMPL["default"]
         layers.ATTENTION_IMPL["default"] = "triton"

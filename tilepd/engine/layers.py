@@ -21,6 +21,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
+# "torch": the ops as written (cuBLAS GEMVs, element-wise kernels around them); "triton": batch-1 GEMVs of dense
+# weights with the norm / SiLU-mul before them and the residual add after them fused in (gemv_triton.py, CUDA only;
+# set by compiled.accelerate for Llama-family models).
+GEMV_IMPL = {"dense": "torch"}
+
+
+def _fused_gemv(x: torch.Tensor, w: torch.Tensor | BlockFp8) -> bool:
+    if GEMV_IMPL["dense"] != "triton" or not x.is_cuda or isinstance(w, BlockFp8) or x.dim() != 2:
+        return False
+    from tilepd.engine import gemv_triton
+
+    return gemv_triton.available() and x.shape[0] <= gemv_triton.MAX_ROWS
+
+
+def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor | BlockFp8,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(rms_norm(x), w, bias): one kernel on the fused path (no bias)."""
+    if bias is None and _fused_gemv(x, w):
+        return torch.ops.tilepd.dense_gemv(x, w, norm_w, eps, "norm", None)
+    return linear(rms_norm(x, norm_w, eps), w, bias)
+
+
+def linear_add(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor | BlockFp8) -> torch.Tensor:
+    """residual + linear(x, w): the add rides in the GEMV on the fused path."""
+    if _fused_gemv(x, w):
+        return torch.ops.tilepd.dense_gemv(x, w, None, 0.0, "none", residual)
+    return residual + linear(x, w)
+
+
+def silu_mul_linear_add(residual: torch.Tensor, gu: torch.Tensor, w2: torch.Tensor | BlockFp8) -> torch.Tensor:
+    """residual + linear(silu(gate) * up, w2) for gu = [gate | up]: one kernel on the fused path."""
+    if _fused_gemv(gu, w2):
+        return torch.ops.tilepd.dense_gemv(gu, w2, None, 0.0, "silu_mul", residual)
+    g, u = gu.chunk(2, dim=-1)
+    return residual + linear(F.silu(g) * u, w2)
+
+
 def swiglu(x: torch.Tensor, w13: torch.Tensor | BlockFp8, w2: torch.Tensor | BlockFp8) -> torch.Tensor:
     """Gate and up projections fused in one GEMV (w13 = [gate; up]), then silu(gate) * up, then down."""
     gu = linear(x, w13)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm
+from tilepd.engine.layers import linear, linear_add, attention_bias, cached_attention, length_mask, norm_linear, rms_norm, silu_mul_linear_add
 from tilepd.engine.rope import apply_rope_neox, rope_table
 from tilepd.engine.spec import ModelSpec
 
@@ -25,7 +25,7 @@ def attn_in(x: torch.Tensor, norm_w: torch.Tensor, wqkv: torch.Tensor, bqkv: tor
             k_norm: torch.Tensor | None, cs: torch.Tensor, eps: float, nh: int, nkv: int, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm, fused QKV GEMV, (QK-norm), RoPE on q and k together. Returns q [T, nh, hd] and kv [T, nkv, 2*hd]."""
     t = x.shape[0]
-    qkv = linear(rms_norm(x, norm_w, eps), wqkv, bqkv)
+    qkv = norm_linear(x, norm_w, eps, wqkv, bqkv)
     qk = qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd)
     v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
     if q_norm is not None:
@@ -37,10 +37,8 @@ def attn_in(x: torch.Tensor, norm_w: torch.Tensor, wqkv: torch.Tensor, bqkv: tor
 def post_attn(x: torch.Tensor, attn: torch.Tensor, wo: torch.Tensor, mlp_norm: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               eps: float) -> torch.Tensor:
     """Output projection + residual, norm, SwiGLU MLP (fused gate-up GEMV) + residual. attn [T, H, D]."""
-    x = x + linear(attn.reshape(x.shape[0], -1).to(x.dtype), wo)
-    gu = linear(rms_norm(x, mlp_norm, eps), w13)
-    g, u = gu.chunk(2, dim=-1)
-    return x + linear(F.silu(g) * u, w2)
+    x = linear_add(x, attn.reshape(x.shape[0], -1).to(x.dtype), wo)
+    return silu_mul_linear_add(x, norm_linear(x, mlp_norm, eps, w13), w2)
 
 
 def attn_out_mlp(x: torch.Tensor, q: torch.Tensor, window: torch.Tensor, mask: torch.Tensor, wo: torch.Tensor, mlp_norm: torch.Tensor,
