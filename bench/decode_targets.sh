@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 12's "done when" rows on one GPU, on the code as it stands, in one or two device calls.
+#
+#   bash bench/decode_targets.sh speed OUTDIR   # parity, then dsv3-small bf16/fp8, glm5-small DSA, llama3-8b
+#   bash bench/decode_targets.sh served OUTDIR  # the node as served vs the engine, then MTP at 61 layers
+#
+# Each step writes its JSON (named by model, dtype and date) and its log under OUTDIR and prints how long it took;
+# a failed step is reported and the next one still runs. Needs torch + triton on a CUDA device; the decode node
+# (served) also needs tilepd's server dependencies (pydantic, fastapi, uvicorn, ...).
+set -u
+part=${1:?part: speed or served}
+out=${2:?output folder}
+mkdir -p "$out"
+day=$(date -u +%F)
+py=${PYTHON:-python3}
+
+step() {  # step NAME CMD...: run one bench, its log beside its JSON
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "== $name: $*"
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n 25 "$out/$name.log"
+}
+
+case "$part" in
+  speed)
+    step parity "$py" bench/mla_gpu_parity.py --tokens 48
+    for w in bf16 fp8; do
+      step "dsv3-small_$w" "$py" bench/decode_speed.py --model dsv3-small --weights "$w" --contexts 1024 8192 32768 \
+        --tokens 128 --no-hf --variants speed-path --json --out "$out/dsv3-small_${w}_targets_$day.json"
+    done
+    step glm5-small_bf16 "$py" bench/decode_speed.py --model glm5-small --contexts 1024 8192 32768 --tokens 128 --no-hf \
+      --variants speed-path --json --out "$out/glm5-small_bf16_targets_$day.json"
+    step llama3-8b_bf16 "$py" bench/decode_speed.py --model llama3-8b --contexts 1024 8192 --tokens 128 --no-hf \
+      --variants speed-path --json --out "$out/llama3-8b_bf16_targets_$day.json"
+    ;;
+  served)
+    step served "$py" bench/served_decode.py --json --out "$out/served-decode_llama3-8b_bf16_targets_$day.json"
+    step mtp-61L "$py" bench/decode_speed.py --model dsv3-small --layers 61 --mtp-forced-accept --contexts 1024 8192 \
+      --tokens 128 --json --out "$out/dsv3-small-61L_bf16_mtp_targets_$day.json"
+    ;;
+  *) echo "unknown part: $part (speed or served)" >&2; exit 2 ;;
+esac
