@@ -18,20 +18,23 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.fixture
 def restore_attention_impl():
-    before = layers.ATTENTION_IMPL["default"]
+    before, before_gemv = layers.ATTENTION_IMPL["default"], layers.GEMV_IMPL["dense"]
     yield
     layers.ATTENTION_IMPL["default"] = before
+    layers.GEMV_IMPL["dense"] = before_gemv
 
 
 def test_accelerate_on_cpu_keeps_tokens_and_undoes_in_order(tiny_llama: Path, llama_ref, restore_attention_impl) -> None:
     eng = load_engine(tiny_llama, device="cpu", max_seq_len=128, dtype="float32", use_cuda_graph=True)
     assert eng.speed_path == "eager"  # load_engine turns the speed path on only on CUDA
     path = accelerate(eng.model, compile_layers=False)
-    assert path.name == "triton-attn+graph" and layers.ATTENTION_IMPL["default"] == "triton"
+    assert path.name == "fused-gemv+triton-attn+graph" and layers.ATTENTION_IMPL["default"] == "triton"
+    assert layers.GEMV_IMPL["dense"] == "triton"  # Llama family: the fused dense GEMV (taken on CUDA tensors only)
     eng.graph_step.buckets = [64, 128]
     eng.inject(llama_ref.state)
     assert eng.decode(llama_ref.tokens[0], 16, SamplingParams(ignore_eos=True), lambda t: None).tokens == llama_ref.tokens[1:17]
-    assert path.fallbacks[0]() == "attention back to sdpa" and layers.ATTENTION_IMPL["default"] == "sdpa"
+    assert path.fallbacks[0]() == "dense GEMVs back to torch" and layers.GEMV_IMPL["dense"] == "torch"
+    assert path.fallbacks[1]() == "attention back to sdpa" and layers.ATTENTION_IMPL["default"] == "sdpa"
 
 
 def _reference(q, k, v, bias, scale):
@@ -60,7 +63,7 @@ def test_cuda_speed_path_tokens_and_fallback(tiny_llama: Path, llama_ref, restor
     """load_engine's default CUDA path gives the reference tokens (float32), and a capture failure (injected:
     a layer function that raises, standing in for a compiler error) falls back instead of failing."""
     eng = load_engine(tiny_llama, device="cuda", max_seq_len=128, dtype="float32")
-    assert eng.speed_path == "compile(no-attn)+triton-attn+graph"
+    assert eng.speed_path == "compile(no-attn)+fused-gemv+triton-attn+graph"
     eng.graph_step.buckets = [64, 128]
     eng.inject(llama_ref.state)
     assert eng.decode(llama_ref.tokens[0], 16, SamplingParams(ignore_eos=True), lambda t: None).tokens == llama_ref.tokens[1:17]
@@ -75,4 +78,4 @@ def test_cuda_speed_path_tokens_and_fallback(tiny_llama: Path, llama_ref, restor
     eng.graph_step.buckets = [64, 128]
     eng.inject(llama_ref.state)
     assert eng.decode(llama_ref.tokens[0], 16, SamplingParams(ignore_eos=True), lambda t: None).tokens == llama_ref.tokens[1:17]
-    assert "injected" in eng.graph_step.capture_error and eng.graph_step.capture and len(eng.graph_step.fallbacks) == 1
+    assert "injected" in eng.graph_step.capture_error and eng.graph_step.capture and len(eng.graph_step.fallbacks) == 2

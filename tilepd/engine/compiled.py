@@ -55,16 +55,6 @@ def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = T
     """Turn on the speed path for `model` (CUDA only; call before the first graph capture); `compile_mode` None compiles
     with SPEED_COMPILE_OPTIONS."""
     path = SpeedPath()
-    if fused_gemv and _triton_available() and getattr(getattr(model, "spec", None), "family", None) == "llama":
-        before_gemv = layers.GEMV_IMPL["dense"]
-        layers.GEMV_IMPL["dense"] = "triton"
-        path.parts.append("fused-gemv")
-
-        def undo_gemv() -> str:
-            layers.GEMV_IMPL["dense"] = before_gemv
-            return f"dense GEMVs back to {before_gemv}"
-
-        path.fallbacks.insert(0, undo_gemv)
     if triton_attention and _triton_available():
         before = layers.ATTENTION_IMPL["default"]
         layers.ATTENTION_IMPL["default"] = "triton"
@@ -97,6 +87,16 @@ def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = T
             return f"routed experts back to {before_moe}"
 
         path.fallbacks.insert(0, undo_moe)
+    if fused_gemv and _triton_available() and getattr(getattr(model, "spec", None), "family", None) == "llama":
+        before_gemv = layers.GEMV_IMPL["dense"]
+        layers.GEMV_IMPL["dense"] = "triton"
+        path.parts.insert(0, "fused-gemv")
+
+        def undo_gemv() -> str:
+            layers.GEMV_IMPL["dense"] = before_gemv
+            return f"dense GEMVs back to {before_gemv}"
+
+        path.fallbacks.insert(0, undo_gemv)  # a failing fused GEMV is undone before the generic attention kernel
     if compile_layers and hasattr(model, "compile"):
         saved = {name: getattr(model, name) for name in _SWAPPED if hasattr(model, name)}
         try:
