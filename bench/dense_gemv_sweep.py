@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8_gpu_parity import _graph_time  # noqa: E402 - this folder is the script's: one CUDA-graph timer
+from sweep_check import config_ok  # noqa: E402
 from tilepd.engine import gemv_triton  # noqa: E402
 
 # (name, N, K, prologue, residual): Llama-3-8B's batch-1 GEMVs with what the speed path fuses into each
@@ -70,18 +71,7 @@ def main() -> None:
         rows = []
         for cfg in configs():
             key = json.dumps(cfg, sort_keys=True)
-            gemv_triton.TUNE.update(cfg)
-            try:
-                y = gemv_triton.launch(x, ws[0], nw, 1e-5, prologue, res).float()
-                err = float((y - ref).abs().max() / ref.abs().max())
-            except Exception as e:  # noqa: BLE001 - a config the compiler refuses
-                print(f"  [{name}] {key}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-                continue
-            finally:
-                gemv_triton.TUNE.clear()
-                gemv_triton.TUNE.update(default)
-            if err > 2e-2:
-                print(f"  [{name}] {key}: error {err:.2e} TOO LARGE", flush=True)
+            if not config_ok(gemv_triton.TUNE, cfg, lambda: gemv_triton.launch(x, ws[0], nw, 1e-5, prologue, res), ref, f"{name} {key}", 2e-2):
                 continue
             ms = timed(cfg, ws, x, nw, res, prologue)
             rows.append((ms, cfg))

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8_gpu_parity import _graph_time  # noqa: E402 - this folder is the script's: one CUDA-graph timer for both
+from sweep_check import config_ok  # noqa: E402
 from tilepd.engine import fp8_triton  # noqa: E402
 from tilepd.engine.fp8 import dequantize, quantize  # noqa: E402
 
@@ -93,18 +94,8 @@ def main() -> None:
         rows = []
         for cfg in first:
             key = json.dumps(cfg, sort_keys=True)
-            fp8_triton.TUNE.update(cfg)
-            try:
-                y = fp8_triton.launch(x, ws[0].weight, ws[0].scale, None, None, 128, 128).float()
-                err = float((y - ref).abs().max() / ref.abs().max())
-            except Exception as e:  # noqa: BLE001 - a config the compiler refuses (registers, shared memory)
-                print(f"  [{name}] {key}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            finally:
-                fp8_triton.TUNE.clear()
-                fp8_triton.TUNE.update(default)
-            if err > 1e-2:
-                print(f"  [{name}] {key}: error {err:.2e} TOO LARGE", flush=True)
+            if not config_ok(fp8_triton.TUNE, cfg, lambda: fp8_triton.launch(x, ws[0].weight, ws[0].scale, None, None, 128, 128), ref,
+                             f"{name} {key}", 1e-2):
                 continue
             ms = timed(cfg, ws, x)
             rows.append((ms, cfg))
