@@ -181,24 +181,25 @@ def _counting_connects(up: Upstream) -> list[float]:
 
 
 def test_connect_timeouts_are_waited_out_with_patience_and_fail_fast_without() -> None:
-    """The upstream takes no connection for 1.5 s, then serves: a call with 10 s of patience gets its answer after
-    more connect attempts than connect_retries allows; the default (patience 0, connect_retries 1) against an upstream
-    that never accepts fails with the connect timeout after exactly two attempts, having sent nothing. Attempts are
-    counted, not timed: on the loaded 2-core box this process was once starved for seconds mid-test."""
+    """The upstream takes no connection until the fourth connect attempt has begun, then serves: a call with 10 s of
+    patience gets its answer, past the two attempts connect_retries allows; the default (patience 0, connect_retries 1)
+    against an upstream that never accepts fails with the connect timeout after exactly two attempts, having sent
+    nothing. Attempts are counted, not timed: on the loaded 2-core box this process was once starved for seconds."""
     seen: list[bytes] = []
 
     handler = _answers_ok(seen)
 
-    async def main(patience_s: float, serve_after_s: float | None) -> tuple[dict | None, float, BaseException | None, int]:
+    async def main(patience_s: float, serve_at_attempt: int | None) -> tuple[dict | None, float, BaseException | None, int]:
         srv, filler = _full_listener()
         port = srv.getsockname()[1]
         up = Upstream(connect_timeout_s=0.3, read_timeout_s=5.0, connect_retries=1)
         starts = _counting_connects(up)
 
         async def serve_later() -> asyncio.base_events.Server | None:
-            if serve_after_s is None:
+            if serve_at_attempt is None:
                 return None
-            await asyncio.sleep(serve_after_s)
+            while len(starts) < serve_at_attempt:
+                await asyncio.sleep(0.02)
             filler.close()
             return await asyncio.start_server(handler, sock=srv)
 
@@ -218,10 +219,9 @@ def test_connect_timeouts_are_waited_out_with_patience_and_fail_fast_without() -
             srv.close()
             await up.aclose()
 
-    got, took, err, attempts = asyncio.run(main(patience_s=10.0, serve_after_s=1.5))
-    assert err is None and got == {"ok": True} and took >= 1.5, (took, err)
-    assert attempts > 2, attempts  # past connect_retries + 1: the patience kept it trying
+    got, took, err, attempts = asyncio.run(main(patience_s=10.0, serve_at_attempt=4))
+    assert err is None and got == {"ok": True} and attempts >= 4, (took, err, attempts)  # the patience kept it trying
     assert len(seen) == 1
-    got, took, err, attempts = asyncio.run(main(patience_s=0.0, serve_after_s=None))
+    got, took, err, attempts = asyncio.run(main(patience_s=0.0, serve_at_attempt=None))
     assert got is None and "ConnectionTimeoutError" in str(err) and attempts == 2, (took, err, attempts)
     assert len(seen) == 1  # nothing reached the upstream
