@@ -98,8 +98,8 @@ OUT_OF_ROTATION_GRACE_S = 1.0
 # a node the router has waited on this long is asked GET /health; this many failed probes in a row in one wait: silent
 LIVENESS_AFTER_S = 1.0
 LIVENESS_INTERVAL_S = 0.5
-# 2 s and 3 misses: a live CPU node on a loaded 2-core host missed two 1 s probes in a row and lost a request
-# (RELIABILITY.md, fresh-clone run of 329fc4b); a stopped node is still found within ~9 s, far inside the deadline.
+# 2 s and 3 misses: a node that stalls for a few seconds on a loaded CPU host (probes of 1 s, 2 misses, tripped after
+# ~3 s) is given ~9 s before it is called stopped, still far inside the first-token deadline (RELIABILITY.md).
 LIVENESS_PROBE_TIMEOUT_S = 2.0
 LIVENESS_MISSES = 3
 # decode-node answers before the first token that another node may not give: continue elsewhere (node stays in rotation)
