@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tilepd.engine import layers
+
 try:
     import triton
     import triton.language as tl
@@ -136,10 +138,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
               residual: torch.Tensor | None) -> torch.Tensor:
     """The unfused ops the kernel replaces, in the decoders' own order and dtypes."""
     if prologue == "norm":
-        x = F.rms_norm(x, x.shape[-1:], norm_weight, eps)
+        x = layers.rms_norm(x, norm_weight, eps)
     elif prologue == "silu_mul":
-        g, u = x.chunk(2, dim=-1)
-        x = F.silu(g) * u
+        x = layers.silu_mul(x)
     y = F.linear(x, weight)
     return y if residual is None else residual + y
 

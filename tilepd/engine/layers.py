@@ -54,15 +54,18 @@ def silu_mul_linear_add(residual: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
     """residual + linear(silu(gate) * up, w2) for gu = [gate | up]: one kernel on the fused path."""
     if _fused_gemv(gu, w2):
         return torch.ops.tilepd.dense_gemv(gu, w2, None, 0.0, "silu_mul", residual)
+    return residual + linear(silu_mul(gu), w2)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gu = [gate | up] along the last dim."""
     g, u = gu.chunk(2, dim=-1)
-    return residual + linear(F.silu(g) * u, w2)
+    return F.silu(g) * u
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor | BlockFp8, w2: torch.Tensor | BlockFp8) -> torch.Tensor:
     """Gate and up projections fused in one GEMV (w13 = [gate; up]), then silu(gate) * up, then down."""
-    gu = linear(x, w13)
-    g, u = gu.chunk(2, dim=-1)
-    return linear(F.silu(g) * u, w2)
+    return linear(silu_mul(linear(x, w13)), w2)
 
 
 def length_mask(positions: torch.Tensor, attn_len: int) -> torch.Tensor:
