@@ -34,6 +34,7 @@ from .stack import (
 
 SPARE_NODES = ("f1", "f2")  # allowlisted, started by the fault tests (test_node_faults.py) only
 LOG_LINES_ON_FAILURE = 30
+STACK_DUMP_LINES_ON_FAILURE = 120  # a node's faulthandler dump after a stall (tilepd.runtime.stall_watch)
 _LOG_OFFSETS = pytest.StashKey[tuple[Path, dict[Path, int]]]()
 
 
@@ -179,6 +180,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         return
     workdir, offsets = seen
     lines: list[str] = []
+    dumps: list[str] = []
     for path in sorted(workdir.glob("*.log")):  # a router started during the test logs here too
         try:
             with path.open("rb") as f:
@@ -187,5 +189,22 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         except OSError:
             continue
         lines += [f"{path.name}: {line}" for line in new if "WARNING" in line or "ERROR" in line or "Traceback" in line]
+        dumps += [f"{path.name}: {line}" for line in _stack_dumps(new)]
     if lines:
         rep.sections.append(("stack warnings during the test", "\n".join(lines[-LOG_LINES_ON_FAILURE:])))
+    if dumps:
+        rep.sections.append(("thread stacks a stalled server dumped", "\n".join(dumps[:STACK_DUMP_LINES_ON_FAILURE])))
+
+
+def _stack_dumps(lines: list[str]) -> list[str]:
+    """faulthandler's dumps among a log's lines: from its 'Timeout (h:mm:ss)!' header to the next ordinary line."""
+    out: list[str] = []
+    inside = False
+    for line in lines:
+        if line.startswith("Timeout ("):
+            inside = True
+        elif inside and not (line.startswith(("Thread 0x", "Current thread 0x", "  File ", "  <")) or not line.strip()):
+            inside = False
+        if inside:
+            out.append(line)
+    return out

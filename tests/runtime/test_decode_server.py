@@ -229,6 +229,9 @@ def test_status_metrics_capabilities(llama_node, hf_llama) -> None:
                      "tilepd_decode_convert_seconds_count", "tilepd_decode_inject_seconds_count",
                      "tilepd_decode_decode_seconds_count", "tilepd_decode_tokens_per_second"):
             assert name in m
+        # the stall watch ticks on the live node's event loop (tilepd.runtime.stall_watch)
+        [lag_count] = [line.split()[-1] for line in m.splitlines() if line.startswith("tilepd_decode_loop_lag_seconds_count")]
+        assert float(lag_count) >= 1, m
     log = llama_node.log.with_suffix(".file.log").read_text()  # the config's log_file
     assert "event=complete transfer_id=tx-metrics" in log and "event=decode_done transfer_id=tx-metrics" in log
 

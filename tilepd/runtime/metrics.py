@@ -35,4 +35,7 @@ class DecodeMetrics:
         self.inject = Histogram("tilepd_decode_inject_seconds", "engine.inject", buckets=_MS_BUCKETS, registry=r)
         self.decode = Histogram("tilepd_decode_decode_seconds", "engine.decode", buckets=_MS_BUCKETS, registry=r)
         self.tokens = Counter("tilepd_decode_tokens", "tokens generated", registry=r)
+        self.loop_lag = Histogram("tilepd_decode_loop_lag_seconds", "how late the node's event loop woke for a 0.5 s tick "
+                                  "(seconds of not answering; a stall over 2 s is logged as event=loop_stall)",
+                                  buckets=_MS_BUCKETS, registry=r)
         self.tokens_per_s = Gauge("tilepd_decode_tokens_per_second", "tokens/s of the last decode", registry=r)

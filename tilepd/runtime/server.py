@@ -83,6 +83,26 @@ def stop_engine_on_shutdown(app: Any, engine: Any) -> None:
     app.router.lifespan_context = lifespan
 
 
+def watch_stalls(app: Any, svc: Any) -> None:
+    """Run a StallWatch on the app's event loop for its lifetime: a node that stops answering says where it was."""
+    import asyncio
+
+    from tilepd.runtime.stall_watch import StallWatch
+
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any):
+        task = asyncio.get_running_loop().create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe).run())
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            task.cancel()
+
+    app.router.lifespan_context = lifespan
+
+
 def serve(config: DecodeServerConfig) -> None:
     """Blocking: load the engine, open the control port, serve HTTP until SIGINT/SIGTERM."""
     import uvicorn
@@ -126,6 +146,7 @@ def serve(config: DecodeServerConfig) -> None:
                       f"{config.transport.name}): {exc}") from exc
     app = build_app(svc, secret)
     stop_engine_on_shutdown(app, engine)
+    watch_stalls(app, svc)
     try:
         uvicorn.run(app, host=config.bind_host, port=config.http_port, log_level="warning", access_log=False)
     finally:

@@ -1,0 +1,76 @@
+"""The stall witness of a decode node: a blocked event loop is logged with where the time went, and the stacks of
+every thread are dumped while it is still blocked."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tilepd.runtime.stall_watch import StallWatch, describe_gap, machine_cpu_seconds, thread_cpu_seconds
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_thread_cpu_is_counted_by_thread_name() -> None:
+    th = threading.Thread(target=_spin, args=(0.4,), name="spinner")
+    before = thread_cpu_seconds()
+    th.start()
+    time.sleep(0.1)
+    during = thread_cpu_seconds()
+    th.join()
+    assert f"spinner/{th.native_id}" in during and f"MainThread/{threading.main_thread().native_id}" in during, during
+    assert sum(during.values()) >= sum(before.values())
+    assert set(machine_cpu_seconds()) == {"idle", "iowait", "steal"}
+
+
+def test_gap_description_names_the_busiest_threads_first() -> None:
+    line = describe_gap(21.0, {"engine_0/12": 0.1, "grammar-warmup/14": 19.5}, {"idle": 0.0, "iowait": 0.0, "steal": 0.0})
+    assert line.startswith("gap_s=21.00 process_cpu_s=19.60 threads=grammar-warmup/14:19.50,engine_0/12:0.10"), line
+    assert "machine_steal_s=0.00" in line
+
+
+async def _watched(block, tmp_path: Path) -> tuple[StallWatch, str]:
+    lags: list[float] = []
+    with open(tmp_path / "dump.txt", "w") as dump:
+        watch = StallWatch("n0", tick_s=0.1, warn_after_s=0.8, dump_after_s=1.0, dump_file=dump, observe=lags.append)
+        task = asyncio.get_running_loop().create_task(watch.run())
+        await asyncio.sleep(0.35)
+        block()  # on the loop's own thread: the loop answers nothing meanwhile
+        await asyncio.sleep(0.35)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert max(lags) >= 1.3, lags
+    return watch, (tmp_path / "dump.txt").read_text()
+
+
+@pytest.mark.parametrize("how", ["spinning", "sleeping"])
+def test_a_blocked_loop_is_logged_and_its_stacks_dumped(how: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def block_the_loop_spinning() -> None:
+        _spin(1.6)
+
+    def block_the_loop_sleeping() -> None:
+        time.sleep(1.6)
+
+    block = block_the_loop_spinning if how == "spinning" else block_the_loop_sleeping
+    with caplog.at_level(logging.WARNING, logger="tilepd.runtime"):
+        watch, dump = asyncio.run(_watched(block, tmp_path))
+    assert watch.stalls == 1
+    [line] = [r.getMessage() for r in caplog.records if "event=loop_stall" in r.getMessage()]
+    fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+    assert fields["node"] == "n0" and float(fields["gap_s"]) >= 1.6, line
+    assert f"{threading.main_thread().ident:#x}:MainThread" in fields["thread_idents"], line
+    cpu = float(fields["process_cpu_s"])
+    # spinning: the loop's thread burned the gap (named first); sleeping: the process used next to no CPU
+    assert (cpu >= 1.0 and fields["threads"].startswith("MainThread/")) if how == "spinning" else cpu < 0.5, line
+    # faulthandler wrote the stacks while the loop was still blocked, naming the blocking function
+    assert "Timeout (0:00:01)!" in dump and f"block_the_loop_{how}" in dump, dump

@@ -1,0 +1,112 @@
+"""Say where a decode node went when it stopped answering.
+
+A node that answers nothing for seconds (no /health, no control frames, no log line) is taken out of rotation by
+the router, and its own log is silent about why. Two witnesses close that gap:
+
+- a tick on the event loop every `tick_s`, which re-arms `faulthandler.dump_traceback_later`: when the loop has not
+  ticked for `dump_after_s`, faulthandler's own C thread (it needs no GIL) writes every Python thread's stack to the
+  log, so a thread holding the GIL or a blocked loop shows where it is;
+- at the tick after a late one, one `event=loop_stall` line with what the gap was spent on: this process's CPU time
+  by thread (from /proc/self/task, so a thread burning the GIL is named), and the machine's idle, iowait and steal
+  time (a process that got no CPU on an idle box was blocked; one that got none on a busy box was crowded out;
+  steal means the VM itself was descheduled).
+
+The lag also goes to `tilepd_decode_loop_lag_seconds`, so a stall shows on the dashboard before it costs a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Callable
+
+log = logging.getLogger("tilepd.runtime")
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def thread_cpu_seconds(task_dir: Path = Path("/proc/self/task")) -> dict[str, float]:
+    """CPU seconds (user + system) by thread, keyed `name/tid`: a Python thread by its `threading` name (Python 3.11
+    does not name the OS thread), any other (OpenMP, torch, UCX) by its OS name; empty where /proc is missing."""
+    py_names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    try:
+        tasks = list(task_dir.iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            raw = (task / "stat").read_text()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        tid = int(task.name)
+        name = py_names.get(tid) or raw[raw.index("(") + 1: raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        # fields[11] and [12] are utime and stime (the 14th and 15th of proc(5), counted after the name)
+        out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+    return out
+
+
+def machine_cpu_seconds(stat_file: Path = Path("/proc/stat")) -> dict[str, float]:
+    """The whole machine's idle, iowait and steal CPU seconds since boot (all cores); empty where unreadable."""
+    try:
+        first = stat_file.read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return {}
+    if first[0] != "cpu" or len(first) < 9:
+        return {}
+    ticks = [int(v) for v in first[1:9]]  # user nice system idle iowait irq softirq steal
+    return {"idle": ticks[3] / _TICKS_PER_S, "iowait": ticks[4] / _TICKS_PER_S, "steal": ticks[7] / _TICKS_PER_S}
+
+
+def _spent(before: dict[str, float], after: dict[str, float], *, keep_zero: bool = False) -> dict[str, float]:
+    spent = {k: after[k] - before.get(k, 0.0) for k in after}
+    return spent if keep_zero else {k: v for k, v in spent.items() if v > 0.0}
+
+
+def describe_gap(gap_s: float, threads: dict[str, float], machine: dict[str, float]) -> str:
+    """The `key=value` tail of one `event=loop_stall` line: threads that used CPU (most first), then the machine."""
+    busy = sorted(threads.items(), key=lambda kv: -kv[1])[:6]
+    parts = [f"gap_s={gap_s:.2f}", f"process_cpu_s={sum(threads.values()):.2f}",
+             "threads=" + (",".join(f"{name.replace(' ', '_')}:{sec:.2f}" for name, sec in busy) or "none")]
+    parts += [f"machine_{k}_s={v:.2f}" for k, v in machine.items()]
+    return " ".join(parts)
+
+
+class StallWatch:
+    """Runs as a task on the node's event loop (see `run`); one per process (faulthandler's timer is global)."""
+
+    def __init__(self, node: str, *, tick_s: float = 0.5, warn_after_s: float = 2.0, dump_after_s: float = 5.0,
+                 dump_file: IO[str] | None = None, observe: Callable[[float], None] | None = None):
+        self.node, self.tick_s, self.warn_after_s, self.dump_after_s = node, tick_s, warn_after_s, dump_after_s
+        self.dump_file = dump_file or sys.stderr
+        self.observe = observe
+        self.stalls = 0
+
+    async def run(self) -> None:
+        threads, machine, last = thread_cpu_seconds(), machine_cpu_seconds(), time.monotonic()
+        try:
+            while True:
+                faulthandler.dump_traceback_later(self.dump_after_s, repeat=False, file=self.dump_file)
+                await asyncio.sleep(self.tick_s)
+                now = time.monotonic()
+                lag = max(0.0, now - last - self.tick_s)
+                if self.observe is not None:
+                    self.observe(lag)
+                new_threads, new_machine = thread_cpu_seconds(), machine_cpu_seconds()
+                if lag >= self.warn_after_s:
+                    self.stalls += 1
+                    # faulthandler's dump names threads by ident only: the map lets a reader put names on it
+                    idents = ",".join(f"{t.ident:#x}:{t.name.replace(' ', '_')}" for t in threading.enumerate() if t.ident)
+                    log.warning("event=loop_stall node=%s %s thread_idents=%s", self.node,
+                                describe_gap(now - last, _spent(threads, new_threads), _spent(machine, new_machine, keep_zero=True)),
+                                idents)
+                threads, machine, last = new_threads, new_machine, now
+        finally:
+            faulthandler.cancel_dump_traceback_later()
