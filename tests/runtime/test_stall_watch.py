@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tilepd.runtime.stall_watch import StallWatch, describe_gap, machine_cpu_seconds, thread_cpu_seconds
+from tilepd.runtime.stall_watch import StallWatch, describe_gap, machine_cpu_seconds, major_faults, thread_cpu_seconds
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _spin(cpu_seconds: float) -> None:
+    """Burn this much CPU on the calling thread (counted in CPU time: on a loaded box wall time would say little)."""
+    end = time.thread_time() + cpu_seconds
+    while time.thread_time() < end:
         pass
 
 
@@ -30,12 +31,13 @@ def test_thread_cpu_is_counted_by_thread_name() -> None:
     assert f"spinner/{th.native_id}" in during and f"MainThread/{threading.main_thread().native_id}" in during, during
     assert sum(during.values()) >= sum(before.values())
     assert set(machine_cpu_seconds()) == {"idle", "iowait", "steal"}
+    assert major_faults() >= 0 and major_faults(Path("/nonexistent")) == 0
 
 
 def test_gap_description_names_the_busiest_threads_first() -> None:
-    line = describe_gap(21.0, {"engine_0/12": 0.1, "grammar-warmup/14": 19.5}, {"idle": 0.0, "iowait": 0.0, "steal": 0.0})
+    line = describe_gap(21.0, {"engine_0/12": 0.1, "grammar-warmup/14": 19.5}, {"idle": 0.0, "iowait": 0.0, "steal": 0.0}, 7)
     assert line.startswith("gap_s=21.00 process_cpu_s=19.60 threads=grammar-warmup/14:19.50,engine_0/12:0.10"), line
-    assert "machine_steal_s=0.00" in line
+    assert "major_faults=7 " in line and "machine_steal_s=0.00" in line
 
 
 async def _watched(block, tmp_path: Path) -> tuple[StallWatch, str]:
@@ -56,7 +58,7 @@ async def _watched(block, tmp_path: Path) -> tuple[StallWatch, str]:
 @pytest.mark.parametrize("how", ["spinning", "sleeping"])
 def test_a_blocked_loop_is_logged_and_its_stacks_dumped(how: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     def block_the_loop_spinning() -> None:
-        _spin(1.6)
+        _spin(1.6)  # at least 1.6 s of wall time too
 
     def block_the_loop_sleeping() -> None:
         time.sleep(1.6)
@@ -67,7 +69,7 @@ def test_a_blocked_loop_is_logged_and_its_stacks_dumped(how: str, tmp_path: Path
     assert watch.stalls == 1
     [line] = [r.getMessage() for r in caplog.records if "event=loop_stall" in r.getMessage()]
     fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-    assert fields["node"] == "n0" and float(fields["gap_s"]) >= 1.6, line
+    assert fields["node"] == "n0" and float(fields["gap_s"]) >= 1.6 and int(fields["major_faults"]) >= 0, line
     assert f"{threading.main_thread().ident:#x}:MainThread" in fields["thread_idents"], line
     cpu = float(fields["process_cpu_s"])
     # spinning: the loop's thread burned the gap (named first); sleeping: the process used next to no CPU

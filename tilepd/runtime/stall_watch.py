@@ -7,9 +7,10 @@ the router, and its own log is silent about why. Two witnesses close that gap:
   ticked for `dump_after_s`, faulthandler's own C thread (it needs no GIL) writes every Python thread's stack to the
   log, so a thread holding the GIL or a blocked loop shows where it is;
 - at the tick after a late one, one `event=loop_stall` line with what the gap was spent on: this process's CPU time
-  by thread (from /proc/self/task, so a thread burning the GIL is named), and the machine's idle, iowait and steal
-  time (a process that got no CPU on an idle box was blocked; one that got none on a busy box was crowded out;
-  steal means the VM itself was descheduled).
+  by thread (from /proc/self/task, so a thread burning the GIL is named), its major page faults (waiting on the disk
+  for code or mmapped weights the kernel had dropped), and the machine's idle, iowait and steal time (a process that
+  got no CPU on an idle box was blocked; one that got none on a busy box was crowded out or paging; steal means the
+  VM itself was descheduled).
 
 The lag also goes to `tilepd_decode_loop_lag_seconds`, so a stall shows on the dashboard before it costs a request.
 """
@@ -65,16 +66,27 @@ def machine_cpu_seconds(stat_file: Path = Path("/proc/stat")) -> dict[str, float
     return {"idle": ticks[3] / _TICKS_PER_S, "iowait": ticks[4] / _TICKS_PER_S, "steal": ticks[7] / _TICKS_PER_S}
 
 
+def major_faults(stat_file: Path = Path("/proc/self/stat")) -> int:
+    """This process's major page faults so far (pages it waited on the disk for: code or mmapped weights that the
+    kernel had dropped from memory); 0 where /proc is missing."""
+    try:
+        raw = stat_file.read_text()
+    except OSError:
+        return 0
+    return int(raw[raw.rindex(")") + 2:].split()[9])  # majflt, the 12th field of proc(5)
+
+
 def _spent(before: dict[str, float], after: dict[str, float], *, keep_zero: bool = False) -> dict[str, float]:
     spent = {k: after[k] - before.get(k, 0.0) for k in after}
     return spent if keep_zero else {k: v for k, v in spent.items() if v > 0.0}
 
 
-def describe_gap(gap_s: float, threads: dict[str, float], machine: dict[str, float]) -> str:
+def describe_gap(gap_s: float, threads: dict[str, float], machine: dict[str, float], majflt: int = 0) -> str:
     """The `key=value` tail of one `event=loop_stall` line: threads that used CPU (most first), then the machine."""
     busy = sorted(threads.items(), key=lambda kv: -kv[1])[:6]
     parts = [f"gap_s={gap_s:.2f}", f"process_cpu_s={sum(threads.values()):.2f}",
              "threads=" + (",".join(f"{name.replace(' ', '_')}:{sec:.2f}" for name, sec in busy) or "none")]
+    parts.append(f"major_faults={majflt}")
     parts += [f"machine_{k}_s={v:.2f}" for k, v in machine.items()]
     return " ".join(parts)
 
@@ -90,7 +102,7 @@ class StallWatch:
         self.stalls = 0
 
     async def run(self) -> None:
-        threads, machine, last = thread_cpu_seconds(), machine_cpu_seconds(), time.monotonic()
+        threads, machine, faults, last = thread_cpu_seconds(), machine_cpu_seconds(), major_faults(), time.monotonic()
         try:
             while True:
                 faulthandler.dump_traceback_later(self.dump_after_s, repeat=False, file=self.dump_file)
@@ -99,14 +111,15 @@ class StallWatch:
                 lag = max(0.0, now - last - self.tick_s)
                 if self.observe is not None:
                     self.observe(lag)
-                new_threads, new_machine = thread_cpu_seconds(), machine_cpu_seconds()
+                new_threads, new_machine, new_faults = thread_cpu_seconds(), machine_cpu_seconds(), major_faults()
                 if lag >= self.warn_after_s:
                     self.stalls += 1
                     # faulthandler's dump names threads by ident only: the map lets a reader put names on it
                     idents = ",".join(f"{t.ident:#x}:{t.name.replace(' ', '_')}" for t in threading.enumerate() if t.ident)
                     log.warning("event=loop_stall node=%s %s thread_idents=%s", self.node,
-                                describe_gap(now - last, _spent(threads, new_threads), _spent(machine, new_machine, keep_zero=True)),
+                                describe_gap(now - last, _spent(threads, new_threads), _spent(machine, new_machine, keep_zero=True),
+                                            new_faults - faults),
                                 idents)
-                threads, machine, last = new_threads, new_machine, now
+                threads, machine, faults, last = new_threads, new_machine, new_faults, now
         finally:
             faulthandler.cancel_dump_traceback_later()
