@@ -119,3 +119,33 @@ def test_breaker_takes_nodes_out_and_back() -> None:
         lease.release()
 
     asyncio.run(main())
+
+
+def test_a_stream_with_nowhere_else_to_go_waits_for_a_node_to_come_back() -> None:
+    """Mid-stream, no native pool, no node in rotation (the only one was silent for a while): the request waits,
+    bounded, for a node to answer its health checks again; plain `acquire` gives up at once."""
+    async def main() -> None:
+        pool = _pool(2)
+        for node in pool.nodes:
+            pool.set_in_rotation(node, False)
+        with pytest.raises(NoNodeInRotation):
+            await pool.acquire(5.0)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(LeaseTimeout, match="came back"):
+            await pool.acquire_when_back(0.2)
+        assert 0.19 <= asyncio.get_running_loop().time() - t0 < 1.0 and pool.queue_depth == 0
+
+        waiting = asyncio.create_task(pool.acquire_when_back(5.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        pool.set_in_rotation(pool.nodes[1], True)
+        pool.set_draining(pool.nodes[1], True)  # back, but draining: still nothing to lease
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        pool.set_draining(pool.nodes[1], False)
+        lease = await asyncio.wait_for(waiting, 1.0)
+        assert lease.node is pool.nodes[1] and pool.leased_count() == 1
+        lease.release()
+        assert pool.leased_count() == 0 and pool.queue_depth == 0
+
+    asyncio.run(main())

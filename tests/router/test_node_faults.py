@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +34,7 @@ PROMPT = "Once upon a time"
 LONG = 300  # tokens: the stream is still running when the test acts on its first few
 SHORT = 24
 NATIVE = 6
+FROZEN_S = 15.0  # longer than the router's liveness probes allow a silent node (~9 s), shorter than REJOIN_WAIT_S
 
 
 class Nodes:
@@ -191,6 +193,39 @@ def test_fault_mid_stream_continues_token_exact(router: Router, nodes: Nodes, re
     print(f"fault={fault} node={hit[0]} failover={moves[0]}")
     nodes.ensure_up()  # continue the stopped node, or restart the killed one on its ports
     router.wait_all_in_rotation()  # the health checks bring it back
+
+
+def test_the_only_node_frozen_mid_stream_is_waited_for_and_continues(start_fault_router: Callable[..., Router], nodes: Nodes,
+                                                                     reference: dict[int, tuple[str, int]]) -> None:
+    """The only low-latency node, no native pool: the node freezes (SIGSTOP) for longer than the liveness probes allow,
+    then runs again (SIGCONT), as a CPU node did for ~20 s on the loaded box (RELIABILITY.md, 329fc4b and 99262a8).
+    The router takes it out of rotation, waits for it to answer its health checks again (REJOIN_WAIT_S) and goes on
+    there: the client's stream is unbroken and token-exact, not a 502 `no_node_to_continue`."""
+    router = start_fault_router(nodes=1)
+    before = len(_failovers(router))
+    hit: list[str] = []
+    timers: list[threading.Timer] = []
+
+    def act(i: int, node: str) -> None:
+        if i == 4:
+            hit.append(node)
+            nodes.stop(node)
+            timers.append(threading.Timer(FROZEN_S, nodes.cont, args=(node,)))
+            timers[-1].start()
+
+    t0 = time.monotonic()
+    try:
+        text, usage, finish = _stream(router, LONG, act)
+    finally:
+        for timer in timers:
+            timer.join()
+    took = time.monotonic() - t0
+    assert (text, usage, finish) == (*reference[LONG], "length")
+    moves = _failovers(router)[before:]
+    assert [(m["from"], m["to"]) for m in moves] == [(hit[0], hit[0])], moves
+    assert router.log_events("failover_waits"), "the request did not wait for the node to come back"
+    assert took >= FROZEN_S, took
+    print(f"frozen {FROZEN_S} s: stream took {took:.1f} s, failover={moves[0]}")
 
 
 @pytest.mark.parametrize("fault", ["sigkill", "sigstop"])

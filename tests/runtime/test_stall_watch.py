@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -35,9 +36,9 @@ def test_thread_cpu_is_counted_by_thread_name() -> None:
 
 
 def test_gap_description_names_the_busiest_threads_first() -> None:
-    line = describe_gap(21.0, {"engine_0/12": 0.1, "grammar-warmup/14": 19.5}, {"idle": 0.0, "iowait": 0.0, "steal": 0.0}, 7)
+    line = describe_gap(21.0, {"engine_0/12": 0.1, "grammar-warmup/14": 19.5}, {"idle": 0.0, "iowait": 0.0, "steal": 0.0}, 7, 1)
     assert line.startswith("gap_s=21.00 process_cpu_s=19.60 threads=grammar-warmup/14:19.50,engine_0/12:0.10"), line
-    assert "major_faults=7 " in line and "machine_steal_s=0.00" in line
+    assert "major_faults=7 sigcont=1 " in line and "machine_steal_s=0.00" in line
 
 
 async def _watched(block, tmp_path: Path) -> tuple[StallWatch, str]:
@@ -51,14 +52,21 @@ async def _watched(block, tmp_path: Path) -> tuple[StallWatch, str]:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert max(lags) >= 1.3, lags
+    assert max(lags) >= 1.1, lags
     return watch, (tmp_path / "dump.txt").read_text()
+
+
+def _longest_stall(caplog: pytest.LogCaptureFixture, watch: StallWatch) -> str:
+    """The line of the stall the test caused: on a loaded box the loop may also stall a little by itself."""
+    lines = [r.getMessage() for r in caplog.records if "event=loop_stall" in r.getMessage()]
+    assert lines and watch.stalls == len(lines), lines
+    return max(lines, key=lambda line: float(line.split("gap_s=")[1].split()[0]))
 
 
 @pytest.mark.parametrize("how", ["spinning", "sleeping"])
 def test_a_blocked_loop_is_logged_and_its_stacks_dumped(how: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     def block_the_loop_spinning() -> None:
-        _spin(1.6)  # at least 1.6 s of wall time too
+        _spin(1.3)  # at least 1.3 s of wall time too
 
     def block_the_loop_sleeping() -> None:
         time.sleep(1.6)
@@ -66,13 +74,31 @@ def test_a_blocked_loop_is_logged_and_its_stacks_dumped(how: str, tmp_path: Path
     block = block_the_loop_spinning if how == "spinning" else block_the_loop_sleeping
     with caplog.at_level(logging.WARNING, logger="tilepd.runtime"):
         watch, dump = asyncio.run(_watched(block, tmp_path))
-    assert watch.stalls == 1
-    [line] = [r.getMessage() for r in caplog.records if "event=loop_stall" in r.getMessage()]
+    line = _longest_stall(caplog, watch)
     fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-    assert fields["node"] == "n0" and float(fields["gap_s"]) >= 1.6 and int(fields["major_faults"]) >= 0, line
+    assert fields["node"] == "n0" and float(fields["gap_s"]) >= 1.3 and int(fields["major_faults"]) >= 0, line
     assert f"{threading.main_thread().ident:#x}:MainThread" in fields["thread_idents"], line
     cpu = float(fields["process_cpu_s"])
     # spinning: the loop's thread burned the gap (named first); sleeping: the process used next to no CPU
     assert (cpu >= 1.0 and fields["threads"].startswith("MainThread/")) if how == "spinning" else cpu < 0.5, line
+    assert fields["sigcont"] == "0", line
     # faulthandler wrote the stacks while the loop was still blocked, naming the blocking function
     assert "Timeout (0:00:01)!" in dump and f"block_the_loop_{how}" in dump, dump
+
+
+def test_a_stop_and_continue_is_told_apart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A process stopped and continued (SIGSTOP then SIGCONT, as a debugger, a freezer or a test does) says so on the
+    stall line: the gap was not its own doing. The stop is real: a child sends both signals to this process."""
+    import subprocess
+    import sys
+
+    def stopped_from_outside() -> None:
+        pid = os.getpid()
+        # the continue is in a `finally`: this test process must never be left stopped
+        subprocess.run([sys.executable, "-c", f"import os, signal, time\ntry:\n    os.kill({pid}, signal.SIGSTOP); time.sleep(1.6)\n"
+                        f"finally:\n    os.kill({pid}, signal.SIGCONT)"], check=True, timeout=60)
+
+    with caplog.at_level(logging.WARNING, logger="tilepd.runtime"):
+        watch, _ = asyncio.run(_watched(stopped_from_outside, tmp_path))
+    line = _longest_stall(caplog, watch)
+    assert " sigcont=1 " in line and watch.continued == 1, line

@@ -108,6 +108,8 @@ class NodePool:
     # holds of the leases that had the pool to themselves (no other node leased at any moment): a request's own length
     # at one fixed speed, whose spread `tilepd capacity` takes as the spread of the work (count, sum, sum of squares)
     _alone: tuple[int, float, float] = (0, 0.0, 0.0)
+    # set whenever a node may have become leasable again (back in rotation, undrained): acquire_when_back waits on it
+    _back: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self._busy_since = self.clock()
@@ -190,6 +192,26 @@ class NodePool:
                 pass
         return self._lease(node, start)
 
+    async def acquire_when_back(self, timeout_s: float) -> Lease:
+        """`acquire` for a request that has nowhere else to go (mid-stream, no native pool) when no node is in
+        rotation: wait up to `timeout_s` for one to come back (a node that was silent, not dead, answers its health
+        checks again) and lease it, rather than fail a stream the client is already reading."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (remaining := deadline - loop.time()) > 0:
+            if self.in_rotation():
+                try:
+                    return await self.acquire(remaining)
+                except NoNodeInRotation:  # it left again before a node was free: wait for the next one
+                    continue
+            self._back.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._back.wait()
+            except TimeoutError:
+                break
+        raise LeaseTimeout(f"no decode node came back into rotation within {timeout_s:g}s")
+
     def _lease(self, node: NodeState, start: float) -> Lease:
         self._set_leased(node, True)  # already, when a release handed it over (_offer)
         node.leases_total += 1
@@ -226,6 +248,7 @@ class NodePool:
         node.in_rotation = healthy
         if healthy:
             node.left_rotation.clear()
+            self._back.set()
         else:
             node.left_rotation.set()
         if healthy and not node.leased and not node.draining:
@@ -242,6 +265,8 @@ class NodePool:
             self._withdraw(node)
         elif node.in_rotation and not node.leased:
             self._offer(node)
+        if not draining:
+            self._back.set()
         return True
 
     def _withdraw(self, node: NodeState) -> None:

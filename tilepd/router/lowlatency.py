@@ -27,6 +27,9 @@ the first measure):
   LIVENESS_INTERVAL_S; LIVENESS_MISSES failed probes in a row (a stopped or wedged
   process) end the wait long before the deadline. A node that answers its probes is
   slow, not dead, and is given the full deadline.
+- a request whose node failed goes on from another node, else the native pool; with
+  neither (no node in rotation, no native pool) it waits up to REJOIN_WAIT_S for a node
+  to come back into rotation (the frozen one, once it answers again) and goes on there.
 
 Freeing the node when no decode will follow (INTERFACES §4 as the decode server
 implements it):
@@ -102,6 +105,9 @@ LIVENESS_INTERVAL_S = 0.5
 # ~3 s) is given ~9 s before it is called stopped, still far inside the first-token deadline (RELIABILITY.md).
 LIVENESS_PROBE_TIMEOUT_S = 2.0
 LIVENESS_MISSES = 3
+# a request that lost its node with no other node in rotation and no native pool waits this long for one to come back
+# (a node that froze for tens of seconds on a loaded host, then answers its health checks again) before it fails
+REJOIN_WAIT_S = 30.0
 # decode-node answers before the first token that another node may not give: continue elsewhere (node stays in rotation)
 RETRY_ELSEWHERE = frozenset({429, 502, 503, 504})
 
@@ -601,12 +607,20 @@ class LowLatencyRun:
         if self.failovers >= limit:
             raise DecodeNodeError(err.node, 502, "node_faults", f"{self.failovers + 1} decode nodes failed this request; "
                                   f"last: {err.code}: {err.message}")
+        cfg = self.state.config
+        native = cfg.native_pool is not None and cfg.routing.fallback_to_native
         try:
-            lease = await self.state.pool.acquire(self.state.config.queue_timeout_s)
+            try:
+                lease = await self.state.pool.acquire(cfg.queue_timeout_s)
+            except NoNodeInRotation:
+                if native:
+                    raise
+                log.warning("req=%s event=failover_waits from=%s cause=%s why='no node in rotation and no native pool' "
+                            "wait_s=%g", self.request_id, err.node, cause, REJOIN_WAIT_S)
+                lease = await self.state.pool.acquire_when_back(REJOIN_WAIT_S)
         except (LeaseTimeout, NoNodeInRotation) as exc:
             self.timeline.upto("queue_wait", retry=True)
-            cfg = self.state.config
-            if cfg.native_pool is not None and cfg.routing.fallback_to_native:
+            if native:
                 self.failovers += 1
                 self.state.metrics.failovers.labels(cause).inc()
                 log.info("req=%s event=failover from=%s to=native cause=%s why=%r", self.request_id, err.node, cause, str(exc))

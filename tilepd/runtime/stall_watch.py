@@ -10,7 +10,8 @@ the router, and its own log is silent about why. Two witnesses close that gap:
   by thread (from /proc/self/task, so a thread burning the GIL is named), its major page faults (waiting on the disk
   for code or mmapped weights the kernel had dropped), and the machine's idle, iowait and steal time (a process that
   got no CPU on an idle box was blocked; one that got none on a busy box was crowded out or paging; steal means the
-  VM itself was descheduled).
+  VM itself was descheduled), and how many SIGCONTs it received (`sigcont=1`: it was stopped, by SIGSTOP or a
+  freezer, and continued: nothing in the process was at fault).
 
 The lag also goes to `tilepd_decode_loop_lag_seconds`, so a stall shows on the dashboard before it costs a request.
 """
@@ -21,6 +22,7 @@ import asyncio
 import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -81,12 +83,12 @@ def _spent(before: dict[str, float], after: dict[str, float], *, keep_zero: bool
     return spent if keep_zero else {k: v for k, v in spent.items() if v > 0.0}
 
 
-def describe_gap(gap_s: float, threads: dict[str, float], machine: dict[str, float], majflt: int = 0) -> str:
+def describe_gap(gap_s: float, threads: dict[str, float], machine: dict[str, float], majflt: int = 0, sigcont: int = 0) -> str:
     """The `key=value` tail of one `event=loop_stall` line: threads that used CPU (most first), then the machine."""
     busy = sorted(threads.items(), key=lambda kv: -kv[1])[:6]
     parts = [f"gap_s={gap_s:.2f}", f"process_cpu_s={sum(threads.values()):.2f}",
              "threads=" + (",".join(f"{name.replace(' ', '_')}:{sec:.2f}" for name, sec in busy) or "none")]
-    parts.append(f"major_faults={majflt}")
+    parts += [f"major_faults={majflt}", f"sigcont={sigcont}"]
     parts += [f"machine_{k}_s={v:.2f}" for k, v in machine.items()]
     return " ".join(parts)
 
@@ -100,9 +102,18 @@ class StallWatch:
         self.dump_file = dump_file or sys.stderr
         self.observe = observe
         self.stalls = 0
+        self.continued = 0  # SIGCONTs received: a process stopped and continued (SIGSTOP, a debugger, a freezer) knows it so
+
+    def _on_sigcont(self, _signum: int, _frame: object) -> None:
+        self.continued += 1
 
     async def run(self) -> None:
         threads, machine, faults, last = thread_cpu_seconds(), machine_cpu_seconds(), major_faults(), time.monotonic()
+        conts = self.continued
+        try:
+            previous = signal.signal(signal.SIGCONT, self._on_sigcont)
+        except ValueError:  # not the main thread: go without
+            previous = None
         try:
             while True:
                 faulthandler.dump_traceback_later(self.dump_after_s, repeat=False, file=self.dump_file)
@@ -114,12 +125,15 @@ class StallWatch:
                 new_threads, new_machine, new_faults = thread_cpu_seconds(), machine_cpu_seconds(), major_faults()
                 if lag >= self.warn_after_s:
                     self.stalls += 1
+                    await asyncio.sleep(0)  # a SIGCONT's handler runs on this thread: let it count first
                     # faulthandler's dump names threads by ident only: the map lets a reader put names on it
                     idents = ",".join(f"{t.ident:#x}:{t.name.replace(' ', '_')}" for t in threading.enumerate() if t.ident)
                     log.warning("event=loop_stall node=%s %s thread_idents=%s", self.node,
                                 describe_gap(now - last, _spent(threads, new_threads), _spent(machine, new_machine, keep_zero=True),
-                                            new_faults - faults),
+                                            new_faults - faults, self.continued - conts),
                                 idents)
-                threads, machine, faults, last = new_threads, new_machine, new_faults, now
+                threads, machine, faults, last, conts = new_threads, new_machine, new_faults, now, self.continued
         finally:
             faulthandler.cancel_dump_traceback_later()
+            if previous is not None:
+                signal.signal(signal.SIGCONT, previous)
