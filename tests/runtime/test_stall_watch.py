@@ -69,7 +69,8 @@ def test_a_blocked_loop_is_logged_and_its_stacks_dumped(how: str, tmp_path: Path
         _spin(1.3)  # at least 1.3 s of wall time too
 
     def block_the_loop_sleeping() -> None:
-        time.sleep(1.6)
+        # 1.5 s past the dump's 1 s: faulthandler's own thread must get the CPU before the loop re-arms it
+        time.sleep(2.5)
 
     block = block_the_loop_spinning if how == "spinning" else block_the_loop_sleeping
     with caplog.at_level(logging.WARNING, logger="tilepd.runtime"):
