@@ -99,7 +99,7 @@ class Router:
         assert wait_until(lambda: all(n["in_rotation"] and not n["leased"] for n in self.status().values()), timeout_s), self.status()
 
     def log_events(self, event: str) -> list[str]:
-        return [line for line in self.srv.log_text().splitlines() if f"event={event}" in line]
+        return [line for line in self.srv.log_text().splitlines() if re.search(rf"\bevent={event}(\s|$)", line)]  # not failover_waits
 
 
 @pytest.fixture(scope="module")
