@@ -23,13 +23,22 @@ def _spin(cpu_seconds: float) -> None:
 
 
 def test_thread_cpu_is_counted_by_thread_name() -> None:
-    th = threading.Thread(target=_spin, args=(0.4,), name="spinner")
+    release = threading.Event()
+
+    def spin_then_wait() -> None:
+        _spin(0.05)
+        release.wait(60)
+
+    th = threading.Thread(target=spin_then_wait, name="spinner")
     before = thread_cpu_seconds()
     th.start()
-    time.sleep(0.1)
-    during = thread_cpu_seconds()
-    th.join()
-    assert f"spinner/{th.native_id}" in during and f"MainThread/{threading.main_thread().native_id}" in during, during
+    try:
+        during = thread_cpu_seconds()  # the thread is alive until released, whatever the box's load
+    finally:
+        release.set()
+        th.join()
+    assert f"spinner/{th.native_id}" in during, sorted(during)
+    assert f"MainThread/{threading.main_thread().native_id}" in during, sorted(during)
     assert sum(during.values()) >= sum(before.values())
     assert set(machine_cpu_seconds()) == {"idle", "iowait", "steal"}
     assert major_faults() >= 0 and major_faults(Path("/nonexistent")) == 0
