@@ -69,22 +69,10 @@ def close_engine(engine: Any) -> None:
             log.warning("event=engine_close_failed error=%s", exc)
 
 
-def stop_engine_on_shutdown(app: Any, engine: Any) -> None:
-    """Close the engine (stop TP worker ranks) in the app's lifespan shutdown: uvicorn re-raises SIGTERM
-    after its graceful shutdown, so code after `uvicorn.run` does not run on a signal."""
-    inner = app.router.lifespan_context
-
-    @contextlib.asynccontextmanager
-    async def lifespan(a: Any):
-        async with inner(a) as state:
-            yield state
-        close_engine(engine)
-
-    app.router.lifespan_context = lifespan
-
-
-def watch_stalls(app: Any, svc: Any) -> None:
-    """Run a StallWatch on the app's event loop for its lifetime: a node that stops answering says where it was."""
+def run_with_node(app: Any, svc: Any, engine: Any) -> None:
+    """Tie the node's own work to the app's lifespan: a StallWatch on its event loop while it serves (a node that
+    stops answering says where it was), and the engine closed at shutdown (TP worker ranks stopped): uvicorn
+    re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run` does not run on a signal."""
     import asyncio
 
     from tilepd.runtime.stall_watch import StallWatch
@@ -93,12 +81,13 @@ def watch_stalls(app: Any, svc: Any) -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(a: Any):
-        task = asyncio.get_running_loop().create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe).run())
+        watch = asyncio.get_running_loop().create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe).run())
         try:
             async with inner(a) as state:
                 yield state
         finally:
-            task.cancel()
+            watch.cancel()
+        close_engine(engine)
 
     app.router.lifespan_context = lifespan
 
@@ -145,8 +134,7 @@ def serve(config: DecodeServerConfig) -> None:
         raise OSError(f"cannot open the control or data port ({config.bind_host}:{config.ctrl_port}, transport "
                       f"{config.transport.name}): {exc}") from exc
     app = build_app(svc, secret)
-    stop_engine_on_shutdown(app, engine)
-    watch_stalls(app, svc)
+    run_with_node(app, svc, engine)
     try:
         uvicorn.run(app, host=config.bind_host, port=config.http_port, log_level="warning", access_log=False)
     finally:

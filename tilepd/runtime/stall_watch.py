@@ -34,6 +34,11 @@ log = logging.getLogger("tilepd.runtime")
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _stat_fields(raw: str) -> list[str]:
+    """The fields of a /proc/.../stat line after its `(name)`, which may itself hold spaces or parentheses."""
+    return raw[raw.rindex(")") + 2:].split()
+
+
 def thread_cpu_seconds(task_dir: Path = Path("/proc/self/task")) -> dict[str, float]:
     """CPU seconds (user + system) by thread, keyed `name/tid`: a Python thread by its `threading` name (Python 3.11
     does not name the OS thread), any other (OpenMP, torch, UCX) by its OS name; empty where /proc is missing."""
@@ -50,7 +55,7 @@ def thread_cpu_seconds(task_dir: Path = Path("/proc/self/task")) -> dict[str, fl
             continue
         tid = int(task.name)
         name = py_names.get(tid) or raw[raw.index("(") + 1: raw.rindex(")")]
-        fields = raw[raw.rindex(")") + 2:].split()
+        fields = _stat_fields(raw)
         # fields[11] and [12] are utime and stime (the 14th and 15th of proc(5), counted after the name)
         out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
     return out
@@ -75,7 +80,7 @@ def major_faults(stat_file: Path = Path("/proc/self/stat")) -> int:
         raw = stat_file.read_text()
     except OSError:
         return 0
-    return int(raw[raw.rindex(")") + 2:].split()[9])  # majflt, the 12th field of proc(5)
+    return int(_stat_fields(raw)[9])  # majflt, the 12th field of proc(5)
 
 
 def _spent(before: dict[str, float], after: dict[str, float], *, keep_zero: bool = False) -> dict[str, float]:
