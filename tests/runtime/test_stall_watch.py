@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tilepd.runtime.stall_watch import StallWatch, describe_gap, machine_cpu_seconds, major_faults, thread_cpu_seconds
+from tilepd.runtime.stall_watch import StallWatch, describe_gap, machine_cpu_seconds, process_cpu_and_faults, thread_cpu_seconds
 
 
 def _spin(cpu_seconds: float) -> None:
@@ -41,19 +41,22 @@ def test_thread_cpu_is_counted_by_thread_name() -> None:
     assert f"MainThread/{threading.main_thread().native_id}" in during, sorted(during)
     assert sum(during.values()) >= sum(before.values())
     assert set(machine_cpu_seconds()) == {"idle", "iowait", "steal"}
-    assert major_faults() >= 0 and major_faults(Path("/nonexistent")) == 0
+    cpu, faults = process_cpu_and_faults()
+    assert cpu >= sum(during.values()) - 0.05 and faults >= 0, (cpu, during)  # the process counts every thread (and ended ones)
+    assert process_cpu_and_faults(Path("/nonexistent")) == (0.0, 0)
 
 
 def test_gap_description_names_the_busiest_threads_first() -> None:
-    line = describe_gap(21.0, {"engine_0/12": 0.1, "grammar-warmup/14": 19.5}, {"idle": 0.0, "iowait": 0.0, "steal": 0.0}, 7, 1)
-    assert line.startswith("gap_s=21.00 process_cpu_s=19.60 threads=grammar-warmup/14:19.50,engine_0/12:0.10"), line
+    line = describe_gap(21.0, 19.62, {"engine_0/12": 0.1, "grammar-warmup/14": 19.5}, 23.5, {"idle": 0.0, "iowait": 0.0, "steal": 0.0}, 7, 1)
+    assert line.startswith("gap_s=21.00 process_cpu_s=19.62 threads=grammar-warmup/14:19.50,engine_0/12:0.10 threads_over_s=23.50"), line
     assert "major_faults=7 sigcont=1 " in line and "machine_steal_s=0.00" in line
 
 
 async def _watched(block, tmp_path: Path) -> tuple[StallWatch, str]:
     lags: list[float] = []
     with open(tmp_path / "dump.txt", "w") as dump:
-        watch = StallWatch("n0", tick_s=0.1, warn_after_s=0.8, dump_after_s=1.0, dump_file=dump, observe=lags.append)
+        watch = StallWatch("n0", tick_s=0.1, warn_after_s=0.8, dump_after_s=1.0, threads_every_s=0.3, dump_file=dump,
+                           observe=lags.append)
         task = asyncio.get_running_loop().create_task(watch.run())
         await asyncio.sleep(0.35)
         block()  # on the loop's own thread: the loop answers nothing meanwhile
@@ -92,6 +95,9 @@ def test_a_blocked_loop_is_logged_and_its_stacks_dumped(how: str, tmp_path: Path
     # spinning: the loop's thread burned the gap (named first); sleeping: the process used next to no CPU
     assert (cpu >= 1.0 and fields["threads"].startswith("MainThread/")) if how == "spinning" else cpu < 0.5, line
     assert fields["sigcont"] == "0", line
+    # the per-thread figures are refreshed every 0.3 s between stalls: they cover the gap and at most a little before
+    # (a refresh is due 0.3 s after the last; the tick taking it may itself be late by up to the 0.8 s warning bound)
+    assert float(fields["gap_s"]) - 0.01 <= float(fields["threads_over_s"]) <= float(fields["gap_s"]) + 0.3 + 0.8 + 0.1, line
     # faulthandler wrote the stacks while the loop was still blocked, naming the blocking function
     assert "Timeout (0:00:01)!" in dump and f"block_the_loop_{how}" in dump, dump
 

@@ -7,11 +7,15 @@ the router, and its own log is silent about why. Two witnesses close that gap:
   ticked for `dump_after_s`, faulthandler's own C thread (it needs no GIL) writes every Python thread's stack to the
   log, so a thread holding the GIL or a blocked loop shows where it is;
 - at the tick after a late one, one `event=loop_stall` line with what the gap was spent on: this process's CPU time
-  by thread (from /proc/self/task, so a thread burning the GIL is named), its major page faults (waiting on the disk
-  for code or mmapped weights the kernel had dropped), and the machine's idle, iowait and steal time (a process that
-  got no CPU on an idle box was blocked; one that got none on a busy box was crowded out or paging; steal means the
-  VM itself was descheduled), and how many SIGCONTs it received (`sigcont=1`: it was stopped, by SIGSTOP or a
-  freezer, and continued: nothing in the process was at fault).
+  and major page faults over the gap (waiting on the disk for code or mmapped weights the kernel had dropped), the
+  CPU by thread (from /proc/self/task, so a thread burning the GIL is named), the machine's idle, iowait and steal
+  time (a process that got no CPU on an idle box was blocked; one that got none on a busy box was crowded out or
+  paging; steal means the VM itself was descheduled), and how many SIGCONTs it received (`sigcont=1`: it was
+  stopped, by SIGSTOP or a freezer, and continued: nothing in the process was at fault).
+
+A tick costs two small reads (/proc/self/stat and the first line of /proc/stat) on the serving loop; the per-thread
+counts (one read per thread) are taken only every `threads_every_s`, so a stall line's thread figures cover the
+gap plus up to that much before it, which the line says (`threads_over_s`).
 
 The lag also goes to `tilepd_decode_loop_lag_seconds`, so a stall shows on the dashboard before it costs a request.
 """
@@ -64,23 +68,26 @@ def thread_cpu_seconds(task_dir: Path = Path("/proc/self/task")) -> dict[str, fl
 def machine_cpu_seconds(stat_file: Path = Path("/proc/stat")) -> dict[str, float]:
     """The whole machine's idle, iowait and steal CPU seconds since boot (all cores); empty where unreadable."""
     try:
-        first = stat_file.read_text().splitlines()[0].split()
-    except (OSError, IndexError):
+        with stat_file.open() as f:
+            first = f.readline().split()  # the all-cores line; the rest (per core, interrupts) is not read
+    except OSError:
         return {}
-    if first[0] != "cpu" or len(first) < 9:
+    if not first or first[0] != "cpu" or len(first) < 9:
         return {}
     ticks = [int(v) for v in first[1:9]]  # user nice system idle iowait irq softirq steal
     return {"idle": ticks[3] / _TICKS_PER_S, "iowait": ticks[4] / _TICKS_PER_S, "steal": ticks[7] / _TICKS_PER_S}
 
 
-def major_faults(stat_file: Path = Path("/proc/self/stat")) -> int:
-    """This process's major page faults so far (pages it waited on the disk for: code or mmapped weights that the
-    kernel had dropped from memory); 0 where /proc is missing."""
+def process_cpu_and_faults(stat_file: Path = Path("/proc/self/stat")) -> tuple[float, int]:
+    """This process's CPU seconds (user + system, every thread, ended ones too) and major page faults so far (pages
+    it waited on the disk for: code or mmapped weights that the kernel had dropped from memory); zeros where /proc is
+    missing."""
     try:
-        raw = stat_file.read_text()
+        fields = _stat_fields(stat_file.read_text())
     except OSError:
-        return 0
-    return int(_stat_fields(raw)[9])  # majflt, the 12th field of proc(5)
+        return 0.0, 0
+    # majflt, utime and stime: the 12th, 14th and 15th fields of proc(5), counted here after the name
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S, int(fields[9])
 
 
 def _spent(before: dict[str, float], after: dict[str, float], *, keep_zero: bool = False) -> dict[str, float]:
@@ -88,11 +95,14 @@ def _spent(before: dict[str, float], after: dict[str, float], *, keep_zero: bool
     return spent if keep_zero else {k: v for k, v in spent.items() if v > 0.0}
 
 
-def describe_gap(gap_s: float, threads: dict[str, float], machine: dict[str, float], majflt: int = 0, sigcont: int = 0) -> str:
-    """The `key=value` tail of one `event=loop_stall` line: threads that used CPU (most first), then the machine."""
+def describe_gap(gap_s: float, process_cpu_s: float, threads: dict[str, float], threads_over_s: float,
+                 machine: dict[str, float], majflt: int = 0, sigcont: int = 0) -> str:
+    """The `key=value` tail of one `event=loop_stall` line: the process over the gap, the threads that used CPU over
+    `threads_over_s` (most first), then the machine over the gap."""
     busy = sorted(threads.items(), key=lambda kv: -kv[1])[:6]
-    parts = [f"gap_s={gap_s:.2f}", f"process_cpu_s={sum(threads.values()):.2f}",
-             "threads=" + (",".join(f"{name.replace(' ', '_')}:{sec:.2f}" for name, sec in busy) or "none")]
+    parts = [f"gap_s={gap_s:.2f}", f"process_cpu_s={process_cpu_s:.2f}",
+             "threads=" + (",".join(f"{name.replace(' ', '_')}:{sec:.2f}" for name, sec in busy) or "none"),
+             f"threads_over_s={threads_over_s:.2f}"]
     parts += [f"major_faults={majflt}", f"sigcont={sigcont}"]
     parts += [f"machine_{k}_s={v:.2f}" for k, v in machine.items()]
     return " ".join(parts)
@@ -102,8 +112,10 @@ class StallWatch:
     """Runs as a task on the node's event loop (see `run`); one per process (faulthandler's timer is global)."""
 
     def __init__(self, node: str, *, tick_s: float = 0.5, warn_after_s: float = 2.0, dump_after_s: float = 5.0,
-                 dump_file: IO[str] | None = None, observe: Callable[[float], None] | None = None):
+                 threads_every_s: float = 5.0, dump_file: IO[str] | None = None,
+                 observe: Callable[[float], None] | None = None):
         self.node, self.tick_s, self.warn_after_s, self.dump_after_s = node, tick_s, warn_after_s, dump_after_s
+        self.threads_every_s = threads_every_s
         self.dump_file = dump_file or sys.stderr
         self.observe = observe
         self.stalls = 0
@@ -113,7 +125,8 @@ class StallWatch:
         self.continued += 1
 
     async def run(self) -> None:
-        threads, machine, faults, last = thread_cpu_seconds(), machine_cpu_seconds(), major_faults(), time.monotonic()
+        (cpu, faults), machine, last = process_cpu_and_faults(), machine_cpu_seconds(), time.monotonic()
+        threads, threads_at = thread_cpu_seconds(), last
         conts = self.continued
         try:
             previous = signal.signal(signal.SIGCONT, self._on_sigcont)
@@ -127,17 +140,22 @@ class StallWatch:
                 lag = max(0.0, now - last - self.tick_s)
                 if self.observe is not None:
                     self.observe(lag)
-                new_threads, new_machine, new_faults = thread_cpu_seconds(), machine_cpu_seconds(), major_faults()
+                (new_cpu, new_faults), new_machine = process_cpu_and_faults(), machine_cpu_seconds()
                 if lag >= self.warn_after_s:
                     self.stalls += 1
+                    new_threads = thread_cpu_seconds()
                     await asyncio.sleep(0)  # a SIGCONT's handler runs on this thread: let it count first
                     # faulthandler's dump names threads by ident only: the map lets a reader put names on it
                     idents = ",".join(f"{t.ident:#x}:{t.name.replace(' ', '_')}" for t in threading.enumerate() if t.ident)
                     log.warning("event=loop_stall node=%s %s thread_idents=%s", self.node,
-                                describe_gap(now - last, _spent(threads, new_threads), _spent(machine, new_machine, keep_zero=True),
-                                            new_faults - faults, self.continued - conts),
+                                describe_gap(now - last, new_cpu - cpu, _spent(threads, new_threads), now - threads_at,
+                                             _spent(machine, new_machine, keep_zero=True), new_faults - faults,
+                                             self.continued - conts),
                                 idents)
-                threads, machine, faults, last, conts = new_threads, new_machine, new_faults, now, self.continued
+                    threads, threads_at = new_threads, now
+                elif now - threads_at >= self.threads_every_s:
+                    threads, threads_at = thread_cpu_seconds(), now
+                cpu, faults, machine, last, conts = new_cpu, new_faults, new_machine, now, self.continued
         finally:
             faulthandler.cancel_dump_traceback_later()
             if previous is not None:
