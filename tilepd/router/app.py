@@ -84,6 +84,7 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        lag_watch = asyncio.get_running_loop().create_task(state.loop_lag.run())
         await probe_all(state)
         log.info("event=started nodes_in_rotation=%d/%d native_pool=%s auth=%s", len(state.pool.in_rotation()),
                  len(state.pool.nodes), config.native_pool is not None, "open" if keys.open else "bearer")
@@ -92,6 +93,7 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
             yield
         finally:
             prober.cancel()
+            lag_watch.cancel()
             await _shutdown(state)
 
     app = FastAPI(title="tilepd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -7,18 +7,27 @@ re-reading its `/capabilities` (a restarted node may run a different engine buil
 A node whose `/health` answers 503 `{"status": "draining"}` is alive: its breaker stays
 closed (its in-flight request is not failed over) but it is leased no more from this
 check on; the first 200 makes it leasable again.
+
+A check that timed out while the router's own loop was held up for a good part of it
+(loop_lag.py) counts neither way, up to `MAX_UNJUDGED` in a row: the router was not
+running to hear the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from tilepd.router.leases import NodeState
 from tilepd.router.state import RouterState
 from tilepd.router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("tilepd.router")
+
+# timed-out checks in a row not held against a node while the router was held up; the next one counts: a router that
+# is always held up must still take a dead node out of rotation
+MAX_UNJUDGED = 3
 
 
 def says_draining(resp: UpstreamResponse) -> bool:
@@ -40,7 +49,7 @@ def note_draining(state: RouterState, node: NodeState, draining: bool, why: str)
 
 async def probe_node(state: RouterState, node: NodeState) -> None:
     client = state.client
-    draining = False
+    draining, timed_out, started = False, False, time.monotonic()
     try:
         resp = await client.request("GET", f"{node.base_url}/health", timeout_s=state.config.health_timeout_s)
         draining = says_draining(resp)
@@ -52,9 +61,16 @@ async def probe_node(state: RouterState, node: NodeState) -> None:
                 raise ValueError(f"/capabilities answered {caps.status}")
             node.capabilities = caps.json()
     except UpstreamError as exc:
-        healthy, why = False, str(exc)
+        healthy, why, timed_out = False, str(exc), isinstance(exc.cause, TimeoutError)
     except ValueError as exc:
         healthy, why = False, f"{type(exc).__name__}: {exc}"
+    now = time.monotonic()
+    if not healthy and timed_out and node.unjudged_probes < MAX_UNJUDGED and not state.loop_lag.judges(started, now - started, now):
+        node.unjudged_probes += 1
+        log.warning("event=probe_inconclusive node=%s router_held_up_s=%.2f of_s=%.2f why=%s", node.name,
+                    state.loop_lag.stalled_s(started, now), now - started, why)
+        return
+    node.unjudged_probes = 0
     if healthy:
         note_draining(state, node, draining, why if draining else "/health answered 200")
         state.metrics.node_ok(state.pool, node)

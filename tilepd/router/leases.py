@@ -41,6 +41,7 @@ class NodeState:
     draining: bool = False  # healthy, finishing its request, leased no more (tilepd drain)
     held_since: float = 0.0  # the pool's clock when the current lease began
     held_alone: bool = False  # no other node has been leased since the current lease began
+    unjudged_probes: int = 0  # health probes in a row that timed out while the router itself was held up (loop_lag.py)
     _left_rotation: asyncio.Event | None = None
 
     @property

@@ -27,6 +27,8 @@ the first measure):
   LIVENESS_INTERVAL_S; LIVENESS_MISSES failed probes in a row (a stopped or wedged
   process) end the wait long before the deadline. A node that answers its probes is
   slow, not dead, and is given the full deadline.
+- time the router itself was held up (its loop got no CPU: loop_lag.py) counts toward
+  neither the deadlines nor a probe's miss: a node is not blamed for the router's stall.
 - a request whose node failed goes on from another node, else the native pool; with
   neither (no node in rotation, no native pool) it waits up to REJOIN_WAIT_S for a node
   to come back into rotation (the frozen one, once it answers again) and goes on there.
@@ -260,10 +262,12 @@ class NodeAttempt(ReadWatch):
         """Trip when the node is silent past the deadline, fails its liveness probes while silent, or leaves rotation."""
         left = self.lease.node.left_rotation
         misses, probed_wait = 0, None
+        lag = self.state.loop_lag
         while self.tripped is None and self.stage not in ("idle", "faulted"):
             since = self.waiting_since
             if since is not None:
-                waited = time.monotonic() - since
+                # time the router itself was held up is not the node's silence (loop_lag.py)
+                waited = time.monotonic() - since - lag.stalled_s(since)
                 if left.is_set() and waited >= OUT_OF_ROTATION_GRACE_S:
                     return self._trip("out_of_rotation")
                 if waited >= self.deadline_s:
@@ -271,8 +275,12 @@ class NodeAttempt(ReadWatch):
                 if waited >= LIVENESS_AFTER_S:
                     if probed_wait != since:
                         misses, probed_wait = 0, since
+                    probed = time.monotonic()
                     alive = await node_alive(self.state.client, self.lease.node.base_url, LIVENESS_PROBE_TIMEOUT_S)
-                    misses = 0 if alive else misses + 1
+                    if alive:
+                        misses = 0
+                    elif lag.judges(probed, time.monotonic() - probed):  # else: the router was held up, no miss
+                        misses += 1
                     if misses >= LIVENESS_MISSES and self.waiting_since == since:
                         return self._trip(f"unresponsive ({misses} health probes failed)")
             try:

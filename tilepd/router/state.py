@@ -12,6 +12,7 @@ from tilepd.auth import node_auth_header
 from tilepd.plan.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.leases import NodePool
+from tilepd.router.loop_lag import LoopLag
 from tilepd.router.metrics import RouterMetrics
 from tilepd.router.prompts import PromptRenderer
 from tilepd.router.upstream import Upstream
@@ -29,6 +30,7 @@ class RouterState:
     node_secret: bytes | None = None
     tracing: Any = None  # tilepd.router.tracing.Tracing when an OTLP collector is configured
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    loop_lag: LoopLag = field(default_factory=LoopLag)  # the router's own hold-ups: a timeout across one says nothing
     _prefill_cycle: Any = None
     _native_prefill_cycle: Any = None
     _native_decode_cycle: Any = None
