@@ -27,9 +27,10 @@ def test_prefill_and_native_decode_on_one_host_get_disjoint_cores() -> None:
     topo = _topo(LOCAL)
     two = build_plan(topo, local_cores=[0, 1])
     assert two.service("prefill-p0").env[BIND_ENV] == "0" and two.service("native-decode-n0").env[BIND_ENV] == "1"
-    # with cores to spare the last one is left to the decode node and router on the same host
+    # with cores to spare the first one is left to the decode node and router on the same host; the native decode
+    # holds the last core, where vLLM's NixlConnector pins its worker's main thread (tilepd/connector/cpu_binding.py)
     nine = build_plan(topo, local_cores=range(9))
-    assert nine.service("prefill-p0").env[BIND_ENV] == "0-3" and nine.service("native-decode-n0").env[BIND_ENV] == "4-7"
+    assert nine.service("prefill-p0").env[BIND_ENV] == "1-4" and nine.service("native-decode-n0").env[BIND_ENV] == "5-8"
     assert BIND_ENV not in nine.service("decode-d0").env and BIND_ENV not in nine.service("router").env
     # the plan's JSON (what `tilepd plan --json` prints) carries it, and the config hash follows it
     assert '"VLLM_CPU_OMP_THREADS_BIND": "0"' in two.model_dump_json(indent=1)
@@ -47,12 +48,15 @@ def test_the_operators_binding_wins_and_its_cores_are_left_to_it() -> None:
     text = LOCAL.replace("      VLLM_CPU_KVCACHE_SPACE: \"1\"\n", "      VLLM_CPU_KVCACHE_SPACE: \"1\"\n      VLLM_CPU_OMP_THREADS_BIND: \"0-1\"\n")
     plan = build_plan(_topo(text), local_cores=range(4))
     assert plan.service("prefill-p0").env[BIND_ENV] == "0-1"
-    assert plan.service("native-decode-n0").env[BIND_ENV] == "2"  # core 3 kept for the decode node and router
+    assert plan.service("native-decode-n0").env[BIND_ENV] == "3"  # core 2 kept for the decode node and router
 
 
 def test_tensor_parallel_ranks_get_one_list_each() -> None:
     out = split_cores(range(8), [CpuVllm("prefill-p0", 2, {}), CpuVllm("native-decode-n0", 2, {})], other_services=False)
     assert out == {"prefill-p0": "0-1|2-3", "native-decode-n0": "4-5|6-7"}
+    # whatever the topology's order, the native decode takes the last cores
+    out = split_cores(range(4), [CpuVllm("native-decode-n0", 1, {}), CpuVllm("prefill-p0", 1, {})], other_services=True)
+    assert out == {"prefill-p0": "2", "native-decode-n0": "3"}, out  # core 0 kept for tilepd's services, core 1 left over
     assert split_cores([0, 2, 3, 5], [CpuVllm("a", 1, {}), CpuVllm("b", 1, {})], other_services=False) == {"a": "0,2", "b": "3,5"}
     assert parse_cpu_list("0-2|5,7") == {0, 1, 2, 5, 7} and parse_cpu_list("auto") is None and parse_cpu_list("1-") is None
 

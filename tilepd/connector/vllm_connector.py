@@ -77,6 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tilepd.connector import vllm_version
 from tilepd.connector.cpu_attn import cpu_attn_isa, probe_block_perm
+from tilepd.connector.cpu_binding import restore_bound_cores
 from tilepd.connector.events import EventLog, ensure_logging
 from tilepd.connector.layout import (
     ModelCacheFacts,
@@ -304,11 +305,15 @@ class TilePDConnector(KVConnectorBase_V1):
         from tilepd.control.sender import KVSender
         from tilepd.transport import Buffer
 
+        rank, tp = _tp_rank_size()
+        if cache.device.type == "cpu":  # first, so that the threads started below inherit the cores
+            moved = restore_bound_cores(rank, tp)  # vLLM's NixlConnector beside us moved this thread (cpu_binding.py)
+            if moved is not None:
+                self.events.event("cpu_binding_restored", None, was=_cores(moved[0]), now=_cores(moved[1]), rank=rank)
         self._cache = cache
         self._layer_index = {n: i for i, n in enumerate(cache.layer_names)}
         pin = cache.device.type == "cuda"
         self._pool = StagingPool(cache.layout, self.config.max_seq_len, self.config.staging_slots, pin_memory=pin)
-        rank, tp = _tp_rank_size()
         self._sender = KVSender(self.config, cache.layout, Buffer.from_array(self._pool.buffer), sender_rank=rank, tp_size=tp)
         self._thread = threading.Thread(target=self._send_loop, name="tilepd-connector-sender", daemon=True)
         self._thread.start()
@@ -537,6 +542,10 @@ def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFa
         return probe_block_perm(t.shape[1], t.shape[2], hk, t.dtype, isa)
     except ValueError as exc:
         raise UnsupportedCacheLayout(str(exc)) from exc
+
+
+def _cores(cores: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
 
 
 def _tp_rank_size() -> tuple[int, int]:

@@ -11,7 +11,11 @@ Only hosts whose cores the planner knows are bound: loopback hosts, with the cor
 this process may run on (what `build_plan` is given, like `python: current`). A
 service whose topology `env` sets the variable keeps the operator's value, and its
 cores are left to it. When the host also runs tilepd services (decode nodes, router)
-and has a core to spare, the last core is kept free of vLLM for them.
+and has a core to spare, the first core is kept free of vLLM for them, and native
+decodes get the last cores: on CPU, vLLM's NixlConnector pins its worker's main thread
+to the last core of the NUMA node whatever the binding says (see
+tilepd/connector/cpu_binding.py; our connector moves the prefill's back, nothing moves a
+native decode's), so that core is best the native decode's own.
 """
 
 from __future__ import annotations
@@ -78,8 +82,11 @@ def split_cores(cores: Sequence[int], services: Sequence[CpuVllm], *, other_serv
     if not todo or len(free) < ranks:
         return {}
     if other_services and len(free) > ranks:
-        free = free[:-1]  # the decode nodes' and router's core
+        free = free[1:]  # the decode nodes' and router's core: not the last, where NIXL pins vLLM's worker threads
+    # native decodes last: their worker's main thread is pinned to the last core by NixlConnector, which is then theirs
+    todo.sort(key=lambda s: s.name.startswith("native-decode"))
     per = len(free) // ranks
+    free = free[len(free) - per * ranks:]  # cores left over stay unbound at the front: the last core is a native decode's
     out: dict[str, str] = {}
     i = 0
     for s in todo:
