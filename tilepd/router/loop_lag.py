@@ -3,8 +3,9 @@
 A health probe or a liveness wait that timed out says the node did not answer only if the router was running to
 hear it. When the router itself got no CPU (a host whose cores other processes hold, a VM descheduled, a paused
 process), every timer it had fires at once when it runs again: each probe it had out times out, each wait looks
-long, and healthy nodes would be taken out of rotation for the router's own stall (seen on the 2-core test host:
-the router and a decode node silent together for 24 s, then the node called dead the moment both ran again).
+long, and healthy nodes would be taken out of rotation for the router's own stall (on the 2-core test host
+sleeping processes were seen to get no CPU for 15-29 s while both cores were busy; a router among them would have
+called every node it had a probe out to dead the moment it ran again).
 Failure detectors that must survive their own pauses do the same (pause detection: a timeout measured across the
 detector's pause is not held against the peer).
 
