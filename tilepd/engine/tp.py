@@ -65,6 +65,23 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
+@dataclass
+class NoCollectiveGroup(TPGroup):
+    """Rank `rank` of `size` with no other ranks: every collective returns what the real one's shape would be
+    without communicating, so one rank's shard runs (and is timed) alone on one device (bench/tp_shard_step.py).
+    The values are not the model's (partial sums stay unsummed, the other ranks' logits are this rank's
+    repeated): never for serving."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum as it is (the real one would add the others' in place)."""
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] -> [..., size * n]: this rank's piece repeated in the other ranks' slots (one copy, as the
+        real gather's concatenation costs)."""
+        return x.repeat(*([1] * (x.dim() - 1)), self.size)
+
+
 def check_divisible(spec: ModelSpec, tp: int) -> None:
     """Refuse a TP size the model's shapes cannot split evenly (the message names the field)."""
     fields = {"num_attention_heads": spec.num_heads, "vocab_size": spec.vocab_size, "intermediate_size": spec.intermediate_size}

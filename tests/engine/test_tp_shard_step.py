@@ -1,0 +1,94 @@
+"""bench/tp_shard_step.py: one TP8 rank's shard with no-op collectives (tp.NoCollectiveGroup), on CPU tiny shapes, so
+the H200 benchmark cannot rot; and GLM-5.1's real TP8 shard shapes on 128x128 fp8 blocks (shapes only, nothing built)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8
+from tilepd.engine.spec import spec_from_hf_config
+from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "tp_shard_step.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("tp_shard_step", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_collective_group_keeps_the_real_shapes() -> None:
+    g = NoCollectiveGroup(0, 8)
+    x = torch.arange(6.0).view(2, 3)
+    assert g.all_reduce(x) is x
+    full = g.all_gather_last(x)
+    assert full.shape == (2, 24) and torch.equal(full[:, 9:12], x)
+
+
+def test_tiny_shard_step_gives_full_vocab_logits_over_an_eighth_of_the_heads(bench) -> None:
+    """The bench's own builder: rank 0's TP8 shard (fp8, convert-weights' sharding) and its no-op group's step."""
+    cfg = bench.TINY_GLM51
+    spec = spec_from_hf_config(cfg)
+    built_n = spec.first_k_dense_replace + 1
+    weights, blocks = bench.shard_weights(spec_from_hf_config({**cfg, "num_hidden_layers": built_n}), torch.device("cpu"),
+                                          torch.float32, 0, 8, fp8=True)
+    bench.deepen(weights, built_n, spec.num_layers, alias=False)
+    model = build_tp_model(spec, weights, 64, torch.device("cpu"), torch.float32, NoCollectiveGroup(0, 8))
+    v, n = spec.vocab_size, spec.vocab_size // 8
+    assert weights["lm_head"].shape[0] == n  # the head is vocab-parallel: the full width comes from the (no-op) gather
+    assert model.spec.num_heads == spec.num_heads // 8 == 1
+    assert weights["layers.4.w_uk"].shape[0] == 1 and weights["layers.4.wq_b"].shape[0] == spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    assert isinstance(weights["layers.4.experts_w13"], BlockFp8) and weights["layers.4.experts_w13"].weight.shape[1] == 2 * 1024 // 8
+    assert weights["layers.4.experts_w13"].weight.data_ptr() != weights["layers.3.experts_w13"].weight.data_ptr()  # own copy
+    with torch.no_grad():
+        logits, _ = model.forward(torch.tensor([3]), torch.tensor([0]), 16)
+    assert logits.shape == (1, v) and torch.isfinite(logits).all()
+    assert torch.equal(logits[:, :n], logits[:, n:2 * n])  # the other ranks' slots repeat this rank's
+    assert blocks["layers.3.experts_w2"] == DEFAULT_BLOCK and blocks["layers.3.wq_b"] == (1, DEFAULT_BLOCK[1])  # 32 rows: per-row
+
+
+def test_glm51_tp8_shard_is_whole_128_blocks_and_an_eighth_of_the_heads(bench) -> None:
+    """GLM-5.1's own shapes at TP 8 (what the H200 run builds): every fp8 tensor keeps 128x128 blocks, as
+    convert-weights --tp 8 --dtype fp8 plans them (no per-row fallback, no refused column shard)."""
+    from tilepd.dev.synthetic import hf_tensor_shapes
+    from tilepd.weights import fp8_build
+    from tilepd.weights.layout import family_layout
+
+    spec = spec_from_hf_config(bench.GLM51)
+    assert (spec.num_layers, spec.first_k_dense_replace, spec.vocab_size, spec.num_heads) == (78, 3, 154880, 64)
+    assert local_spec(spec, 8).num_heads == 8
+    built = spec_from_hf_config({**bench.GLM51, "num_hidden_layers": 4})
+    shapes = hf_tensor_shapes(built)
+    planned = {t.name: fp8_build.plan(t, lambda p: shapes[p], 8, DEFAULT_BLOCK)[0]
+               for t in family_layout(built, set()) if fp8_build.stores_fp8(t, lambda p: False, True, False)}
+    assert "layers.3.experts_w2" in planned and "layers.0.w2" in planned
+    assert {b for b in planned.values()} == {DEFAULT_BLOCK}
+
+
+@pytest.mark.slow
+def test_tp_shard_step_cpu_path(python_exe: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([python_exe, str(BENCH), "--device", "cpu", "--tiny", "--json"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["collectives"].startswith("NO-OPS") and r["tp"] == 8 and r["layers"] == 5
+    assert r["heads"] == {"model": 8, "shard": 1} and r["shard_spec"]["num_heads"] == 1
+    assert r["vocab"] == {"model": 1024, "shard_rows": 128, "logits_width": 1024}
+    assert r["fp8"]["block"] == [128, 128] and r["fp8"]["per_row_scales"] == ["wq_b"]
+    assert [row["context"] for row in r["rows"]] == [32, 64]
+    for row in r["rows"]:
+        assert "error" not in row, row
+        assert row["ms_per_step"] > 0 and row["floor_ms"] > 0 and 0 < row["pct_of_floor"]
+        assert row["us_per_layer"] == pytest.approx(row["ms_per_step"] * 1e3 / 5)
+        assert row["kv_GB"] * 1e9 == pytest.approx(5 * (min(16, row["context"]) * 80 + row["context"] * 32) * 4)  # DSA: topk rows + all keys
