@@ -51,7 +51,7 @@ def _triton_available() -> bool:
 
 
 def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, mla_attention: bool = True,
-               moe_gemv: bool = True, fused_gemv: bool = True, compile_mode: str | None = None) -> SpeedPath:
+               moe_gemv: bool = True, moe_route: bool = True, fused_gemv: bool = True, compile_mode: str | None = None) -> SpeedPath:
     """Turn on the speed path for `model` (CUDA only; call before the first graph capture); `compile_mode` None compiles
     with SPEED_COMPILE_OPTIONS."""
     path = SpeedPath()
@@ -87,6 +87,18 @@ def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = T
             return f"routed experts back to {before_moe}"
 
         path.fallbacks.insert(0, undo_moe)
+    if moe_route and _triton_available() and getattr(getattr(model, "spec", None), "n_routed_experts", 0):
+        from tilepd.engine import moe
+
+        before_route = moe.ROUTE_IMPL["router"]
+        moe.ROUTE_IMPL["router"] = "triton"
+        path.parts.append("moe-route")
+
+        def undo_route() -> str:
+            moe.ROUTE_IMPL["router"] = before_route
+            return f"MoE router back to {before_route}"
+
+        path.fallbacks.insert(0, undo_route)
     if fused_gemv and _triton_available() and getattr(getattr(model, "spec", None), "family", None) == "llama":
         before_gemv = layers.GEMV_IMPL["dense"]
         layers.GEMV_IMPL["dense"] = "triton"

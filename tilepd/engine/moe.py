@@ -3,7 +3,9 @@
 Routing runs in float32 like the reference. The selected experts' weights are read by device indices
 (no host sync, no data-dependent shapes), so the whole layer can sit inside a CUDA graph: on the CUDA speed
 path (EXPERT_IMPL["dense"] == "triton", set by compiled.accelerate) in place by moe_triton.py's grouped
-GEMV; otherwise gathered into a [T, k, out, in] copy and applied with einsum (the reference).
+GEMV; otherwise gathered into a [T, k, out, in] copy and applied with einsum (the reference). The router after
+its gate GEMV is one Triton kernel on the speed path (ROUTE_IMPL["router"] == "triton", route_triton.py); route_torch()
+is the portable path and the kernel's test oracle.
 """
 
 from __future__ import annotations
@@ -18,8 +20,33 @@ from tilepd.engine.layers import swiglu
 from tilepd.engine.spec import ModelSpec
 
 
+# "torch": route_torch (portable reference); "triton": route_triton.route_logits after the gate GEMV (CUDA, or CPU
+# under TRITON_INTERPRET=1), set by compiled.accelerate(moe_route=True).
+ROUTE_IMPL = {"router": "torch"}
+
+
+def _use_route_kernel(x: torch.Tensor) -> bool:
+    if ROUTE_IMPL["router"] != "triton" or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    from tilepd.engine import route_triton
+
+    return route_triton.available()
+
+
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, h] -> (expert ids [T, k], weights [T, k] float32)."""
+    """x [T, h] -> (expert ids [T, k], weights [T, k] float32): one fused kernel after the gate GEMV on the speed
+    path, else the torch ops (route_torch)."""
+    if _use_route_kernel(x):
+        from tilepd.engine.route_triton import route_logits
+
+        return route_logits(F.linear(x.float(), gate), bias, spec.n_group, spec.topk_group, spec.num_experts_per_tok,
+                            spec.norm_topk_prob, spec.routed_scaling_factor)
+    return route_torch(x, gate, bias, spec)
+
+
+def route_torch(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference router (noaux_tc as HF's DeepseekV3TopkRouter): sigmoid scores, bias for the choice only,
+    groups ranked by their top-2 sum, top-k inside the best topk_group groups, weights from the unbiased scores."""
     t = x.shape[0]
     scores = torch.sigmoid(F.linear(x.float(), gate))
     choice = scores + bias

@@ -1,0 +1,117 @@
+"""The DeepSeek-V3 / GLM-5 MoE router (noaux_tc) after the gate GEMV as one Triton kernel: ids and weights per token.
+
+Why: moe.route() in torch is ~10 launches per MoE layer on the decode step (sigmoid, + bias, a top-2 per
+group, the group top-k, a scatter for the group mask, a masked fill, the expert top-k with its radix sort,
+a gather, the normalisation and the scale), each a few microseconds of a 256-wide vector plus a gap. Here
+one program per token row does all of it in registers: sigmoid of the gate logits, + the correction bias
+(used for the choice only), per group the sum of its two best choice scores, the topk_group best groups,
+then num_experts_per_tok rounds of argmax over the experts of those groups, the chosen experts' sigmoid
+scores normalised (norm_topk_prob) and scaled by routed_scaling_factor.
+
+Ties are broken deterministically: the lower group index, then the lower expert index wins (torch.topk
+leaves tie order unspecified). Ids come out in descending order of choice score (the reference's
+topk(sorted=False) order is unspecified; moe() sums over them, so only the set and the weights matter).
+NaN logits are not handled (the reference is undefined there too).
+
+Device tensors only (no host sync), static shapes: it sits inside the decode step's CUDA graph. Under
+TRITON_INTERPRET=1 it also runs on CPU tensors, which is how tests/engine/test_moe_route.py checks it
+against moe.route().
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - CPU installs without Triton
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(LOGITS, BIAS, IDS, WEIGHTS, s_lt, s_it, s_wt, scale,
+                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr):
+        t = tl.program_id(0)
+        g = tl.arange(0, G_PAD)
+        j = tl.arange(0, GS_PAD)
+        valid = (g[:, None] < N_GROUP) & (j[None, :] < GROUP_SIZE)
+        e = g[:, None] * GROUP_SIZE + j[None, :]  # expert index, [G_PAD, GS_PAD]
+        neg = float("-inf")
+        logits = tl.load(LOGITS + t * s_lt + e, mask=valid, other=0.0).to(tl.float32)
+        scores = tl.sigmoid(logits)
+        choice = tl.where(valid, scores + tl.load(BIAS + e, mask=valid, other=0.0).to(tl.float32), neg)
+        # per group: the sum of its two best choice scores (topk(2).sum(); a repeated best counts twice)
+        best = tl.max(choice, axis=1)
+        first = tl.min(tl.where(choice == best[:, None], j[None, :], GS_PAD), axis=1)
+        second = tl.max(tl.where(j[None, :] == first[:, None], neg, choice), axis=1)
+        group_score = tl.where(g < N_GROUP, best + second, neg)
+        # the TOPK_GROUP best groups, lowest index first among equals
+        chosen = g < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            cand = tl.where(chosen | (g >= N_GROUP), neg, group_score)
+            top = tl.max(cand, axis=0)
+            pick = tl.min(tl.where((cand == top) & ~chosen & (g < N_GROUP), g, G_PAD), axis=0)
+            chosen = chosen | (g == pick)
+        allowed = valid & chosen[:, None]
+        # TOP_K rounds of argmax over the allowed experts, lowest expert index first among equals
+        kk = tl.arange(0, K_PAD)
+        ids = tl.zeros([K_PAD], dtype=tl.int64)
+        wts = tl.zeros([K_PAD], dtype=tl.float32)
+        taken = e < 0
+        big = N_GROUP * GROUP_SIZE
+        for i in tl.static_range(TOP_K):
+            free = allowed & ~taken
+            cand = tl.where(free, choice, neg)
+            top = tl.max(tl.max(cand, axis=1), axis=0)
+            pick = tl.min(tl.min(tl.where(free & (cand == top), e, big), axis=1), axis=0)
+            hit = e == pick
+            w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
+            taken = taken | hit
+            ids = tl.where(kk == i, pick.to(tl.int64), ids)
+            wts = tl.where(kk == i, w, wts)
+        if NORMALISE:
+            wts = wts / (tl.sum(wts, axis=0) + 1e-20)
+        wts = wts * scale
+        kmask = kk < TOP_K
+        tl.store(IDS + t * s_it + kk, ids, mask=kmask)
+        tl.store(WEIGHTS + t * s_wt + kk, wts, mask=kmask)
+
+
+def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate logits [T, E] (before the sigmoid) and the correction bias [E] -> (expert ids [T, top_k] int64,
+    weights [T, top_k] float32), as moe.route() computes them after its gate GEMV."""
+    if triton is None:
+        raise RuntimeError("MoE routing kernel needs Triton, which is not importable here")
+    if logits.dim() != 2 or bias.dim() != 1 or bias.shape[0] != logits.shape[1]:
+        raise ValueError(f"MoE routing: logits {list(logits.shape)} and bias {list(bias.shape)} do not fit (logits [T, E], bias [E])")
+    t, n_exp = logits.shape
+    if n_group < 1 or n_exp % n_group:
+        raise ValueError(f"MoE routing: n_group={n_group} does not divide n_routed_experts={n_exp}")
+    group_size = n_exp // n_group
+    if group_size < 2:
+        raise ValueError(f"MoE routing: groups of {group_size} expert(s) (n_group={n_group}); the group score sums each group's top 2")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"MoE routing: topk_group={topk_group} must be in 1..n_group={n_group}")
+    if not 1 <= top_k <= topk_group * group_size:
+        raise ValueError(f"MoE routing: num_experts_per_tok={top_k} must be in 1..{topk_group * group_size} "
+                         f"(the experts of topk_group={topk_group} groups of {group_size})")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    bias = bias.contiguous()
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    if t == 0:
+        return ids, weights
+    _route_kernel[(t,)](logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(routed_scaling_factor),
+                        N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, TOP_K=top_k,
+                        G_PAD=max(2, triton.next_power_of_2(n_group)), GS_PAD=triton.next_power_of_2(group_size),
+                        K_PAD=max(2, triton.next_power_of_2(top_k)), NORMALISE=bool(norm_topk_prob), num_warps=4)
+    return ids, weights
