@@ -4,7 +4,9 @@
 (bench/decode_speed.py, docs/PERFORMANCE.md): attention through the split-KV Triton kernel
 (attention.py), Llama-family GEMVs with the norms, SiLU-mul and residual adds fused in (gemv_triton.py),
 DeepSeek-family latent attention (dense and DSA) through the MLA kernel (mla_attention.py),
-routed experts with dense weights through the grouped GEMV that reads them in place (moe_triton.py), and the per-layer element-wise work fused by torch.compile, with the cache-reading
+routed experts with dense weights through the grouped GEMV that reads them in place (moe_triton.py), the MoE
+router after its gate GEMV as one kernel (route_triton.py; with the expert GEMV also on, the shared expert runs as one
+more row of the routed experts' launches, moe.moe_grouped), and the per-layer element-wise work fused by torch.compile, with the cache-reading
 attention left outside the compiled code (so one compilation serves every cache-window bucket and the
 cache is never copied). Compilation and Triton builds only happen at the first graph capture; if that
 fails, GraphStep applies the returned fallbacks one at a time (first drop torch.compile, then the

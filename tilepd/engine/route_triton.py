@@ -38,7 +38,8 @@ if triton is not None:
     @triton.jit
     def _route_kernel(LOGITS, BIAS, IDS, WEIGHTS, s_lt, s_it, s_wt, scale,
                       N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr):
+                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
+                      N_SLOTS: tl.constexpr):
         t = tl.program_id(0)
         g = tl.arange(0, G_PAD)
         j = tl.arange(0, GS_PAD)
@@ -80,15 +81,21 @@ if triton is not None:
         if NORMALISE:
             wts = wts / (tl.sum(wts, axis=0) + 1e-20)
         wts = wts * scale
-        kmask = kk < TOP_K
+        if SHARED_SLOT:  # one more slot after the routed ones: id -1 (the shared expert), weight 1
+            ids = tl.where(kk == TOP_K, -1, ids)
+            wts = tl.where(kk == TOP_K, 1.0, wts)
+        kmask = kk < N_SLOTS
         tl.store(IDS + t * s_it + kk, ids, mask=kmask)
-        tl.store(WEIGHTS + t * s_wt + kk, wts, mask=kmask)
+        tl.store(WEIGHTS + t * s_wt + kk, wts.to(WEIGHTS.dtype.element_ty), mask=kmask)
 
 
 def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                 norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 norm_topk_prob: bool, routed_scaling_factor: float, shared_slot: bool = False,
+                 weights_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate logits [T, E] (before the sigmoid) and the correction bias [E] -> (expert ids [T, top_k] int64,
-    weights [T, top_k] float32), as moe.route() computes them after its gate GEMV."""
+    weights [T, top_k] float32), as moe.route() computes them after its gate GEMV. shared_slot: one more column,
+    id -1 with weight 1, for the shared expert run as one more row of the grouped expert GEMV; weights_dtype: the
+    weights rounded once to it (the activations' dtype, which the reference multiplies in)."""
     if triton is None:
         raise RuntimeError("MoE routing kernel needs Triton, which is not importable here")
     if logits.dim() != 2 or bias.dim() != 1 or bias.shape[0] != logits.shape[1]:
@@ -106,12 +113,14 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
                          f"(the experts of topk_group={topk_group} groups of {group_size})")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     bias = bias.contiguous()
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    slots = top_k + int(shared_slot)
+    ids = torch.empty(t, slots, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(t, slots, dtype=weights_dtype, device=logits.device)
     if t == 0:
         return ids, weights
     _route_kernel[(t,)](logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(routed_scaling_factor),
                         N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, TOP_K=top_k,
                         G_PAD=max(2, triton.next_power_of_2(n_group)), GS_PAD=triton.next_power_of_2(group_size),
-                        K_PAD=max(2, triton.next_power_of_2(top_k)), NORMALISE=bool(norm_topk_prob), num_warps=4)
+                        K_PAD=max(2, triton.next_power_of_2(slots)), NORMALISE=bool(norm_topk_prob), SHARED_SLOT=bool(shared_slot), N_SLOTS=slots,
+                        num_warps=4)
     return ids, weights
