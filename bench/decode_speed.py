@@ -775,6 +775,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=None,
                     help="DeepSeek family: this many main layers, layers past the first MoE layer aliasing its weights (default: the "
                          "model's depth: glm-5.1 78, deepseek-v3/v3.2 61; dsv3-small/glm5-small 2)")
+    ap.add_argument("--no-mtp", action="store_true", help="DeepSeek family: skip the MTP rows")
     ap.add_argument("--no-profile", action="store_true", help="CUDA rows: skip the profiled decode (launches, gaps, non-GEMV time)")
     ap.add_argument("--profile-tokens", type=int, default=16, help="tokens of the profiled decode per row (default 16)")
     ap.add_argument("--bw-gib", type=float, default=None, help="buffer size of the bandwidth measurement (default 4 GiB)")
@@ -797,6 +798,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.hf_tokens = args.hf_tokens or 32
     args.bw_gib = args.bw_gib or 4.0
     cfg, spec, built = model_spec(args.model, args.tiny, args.layers)
+    if args.mtp_forced_accept and args.no_mtp:
+        raise SystemExit("--mtp-forced-accept runs only the MTP rows; --no-mtp skips them: choose one")
     if args.mtp_forced_accept and not (spec.family == "deepseek_v3" and spec.num_mtp_layers):
         raise SystemExit(f"--mtp-forced-accept needs a model with an MTP layer (dsv3-small, glm5-small), not {args.model}")
     report: dict = {"model": args.model + ("-tiny" if args.tiny else ""), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
@@ -822,7 +825,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    "weights_only_ms": wb / bw * 1e3}
     print(f"floor ms/token: {', '.join(f'{c}: {floors[c]:.3f}' for c in args.contexts)}", file=sys.stderr, flush=True)
     rows = [] if args.mtp_forced_accept else run_engine_variants(args, spec, weights, device, dtype, floors)
-    if spec.family == "deepseek_v3" and spec.num_mtp_layers:
+    if spec.family == "deepseek_v3" and spec.num_mtp_layers and not args.no_mtp:
         rows += run_speculative(args, spec, weights, device, dtype, floors, bw)
     if args.mtp_forced_accept:
         args.no_hf = True

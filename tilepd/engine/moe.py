@@ -6,7 +6,7 @@ path (EXPERT_IMPL["dense"] == "triton", set by compiled.accelerate) in place by 
 GEMV; otherwise gathered into a [T, k, out, in] copy and applied with einsum (the reference). The router after
 its gate GEMV is one Triton kernel on the speed path (ROUTE_IMPL["router"] == "triton", route_triton.py); route_torch()
 is the portable path and the kernel's test oracle. With both kernels on and one shared expert of a routed expert's
-shape (DeepSeek-V3, GLM-5), moe_grouped runs the layer in 6 launches instead of ~25: the shared expert is one more
+shape (DeepSeek-V3, GLM-5), moe_grouped runs the layer in 8 launches instead of ~30: the shared expert is one more
 row (id -1) of the grouped gate-up and down GEMVs (bf16: moe_triton; fp8: fp8_triton), each token's activation is
 read in place by its k+1 rows, and the weighted sum is one batched product.
 """
@@ -124,7 +124,7 @@ def _grouped_shared(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
 
 
 def moe_grouped(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> torch.Tensor:
-    """moe() in 6 launches: gate GEMV (+ its float cast), the router kernel with a shared slot (id -1, weight 1),
+    """moe() in 8 launches: gate GEMV (+ its float cast), the router kernel with a shared slot (id -1, weight 1),
     one grouped gate-up GEMV over the k routed experts and the shared one (each token's activation read by its
     k+1 rows in place), silu-mul, one grouped down GEMV, and the weighted sum over the k+1 rows as one batched
     product. The reference path's separate shared-expert GEMVs, gathers and adds are gone."""
