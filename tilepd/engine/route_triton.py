@@ -9,7 +9,9 @@ then num_experts_per_tok rounds of argmax over the experts of those groups, the 
 scores normalised (norm_topk_prob) and scaled by routed_scaling_factor.
 
 Ties are broken deterministically: the lower group index, then the lower expert index wins (torch.topk
-leaves tie order unspecified). Ids come out in descending order of choice score (the reference's
+leaves tie order unspecified; -0.0 ranks below +0.0 here). Each top-1 is one max reduction over int64 keys that
+pack the float's order with the index (_key), one warp per token: ~10 reductions for DeepSeek-V3's grouping, 8
+for GLM-5's single group (the group stage is compiled out when every group is kept). Ids come out in descending order of choice score (the reference's
 topk(sorted=False) order is unspecified; moe() sums over them, so only the set and the weights matter).
 NaN logits are not handled (the reference is undefined there too).
 
@@ -36,6 +38,23 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _key(v, idx):
+        """float32 v and index idx (< 2^16) -> one int64 whose order is v's, the lower idx first among equal v:
+        a top-1 is one max reduction instead of a max and an argmin (the sign-magnitude bits made monotone)."""
+        b = v.to(tl.int32, bitcast=True)
+        ordered = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+        return (ordered.to(tl.int64) << 32) | (0xFFFF - idx).to(tl.int64)
+
+    @triton.jit
+    def _key_value(k):
+        ordered = (k >> 32).to(tl.int32)
+        return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _key_index(k):
+        return 0xFFFF - (k & 0xFFFF)
+
+    @triton.jit
     def _route_kernel(LOGITS, BIAS, IDS, WEIGHTS, s_lt, s_it, s_wt, scale,
                       N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                       G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
@@ -46,47 +65,43 @@ if triton is not None:
         valid = (g[:, None] < N_GROUP) & (j[None, :] < GROUP_SIZE)
         e = g[:, None] * GROUP_SIZE + j[None, :]  # expert index, [G_PAD, GS_PAD]
         neg = float("-inf")
-        logits = tl.load(LOGITS + t * s_lt + e, mask=valid, other=0.0).to(tl.float32)
-        scores = tl.sigmoid(logits)
+        none = -9200000000000000000  # below every _key of a float (the key of -inf is about -9.187e18)
+        row = LOGITS + t * s_lt
+        scores = tl.sigmoid(tl.load(row + e, mask=valid, other=0.0).to(tl.float32))
         choice = tl.where(valid, scores + tl.load(BIAS + e, mask=valid, other=0.0).to(tl.float32), neg)
-        # per group: the sum of its two best choice scores (topk(2).sum(); a repeated best counts twice)
-        best = tl.max(choice, axis=1)
-        first = tl.min(tl.where(choice == best[:, None], j[None, :], GS_PAD), axis=1)
-        second = tl.max(tl.where(j[None, :] == first[:, None], neg, choice), axis=1)
-        group_score = tl.where(g < N_GROUP, best + second, neg)
-        # the TOPK_GROUP best groups, lowest index first among equals
-        chosen = g < 0
-        for _ in tl.static_range(TOPK_GROUP):
-            cand = tl.where(chosen | (g >= N_GROUP), neg, group_score)
-            top = tl.max(cand, axis=0)
-            pick = tl.min(tl.where((cand == top) & ~chosen & (g < N_GROUP), g, G_PAD), axis=0)
-            chosen = chosen | (g == pick)
-        allowed = valid & chosen[:, None]
-        # TOP_K rounds of argmax over the allowed experts, lowest expert index first among equals
+        allowed = valid
+        if TOPK_GROUP < N_GROUP:
+            # per group: the sum of its two best choice scores (topk(2).sum(); a repeated best counts twice)
+            best = tl.max(tl.where(valid, _key(choice, j[None, :]), none), axis=1)
+            second = tl.max(tl.where(j[None, :] == _key_index(best)[:, None], neg, choice), axis=1)
+            gkey = tl.where(g < N_GROUP, _key(_key_value(best) + second, g), none)
+            # the TOPK_GROUP best groups, the lower index first among equals
+            chosen = g < 0
+            for _ in tl.static_range(TOPK_GROUP):
+                pick = _key_index(tl.max(gkey, axis=0))
+                hit = g == pick
+                chosen = chosen | hit
+                gkey = tl.where(hit, none, gkey)
+            allowed = valid & chosen[:, None]
+        # TOP_K rounds of top-1 over the allowed experts, the lower index first among equals
+        ekey = tl.where(allowed, _key(choice, e), none)
         kk = tl.arange(0, K_PAD)
         ids = tl.zeros([K_PAD], dtype=tl.int64)
-        wts = tl.zeros([K_PAD], dtype=tl.float32)
-        taken = e < 0
-        big = N_GROUP * GROUP_SIZE
         for i in tl.static_range(TOP_K):
-            free = allowed & ~taken
-            cand = tl.where(free, choice, neg)
-            top = tl.max(tl.max(cand, axis=1), axis=0)
-            pick = tl.min(tl.min(tl.where(free & (cand == top), e, big), axis=1), axis=0)
-            hit = e == pick
-            w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
-            taken = taken | hit
-            ids = tl.where(kk == i, pick.to(tl.int64), ids)
-            wts = tl.where(kk == i, w, wts)
+            pick = _key_index(tl.max(tl.max(ekey, axis=1), axis=0))
+            ekey = tl.where(e == pick, none, ekey)
+            ids = tl.where(kk == i, pick, ids)
+        kmask = kk < TOP_K
+        wts = tl.where(kmask, tl.sigmoid(tl.load(row + ids, mask=kmask, other=0.0).to(tl.float32)), 0.0)  # the chosen scores
         if NORMALISE:
             wts = wts / (tl.sum(wts, axis=0) + 1e-20)
         wts = wts * scale
         if SHARED_SLOT:  # one more slot after the routed ones: id -1 (the shared expert), weight 1
             ids = tl.where(kk == TOP_K, -1, ids)
             wts = tl.where(kk == TOP_K, 1.0, wts)
-        kmask = kk < N_SLOTS
-        tl.store(IDS + t * s_it + kk, ids, mask=kmask)
-        tl.store(WEIGHTS + t * s_wt + kk, wts.to(WEIGHTS.dtype.element_ty), mask=kmask)
+        smask = kk < N_SLOTS
+        tl.store(IDS + t * s_it + kk, ids, mask=smask)
+        tl.store(WEIGHTS + t * s_wt + kk, wts.to(WEIGHTS.dtype.element_ty), mask=smask)
 
 
 def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
@@ -106,6 +121,8 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
     group_size = n_exp // n_group
     if group_size < 2:
         raise ValueError(f"MoE routing: groups of {group_size} expert(s) (n_group={n_group}); the group score sums each group's top 2")
+    if n_exp > 0xFFFF:
+        raise ValueError(f"MoE routing: {n_exp} experts; the kernel's packed keys hold indices below 65535")
     if not 1 <= topk_group <= n_group:
         raise ValueError(f"MoE routing: topk_group={topk_group} must be in 1..n_group={n_group}")
     if not 1 <= top_k <= topk_group * group_size:
@@ -122,5 +139,5 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
                         N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, TOP_K=top_k,
                         G_PAD=max(2, triton.next_power_of_2(n_group)), GS_PAD=triton.next_power_of_2(group_size),
                         K_PAD=max(2, triton.next_power_of_2(slots)), NORMALISE=bool(norm_topk_prob), SHARED_SLOT=bool(shared_slot), N_SLOTS=slots,
-                        num_warps=4)
+                        num_warps=1)  # one warp: every reduction is warp shuffles, no shared-memory round trip
     return ids, weights
