@@ -11,6 +11,13 @@ On a GPU (the target: one NVIDIA H200):
     python bench/decode_speed.py --model dsv3-small --mtp-forced-accept --contexts 1024 8192 32768 --json --out mtp.json
         # MTP only (k = --spec-tokens, default 1 3): plain vs verify step, tokens/s at forced full acceptance
     python bench/decode_speed.py --model dsv3-small --layers 61 --mtp-forced-accept   # the same at DeepSeek-V3's depth
+    python bench/decode_speed.py --model glm-5.1 --weights fp8 --no-hf --variants speed-path --contexts 1024 32768 131072 200000
+        # the served model: GLM-5.1 at its 78 layers (deepseek-v3 / deepseek-v3.2: 61); layers 4.. alias layer 3
+
+The DeepSeek-family models run at their real depth (glm-5.1, deepseek-v3, deepseek-v3.2; --layers changes it);
+dsv3-small / glm5-small are the explicit 2-layer shapes. On CUDA every row also carries, from a profiled decode over
+the graph replays (bench/step_profile.py's profile_decode; --no-profile skips it): kernel launches per layer and per
+step, the gap time per step (wall time minus the kernels' time) and the non-GEMV kernel time per layer.
 
 Everything is built on the device with random bf16 weights: no download, no disk. Figures printed:
 the measured read bandwidth (GB/s), the floor per token = (weight bytes a step reads + KV bytes at that
@@ -19,8 +26,9 @@ CUDA graph; attention through torch SDPA), `graph[triton]` / `graph[bmm]` (same,
 split-KV Triton kernel / as two batched GEMVs), `speed-path` (what `load_engine(device="cuda")` uses:
 compiled.accelerate = torch.compile'd layers around the Triton attention, in the graph),
 `compile+graph` (per-layer torch.compile including SDPA attention, then the graph; skipped with --no-compile),
-`speed-path[no-mla]` / `speed-path[no-moe-gemv]` (DeepSeek family: the speed path without the MLA kernel /
-without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py), `speed-path[no-fused-gemv]`
+`speed-path[no-mla]` / `speed-path[no-moe-gemv]` / `speed-path[no-moe-route]` (DeepSeek family: the speed path without
+the MLA kernel / without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py / with the torch router
+instead of the fused one, route_triton.py), `speed-path[no-fused-gemv]`
 (Llama family: without the GEMVs that fuse the norms, SiLU-mul and residual adds, gemv_triton.py),
 `eager` (no graph, fewer tokens), and HF transformers `generate` (eager, batch 1, fewer tokens).
 DeepSeek-family models also run `speed-path[no-mla]` (the speed path with MLA attention on the reference
@@ -88,6 +96,13 @@ GLM5_SMALL = {
     "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "attention_bias": False, "index_head_dim": 128, "index_n_heads": 32,
     "index_topk": 2048, "indexer_rope_interleave": True, "bos_token_id": 0, "eos_token_id": 1,
 }
+# The served models at their real depth (tilepd/topology/known_models.py transcribes each config.json; copied here so
+# the GPU run needs no topology deps): GLM-5.1 78 layers (3 dense, DSA), DeepSeek-V3 61 (3 dense), DeepSeek-V3.2 61
+# (DeepSeek-V3's shapes plus the lightning indexer: 64 heads of 128, top-2048). The bench builds layers 0..3 and the
+# MTP layer; layers 4.. alias layer 3 (deepen), so a full-depth step fits one GPU and still reads every layer from HBM.
+GLM51 = {**GLM5_SMALL, "num_hidden_layers": 78, "first_k_dense_replace": 3}
+DSV3 = {**DSV3_SMALL, "num_hidden_layers": 61, "first_k_dense_replace": 3}
+DSV32 = {**DSV3, "model_type": "deepseek_v32", "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048}
 TINY_LLAMA = {**LLAMA3_8B, "bos_token_id": 0, "eos_token_id": 1, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
 TINY_DSV3 = {**DSV3_SMALL, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
@@ -97,7 +112,13 @@ TINY_DSV3 = {**DSV3_SMALL, "vocab_size": 512, "hidden_size": 64, "intermediate_s
 TINY_GLM5 = {**GLM5_SMALL, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
              "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
              "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8, "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
-CONFIGS = {"llama3-8b": (LLAMA3_8B, TINY_LLAMA), "dsv3-small": (DSV3_SMALL, TINY_DSV3), "glm5-small": (GLM5_SMALL, TINY_GLM5)}
+TINY_DEEP = {"num_hidden_layers": 6, "first_k_dense_replace": 2}  # tiny stand-ins of the deep models: 2 dense, 4 MoE (3 aliased)
+CONFIGS = {"llama3-8b": (LLAMA3_8B, TINY_LLAMA), "dsv3-small": (DSV3_SMALL, TINY_DSV3), "glm5-small": (GLM5_SMALL, TINY_GLM5),
+           "glm-5.1": (GLM51, {**TINY_GLM5, **TINY_DEEP}), "deepseek-v3": (DSV3, {**TINY_DSV3, **TINY_DEEP}),
+           "deepseek-v3.2": (DSV32, {**TINY_DSV3, **TINY_DEEP, "model_type": "deepseek_v32", "index_head_dim": 32, "index_n_heads": 4,
+                                     "index_topk": 16})}
+# built at full size, 2 layers; the rest at their config's depth (--layers changes it)
+SMALL_MODELS = ("dsv3-small", "glm5-small")
 
 
 @dataclass
@@ -108,6 +129,10 @@ class Row:
     ms_per_token: float | None = None
     pct_of_floor: float | None = None
     error: str | None = None
+    launches_per_layer: float | None = None  # from step_profile.profile_decode over graph replays (CUDA rows)
+    launches_per_step: float | None = None
+    gaps_us_per_step: float | None = None
+    non_gemv_us_per_layer: float | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -209,8 +234,8 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
     max_ctx = max(args.contexts)
     windows = sorted({c + args.tokens + 16 for c in args.contexts})
     variants = ["speed-path", "speed-path[no-fused-gemv]", "graph", "graph[triton]"] + ([] if args.no_compile else ["compile+graph"]) + ["eager"]
-    if spec.family == "deepseek_v3":  # no compiled path; the MLA kernel and the expert GEMV on/off side by side
-        variants = ["speed-path", "speed-path[no-mla]", "speed-path[no-moe-gemv]", "graph", "eager"]
+    if spec.family == "deepseek_v3":  # no compiled path; the MLA kernel, the expert GEMV and the router kernel on/off side by side
+        variants = ["speed-path", "speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "graph", "eager"]
     if device.type != "cuda":
         variants = ["static", "static[bmm]", "eager"]  # the graph's body without capture; eager
     if args.variants:
@@ -220,16 +245,17 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         layers.ATTENTION_IMPL["default"] = next((impl for impl in ("bmm", "triton") if variant.endswith(f"[{impl}]")), "sdpa")
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
+        moe.ROUTE_IMPL["router"] = "torch"
         layers.GEMV_IMPL["dense"] = "torch"
         path = None
         try:
             model = build_model(spec, weights, max_ctx + args.tokens + 16, device, dtype)
             if variant == "speed-path":  # exactly what load_engine(device="cuda") turns on
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode)
-            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-fused-gemv]"):  # the same without one part
-                path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode,
+            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "speed-path[no-fused-gemv]"):
+                path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode,  # the same without one part
                                   mla_attention=variant != "speed-path[no-mla]", moe_gemv=variant != "speed-path[no-moe-gemv]",
-                                  fused_gemv=variant != "speed-path[no-fused-gemv]")
+                                  moe_route=variant != "speed-path[no-moe-route]", fused_gemv=variant != "speed-path[no-fused-gemv]")
             elif variant.startswith("compile"):
                 if not hasattr(model, "compile"):
                     raise RuntimeError(f"no compiled path for family {spec.family}")
@@ -253,7 +279,10 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
                 if path is not None:
                     extra["path"] = path.name + (f" (fell back: {len(path.fallbacks) - len(gs.fallbacks)} step(s))" if gs.fallbacks != path.fallbacks else "")
                 failed = gs is not None and not gs.capture and device.type == "cuda"
-                rows.append(Row(variant + (" (graph capture failed)" if failed else ""), c, n, ms, 100 * floors[c] / ms, extra=extra))
+                row = Row(variant + (" (graph capture failed)" if failed else ""), c, n, ms, 100 * floors[c] / ms, extra=extra)
+                if device.type == "cuda" and not args.no_profile:
+                    _add_profile(row, engine, spec, c, args.profile_tokens, device, dtype)
+                rows.append(row)
             except Exception as e:
                 rows.append(Row(variant, c, n, error=f"{type(e).__name__}: {e}"))
                 traceback.print_exc(file=sys.stderr)
@@ -262,10 +291,26 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         layers.ATTENTION_IMPL["default"] = "sdpa"
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
+        moe.ROUTE_IMPL["router"] = "torch"
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _add_profile(row: Row, engine: Engine, spec: ModelSpec, context: int, tokens: int, device: torch.device, dtype: torch.dtype) -> None:
+    """The row's launches, gaps and non-GEMV time from a profiled decode (step_profile.profile_decode); the profiled
+    step's own wall time and its 12 largest kernels go to extra (the profiler slows the step a little)."""
+    from step_profile import profile_decode
+
+    try:
+        p = profile_decode(engine, random_state(spec, context, device, dtype), tokens, spec.num_layers, top=12)
+    except Exception as e:
+        row.extra["profile_error"] = f"{type(e).__name__}: {e}"
+        return
+    row.launches_per_layer, row.launches_per_step = p["launches_per_layer"], p["launches_per_step"]
+    row.gaps_us_per_step, row.non_gemv_us_per_layer = p["gaps_us_per_step"], p["non_gemv_us_per_layer"]
+    row.extra["profile"] = {k: v for k, v in p.items() if k not in ("launches_per_layer", "launches_per_step", "gaps_us_per_step", "non_gemv_us_per_layer")}
 
 
 def expert_share(spec: ModelSpec, rows: int) -> float:
@@ -354,6 +399,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
     try:
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
+        moe.ROUTE_IMPL["router"] = "torch"
         model = build_model(spec, weights, max_seq, device, dtype)
         path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode) if device.type == "cuda" else None
         engine = Engine(model, spec, device, max_seq, use_cuda_graph=True, num_speculative_tokens=max(ks))
@@ -437,17 +483,46 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
     layers.ATTENTION_IMPL["default"] = "sdpa"
     layers.ATTENTION_IMPL["mla"] = "reference"
     moe.EXPERT_IMPL["dense"] = "gather"
+    moe.ROUTE_IMPL["router"] = "torch"
     return rows
 
 
-def deepen(weights: dict, n: int) -> None:
-    """Layers 2..n-1 alias layer 1's tensors (--layers): the real model's depth, hence its ratio of MTP draft
-    to target cost, on one GPU. Each layer still reads its weights from HBM (a layer's hundreds of MB dwarf the
-    L2) and has its own caches, so the step's time is a full-depth step's."""
-    src = [name for name in weights if name.startswith("layers.1.")]
-    for i in range(2, n):
+def deepen(weights: dict, n: int, first: int = 1) -> None:
+    """Layers first+1..n-1 alias layer `first`'s tensors (the first MoE layer; --layers): the real model's depth,
+    hence its ratio of MTP draft to target cost, on one GPU. Each layer still reads its weights from HBM (a layer's
+    hundreds of MB dwarf the L2) and has its own caches, so the step's time is a full-depth step's."""
+    src = [name for name in weights if name.startswith(f"layers.{first}.")]
+    for i in range(first + 1, n):
         for name in src:
-            weights[f"layers.{i}." + name.removeprefix("layers.1.")] = weights[name]
+            weights[f"layers.{i}." + name.removeprefix(f"layers.{first}.")] = weights[name]
+
+
+def model_spec(model: str, tiny: bool, layers: int | None) -> tuple[dict, ModelSpec, ModelSpec]:
+    """(config, spec of the model as run, spec of the part built): DeepSeek-family models run at `layers` (default:
+    the config's depth; the -small shapes keep their 2) and are built up to their first MoE layer, the rest aliased."""
+    cfg = CONFIGS[model][1 if tiny else 0]
+    if layers is not None:
+        if cfg["model_type"] == "llama":
+            raise SystemExit(f"--layers is for the DeepSeek-family shapes ({', '.join(m for m in CONFIGS if m != 'llama3-8b')}), not {model}")
+        if layers < 1:
+            raise SystemExit(f"--layers {layers}: expected at least 1")
+        cfg = {**cfg, "num_hidden_layers": layers}
+    spec = spec_from_hf_config(cfg)
+    if spec.family != "deepseek_v3":
+        return cfg, spec, spec
+    n_built = min(spec.num_layers, spec.first_k_dense_replace + 1)
+    built = spec if n_built == spec.num_layers else spec_from_hf_config({**cfg, "num_hidden_layers": n_built})
+    return cfg, spec, built
+
+
+def build_weights(spec: ModelSpec, built: ModelSpec, device: torch.device, dtype: torch.dtype, fmt: str) -> dict:
+    """Random weights of `built` (fp8: block-scaled as convert-weights stores them), deepened to spec's depth."""
+    weights = random_runtime_weights(built, device, dtype)
+    if fmt == "fp8":
+        quantize_weights(built, weights)
+    if built.num_layers < spec.num_layers:
+        deepen(weights, spec.num_layers, first=built.num_layers - 1)
+    return weights
 
 
 def run_hf(args, cfg: dict, device, dtype, floors) -> list[Row]:
@@ -689,7 +764,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-tokens", type=int, default=None, help="tokens for HF generate (default 32)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-moe-gemv], speed-path[no-fused-gemv], graph, graph[triton], graph[bmm], "
+                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-moe-gemv], speed-path[no-moe-route], speed-path[no-fused-gemv], graph, graph[triton], graph[bmm], "
                          "compile+graph, compile(no-attn)+graph, "
                          "compile(no-attn)+graph[triton], eager; on CPU 'static' = graph body)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
@@ -698,7 +773,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mtp-forced-accept", action="store_true",
                     help="only the MTP rows (DeepSeek family): plain vs verify step, tokens/s at forced full acceptance vs no-MTP")
     ap.add_argument("--layers", type=int, default=None,
-                    help="DeepSeek family: this many main layers, layers 2.. aliasing layer 1's weights (real depth on one GPU)")
+                    help="DeepSeek family: this many main layers, layers past the first MoE layer aliasing its weights (default: the "
+                         "model's depth: glm-5.1 78, deepseek-v3/v3.2 61; dsv3-small/glm5-small 2)")
+    ap.add_argument("--no-mtp", action="store_true", help="DeepSeek family: skip the MTP rows")
+    ap.add_argument("--no-profile", action="store_true", help="CUDA rows: skip the profiled decode (launches, gaps, non-GEMV time)")
+    ap.add_argument("--profile-tokens", type=int, default=16, help="tokens of the profiled decode per row (default 16)")
     ap.add_argument("--bw-gib", type=float, default=None, help="buffer size of the bandwidth measurement (default 4 GiB)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -718,13 +797,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.tokens = args.tokens or 256
     args.hf_tokens = args.hf_tokens or 32
     args.bw_gib = args.bw_gib or 4.0
-    cfg = CONFIGS[args.model][1 if args.tiny else 0]
-    if args.layers:
-        if cfg["model_type"] == "llama":
-            raise SystemExit("--layers is for the DeepSeek-family shapes (dsv3-small, glm5-small)")
-        cfg = {**cfg, "num_hidden_layers": args.layers}
-    spec = spec_from_hf_config(cfg)
-    built = spec_from_hf_config({**cfg, "num_hidden_layers": min(spec.num_layers, 2)}) if args.layers else spec
+    cfg, spec, built = model_spec(args.model, args.tiny, args.layers)
+    if args.mtp_forced_accept and args.no_mtp:
+        raise SystemExit("--mtp-forced-accept runs only the MTP rows; --no-mtp skips them: choose one")
     if args.mtp_forced_accept and not (spec.family == "deepseek_v3" and spec.num_mtp_layers):
         raise SystemExit(f"--mtp-forced-accept needs a model with an MTP layer (dsv3-small, glm5-small), not {args.model}")
     report: dict = {"model": args.model + ("-tiny" if args.tiny else ""), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
@@ -735,13 +810,12 @@ def main(argv: list[str] | None = None) -> dict:
     report["bandwidth"] = read_bandwidth(device, args.bw_gib)
     bw = report["bandwidth"]["sum_read_GBps"] * 1e9
     print(f"read bandwidth {bw / 1e9:.0f} GB/s (copy {report['bandwidth']['copy_rw_GBps']:.0f} GB/s)", file=sys.stderr, flush=True)
-    weights = random_runtime_weights(built, device, dtype)
+    weights = build_weights(spec, built, device, dtype, args.weights)
     if args.weights == "fp8":
-        quantize_weights(built, weights)
         args.no_hf = True  # HF would run other (bf16) weights
-    if args.layers:
-        deepen(weights, spec.num_layers)
+    if built.num_layers < spec.num_layers:
         report["layers"] = spec.num_layers
+        report["built_layers"] = built.num_layers
         args.no_hf = True  # HF would need every layer's weights
     floors, report["floor"] = {}, {}
     for c in args.contexts:
@@ -751,7 +825,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    "weights_only_ms": wb / bw * 1e3}
     print(f"floor ms/token: {', '.join(f'{c}: {floors[c]:.3f}' for c in args.contexts)}", file=sys.stderr, flush=True)
     rows = [] if args.mtp_forced_accept else run_engine_variants(args, spec, weights, device, dtype, floors)
-    if spec.family == "deepseek_v3" and spec.num_mtp_layers:
+    if spec.family == "deepseek_v3" and spec.num_mtp_layers and not args.no_mtp:
         rows += run_speculative(args, spec, weights, device, dtype, floors, bw)
     if args.mtp_forced_accept:
         args.no_hf = True
@@ -794,15 +868,22 @@ def _print_table(report: dict) -> None:
     title = (f"{report['model']} on {report.get('gpu', report['device'])} ({report['dtype']}, {report['weights']} weights, torch {report['torch']}): "
              f"read {bw['sum_read_GBps']:.0f} GB/s")
     table = Table(title=title)
-    for col in ("variant", "context", "tokens", "ms/token", "floor ms", "% of floor", "note"):
+    for col in ("variant", "context", "tokens", "ms/token", "floor ms", "% of floor", "launches/layer", "launches/step", "gaps us/step",
+                "non-GEMV us/layer", "note"):
         table.add_column(col)
+
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
     for r in report["rows"]:
         floor = report["floor"].get(str(r["context"]), {}).get("ms_per_token")
         note = r["error"] or (", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["extra"].items()
-                                        if k != "first_tokens"))
+                                        if k not in ("first_tokens", "profile")))
         table.add_row(escape(r["variant"]), str(r["context"]), str(r["tokens"]),
                       f"{r['ms_per_token']:.3f}" if r["ms_per_token"] else "-", f"{floor:.3f}" if floor else "-",
-                      f"{r['pct_of_floor']:.1f}%" if r["pct_of_floor"] else "-", escape(note[:80]))
+                      f"{r['pct_of_floor']:.1f}%" if r["pct_of_floor"] else "-", num(r.get("launches_per_layer"), ".1f"),
+                      num(r.get("launches_per_step"), ".0f"), num(r.get("gaps_us_per_step"), ".0f"), num(r.get("non_gemv_us_per_layer"), ".1f"),
+                      escape(note[:80]))
     Console(width=160).print(table)
     _print_mtp(report)
 

@@ -4,7 +4,7 @@ For a tiny DeepSeek-V3 (dense MLA, bf16-style dense experts) and a tiny GLM-5 (D
 300-token context really attends sparsely), both with random weights built on the device (no download, no
 HF), each injected with the same random prefix state (40 and 300 tokens):
   - `graph`: CUDA graphs, MLA and experts on the reference path (SDPA / gather+matmul, gather+einsum);
-  - `speed-path`: compiled.accelerate (MLA kernel + expert GEMV) in CUDA graphs, windows changing mid-run;
+  - `speed-path`: compiled.accelerate (MLA kernel + expert GEMV + router kernel) in CUDA graphs, windows changing mid-run;
   - `speed-path+mtp` / `+mtp3`: the same kernels in the MTP step's CUDA graphs (speculative.SpecStep, k=1 / k=3:
     verify steps of 2 / 4 tokens); `+mtp3-oracle`: k=3 with drafts from the reference tokens, every 5th wrong
     (accepted and rejected drafts in one run; the random MTP layer alone is almost never accepted).
@@ -36,7 +36,7 @@ from tilepd.engine.types import SamplingParams  # noqa: E402
 
 
 def decode(spec, weights, device, variant: str, context: int, tokens: int, oracle: list[int] | None = None) -> tuple[list[int], str]:
-    layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = "reference", "gather"
+    layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "reference", "gather", "torch"
     max_seq = context + tokens + 64
     model = build_model(spec, weights, max_seq, device, torch.float32)
     # Llama's speed path compiles its per-layer functions (Inductor's coordinate descent); the DeepSeek family has no compiled part
@@ -53,14 +53,15 @@ def decode(spec, weights, device, variant: str, context: int, tokens: int, oracl
     engine.inject(random_state(spec, context, device, torch.float32))
     res = engine.decode(3, tokens, SamplingParams(ignore_eos=True), lambda t: None)
     gs = engine.graph_step
-    note = f"path={path.name if path else 'plain'} switches=mla:{layers.ATTENTION_IMPL['mla']},experts:{moe.EXPERT_IMPL['dense']}"
+    note = (f"path={path.name if path else 'plain'} switches=mla:{layers.ATTENTION_IMPL['mla']},experts:{moe.EXPERT_IMPL['dense']},"
+            f"router:{moe.ROUTE_IMPL['router']}")
     if gs is not None and gs.capture_error:
         note += f" capture_error={gs.capture_error[:120]}"
     if mtp:
         note += f" spec={engine.last_spec_stats} mtp_graphs={len(engine._spec_step.graphs)}"
         if engine._spec_step.capture_error:
             note += f" capture_error={engine._spec_step.capture_error[:120]}"
-    layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = "reference", "gather"
+    layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "reference", "gather", "torch"
     return res.tokens, note
 
 

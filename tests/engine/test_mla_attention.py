@@ -98,15 +98,17 @@ _ENGINE = textwrap.dedent("""
         if s.is_dsa:
             state.indexer = [None if c is None else torch.randn(20, c.shape[1], generator=g) for c in eng.model.index_cache_list()[: s.num_layers]]
         runs = {}
-        for impl, experts in (("reference", "gather"), ("triton", "gather"), ("triton", "triton")):
-            layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = impl, experts
+        for impl, experts, router in (("reference", "gather", "torch"), ("triton", "gather", "torch"), ("triton", "triton", "torch"),
+                                      ("triton", "triton", "triton")):
+            layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = impl, experts, router
             eng.inject(state)
-            runs[impl, experts] = eng.decode(3, 10, SamplingParams(ignore_eos=True), lambda t: None).tokens
+            runs[impl, experts, router] = eng.decode(3, 10, SamplingParams(ignore_eos=True), lambda t: None).tokens
         x = torch.zeros(1, 4)
         span = eng.model._dense_mask(x, torch.tensor([5]), torch.ones(1, 24, dtype=torch.bool), eng.model._zero)
         assert isinstance(span, DenseSpan), "the kernel path must be taken under the interpreter"
-        assert runs["triton", "gather"] == runs["reference", "gather"] == runs["triton", "triton"], (path, runs)
-        print(path, "dsa" if s.is_dsa else "dense", runs["triton", "triton"])
+        assert (runs["triton", "gather", "torch"] == runs["reference", "gather", "torch"] == runs["triton", "triton", "torch"]
+                == runs["triton", "triton", "triton"]), (path, runs)
+        print(path, "dsa" if s.is_dsa else "dense", runs["triton", "triton", "triton"])
     print("engine ok")
 """)
 
@@ -114,7 +116,7 @@ _ENGINE = textwrap.dedent("""
 @pytest.mark.slow
 def test_engine_decodes_the_same_tokens_through_the_kernel(tiny_deepseek: Path, tiny_glm5: Path, repo_root: Path) -> None:
     """Tiny DeepSeek-V3 (dense MLA) and GLM-5 (DSA, shared layers) on the graph step's static body: the MLA
-    kernel, alone and with the expert GEMV (moe_triton.py), under the interpreter, gives the reference path's
+    kernel, alone, with the expert GEMV (moe_triton.py) and with the fused router (route_triton.py), under the interpreter, gives the reference path's
     greedy tokens, across window changes."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", _ENGINE, str(tiny_deepseek), str(tiny_glm5)], capture_output=True, text=True, env=env, timeout=600)
@@ -127,17 +129,19 @@ def test_accelerate_turns_the_kernels_on_and_undoes_them_first(tiny_deepseek: Pa
     from tilepd.engine import layers, load_engine, moe
     from tilepd.engine.compiled import accelerate
 
-    before = (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"])
+    before = (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"])
     try:
         eng = load_engine(tiny_deepseek, device="cpu", max_seq_len=64, dtype="float32", num_speculative_tokens=0)
         path = accelerate(eng.model, compile_layers=False)
-        assert path.name == "triton-attn+mla-kernel+moe-gemv+graph"
-        assert (layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"]) == ("triton", "triton")
-        assert [undo() for undo in path.fallbacks] == ["routed experts back to gather", "MLA attention back to reference", "attention back to sdpa"]
-        assert (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"]) == ("sdpa", "reference", "gather")
-        assert accelerate(eng.model, compile_layers=False, mla_attention=False, moe_gemv=False).name == "triton-attn+graph"
+        assert path.name == "triton-attn+mla-kernel+moe-gemv+moe-route+graph"
+        assert (layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"]) == ("triton", "triton", "triton")
+        assert [undo() for undo in path.fallbacks] == ["MoE router back to torch", "routed experts back to gather", "MLA attention back to reference",
+                                                       "attention back to sdpa"]
+        assert (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"]) == (
+            "sdpa", "reference", "gather", "torch")
+        assert accelerate(eng.model, compile_layers=False, mla_attention=False, moe_gemv=False, moe_route=False).name == "triton-attn+graph"
     finally:
-        layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"] = before
+        layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = before
 
 
 cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")

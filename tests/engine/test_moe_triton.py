@@ -1,6 +1,7 @@
 """The grouped expert GEMV (tilepd/engine/moe_triton.py), run by Triton's CPU interpreter, against the
 gather + einsum reference it replaces on CUDA: the kernel alone (shapes off the tile sizes, an expert
-chosen twice, fp32 and bf16) and moe.moe() as a whole with EXPERT_IMPL switched."""
+chosen twice, fp32 and bf16), moe.moe() as a whole with EXPERT_IMPL switched, and the grouped form with the router
+kernel (shared expert as one more row, moe_grouped) with its fp8 kernel's shared row checked alone."""
 
 from __future__ import annotations
 
@@ -47,10 +48,36 @@ _CASES = textwrap.dedent("""
     moe.EXPERT_IMPL["dense"] = "gather"
     ref = moe.moe(x, w, "l.", spec)
     moe.EXPERT_IMPL["dense"] = "triton"
-    assert moe._use_gemv(x, 6)
+    assert moe._use_gemv(x, 6) and not moe._grouped_shared(x, w, "l.", spec)  # torch router: routed GEMV, shared apart
     out = moe.moe(x, w, "l.", spec)
     err = float((out - ref).abs().max())
     assert err < 1e-5, err
+    # the grouped form (router kernel with the shared slot, shared expert as row -1, x read per token in place,
+    # weighted sum as one bmm) on T = 1 and T = 3 (MTP verify rows)
+    moe.ROUTE_IMPL["router"] = "triton"
+    for t in (1, 3):
+        x = torch.randn(t, h, generator=g)
+        assert moe._grouped_shared(x, w, "l.", spec)
+        out = moe.moe(x, w, "l.", spec)
+        moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "gather", "torch"
+        ref = moe.moe(x, w, "l.", spec)
+        moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "triton", "triton"
+        err = float((out - ref).abs().max())
+        assert err < 1e-5, (t, err)
+    # the fp8 kernel's shared row and in-place activation rows: launch() against the dequantised reference
+    from tilepd.engine import fp8_triton
+    from tilepd.engine.fp8 import dequantize, quantize
+    parts = [quantize(torch.randn(2 * mi, h, generator=g) * h ** -0.5, (8, 16)) for _ in range(ne)]
+    ew, es = torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts])
+    sh = quantize(torch.randn(2 * mi, h, generator=g) * h ** -0.5, (8, 16))
+    x = torch.randn(2, h, generator=g)
+    ids = torch.tensor([5, 0, -1, 3, 5, -1])
+    fp8_triton.TUNE.update(block_k=16, programs=4)
+    y = fp8_triton.launch(x, ew, es, ids, None, 8, 16, shared=(sh.weight, sh.scale), x_div=3)
+    deq = [dequantize(sh, torch.float32) if i < 0 else dequantize(parts[i], torch.float32) for i in ids.tolist()]
+    ref = torch.stack([x[r // 3] @ deq[r].T for r in range(6)])
+    err = float((y - ref).abs().max())
+    assert err < 1e-4, err
     print("moe kernel ok")
 """)
 
@@ -69,6 +96,8 @@ def test_expert_gemv_refuses_mismatched_shapes() -> None:
 
     with pytest.raises(ValueError, match="do not fit"):
         expert_gemv(torch.zeros(2, 10), torch.zeros(3, 4, 12), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="shared expert"):
+        expert_gemv(torch.zeros(2, 12), torch.zeros(3, 4, 12), torch.zeros(2, dtype=torch.long), shared=torch.zeros(5, 12))
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")

@@ -4,7 +4,9 @@
 (bench/decode_speed.py, docs/PERFORMANCE.md): attention through the split-KV Triton kernel
 (attention.py), Llama-family GEMVs with the norms, SiLU-mul and residual adds fused in (gemv_triton.py),
 DeepSeek-family latent attention (dense and DSA) through the MLA kernel (mla_attention.py),
-routed experts with dense weights through the grouped GEMV that reads them in place (moe_triton.py), and the per-layer element-wise work fused by torch.compile, with the cache-reading
+routed experts with dense weights through the grouped GEMV that reads them in place (moe_triton.py), the MoE
+router after its gate GEMV as one kernel (route_triton.py; with the expert GEMV also on, the shared expert runs as one
+more row of the routed experts' launches, moe.moe_grouped), and the per-layer element-wise work fused by torch.compile, with the cache-reading
 attention left outside the compiled code (so one compilation serves every cache-window bucket and the
 cache is never copied). Compilation and Triton builds only happen at the first graph capture; if that
 fails, GraphStep applies the returned fallbacks one at a time (first drop torch.compile, then the
@@ -51,7 +53,7 @@ def _triton_available() -> bool:
 
 
 def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, mla_attention: bool = True,
-               moe_gemv: bool = True, fused_gemv: bool = True, compile_mode: str | None = None) -> SpeedPath:
+               moe_gemv: bool = True, moe_route: bool = True, fused_gemv: bool = True, compile_mode: str | None = None) -> SpeedPath:
     """Turn on the speed path for `model` (CUDA only; call before the first graph capture); `compile_mode` None compiles
     with SPEED_COMPILE_OPTIONS."""
     path = SpeedPath()
@@ -87,6 +89,18 @@ def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = T
             return f"routed experts back to {before_moe}"
 
         path.fallbacks.insert(0, undo_moe)
+    if moe_route and _triton_available() and getattr(getattr(model, "spec", None), "n_routed_experts", 0):
+        from tilepd.engine import moe
+
+        before_route = moe.ROUTE_IMPL["router"]
+        moe.ROUTE_IMPL["router"] = "triton"
+        path.parts.append("moe-route")
+
+        def undo_route() -> str:
+            moe.ROUTE_IMPL["router"] = before_route
+            return f"MoE router back to {before_route}"
+
+        path.fallbacks.insert(0, undo_route)
     if fused_gemv and _triton_available() and getattr(getattr(model, "spec", None), "family", None) == "llama":
         before_gemv = layers.GEMV_IMPL["dense"]
         layers.GEMV_IMPL["dense"] = "triton"

@@ -37,10 +37,10 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _fp8_gemv_kernel(X, W, S, IDS, BIAS, Y, N, K, s_xr, s_we, s_wn, s_se, s_sn, s_yr,
+    def _fp8_gemv_kernel(X, W, S, WS, SS, IDS, BIAS, Y, N, K, s_xr, s_we, s_wn, s_se, s_sn, s_yr,
                          BN: tl.constexpr, BK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-                         BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr):
+                         BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,6 +51,10 @@ if triton is not None:
             e = tl.load(IDS + r).to(tl.int64)
             w_base = W + e * s_we
             s_base = S + e * s_se
+            if HAS_SHARED:
+                if e < 0:  # id -1: the shared expert (same shape, block scales and strides as one routed expert)
+                    w_base = WS
+                    s_base = SS
         w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
         if REDUCE_EACH:  # wide K chunks: a [BLOCK_N] accumulator (a [BLOCK_N, BLOCK_K] one would spill)
             acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -66,7 +70,7 @@ if triton is not None:
                 w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
             else:
                 w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            x = tl.load(X + r * s_xr + cols, mask=cmask, other=0.0).to(tl.float32)
+            x = tl.load(X + (r // X_DIV) * s_xr + cols, mask=cmask, other=0.0).to(tl.float32)
             if BITS_CVT:
                 x = x * 256.0
             if ROW_UNIFORM:  # the tile's rows share one row block: fold the scales into x
@@ -104,14 +108,24 @@ def _block_n(n: int, rows: int) -> int:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,
-           block_n: int, block_k: int) -> torch.Tensor:
-    """x [R, K]; weight [N, K] (or [E, N, K] with ids [R]); scale [(E,) nb_n, nb_k] float32 -> [R, N] in x's dtype."""
+           block_n: int, block_k: int, shared: tuple[torch.Tensor, torch.Tensor] | None = None, x_div: int = 1) -> torch.Tensor:
+    """x [R, K]; weight [N, K] (or [E, N, K] with ids [R]); scale [(E,) nb_n, nb_k] float32 -> [R, N] in x's dtype.
+    Experts only: `shared` (weight [N, K], scale [nb_n, nb_k]) is read by rows whose id is -1 (the shared expert in
+    the routed experts' launch), and x_div > 1 gives row r the activation x[r // x_div] (x [R / x_div, K])."""
     if triton is None:
         raise RuntimeError("fp8 GEMV kernel needs Triton, which is not importable here")
-    rows, k = x.shape
+    if (shared is not None or x_div != 1) and ids is None:
+        raise ValueError("fp8 GEMV kernel: shared and x_div are for stacked experts (ids given)")
+    rows, k = x.shape[0] * x_div, x.shape[1]
+    if ids is not None and ids.shape[0] != rows:
+        raise ValueError(f"fp8 GEMV kernel: ids {list(ids.shape)} do not fit x {list(x.shape)} with x_div {x_div}")
     n = weight.shape[-2]
     if weight.stride(-1) != 1 or x.stride(-1) != 1 or scale.stride(-1) != 1:
         raise ValueError("fp8 GEMV kernel: weight, scale and x must be contiguous along K")
+    if shared is not None and any(a.shape != b.shape[1:] or a.stride() != b.stride()[1:] or a.dtype != b.dtype
+                                  for a, b in ((shared[0], weight), (shared[1], scale))):
+        raise ValueError(f"fp8 GEMV kernel: shared expert {list(shared[0].shape)} (scales {list(shared[1].shape)}) must match one routed "
+                         f"expert {list(weight.shape[1:])} (scales {list(scale.shape[1:])}) in shape, strides and dtype")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     tile_n = _block_n(n, rows)
     tile_k = min(TUNE["block_k"], triton.next_power_of_2(k))
@@ -120,11 +134,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
     bits = bool(TUNE["bits_cvt"])
     extra = {"num_stages": TUNE["num_stages"]} if TUNE["num_stages"] else {}
     _fp8_gemv_kernel[grid](
-        x, weight.view(torch.uint8) if bits else weight, scale, ids if has_ids else x, bias if bias is not None else x, y, n, k,
+        x, weight.view(torch.uint8) if bits else weight, scale,
+        (shared[0].view(torch.uint8) if bits else shared[0]) if shared is not None else x, shared[1] if shared is not None else x,
+        ids if has_ids else x, bias if bias is not None else x, y, n, k,
         x.stride(0), weight.stride(0) if has_ids else 0, weight.stride(-2), scale.stride(0) if has_ids else 0, scale.stride(-2), y.stride(0),
         BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
         ROW_UNIFORM=block_n % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
-        num_warps=TUNE["num_warps"], **extra,
+        HAS_SHARED=shared is not None, X_DIV=x_div, num_warps=TUNE["num_warps"], **extra,
     )
     return y
 
