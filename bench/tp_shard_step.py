@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_speed import GLM5_SMALL, read_bandwidth, step_read_bytes, time_engine  # noqa: E402
+from decode_speed import GLM51 as GLM51_WITH_MTP, read_bandwidth, step_read_bytes, time_engine  # noqa: E402
 from tilepd.dev.synthetic import hf_tensor_shapes  # noqa: E402
 from tilepd.engine.engine import engine_for  # noqa: E402
 from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8  # noqa: E402
@@ -57,7 +57,7 @@ from tilepd.weights.layout import family_layout  # noqa: E402
 
 # GLM-5.1 (transformers 5.19 GlmMoeDsaConfig defaults = huggingface.co/zai-org/GLM-5.1 config.json): decode_speed's
 # per-layer shapes at the real depth, 3 dense layers first; no MTP layer (the plain decode step does not run it).
-GLM51 = {**GLM5_SMALL, "num_hidden_layers": 78, "first_k_dense_replace": 3, "num_nextn_predict_layers": 0}
+GLM51 = {**GLM51_WITH_MTP, "num_nextn_predict_layers": 0}  # decode_speed's shape table; the shard step has no MTP layer
 # Tiny shapes that still split 8 ways on 128x128 fp8 blocks (every column shard 128 wide), 3 dense + 2 MoE layers.
 TINY_GLM51 = {**GLM51, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 1024, "moe_intermediate_size": 1024,
               "num_hidden_layers": 5, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 128, "kv_lora_rank": 64,
