@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 import uvloop
 
+from tilepd.contracts.marker import TilepdMarker
+
 SERVER = """
 import uvicorn
 from fastapi import FastAPI, Request
@@ -31,7 +33,7 @@ async def completions(request: Request):
 uvicorn.run(app, host="127.0.0.1", port=%d, loop="uvloop", http="httptools", log_level="warning", access_log=False)
 """
 BODY = {"model": "m", "prompt": list(range(12)), "max_tokens": 1, "stream": False, "logprobs": 1,
-        "kv_transfer_params": {"tilepd": {"host": "10.0.0.1", "ctrl_port": 7000, "transfer_id": "tx-" + "0" * 32, "token": "f" * 32}}}
+        "kv_transfer_params": TilepdMarker(host="10.0.0.1", ctrl_port=7000, transfer_id="tx-" + "0" * 32, token="f" * 32).as_params()}
 
 
 async def per_call(call: Callable[[], Awaitable[object]], calls: int) -> tuple[float, float]:

@@ -17,7 +17,7 @@ from tilepd.control.framing import encode_frame, recv_frame, send_frame
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION, dump
 from tilepd.control.sender import KVSender
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.geometry import CacheGeometry
 from tilepd.runtime.slot import State

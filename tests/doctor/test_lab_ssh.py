@@ -12,7 +12,7 @@ import pytest
 
 from tests.deploy import topo as topo_files
 from tests.deploy.netns import LabNetwork
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 from tilepd.doctor import exit_code
 from tilepd.doctor.runner import run_doctor
 from tilepd.plan import build_plan

@@ -13,7 +13,7 @@ from typing import Any
 from tests.waiting import wait_until  # noqa: F401 - the router tests import it from here
 from tilepd.plan.vllm_args import nixl_config
 from tilepd.connector.launch import Server, free_port, kv_transfer_config, multi_with_nixl, start_process, start_vllm
-from tilepd.plan.service_configs import (
+from tilepd.contracts.service_configs import (
     ConnectorExtraConfig,
     DecodeEndpoint,
     DecodeServerConfig,

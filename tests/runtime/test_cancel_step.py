@@ -21,7 +21,7 @@ from tests.runtime.conftest import free_port, wire_payload
 from tests.runtime.hf_engine import HFEngine, KVState, SamplingParams, hf_prefill_kv
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import KVSender
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
 from tilepd.runtime.geometry import geometry_from_spec
 from tilepd.runtime.http_api import build_app
 from tilepd.runtime.service import DecodeService

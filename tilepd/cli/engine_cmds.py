@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 dev_app = typer.Typer(name="dev", help="Developer helpers: tiny deterministic models for tests and demos.", no_args_is_help=True)
 

@@ -64,7 +64,7 @@ from tilepd.control.messages import (
     dump,
     parse_message,
 )
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint
 from tilepd.transport.base import Buffer, Peer, Segment, TransportError, TransportSender, WriteHandle
 from tilepd.transport.registry import make_sender
 

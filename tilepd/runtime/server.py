@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from tilepd.auth import load_secret, transfer_token_ok
 from tilepd.otel import require_otel
-from tilepd.plan.service_configs import DecodeServerConfig
+from tilepd.contracts.service_configs import DecodeServerConfig
 from tilepd.runtime.geometry import CacheGeometry, geometry_from_spec
 
 log = logging.getLogger("tilepd.runtime")
@@ -24,18 +23,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class EngineLoadError(Exception):
     """The engine could not load the configured weights (message names the folder and the cause)."""
-
-
-def setup_logging(log_file: Path | None = None) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_file is not None:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", handlers=handlers, force=True)
-
-
-def load_config(path: Path) -> DecodeServerConfig:
-    return DecodeServerConfig.model_validate_json(Path(path).read_text())
 
 
 def engine_geometry(engine: Any) -> CacheGeometry:

@@ -19,7 +19,7 @@ import torch
 from tilepd import __version__
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION
-from tilepd.plan.service_configs import DecodeServerConfig
+from tilepd.contracts.service_configs import DecodeServerConfig
 from tilepd.runtime.convert import convert, convert_indexer
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
