@@ -198,8 +198,8 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
         if body.prompt_tokens + body.max_tokens > svc.config.max_seq_len:
             return _error(400, "too_long", f"prompt_tokens {body.prompt_tokens} + max_tokens {body.max_tokens} exceeds "
                           f"max_seq_len {svc.config.max_seq_len}", "max_tokens")
-        vocab = getattr(getattr(svc.engine, "config", None), "vocab_size", None)
-        if vocab is not None and body.first_token >= int(vocab):
+        vocab = svc.engine.config.vocab_size
+        if body.first_token >= int(vocab):
             return _error(400, "bad_parameter", f"first_token {body.first_token} outside the vocabulary ({vocab})", "first_token")
         grammar = None
         if body.structured_output is not None:

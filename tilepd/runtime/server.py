@@ -14,6 +14,7 @@ import torch
 from tilepd.auth import load_secret, transfer_token_ok
 from tilepd.otel import require_otel
 from tilepd.contracts.service_configs import DecodeServerConfig
+from tilepd.engine.types import DecodeEngine
 from tilepd.runtime.geometry import CacheGeometry, geometry_from_spec
 
 log = logging.getLogger("tilepd.runtime")
@@ -25,7 +26,7 @@ class EngineLoadError(Exception):
     """The engine could not load the configured weights (message names the folder and the cause)."""
 
 
-def engine_geometry(engine: Any) -> CacheGeometry:
+def engine_geometry(engine: DecodeEngine) -> CacheGeometry:
     """The engine's cache geometry, from its ModelSpec (INTERFACES §1)."""
     spec = engine.config
     dtype = getattr(engine, "cache_dtype", None) or getattr(spec, "cache_dtype", None)
@@ -34,7 +35,7 @@ def engine_geometry(engine: Any) -> CacheGeometry:
     return geometry_from_spec(spec, dtype if isinstance(dtype, torch.dtype) else torch.float32)
 
 
-def start_engine(weights_dir: Path, tp_size: int, **kwargs: Any) -> Any:
+def start_engine(weights_dir: Path, tp_size: int, **kwargs: Any) -> DecodeEngine:
     """One rank in this process (tp_size 1), or rank 0 here driving tp_size-1 worker processes in lockstep
     (tilepd.engine.tp_engine); both have the engine API of INTERFACES §1."""
     if tp_size == 1:
@@ -46,17 +47,15 @@ def start_engine(weights_dir: Path, tp_size: int, **kwargs: Any) -> Any:
     return launch_tp_engine(weights_dir, tp_size, **kwargs)
 
 
-def close_engine(engine: Any) -> None:
+def close_engine(engine: DecodeEngine) -> None:
     """Stop a tensor-parallel engine's worker ranks (a one-rank engine holds nothing to stop)."""
-    close = getattr(engine, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the original exit
-            log.warning("event=engine_close_failed error=%s", exc)
+    try:
+        engine.close()
+    except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the original exit
+        log.warning("event=engine_close_failed error=%s", exc)
 
 
-def run_with_node(app: Any, svc: Any, engine: Any) -> None:
+def run_with_node(app: Any, svc: Any, engine: DecodeEngine) -> None:
     """Tie the node's own work to the app's lifespan: a StallWatch on its event loop while it serves (a node that
     stops answering says where it was), and the engine closed at shutdown (TP worker ranks stopped): uvicorn
     re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run` does not run on a signal."""
