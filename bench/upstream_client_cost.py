@@ -10,7 +10,6 @@ The server runs on CPU 1 and the clients on CPU 0 when the machine has 2 or more
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys

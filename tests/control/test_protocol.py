@@ -114,7 +114,7 @@ def test_a_protocol_1_connector_is_told_to_upgrade_the_prefill_hosts(node) -> No
     reply = _call(node.port, V1_HELLO)
     assert reply["type"] == "error" and reply["code"] == "version_mismatch", reply
     assert "speaks control protocol 1" in reply["message"]
-    assert f"upgrade the prefill hosts (the vLLM connector) to tilepd >= " in reply["message"]
+    assert "upgrade the prefill hosts (the vLLM connector) to tilepd >= " in reply["message"]
     assert f"control protocol {PROTOCOL_VERSION}" in reply["message"]
 
 

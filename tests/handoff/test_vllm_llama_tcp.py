@@ -25,7 +25,6 @@ from tilepd.contracts.service_configs import DecodeEndpoint
 from .cases import GEN_TOKENS, PROMPT_LENGTHS, check_greedy_equal, wait_event
 from .conftest import StockGreedy
 from .stack import (
-    DecodeNode,
     complete,
     connector_config,
     decode,

@@ -51,8 +51,8 @@ def _fail(code: ExitCode, message: str) -> typer.Exit:
     return typer.Exit(int(code))
 
 
-def _stated_load(topo, rps: float, prompt_tokens: int, output_tokens: int, ms_per_token: float | None,  # noqa: ANN001
-                 prefill_ms: float | None, service_cv: float, notes: list[str]):  # noqa: ANN202 - returns Load
+def _stated_load(topo, rps: float, prompt_tokens: int, output_tokens: int, ms_per_token: float | None,  # noqa: ANN001, ANN202 - returns Load
+                 prefill_ms: float | None, service_cv: float, notes: list[str]):
     from tilepd.capacity import sources
     from tilepd.capacity.estimate import Load
     from tilepd.capacity.simulate import GammaTimes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -92,7 +93,7 @@ def convert_weights_cmd(
             typer.echo(f"{r.out_dir}: wrote {r.tensors} tensors, {r.bytes_written / 1e9:.3f} GB in {r.seconds:.1f} s")
 
 
-def _convert_one(model_dir: Path, out: Path, family: str | None, dtype: str, tp: int, as_json: bool, force: bool):
+def _convert_one(model_dir: Path, out: Path, family: str | None, dtype: str, tp: int, as_json: bool, force: bool) -> Any:
     """Torch-free skip check first: an unchanged re-run answers without importing torch."""
     import time
     from types import SimpleNamespace

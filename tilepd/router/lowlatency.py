@@ -377,7 +377,7 @@ class NodeAttempt(ReadWatch):
                 if self.resp is not None:
                     await self.resp.aclose()
                 await self._wait_idle()
-        except Exception as exc:  # never let a cleanup error keep the node leased
+        except Exception as exc:  # noqa: BLE001 - never let a cleanup error keep the node leased
             log.warning("req=%s event=settle_error node=%s transfer=%s error=%r", self.request_id, node.name, self.transfer_id, exc)
         finally:
             self.lease.release()

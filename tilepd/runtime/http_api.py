@@ -35,7 +35,7 @@ from starlette.concurrency import run_in_threadpool
 from tilepd.auth import bearer_ok, transfer_token_ok
 from tilepd.contracts.decode_http import CancelBody, DecodeBody
 from tilepd.runtime.service import DecodeJob, DecodeService
-from tilepd.runtime.slot import SlotError, Transfer
+from tilepd.runtime.slot import SlotError
 from tilepd.runtime.token_stream import TokenStream
 
 log = logging.getLogger("tilepd.runtime.http")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ def run_with_node(app: Any, svc: Any, engine: DecodeEngine) -> None:
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
-    async def lifespan(a: Any):
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
         watch = asyncio.get_running_loop().create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe).run())
         try:
             async with inner(a) as state:
