@@ -36,3 +36,80 @@ def test_contracts_import_nothing_of_tilepd() -> None:
     loaded = _loaded_after_import("; import ".join(modules))
     bad = [m for m in loaded if m.startswith("tilepd.") and not m.startswith("tilepd.contracts")]
     assert not bad, f"tilepd.contracts loads {', '.join(bad)}"
+
+
+# The packages from the bottom up (docs/INTERFACES.md, "Import direction"): a package imports only its own layer's
+# and lower ones, imports written inside functions included.
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in (
+    "contracts resources runbooks auth otel",  # leaves: import nothing of tilepd
+    "transport",
+    "control",
+    "engine weights dev",
+    "topology",
+    "plan",
+    "connector runtime router",  # the processes
+    "deploy doctor capacity",  # the operator's tools
+    "cli __main__",
+))
+# no import runs upward. A process entry point (`python -m tilepd.X`, a package's __main__.py) sits on top with the
+# CLI, since nothing imports it: tilepd/runtime/__main__.py reaching into tilepd.cli.runtime_cmds (the `tilepd
+# decode-server` verb: one definition of its flags) is such an entry point, not an import of tilepd.runtime's
+UPWARD_ALLOWED: set[tuple[str, str]] = set()
+# left for issue 25 part 2 (a leaf for the model format below both; the weights loader into engine/)
+KNOWN_CYCLES = [{"engine", "weights"}]
+
+
+def _package_imports() -> dict[tuple[str, str], list[str]]:
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "tilepd"
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        src = "__main__" if path.name == "__main__.py" else path.relative_to(root).parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "tilepd" and len(parts) > 1 and parts[1] != src:
+                    edges.setdefault((src, parts[1]), []).append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return edges
+
+
+def _layer(package: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if package in layer)
+
+
+def test_every_package_has_a_layer() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "tilepd"
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()} | \
+        {p.stem for p in root.glob("*.py") if p.stem != "__init__"}
+    assert packages == set().union(*LAYERS), "a package is missing from LAYERS (and from docs/INTERFACES.md's map)"
+
+
+def test_imports_run_downward() -> None:
+    upward = {edge: where for edge, where in _package_imports().items() if _layer(edge[0]) < _layer(edge[1])}
+    assert set(upward) == UPWARD_ALLOWED, {e: w for e, w in upward.items() if e not in UPWARD_ALLOWED}
+
+
+def test_no_package_cycle_but_the_known_one() -> None:
+    graph: dict[str, set[str]] = {}
+    for a, b in _package_imports():
+        graph.setdefault(a, set()).add(b)
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt == b:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    cyclic = {p for p in graph if reaches(p, p)}
+    assert cyclic == set().union(*KNOWN_CYCLES), cyclic

@@ -110,7 +110,7 @@ def _convert_one(model_dir: Path, out: Path, family: str | None, dtype: str, tp:
 
 def _convert_topology(path: Path, as_json: bool, force: bool) -> list:
     from tilepd.topology.errors import TopologyError, TopologyFileError
-    from tilepd.weights.topology_convert import jobs_from_topology, run_job
+    from tilepd.deploy.local_convert import jobs_from_topology, run_job
 
     try:
         jobs = jobs_from_topology(path)
