@@ -27,7 +27,7 @@ import xxhash
 from tilepd.control.checksum import region_digests
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import KVSender
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.slot import Slot
 from tilepd.transport import Buffer

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tilepd.connector.launch import Server, free_port, start_vllm  # noqa: E402
 from tilepd.plan.cpu_cores import CpuVllm, split_cores  # noqa: E402
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig  # noqa: E402
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig  # noqa: E402
 from tilepd.plan.vllm_args import nixl_config, prefill_kv_transfer_config  # noqa: E402
 from tilepd.router.native import DO_REMOTE_DECODE  # noqa: E402
 

@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.router.stack import MODEL_NAME, router_config, start_decode_node, start_prefill, start_router, stop_all  # noqa: E402
+from tilepd.contracts.decode_http import DecodeBody  # noqa: E402
+from tilepd.contracts.marker import TilepdMarker  # noqa: E402
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 250, 31, 64, 200, 11, 77]
 
@@ -85,15 +87,15 @@ def direct_request(client: httpx.Client, prefill_url: str, node: Any, tokens: in
     """What the router does, done by hand: prefill with the marker, then stream /v1/decode; seconds taken."""
     tid, token = f"tx-{uuid.uuid4().hex}", secrets.token_hex(16)
     t0 = time.perf_counter()
-    marker = {"tilepd": {"host": node.host, "ctrl_port": node.ctrl_port, "transfer_id": tid, "token": token}}
+    marker = TilepdMarker(host=node.host, ctrl_port=node.ctrl_port, transfer_id=tid, token=token).as_params()
     r = client.post(prefill_url + "/v1/completions", json={
         "model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": 1, "stream": False, "logprobs": 1, "temperature": 0,
         "ignore_eos": True, "kv_transfer_params": marker})
     r.raise_for_status()
     out = r.json()
     first = int(out["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
-    body = {"transfer_id": tid, "token": token, "first_token": first, "prompt_tokens": out["usage"]["prompt_tokens"],
-            "max_tokens": tokens - 1, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = DecodeBody(transfer_id=tid, token=token, first_token=first, prompt_tokens=out["usage"]["prompt_tokens"],
+                      max_tokens=tokens - 1, temperature=0, ignore_eos=True, stream=True).as_json()
     got = 1
     with client.stream("POST", f"http://{node.host}:{node.http_port}/v1/decode", json=body) as resp:
         resp.raise_for_status()
@@ -160,7 +162,7 @@ def main() -> None:
     router_cpus, client_cpus, other_cpus = parse_cpus(args.router_cpus), parse_cpus(args.client_cpus), parse_cpus(args.other_cpus)
 
     from tilepd.dev.tiny_model import make_tiny_model
-    from tilepd.plan.service_configs import DecodeEndpoint
+    from tilepd.contracts.service_configs import DecodeEndpoint
 
     if other_cpus:  # size the servers' thread pools to their cores: OpenMP threads sharing one core spin at barriers
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(other_cpus)))

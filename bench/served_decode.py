@@ -133,7 +133,7 @@ class Node:
 
         from tilepd.auth import transfer_token_ok
 
-        from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
+        from tilepd.contracts.service_configs import DecodeServerConfig, TransportConfig
         from tilepd.runtime.http_api import build_app
         from tilepd.runtime.server import engine_geometry, start_engine
         from tilepd.runtime.service import DecodeService
@@ -209,7 +209,7 @@ def client_main(conn: Any, layout_json: str, max_seq_len: int, max_context: int,
     from tilepd.auth import node_auth_header, transfer_token
     from tilepd.control.layout import CacheLayout
     from tilepd.control.sender import KVSender
-    from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+    from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
     from tilepd.transport import Buffer
 
     layout = CacheLayout.model_validate_json(layout_json)
@@ -241,8 +241,10 @@ def client_main(conn: Any, layout_json: str, max_seq_len: int, max_context: int,
 
 def _one_request(http: Any, sender: Any, layout: Any, tid: str, token: str, seq_len: int, max_tokens: int,
                  ctrl_port: int) -> dict[str, Any]:
-    body = {"transfer_id": tid, "token": token, "first_token": FIRST_TOKEN, "prompt_tokens": seq_len, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True}
+    from tilepd.contracts.decode_http import DecodeBody
+
+    body = DecodeBody(transfer_id=tid, token=token, first_token=FIRST_TOKEN, prompt_tokens=seq_len, max_tokens=max_tokens,
+                      ignore_eos=True, stream=True).as_json()
     stamps: list[float] = []
     lines: list[dict] = []
     errors: list[str] = []

@@ -22,7 +22,7 @@ import numpy as np
 
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import KVSender
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.transport import Buffer
 from tilepd.transport.bench import raw_bandwidth
 

@@ -10,7 +10,6 @@ The server runs on CPU 1 and the clients on CPU 0 when the machine has 2 or more
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import uvloop
+
+from tilepd.contracts.marker import TilepdMarker
 
 SERVER = """
 import uvicorn
@@ -31,7 +32,7 @@ async def completions(request: Request):
 uvicorn.run(app, host="127.0.0.1", port=%d, loop="uvloop", http="httptools", log_level="warning", access_log=False)
 """
 BODY = {"model": "m", "prompt": list(range(12)), "max_tokens": 1, "stream": False, "logprobs": 1,
-        "kv_transfer_params": {"tilepd": {"host": "10.0.0.1", "ctrl_port": 7000, "transfer_id": "tx-" + "0" * 32, "token": "f" * 32}}}
+        "kv_transfer_params": TilepdMarker(host="10.0.0.1", ctrl_port=7000, transfer_id="tx-" + "0" * 32, token="f" * 32).as_params()}
 
 
 async def per_call(call: Callable[[], Awaitable[object]], calls: int) -> tuple[float, float]:

@@ -13,9 +13,10 @@ from pathlib import Path
 import openai
 
 from tilepd.topology import load_topology
+from tilepd.topology.schema import Topology
 
 
-def _api_key(topology) -> str:
+def _api_key(topology: Topology) -> str:
     source = topology.router.api_key
     if source is None:
         return "none"

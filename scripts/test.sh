@@ -10,5 +10,7 @@ cd "$root"
 # whichever one bootstrapped last; this checkout's own code always comes first for the tests and
 # every process they start.
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# The linters first (seconds): a finding fails the run before the suite starts.
+bash "$root/scripts/lint.sh"
 # The long fault runs (marker `faults`, minutes each) have their own command: scripts/faults.sh.
 exec .venv/bin/python -m pytest tests -p no:cacheprovider -m "not faults" --durations=20 "$@"

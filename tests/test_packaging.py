@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -35,10 +36,20 @@ def test_wheel_carries_playbooks_and_examples(unpacked_wheel: Path) -> None:
     examples = _run_from(unpacked_wheel, "from tilepd.resources import examples_dir; print(examples_dir())")
     assert Path(playbooks).is_relative_to(unpacked_wheel), playbooks
     assert Path(examples).is_relative_to(unpacked_wheel), examples
-    for name in ("up.yml", "down.yml"):
+    for name in ("up.yml", "down.yml", "ansible.cfg"):
         assert (Path(playbooks) / name).is_file()
     shipped = {p.name for p in Path(examples).glob("*.yaml")}
     assert shipped == {p.name for p in (REPO / "topology_examples").glob("*.yaml")}
+
+
+def test_wheel_playbooks_use_their_ansible_cfg(unpacked_wheel: Path, tmp_path: Path) -> None:
+    """The runner points ANSIBLE_CONFIG at playbooks_dir()/ansible.cfg: from a wheel, its relative paths are the wheel's."""
+    playbooks = Path(_run_from(unpacked_wheel, "from tilepd.resources import playbooks_dir; print(playbooks_dir())"))
+    cfg = playbooks / "ansible.cfg"
+    out = subprocess.run([str(Path(sys.executable).parent / "ansible-config"), "dump", "--only-changed"], cwd=tmp_path,
+                         env={**os.environ, "ANSIBLE_CONFIG": str(cfg)}, check=True, capture_output=True, text=True, timeout=120)
+    assert f"DEFAULT_ROLES_PATH({cfg}) = ['{playbooks / 'roles'}']" in out.stdout, out.stdout
+    assert f"DEFAULT_LOOKUP_PLUGIN_PATH({cfg}) = ['{playbooks / 'lookup_plugins'}']" in out.stdout, out.stdout
 
 
 def test_installed_package_validates_its_embedded_default(unpacked_wheel: Path) -> None:

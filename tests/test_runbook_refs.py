@@ -167,7 +167,7 @@ def test_router_http_answer_carries_the_runbook_field(tiny_llama: Path) -> None:
     """The real router app, no decode node and no native pool: the 503 body names RB-decode-down."""
     from fastapi.testclient import TestClient
 
-    from tilepd.plan.service_configs import RouterConfig, RoutingConfig
+    from tilepd.contracts.service_configs import RouterConfig, RoutingConfig
     from tilepd.router.app import create_app
     from tilepd.router.auth import ApiKeys
 

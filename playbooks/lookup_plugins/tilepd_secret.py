@@ -10,7 +10,7 @@ from ansible.plugins.lookup import LookupBase
 
 
 class LookupModule(LookupBase):
-    def run(self, terms, variables=None, **kwargs):  # noqa: ANN001, ANN201 - Ansible's plugin signature
+    def run(self, terms, variables=None, **kwargs):  # noqa: ANN001, ANN003, ANN201 - Ansible's plugin signature
         from tilepd.deploy.secrets import SecretsError, fetch
 
         try:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tilepd.plan.service_configs import DecodeEndpoint
+from tilepd.contracts.service_configs import DecodeEndpoint
 from tilepd.router.leases import NodePool, NodeState
 from tilepd.router.metrics import RouterMetrics
 

@@ -17,7 +17,7 @@ import torch
 
 from tilepd.control.layout import CacheLayout, IndexerLayout
 from tilepd.control.sender import KVSender
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
 from tilepd.runtime.slot import Slot, SlotError, State

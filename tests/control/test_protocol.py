@@ -17,7 +17,7 @@ from tilepd.control.framing import encode_frame, recv_frame, send_frame
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION, dump
 from tilepd.control.sender import KVSender
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.geometry import CacheGeometry
 from tilepd.runtime.slot import State
@@ -114,7 +114,7 @@ def test_a_protocol_1_connector_is_told_to_upgrade_the_prefill_hosts(node) -> No
     reply = _call(node.port, V1_HELLO)
     assert reply["type"] == "error" and reply["code"] == "version_mismatch", reply
     assert "speaks control protocol 1" in reply["message"]
-    assert f"upgrade the prefill hosts (the vLLM connector) to tilepd >= " in reply["message"]
+    assert "upgrade the prefill hosts (the vLLM connector) to tilepd >= " in reply["message"]
     assert f"control protocol {PROTOCOL_VERSION}" in reply["message"]
 
 

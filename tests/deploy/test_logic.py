@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy import topo
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 from tilepd.deploy import deployment
 from tilepd.deploy.probes import metric_sum, parse_metrics
 from tilepd.deploy.runner import PlaybookResult, TaskFailure, _message

@@ -132,7 +132,7 @@ def test_cli_prints_one_json_line(tmp_path: Path, cleanup) -> None:
     cleanup.append(spec)
     spec_file = tmp_path / "svc.spec.json"
     spec_file.write_text(spec.model_dump_json())
-    run = lambda verb, *a: subprocess.run([sys.executable, "-m", "tilepd.deploy.proc", verb, "--spec", str(spec_file), *a], capture_output=True, text=True, timeout=60)
+    run = lambda verb, *a: subprocess.run([sys.executable, "-m", "tilepd.deploy.proc", verb, "--spec", str(spec_file), *a], capture_output=True, text=True, timeout=60)  # noqa: E731 - one line, read where it is used
     out = run("start", "--check")
     assert out.returncode == 0 and json.loads(out.stdout)["changed"] is True and not spec.pid_file.exists()
     assert json.loads(run("start").stdout)["changed"] is True

@@ -12,15 +12,15 @@ import pytest
 
 from tests.deploy import topo as topo_files
 from tests.deploy.netns import LabNetwork
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 from tilepd.doctor import exit_code
 from tilepd.doctor.runner import run_doctor
 from tilepd.plan import build_plan
 from tilepd.topology import load_topology
 
-pytestmark = pytest.mark.slow
-
 from tests.doctor.conftest import ADDRESSES
+
+pytestmark = pytest.mark.slow
 
 DECODE, PREFILL, ROUTER = ADDRESSES
 _LAB = {"10.77.0.11": DECODE, "10.77.0.12": PREFILL, "10.77.0.13": ROUTER}

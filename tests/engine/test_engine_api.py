@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tilepd.engine import CAPABILITIES, KVState, SamplingParams, load_engine
+from tilepd.engine.types import DecodeEngine
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,14 @@ def test_config_and_capabilities(engine) -> None:
         assert caps[key] is False
     assert caps["logprobs"] is True  # tests/engine/test_logprobs.py
     assert set(CAPABILITIES) <= set(caps)
+
+
+def test_engine_is_what_the_decode_node_calls(engine) -> None:
+    assert isinstance(engine, DecodeEngine)
+    assert engine.health_problem() is None and engine.warmup() == 0  # one rank in this process, no CUDA graphs on CPU
+    engine.close()
+    assert engine.health_problem() is None  # nothing outside the process was stopped: it still serves
+    assert not isinstance(object(), DecodeEngine)
 
 
 def test_stop_token_ends_with_the_token_included(engine, llama_ref) -> None:

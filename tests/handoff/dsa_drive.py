@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tilepd.connector.vllm_connector import TilePDConnector
-from tilepd.plan.service_configs import ConnectorExtraConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig
 
 
 def vllm_config_for(model_dir: Path | None, *, block_size: int, hf_config: Any = None) -> SimpleNamespace:
@@ -102,7 +102,7 @@ def send_to_receiver(state: Any, *, latent: str = "bfloat16", device: str = "cpu
 
     from tests.handoff.vllm_caches import dsa_caches
     from tilepd.control.messages import ErrorCode, ProtocolError
-    from tilepd.plan.service_configs import DecodeEndpoint, TransportConfig
+    from tilepd.contracts.service_configs import DecodeEndpoint, TransportConfig
     from tilepd.runtime.ctrl_server import ControlServer
     from tilepd.runtime.slot import Slot
     from tilepd.transport import Buffer

@@ -14,7 +14,7 @@ import httpx
 
 from tilepd.connector.events import parse_event_lines
 from tilepd.connector.launch import Server, free_port, start_process, start_vllm
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
 
 # float32 for exact comparisons; eager (no torch.compile warm-up: starts much faster on 2 cores)
 VLLM_ARGS_BASE = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "--enforce-eager"]

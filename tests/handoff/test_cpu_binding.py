@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from tilepd.connector.cpu_binding import bound_cores, restore_bound_cores
-from tilepd.plan.cpu_cores import BIND_ENV
+from tilepd.contracts.cpu_bind import BIND_ENV
 
 
 def test_bound_cores_per_rank() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tilepd.connector.events import EventLog, parse_event_lines
 from tilepd.connector.marker import decide_claim
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 
 CFG = ConnectorExtraConfig(
     decode_allowlist=(DecodeEndpoint(name="d0", host="10.0.0.5", ctrl_port=5556, http_port=8200),),

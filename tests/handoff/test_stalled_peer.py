@@ -19,12 +19,12 @@ import time
 import numpy as np
 import torch
 
-from tilepd.connector.marker import TilepdMarker
+from tilepd.contracts.marker import TilepdMarker
 from tilepd.connector.staging import StagingPool
 from tilepd.connector.vllm_connector import KVConnectorRole, SendSpec, TilePDConnector, _Staged
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import REPLY_TIMEOUT_S, KVSender
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.geometry import CacheGeometry
 from tilepd.runtime.slot import State
 from tilepd.transport import Buffer

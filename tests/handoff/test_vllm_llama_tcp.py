@@ -20,12 +20,11 @@ import pytest
 from tests.waiting import wait_until
 from tilepd.connector.launch import kv_transfer_config
 from tilepd.control.framing import recv_frame, send_frame
-from tilepd.plan.service_configs import DecodeEndpoint
+from tilepd.contracts.service_configs import DecodeEndpoint
 
 from .cases import GEN_TOKENS, PROMPT_LENGTHS, check_greedy_equal, wait_event
 from .conftest import StockGreedy
 from .stack import (
-    DecodeNode,
     complete,
     connector_config,
     decode,

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tilepd.cli.app import build_app
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 from tilepd.resources import examples_dir
 
 LOCAL = str(examples_dir() / "local.yaml")

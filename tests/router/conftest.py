@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tilepd.connector.launch import Server
-from tilepd.plan.service_configs import DecodeEndpoint, RouterConfig
+from tilepd.contracts.service_configs import DecodeEndpoint, RouterConfig
 
 from .otlp_receiver import Receiver
 from .stack import (

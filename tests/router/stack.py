@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tests.waiting import wait_until  # noqa: F401 - the router tests import it from here
 from tilepd.plan.vllm_args import nixl_config
 from tilepd.connector.launch import Server, free_port, kv_transfer_config, multi_with_nixl, start_process, start_vllm
-from tilepd.plan.service_configs import (
+from tilepd.contracts.service_configs import (
     ConnectorExtraConfig,
     DecodeEndpoint,
     DecodeServerConfig,

@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from tilepd.connector.launch import Server
-from tilepd.plan.service_configs import RouterConfig
+from tilepd.contracts.service_configs import RouterConfig
 
 from .conftest import Stack
 from .stack import MODEL_NAME, TOOL_CALL_PARSER

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from starlette.datastructures import Headers
 
-from tilepd.plan.service_configs import NativePoolConfig, RouterConfig, RoutingConfig
+from tilepd.contracts.service_configs import NativePoolConfig, RouterConfig, RoutingConfig
 from tilepd.router.auth import ApiKeyConfigError, ApiKeys
 from tilepd.router.errors import RouterError
 from tilepd.router.routing import Route, choose_route

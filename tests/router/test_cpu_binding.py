@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tilepd.deploy.proc import _group_members
-from tilepd.plan.cpu_cores import BIND_ENV, parse_cpu_list
+from tilepd.contracts.cpu_bind import BIND_ENV, parse_cpu_list
 
 from .conftest import Stack
 

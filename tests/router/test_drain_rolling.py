@@ -24,7 +24,7 @@ import pytest
 from tilepd.deploy import proc
 from tilepd.deploy.canary import CanarySpec
 from tilepd.deploy.drain import drain, undrain
-from tilepd.plan.service_configs import DecodeEndpoint, DecodeServerConfig, TransportConfig
+from tilepd.contracts.service_configs import DecodeEndpoint, DecodeServerConfig, TransportConfig
 
 from .conftest import Stack
 from .stack import MAX_SEQ_LEN, MODEL_NAME, router_config, wait_until

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tilepd.connector.launch import free_port
-from tilepd.plan.service_configs import DecodeEndpoint, RouterConfig
+from tilepd.contracts.service_configs import DecodeEndpoint, RouterConfig
 from tilepd.router import protocol
 from tilepd.router.app import MAX_JSON_DEPTH, create_app
 from tilepd.router.auth import ApiKeys

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tilepd.plan.service_configs import DecodeEndpoint
+from tilepd.contracts.service_configs import DecodeEndpoint
 from tilepd.router.leases import LeaseTimeout, NodePool, NoNodeInRotation
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tilepd.plan.service_configs import DecodeEndpoint
+from tilepd.contracts.service_configs import DecodeEndpoint
 from tilepd.router.health import MAX_UNJUDGED, probe_node
 from tilepd.router.leases import NodePool
 from tilepd.router.loop_lag import LoopLag

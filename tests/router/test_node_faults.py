@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from tilepd.connector.launch import Server
-from tilepd.plan.service_configs import RouterConfig
+from tilepd.contracts.service_configs import RouterConfig
 
 from .conftest import Stack
 from .stack import MODEL_NAME, router_config, start_decode_node, start_router, wait_until

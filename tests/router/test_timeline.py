@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tilepd.connector.launch import free_port
-from tilepd.plan.service_configs import DecodeEndpoint, NativePoolConfig, RouterConfig
+from tilepd.contracts.service_configs import DecodeEndpoint, NativePoolConfig, RouterConfig
 from tilepd.router.timeline import Timeline, parse_log_timeline, parse_server_timing
 
 from tests.waiting import wait_until
@@ -467,8 +467,8 @@ def _run_without_otel(module_main: str, args: list[str]) -> subprocess.Completed
 
 
 def test_a_collector_named_without_opentelemetry_installed_is_refused_by_name(tiny_llama: Path, tmp_path: Path) -> None:
-    from tilepd.cli.exitcodes import ExitCode
-    from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
+    from tilepd.contracts.exit_codes import ExitCode
+    from tilepd.contracts.service_configs import DecodeServerConfig, TransportConfig
 
     cfg = RouterConfig(port=free_port(), served_model_name=MODEL, tokenizer_dir=tiny_llama, prefill_urls=("http://127.0.0.1:9",),
                        decode_nodes=(DecodeEndpoint(name="d0", host="127.0.0.1", ctrl_port=free_port(), http_port=free_port()),),

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from tilepd.cli.app import build_app
 from tilepd.connector.launch import Server
-from tilepd.plan.service_configs import RouterConfig
+from tilepd.contracts.service_configs import RouterConfig
 from tilepd.router.timeline import parse_server_timing
 
 from .conftest import Stack

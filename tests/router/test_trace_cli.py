@@ -10,7 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from tilepd.cli.app import build_app
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 RID = "req-abc123"
 TX = "tx-5d1e0c2b"

@@ -34,7 +34,7 @@ def start_node(python: str, weights: Path, tmp: Path, transport: str = "tcp", fa
     http_port, ctrl_port = free_port(), free_port()
     log = tmp / f"decode-{transport}.log"
     if use_config_file or secret_file is not None or drain_file is not None:
-        from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
+        from tilepd.contracts.service_configs import DecodeServerConfig, TransportConfig
 
         cfg = DecodeServerConfig(name=f"test-{transport}", served_model_name="tiny", family=family, weights_dir=weights,
                                  max_seq_len=max_seq_len, device="cpu", bind_host="127.0.0.1", advertise_host="127.0.0.1",

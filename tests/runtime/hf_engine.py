@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from tilepd.engine.types import InProcessEngine
+
 
 @dataclass
 class KVState:
@@ -40,7 +42,9 @@ class DecodeResult:
     timings: dict = field(default_factory=dict)
 
 
-class HFEngine:
+class HFEngine(InProcessEngine):
+    """A tilepd.engine.types.DecodeEngine (tests/runtime/test_cancel_step.py checks): the node serves it like the real one."""
+
     def __init__(self, model_dir: Path, step_delay_s: float = 0.0):
         from transformers import AutoModelForCausalLM
 

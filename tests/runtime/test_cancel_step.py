@@ -21,7 +21,8 @@ from tests.runtime.conftest import free_port, wire_payload
 from tests.runtime.hf_engine import HFEngine, KVState, SamplingParams, hf_prefill_kv
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import KVSender
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
+from tilepd.engine.types import DecodeEngine
 from tilepd.runtime.geometry import geometry_from_spec
 from tilepd.runtime.http_api import build_app
 from tilepd.runtime.service import DecodeService
@@ -31,6 +32,7 @@ from tilepd.transport import Buffer
 @pytest.fixture(scope="module")
 def slow_node(tiny_llama):
     eng = HFEngine(tiny_llama, step_delay_s=0.05)
+    assert isinstance(eng, DecodeEngine)
     cfg = DecodeServerConfig(name="slow", served_model_name="tiny", family="llama", weights_dir=tiny_llama, max_seq_len=512,
                              device="cpu", bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=free_port(), ctrl_port=0,
                              transport=TransportConfig(name="tcp"), kv_timeout_s=5)

@@ -23,7 +23,7 @@ from tests.runtime.test_decode_server import PROMPTS, _handoff, _layout
 from tilepd import auth
 from tilepd.control.sender import KVSender
 from tilepd.deploy import drain as dr
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.slot import Slot, SlotError, State
 from tilepd.transport import Buffer
 
@@ -99,7 +99,7 @@ def _cli(*args: str, secret_env: str | None = None) -> subprocess.CompletedProce
 
 def test_drain_cli_names_the_node_the_secret_and_the_address(tmp_path: Path) -> None:
     from tilepd.connector.launch import free_port
-    from tilepd.cli.exitcodes import ExitCode
+    from tilepd.contracts.exit_codes import ExitCode
 
     port = free_port()
     topo = _topology(tmp_path, port)

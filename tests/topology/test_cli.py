@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tilepd.cli.app import app
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 from tilepd.resources import examples_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"

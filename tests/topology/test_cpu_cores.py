@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tilepd.plan import build_plan
-from tilepd.plan.cpu_cores import BIND_ENV, CpuVllm, parse_cpu_list, split_cores
+from tilepd.contracts.cpu_bind import BIND_ENV, parse_cpu_list
+from tilepd.plan.cpu_cores import CpuVllm, split_cores
 from tilepd.resources import examples_dir
 from tilepd.topology import load_topology_text
 

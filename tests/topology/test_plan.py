@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from tilepd.plan import build_plan, topology_hash
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeServerConfig, RouterConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeServerConfig, RouterConfig
 from tilepd.resources import examples_dir
 from tilepd.topology import load_topology, load_topology_text
 

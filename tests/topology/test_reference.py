@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 from tilepd.topology.reference import EXIT_CODE_MEANINGS, render_reference
 from tilepd.topology.rules import RULES
 from tilepd.topology.schema import DecodeNode, Topology

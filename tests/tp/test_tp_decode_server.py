@@ -20,7 +20,7 @@ from tests.runtime.hf_engine import hf_prefill_kv
 from tilepd.control.layout import CacheLayout
 from tilepd.control.sender import KVSender
 from tilepd.engine import KVState, SamplingParams, load_engine
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
 from tilepd.transport import Buffer
 
 pytestmark = pytest.mark.slow

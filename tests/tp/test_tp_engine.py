@@ -13,6 +13,7 @@ import pytest
 from tilepd.dev.synthetic import random_kv_state
 from tilepd.engine import SamplingParams, load_engine
 from tilepd.engine.tp_engine import launch_tp_engine
+from tilepd.engine.types import DecodeEngine
 
 N_TOKENS = 40
 GREEDY = SamplingParams(ignore_eos=True)
@@ -30,7 +31,7 @@ def test_two_ranks_match_one_rank(family: str, request: pytest.FixtureRequest) -
     weights = request.getfixturevalue("tp_llama" if family == "llama" else "tp_deepseek")
     tp = launch_tp_engine(weights[2], 2, max_seq_len=128)
     try:
-        assert tp.config.family == family and tp.tp_size == 2
+        assert tp.config.family == family and tp.tp_size == 2 and isinstance(tp, DecodeEngine)
         state = random_kv_state(tp.config, 17)
         want = _reference(weights[1], state, 7)
         tp.inject(state)

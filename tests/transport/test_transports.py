@@ -30,7 +30,7 @@ def test_raw_bandwidth_between_two_processes_checks_bytes() -> None:
 @pytest.mark.parametrize("name", ["tcp", "nixl"])
 def test_scattered_segments_land_where_asked(name: str) -> None:
     """Many small segments (one per block) land at their destinations in another process."""
-    from tilepd.plan.service_configs import TransportConfig
+    from tilepd.contracts.service_configs import TransportConfig
     from tilepd.transport.registry import make_sender
 
     import hashlib

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 from tilepd.engine import KVState, SamplingParams, load_engine
 from tilepd.weights import WeightsError, convert_weights
 from tilepd.weights.source import SafetensorsFile

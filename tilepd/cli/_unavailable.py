@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 
 def not_yet(verb: str) -> None:

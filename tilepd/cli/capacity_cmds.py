@@ -1,6 +1,6 @@
 """`tilepd capacity FILE`: how many decode nodes a load needs, from live metrics or a stated load.
 
-Exit codes (tilepd/cli/exitcodes.py): 0 estimate printed (with --check: the current pool meets
+Exit codes (tilepd/contracts/exit_codes.py): 0 estimate printed (with --check: the current pool meets
 the targets), 1 no pool size within reach meets the targets (said why), 2 bad options, 3 invalid topology, 4 topology unreadable, or a /metrics answer
 that lacks what the estimate needs (named), 7 a /metrics endpoint did not answer (URL named),
 or with --check the current pool misses a target.
@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -51,8 +51,8 @@ def _fail(code: ExitCode, message: str) -> typer.Exit:
     return typer.Exit(int(code))
 
 
-def _stated_load(topo, rps: float, prompt_tokens: int, output_tokens: int, ms_per_token: float | None,  # noqa: ANN001
-                 prefill_ms: float | None, service_cv: float, notes: list[str]):  # noqa: ANN202 - returns Load
+def _stated_load(topo, rps: float, prompt_tokens: int, output_tokens: int, ms_per_token: float | None,  # noqa: ANN001, ANN202 - returns Load
+                 prefill_ms: float | None, service_cv: float, notes: list[str]):
     from tilepd.capacity import sources
     from tilepd.capacity.estimate import Load
     from tilepd.capacity.simulate import GammaTimes

@@ -1,6 +1,6 @@
 """`tilepd up / down / status / logs`: deploy a topology with Ansible, and watch it.
 
-Exit codes (tilepd/cli/exitcodes.py): 0 ok, 3 invalid topology, 4 unreadable file,
+Exit codes (tilepd/contracts/exit_codes.py): 0 ok, 3 invalid topology, 4 unreadable file,
 5 unreachable host (named), 6 a task failed (host, task, module message),
 7 a health gate / the canary failed or status found something degraded.
 """
@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)

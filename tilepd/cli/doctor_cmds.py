@@ -1,6 +1,6 @@
 """`tilepd doctor FILE` (preflight on every host) and `tilepd runbook [ID]` (the on-call runbooks).
 
-Exit codes (tilepd/cli/exitcodes.py): doctor 0 no required check failed, 9 one did (on a host
+Exit codes (tilepd/contracts/exit_codes.py): doctor 0 no required check failed, 9 one did (on a host
 that answered), 5 a host was unreachable (and nothing else failed), 3/4 bad topology file;
 runbook 0, or 2 for an unknown id.
 """
@@ -18,7 +18,7 @@ from rich.markdown import Markdown
 from rich.markup import escape
 from rich.table import Table
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)

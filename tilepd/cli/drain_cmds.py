@@ -5,7 +5,7 @@ another node and leases it no more after its next health check); the verb waits 
 the node is idle, which is final while it drains, so it can then be stopped or upgraded.
 undrain: the node takes requests again.
 
-Exit codes (tilepd/cli/exitcodes.py): 0 drained (idle) / undrained, 2 no such decode node,
+Exit codes (tilepd/contracts/exit_codes.py): 0 drained (idle) / undrained, 2 no such decode node,
 3/4 the topology is invalid or unreadable, 4 no usable deployment secret (or the node
 refused it), 5 the node or its host did not answer, 10 still busy when --timeout ran out
 (the node stays draining). NODE is the topology entry name (`d0`) or the service name
@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)

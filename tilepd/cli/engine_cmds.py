@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 dev_app = typer.Typer(name="dev", help="Developer helpers: tiny deterministic models for tests and demos.", no_args_is_help=True)
 
@@ -92,7 +93,7 @@ def convert_weights_cmd(
             typer.echo(f"{r.out_dir}: wrote {r.tensors} tensors, {r.bytes_written / 1e9:.3f} GB in {r.seconds:.1f} s")
 
 
-def _convert_one(model_dir: Path, out: Path, family: str | None, dtype: str, tp: int, as_json: bool, force: bool):
+def _convert_one(model_dir: Path, out: Path, family: str | None, dtype: str, tp: int, as_json: bool, force: bool) -> Any:
     """Torch-free skip check first: an unchanged re-run answers without importing torch."""
     import time
     from types import SimpleNamespace
@@ -109,7 +110,7 @@ def _convert_one(model_dir: Path, out: Path, family: str | None, dtype: str, tp:
 
 def _convert_topology(path: Path, as_json: bool, force: bool) -> list:
     from tilepd.topology.errors import TopologyError, TopologyFileError
-    from tilepd.weights.topology_convert import jobs_from_topology, run_job
+    from tilepd.deploy.local_convert import jobs_from_topology, run_job
 
     try:
         jobs = jobs_from_topology(path)

@@ -8,8 +8,8 @@ from typing import Any, Optional
 import typer
 from pydantic import ValidationError
 
-from tilepd.cli.exitcodes import ExitCode
-from tilepd.plan.service_configs import DecodeServerConfig, TransportConfig
+from tilepd.contracts.exit_codes import ExitCode
+from tilepd.contracts.service_configs import DecodeServerConfig, TransportConfig
 
 
 def _config_from_flags(**kw: Any) -> DecodeServerConfig:
@@ -36,11 +36,13 @@ def decode_server(
 ) -> None:
     """Run a tilepd decode node: control port for KV handoff, HTTP API on --http-port."""
     from tilepd.otel import TracingUnavailable
-    from tilepd.runtime.server import EngineLoadError, load_config, serve, setup_logging
+    from tilepd.contracts.config_file import ServiceConfigError, read_service_config
+    from tilepd.contracts.logging_setup import setup_logging
+    from tilepd.runtime.server import EngineLoadError, serve
 
     try:
         if config is not None:
-            cfg = load_config(config)
+            cfg = read_service_config(config, DecodeServerConfig)
         else:
             if weights is None:
                 typer.echo("decode-server: give --config FILE, or --weights DIR for a development node", err=True)
@@ -51,13 +53,13 @@ def decode_server(
                 ctrl_port=ctrl_port, transport=transport, data_port=data_port, kv_timeout_s=kv_timeout_s,
                 kv_cache_dtype=kv_cache_dtype, tp_size=tp_size, recv_buffer="vram" if device == "cuda" and transport != "tcp" else "dram",
             )
-    except FileNotFoundError as exc:
-        typer.echo(f"decode-server: config file not found: {exc.filename}", err=True)
+    except ServiceConfigError as exc:
+        typer.echo(f"decode-server: {exc}", err=True)
         raise typer.Exit(int(ExitCode.INPUT)) from exc
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        typer.echo(f"decode-server: {config or 'flags'}: {where}: {err['msg']}", err=True)
+        typer.echo(f"decode-server: flags: {where}: {err['msg']}", err=True)
         raise typer.Exit(int(ExitCode.INPUT)) from exc
     setup_logging(cfg.log_file)
     try:

@@ -1,6 +1,6 @@
 """`tilepd validate | plan | render`: topology file -> findings, plan, rendered files.
 
-Exit codes (tilepd/cli/exitcodes.py): 0 ok, 3 the topology is invalid, 4 the file is
+Exit codes (tilepd/contracts/exit_codes.py): 0 ok, 3 the topology is invalid, 4 the file is
 missing / unreadable / not YAML, 2 bad command line or unusable --out folder.
 """
 
@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 from tilepd.topology import Topology, TopologyError, TopologyFileError, load_topology
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ nodes' `event=decode_done` lines and the connector's lines in the prefill (vLLM)
 `<base_dir>/logs`, or a test stack's work folder), else the deployment of TOPOLOGY (default: the embedded
 local.yaml), read on its hosts as `tilepd logs` does.
 
-Exit codes (tilepd/cli/exitcodes.py): 0 found (printed), 11 no router line names the request (or its final line is
+Exit codes (tilepd/contracts/exit_codes.py): 0 found (printed), 11 no router line names the request (or its final line is
 not written yet), 4 `--logs` is not a readable folder, 3/4 the topology is invalid or unreadable, 5 every host that
 holds a router log was unreachable.
 """
@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)

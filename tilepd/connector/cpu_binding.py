@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from tilepd.plan.cpu_cores import BIND_ENV, parse_cpu_list
+from tilepd.contracts.cpu_bind import BIND_ENV, parse_cpu_list
 
 
 def bound_cores(bind: str | None, rank: int, ranks: int) -> set[int] | None:

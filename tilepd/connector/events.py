@@ -16,6 +16,8 @@ import sys
 import threading
 from typing import Any
 
+from tilepd.contracts.logging_setup import LOG_FORMAT
+
 COUNTER_NAMES = ("claimed", "sent", "bytes", "refused", "retries", "failures", "staged")
 
 _log = logging.getLogger("tilepd.connector")
@@ -26,7 +28,7 @@ def ensure_logging() -> None:
     root = logging.getLogger("tilepd")
     if not root.handlers:
         h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        h.setFormatter(logging.Formatter(LOG_FORMAT))
         root.addHandler(h)
         root.setLevel(logging.INFO)
         root.propagate = False

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import httpx
 
 from tilepd.plan import vllm_args
-from tilepd.plan.service_configs import ConnectorExtraConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig
 
 CONNECTOR_NAME = vllm_args.CONNECTOR_CLASS
 CONNECTOR_MODULE = vllm_args.CONNECTOR_MODULE

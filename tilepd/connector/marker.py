@@ -1,8 +1,6 @@
-"""The tilepd marker in vLLM's `kv_transfer_params` and the claim decision.
+"""The connector's claim decision on the tilepd marker (tilepd.contracts.marker) in vLLM's `kv_transfer_params`.
 
-Only the router sets the marker (INTERFACES §3)::
-
-    {"tilepd": {"host": "10.0.0.5", "ctrl_port": 5556, "transfer_id": "tx-...", "token": "<hex>"}}
+Only the router (and the deploy canary) sets the marker (INTERFACES §3).
 
 A request without the key is none of the connector's business (strict no-op, so
 other connectors under MultiConnector see it untouched). A request with a bad
@@ -15,22 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from tilepd.plan.service_configs import ConnectorExtraConfig
-
-MARKER_KEY = "tilepd"
-# the key under which request_finished reports the hand-off (no clash with NixlConnector's keys)
-RESULT_KEY = "tilepd_handoff"
-
-
-class TilepdMarker(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    host: str = Field(min_length=1, max_length=255)
-    ctrl_port: int = Field(gt=0, lt=65536)
-    transfer_id: str = Field(min_length=1, max_length=200)
-    token: str = Field(min_length=1, max_length=200)
+from tilepd.contracts.marker import MARKER_KEY, TilepdMarker
+from tilepd.contracts.service_configs import ConnectorExtraConfig
 
 
 @dataclass(frozen=True)

@@ -87,11 +87,12 @@ from tilepd.connector.layout import (
     facts_from_vllm_config,
     read_paged_cache,
 )
-from tilepd.connector.marker import RESULT_KEY, TilepdMarker, decide_claim
+from tilepd.connector.marker import decide_claim
 from tilepd.connector.peer_workers import PeerWorkers
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
 from tilepd.connector.tracing import make_connector_tracing, traceparent_of
-from tilepd.plan.service_configs import ConnectorExtraConfig
+from tilepd.contracts.marker import RESULT_KEY, TilepdMarker
+from tilepd.contracts.service_configs import ConnectorExtraConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

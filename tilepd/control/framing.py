@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import threading
 from typing import Any
 
 MAX_FRAME_BYTES = 1 << 20  # 1 MiB, INTERFACES §3
@@ -65,21 +64,3 @@ def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> dict[st
     if not isinstance(obj, dict):
         raise FrameError(f"frame holds a JSON {type(obj).__name__}, expected an object")
     return obj
-
-
-def stop_listener(listener: socket.socket, accept_thread: threading.Thread | None, timeout_s: float = 1.0) -> None:
-    """Close a listening socket so that a thread blocked in accept() returns.
-
-    On Linux close() alone leaves accept() blocked forever (the thread leaks);
-    shutdown() on the listener wakes it with an error, then the thread is joined.
-    """
-    try:
-        listener.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    try:
-        listener.close()
-    except OSError:
-        pass
-    if accept_thread is not None and accept_thread is not threading.current_thread():
-        accept_thread.join(timeout_s)

@@ -64,7 +64,7 @@ from tilepd.control.messages import (
     dump,
     parse_message,
 )
-from tilepd.plan.service_configs import ConnectorExtraConfig, DecodeEndpoint
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint
 from tilepd.transport.base import Buffer, Peer, Segment, TransportError, TransportSender, WriteHandle
 from tilepd.transport.registry import make_sender
 
@@ -314,7 +314,7 @@ class KVSender:
                 raise TransportError(f"transfer {transfer_id}: write did not complete within {WIRE_TIMEOUT_S:g} s")
         return handle.wait(0)
 
-    def _send_locked(self, key, res: SendResult, transfer_id: str, token: str, seq_len: int, num_blocks: int,
+    def _send_locked(self, key: tuple[str, int], res: SendResult, transfer_id: str, token: str, seq_len: int, num_blocks: int,
                      src: Sequence[SourceSpec], t0: float) -> SendResult:
         admit = dump(Admit(transfer_id=transfer_id, token=token, seq_len=seq_len, num_blocks=num_blocks, sender_rank=self.sender_rank))
         backoff = self.config.busy_backoff_s

@@ -29,6 +29,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from tilepd.auth import CANARY_TRANSFER_PREFIX, node_auth_header, transfer_token
+from tilepd.contracts.decode_http import CancelBody, DecodeBody
+from tilepd.contracts.marker import MARKER_KEY, RESULT_KEY, TilepdMarker
 from tilepd.router.logprobs import token_id  # the prefill runs with --return-tokens-as-token-ids (tilepd.plan.vllm_args)
 
 DEFAULT_PROMPT = tuple(range(100, 116))  # 16 ordinary token ids of any real vocabulary (not BOS/EOS/padding)
@@ -75,7 +77,7 @@ def _prefill(url: str, spec: CanarySpec, max_tokens: int, marker: dict[str, Any]
     if marker is not None:
         body["kv_transfer_params"] = marker
     r = httpx.post(f"{url.rstrip('/')}/v1/completions", json=body, timeout=httpx.Timeout(PREFILL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-                   headers={"x-request-id": str((marker or {}).get("tilepd", {}).get("transfer_id", "canary-reference"))})
+                   headers={"x-request-id": str((marker or {}).get(MARKER_KEY, {}).get("transfer_id", "canary-reference"))})
     r.raise_for_status()
     return r.json()
 
@@ -83,7 +85,7 @@ def _prefill(url: str, spec: CanarySpec, max_tokens: int, marker: dict[str, Any]
 def _cancel(node_base_url: str, transfer_id: str, secret: bytes | None) -> None:
     """Best effort: the node frees its slot if the canary's KV holds it, or refuses that KV when it comes later."""
     try:
-        httpx.post(f"{node_base_url.rstrip('/')}/v1/cancel", json={"transfer_id": transfer_id}, headers=node_auth_header(secret),
+        httpx.post(f"{node_base_url.rstrip('/')}/v1/cancel", json=CancelBody(transfer_id=transfer_id).as_json(), headers=node_auth_header(secret),
                    timeout=CONNECT_TIMEOUT_S)
     except httpx.HTTPError:
         pass
@@ -94,7 +96,7 @@ def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> Ca
     t0 = time.monotonic()
     tid = f"{CANARY_TRANSFER_PREFIX}{uuid.uuid4().hex}"
     token = transfer_token(secret, tid) if secret else uuid.uuid4().hex
-    marker = {"tilepd": {"host": spec.ctrl_host, "ctrl_port": spec.ctrl_port, "transfer_id": tid, "token": token}}
+    marker = TilepdMarker(host=spec.ctrl_host, ctrl_port=spec.ctrl_port, transfer_id=tid, token=token).as_params()
 
     def result(outcome: Literal["ok", "failed", "skipped"], reason: str, **kw: Any) -> CanaryResult:
         if outcome == "failed":  # the KV the prefill sent must not hold the node's slot until its orphan timeout
@@ -118,13 +120,13 @@ def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> Ca
         first = _token_ids(body)[0]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         return result("skipped", f"the prefill {url} answered without a first token id: {exc}", prefill_url=url)
-    handoff = (body.get("kv_transfer_params") or {}).get("tilepd_handoff") or {}
+    handoff = (body.get("kv_transfer_params") or {}).get(RESULT_KEY) or {}
     if handoff.get("state") == "refused":
         return result("skipped", f"the running prefill {url} refused the hand-off to this node: {handoff.get('reason', '?')}",
                       prefill_url=url)
-    decode = {"transfer_id": tid, "token": token, "first_token": first, "prompt_tokens": len(spec.prompt_tokens),
-              "max_tokens": spec.max_tokens - 1, "temperature": 0, "ignore_eos": True, "stream": False,
-              "kv_timeout_s": spec.kv_timeout_s}
+    decode = DecodeBody(transfer_id=tid, token=token, first_token=first, prompt_tokens=len(spec.prompt_tokens),
+                        max_tokens=spec.max_tokens - 1, temperature=0, ignore_eos=True, stream=False,
+                        kv_timeout_s=spec.kv_timeout_s).as_json()
     try:
         r = httpx.post(f"{node_base_url.rstrip('/')}/v1/decode", json=decode, headers={"x-request-id": tid, **node_auth_header(secret)},
                        timeout=spec.kv_timeout_s + PREFILL_TIMEOUT_S)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 
 
 def convert_on_nodes(topology_path: Path | str, *, limit: str | None = None, check: bool = False, console: Console | None = None) -> int:

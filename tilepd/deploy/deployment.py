@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import ExitCode
 from tilepd.deploy.inventory import write_host_vars
 from tilepd.deploy.runner import PlaybookResult, TaskEvent, run_playbook
 from tilepd.deploy.secrets import values_for

@@ -188,23 +188,15 @@ def run_playbook(
     result = PlaybookResult(playbook=playbook, status="unknown", rc=-1)
     digest = _Digest(result, on_event)
     bindir = str(Path(sys.executable).parent)
+    # the static settings are in playbooks/ansible.cfg (an `ansible-playbook` run by hand reads them too); only what
+    # changes per run is here
     envvars = {
         # the controller's own ansible-playbook (the venv's), whatever PATH the operator has
         "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
-        "ANSIBLE_HOST_KEY_CHECKING": "False",
-        "ANSIBLE_RETRY_FILES_ENABLED": "False",
-        # host keys are recorded per deployment (trust on first use), not in the operator's ~/.ssh
-        "ANSIBLE_SSH_ARGS": "-o ControlMaster=auto -o ControlPersist=30s -o ServerAliveInterval=10"
-        + (f" -o UserKnownHostsFile={known_hosts}" if known_hosts else ""),
-        "ANSIBLE_TIMEOUT": "10",
-        "ANSIBLE_DEPRECATION_WARNINGS": "False",
-        "ANSIBLE_LOCALHOST_WARNING": "False",
-        "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
-        "ANSIBLE_PIPELINING": "True",
-        "ANSIBLE_NOCOLOR": "True",
-        "ANSIBLE_ROLES_PATH": str(playbooks_dir() / "roles"),
-        "ANSIBLE_LOOKUP_PLUGINS": str(playbooks_dir() / "lookup_plugins"),
+        "ANSIBLE_CONFIG": str(playbooks_dir() / "ansible.cfg"),
     }
+    if known_hosts:  # host keys are recorded per deployment (trust on first use), not in the operator's ~/.ssh
+        envvars["ANSIBLE_SSH_EXTRA_ARGS"] = f"-o UserKnownHostsFile={known_hosts}"
     cmdline = "--check" if check else None
     # ansible-runner records the environment of ansible-playbook in artifacts/<id>/command:
     # keep secrets the operator exported (e.g. the router's API key) out of it; the playbook gets

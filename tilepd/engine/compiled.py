@@ -47,7 +47,7 @@ class SpeedPath:
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken Triton install fails its import in many ways: no kernels then
         return False
     return True
 
@@ -118,7 +118,7 @@ def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = T
                 model.compile(options=dict(SPEED_COMPILE_OPTIONS), include_attention=False)
             else:
                 model.compile(mode=compile_mode, include_attention=False)
-        except Exception as e:  # compile() itself only wraps functions; real failures come at capture
+        except Exception as e:  # noqa: BLE001 - compile() itself only wraps functions; real failures come at capture
             log.warning("event=torch_compile_unavailable error=%s", e)
         else:
             path.parts.insert(0, "compile(no-attn)")

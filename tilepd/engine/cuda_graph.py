@@ -101,7 +101,7 @@ class GraphStep:
             token, position = self.io.token.clone(), self.io.position.clone()
             try:
                 return self._capture(attn_len, use_greedy)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a capture that fails for any reason falls back (logged), never fails the decode
                 torch.cuda.synchronize()
                 self.io.token.copy_(token)
                 self.io.position.copy_(position)

@@ -21,7 +21,7 @@ import torch
 from tilepd.engine.logprobs import TOP_LOGPROBS_MAX, TokenLogprobs, token_logprobs
 from tilepd.engine.sampling import SamplerState, greedy
 from tilepd.engine.spec import ModelSpec
-from tilepd.engine.types import DecodeResult, FinishReason, KVState, SamplingParams
+from tilepd.engine.types import DecodeResult, FinishReason, InProcessEngine, KVState, SamplingParams
 
 CAPABILITIES: dict[str, Any] = {
     "temperature": True, "top_p": True, "top_k": True, "seed": True, "stop_token_ids": True, "ignore_eos": True,
@@ -58,7 +58,7 @@ class EagerStep:
         return io.token
 
 
-class Engine:
+class Engine(InProcessEngine):
     """Batch-1 decoder over a static cache sized for max_seq_len tokens."""
 
     def __init__(self, model, spec: ModelSpec, device: torch.device, max_seq_len: int, *, use_cuda_graph: bool | None = None,

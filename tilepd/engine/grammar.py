@@ -66,7 +66,7 @@ class GrammarCompiler:
 
     def compile(self, c: Constraint, field: str = "structured_output") -> Any:
         """-> xgrammar.CompiledGrammar; GrammarError naming `field`.spec when the constraint is malformed."""
-        xgr = _xgr()
+        _xgr()  # import xgrammar first: a node without it fails here, before the constraint is parsed
         if c.kind not in KINDS:
             raise GrammarError(f"{field}.type", f"{c.kind!r} is not one of {', '.join(KINDS)}")
         if c.kind in ("json_schema", "structural_tag"):

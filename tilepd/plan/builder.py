@@ -20,7 +20,7 @@ from tilepd import __version__
 from tilepd.plan import vllm_args
 from tilepd.plan.cpu_cores import CpuVllm, split_cores
 from tilepd.plan.model import HOST_ROLES, STAGES, Health, HostPlan, Plan, PythonEnv, SecretFile, Service, SshTarget
-from tilepd.plan.service_configs import (
+from tilepd.contracts.service_configs import (
     ConnectorExtraConfig,
     DecodeEndpoint,
     DecodeServerConfig,

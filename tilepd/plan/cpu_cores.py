@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+from tilepd.contracts.cpu_bind import BIND_ENV, parse_cpu_list
 
 
 @dataclass(frozen=True)
@@ -33,19 +33,6 @@ class CpuVllm:
     name: str
     ranks: int
     env: dict[str, str]
-
-
-def parse_cpu_list(text: str) -> set[int] | None:
-    """The cores of a list like '0-3|5,7' (vLLM's syntax); None for 'auto', 'nobind' or anything unparsable."""
-    out: set[int] = set()
-    for group in text.split("|"):
-        for part in group.split(","):
-            part = part.strip()
-            lo, sep, hi = part.partition("-")
-            if not lo.isdigit() or (sep and not hi.isdigit()):
-                return None
-            out.update(range(int(lo), int(hi if sep else lo) + 1))
-    return out
 
 
 def _ranges(cores: Sequence[int]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tilepd.plan.service_configs import ConnectorExtraConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig
 from tilepd.topology.schema import NativeDecodeHost, PrefillHost, SpeculativeMethod, Topology
 from tilepd.topology.families import canonical_family
 

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from tilepd.auth import load_secret
-from tilepd.plan.service_configs import RouterConfig
+from tilepd.contracts.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.backends import DecodeNodeError, cancel_decode
 from tilepd.router.errors import PassThroughError, RouterError, invalid, unsupported

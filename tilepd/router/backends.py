@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from tilepd.contracts.decode_http import CancelBody
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.health import says_draining
 from tilepd.router.logprobs import token_id
@@ -153,7 +154,7 @@ async def cancel_decode(client: Upstream, base_url: str, transfer_id: str, timeo
                         headers: dict[str, str] | None = None) -> bool:
     """POST /v1/cancel; True when the node acknowledged."""
     try:
-        resp = await client.request("POST", f"{base_url}/v1/cancel", body={"transfer_id": transfer_id}, timeout_s=timeout_s, headers=headers)
+        resp = await client.request("POST", f"{base_url}/v1/cancel", body=CancelBody(transfer_id=transfer_id).as_json(), timeout_s=timeout_s, headers=headers)
         return resp.status == 200
     except UpstreamError:
         return False

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tilepd.plan.service_configs import DecodeEndpoint
+from tilepd.contracts.service_configs import DecodeEndpoint
 
 
 @dataclass

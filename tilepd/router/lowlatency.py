@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilepd.auth import transfer_token
+from tilepd.contracts.decode_http import DecodeBody
+from tilepd.contracts.marker import TilepdMarker
 from tilepd.router.backends import (
     DecodeNodeError,
     ReadWatch,
@@ -239,7 +241,7 @@ class NodeAttempt(ReadWatch):
     def marker(self) -> dict[str, Any]:
         """vLLM's `kv_transfer_params`: the connector's marker, and (tracing on) the request span for its hand-off spans."""
         ep = self.lease.node.endpoint
-        params: dict[str, Any] = {"tilepd": {"host": ep.host, "ctrl_port": ep.ctrl_port, "transfer_id": self.transfer_id, "token": self.token}}
+        params = TilepdMarker(host=ep.host, ctrl_port=ep.ctrl_port, transfer_id=self.transfer_id, token=self.token).as_params()
         if "traceparent" in self.trace_headers:
             params["tilepd_traceparent"] = self.trace_headers["traceparent"]  # beside the marker: an older connector ignores it
         return params
@@ -375,7 +377,7 @@ class NodeAttempt(ReadWatch):
                 if self.resp is not None:
                     await self.resp.aclose()
                 await self._wait_idle()
-        except Exception as exc:  # never let a cleanup error keep the node leased
+        except Exception as exc:  # noqa: BLE001 - never let a cleanup error keep the node leased
             log.warning("req=%s event=settle_error node=%s transfer=%s error=%r", self.request_id, node.name, self.transfer_id, exc)
         finally:
             self.lease.release()
@@ -385,8 +387,8 @@ class NodeAttempt(ReadWatch):
     async def _join_and_free(self, kv_timeout_s: float) -> bool:
         """Join this transfer with a one-step decode whose output is thrown away; True once the slot is ours no more."""
         node = self.lease.node
-        body = {"transfer_id": self.transfer_id, "token": self.token, "first_token": self.first_token or 0,
-                "prompt_tokens": self.context_len, "max_tokens": 1, "stream": False, "kv_timeout_s": kv_timeout_s}
+        body = DecodeBody(transfer_id=self.transfer_id, token=self.token, first_token=self.first_token or 0,
+                          prompt_tokens=self.context_len, max_tokens=1, stream=False, kv_timeout_s=kv_timeout_s).as_json()
         status = await join_decode(self.state.client, node.base_url, body, self.request_id, kv_timeout_s + 5.0, self.state.node_headers)
         # 200 decoded, 504 the KV never came, 499 cancelled: in each case the node freed the slot
         return status in (200, 499, 504)
@@ -538,13 +540,14 @@ class LowLatencyRun:
 
     async def _decode(self, att: NodeAttempt, text: _TextState) -> AsyncIterator[str]:
         node = att.lease.node
-        body = {"transfer_id": att.transfer_id, "token": att.token, "first_token": att.first_token,
-                "prompt_tokens": att.context_len, "max_tokens": self.plan.max_tokens - text.count, "stream": True,
-                "kv_timeout_s": KV_WAIT_S, **self._sampling(), "seed": self.plan.seed}
+        fields: dict[str, Any] = {**self._sampling(), "seed": self.plan.seed}
         if self.plan.logprobs is not None:
-            body["top_logprobs"] = self.plan.logprobs
+            fields["top_logprobs"] = self.plan.logprobs
         if self.plan.structured is not None:
-            body["structured_output"] = self.plan.structured.node
+            fields["structured_output"] = self.plan.structured.node
+        body = DecodeBody(transfer_id=att.transfer_id, token=att.token, first_token=att.first_token,
+                          prompt_tokens=att.context_len, max_tokens=self.plan.max_tokens - text.count, stream=True,
+                          kv_timeout_s=KV_WAIT_S, **fields).as_json()
         watchdog = asyncio.ensure_future(att.watch())
         try:
             resp = await att.open(body)

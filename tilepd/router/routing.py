@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 
-from tilepd.plan.service_configs import PoolName, RouterConfig
+from tilepd.contracts.service_configs import PoolName, RouterConfig
 from tilepd.router.errors import RouterError, invalid
 
 POOLS: tuple[PoolName, ...] = ("low_latency", "native")

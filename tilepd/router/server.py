@@ -6,51 +6,27 @@ import logging
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from tilepd.auth import SecretFileError, load_secret
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.config_file import ServiceConfigError, read_service_config
+from tilepd.contracts.exit_codes import ExitCode
+from tilepd.contracts.logging_setup import setup_logging
 from tilepd.otel import TracingUnavailable, require_otel
-from tilepd.plan.service_configs import RouterConfig
+from tilepd.contracts.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeyConfigError, ApiKeys
 
 log = logging.getLogger("tilepd.router")
 GRACEFUL_SHUTDOWN_S = 5
 
 
-class ConfigError(Exception):
-    """The config file is missing or invalid; the message names the file and the field."""
-
-
-def load_config(path: Path) -> RouterConfig:
-    try:
-        raw = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: {exc.strerror}") from exc
-    try:
-        return RouterConfig.model_validate_json(raw)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"{path}: invalid router config: {problems}") from exc
-
-
-def setup_logging(log_file: Path | None) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_file is not None:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", handlers=handlers, force=True)
-
-
 def serve(config_path: Path) -> int:
-    """Run until SIGINT/SIGTERM; returns an exit code (see tilepd/cli/exitcodes.py)."""
+    """Run until SIGINT/SIGTERM; returns an exit code (see tilepd/contracts/exit_codes.py)."""
     try:
-        config = load_config(config_path)
+        config = read_service_config(config_path, RouterConfig)
         keys = ApiKeys.load(config.api_key_env, config.api_key_file)
         if config.secret_file is not None:
             load_secret(config.secret_file)  # checked here so a bad file is a config error, not a traceback
         require_otel(config.otlp_endpoint, "router.otlp_endpoint")
-    except (ConfigError, ApiKeyConfigError, SecretFileError) as exc:
+    except (ServiceConfigError, ApiKeyConfigError, SecretFileError) as exc:
         print(f"tilepd router: {exc}", file=sys.stderr)
         return int(ExitCode.INPUT)
     except TracingUnavailable as exc:

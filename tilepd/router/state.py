@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilepd.auth import node_auth_header
-from tilepd.plan.service_configs import RouterConfig
+from tilepd.contracts.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.leases import NodePool
 from tilepd.router.loop_lag import LoopLag

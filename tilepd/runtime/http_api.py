@@ -30,12 +30,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from tilepd.auth import bearer_ok, transfer_token_ok
+from tilepd.contracts.decode_http import CancelBody, DecodeBody
 from tilepd.runtime.service import DecodeJob, DecodeService
-from tilepd.runtime.slot import SlotError, Transfer
+from tilepd.runtime.slot import SlotError
 from tilepd.runtime.token_stream import TokenStream
 
 log = logging.getLogger("tilepd.runtime.http")
@@ -54,49 +54,6 @@ MUTATING_PATHS = frozenset({"/v1/decode", "/v1/cancel"}) | ADMIN_PATHS
 SLOT_STATUS = {"busy": 429, "bad_token": 409, "duplicate": 409, "kv_timeout": 504, "cancelled": 499, "transfer_failed": 502,
                "kv_checksum_mismatch": 502,  # the KV that landed is not what the prefill staged: never decoded
                "draining": 503}  # retryable: the router goes to another node
-
-
-class StructuredOutputBody(BaseModel):
-    """A decoding constraint (tilepd.engine.grammar): json_schema / regex / grammar text in `spec`."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: str = Field(min_length=1, max_length=32)
-    spec: str = Field(default="", max_length=1 << 20)
-
-
-class DecodeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    transfer_id: str = Field(min_length=1, max_length=200)
-    token: str = Field(min_length=1, max_length=200)
-    first_token: int = Field(ge=0)
-    prompt_tokens: int = Field(gt=0)
-    max_tokens: int = Field(default=16, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    stream: bool = True
-    kv_timeout_s: float | None = Field(default=None, gt=0, le=3600)
-    # logprobs: True or n >= 0 -> each token's logprob and its top n (top_logprobs, when set, is n);
-    # a 501 when the engine does not declare them (capabilities: logprobs, top_logprobs_max)
-    logprobs: int | bool | None = Field(default=None, ge=0)
-    top_logprobs: int | None = Field(default=None, ge=0)
-    # the constraint the prefill sampled first_token under; the node's matcher starts after first_token
-    structured_output: StructuredOutputBody | None = None
-    # accepted so a request that sets them gets 501 (not 400) when the engine cannot honour them
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-
-
-class CancelBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    transfer_id: str
 
 
 def _error(status: int, code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -241,8 +198,8 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
         if body.prompt_tokens + body.max_tokens > svc.config.max_seq_len:
             return _error(400, "too_long", f"prompt_tokens {body.prompt_tokens} + max_tokens {body.max_tokens} exceeds "
                           f"max_seq_len {svc.config.max_seq_len}", "max_tokens")
-        vocab = getattr(getattr(svc.engine, "config", None), "vocab_size", None)
-        if vocab is not None and body.first_token >= int(vocab):
+        vocab = svc.engine.config.vocab_size
+        if body.first_token >= int(vocab):
             return _error(400, "bad_parameter", f"first_token {body.first_token} outside the vocabulary ({vocab})", "first_token")
         grammar = None
         if body.structured_output is not None:

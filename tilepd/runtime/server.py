@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,8 @@ import torch
 
 from tilepd.auth import load_secret, transfer_token_ok
 from tilepd.otel import require_otel
-from tilepd.plan.service_configs import DecodeServerConfig
+from tilepd.contracts.service_configs import DecodeServerConfig
+from tilepd.engine.types import DecodeEngine
 from tilepd.runtime.geometry import CacheGeometry, geometry_from_spec
 
 log = logging.getLogger("tilepd.runtime")
@@ -26,19 +27,7 @@ class EngineLoadError(Exception):
     """The engine could not load the configured weights (message names the folder and the cause)."""
 
 
-def setup_logging(log_file: Path | None = None) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_file is not None:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", handlers=handlers, force=True)
-
-
-def load_config(path: Path) -> DecodeServerConfig:
-    return DecodeServerConfig.model_validate_json(Path(path).read_text())
-
-
-def engine_geometry(engine: Any) -> CacheGeometry:
+def engine_geometry(engine: DecodeEngine) -> CacheGeometry:
     """The engine's cache geometry, from its ModelSpec (INTERFACES §1)."""
     spec = engine.config
     dtype = getattr(engine, "cache_dtype", None) or getattr(spec, "cache_dtype", None)
@@ -47,7 +36,7 @@ def engine_geometry(engine: Any) -> CacheGeometry:
     return geometry_from_spec(spec, dtype if isinstance(dtype, torch.dtype) else torch.float32)
 
 
-def start_engine(weights_dir: Path, tp_size: int, **kwargs: Any) -> Any:
+def start_engine(weights_dir: Path, tp_size: int, **kwargs: Any) -> DecodeEngine:
     """One rank in this process (tp_size 1), or rank 0 here driving tp_size-1 worker processes in lockstep
     (tilepd.engine.tp_engine); both have the engine API of INTERFACES §1."""
     if tp_size == 1:
@@ -59,17 +48,15 @@ def start_engine(weights_dir: Path, tp_size: int, **kwargs: Any) -> Any:
     return launch_tp_engine(weights_dir, tp_size, **kwargs)
 
 
-def close_engine(engine: Any) -> None:
+def close_engine(engine: DecodeEngine) -> None:
     """Stop a tensor-parallel engine's worker ranks (a one-rank engine holds nothing to stop)."""
-    close = getattr(engine, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the original exit
-            log.warning("event=engine_close_failed error=%s", exc)
+    try:
+        engine.close()
+    except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask the original exit
+        log.warning("event=engine_close_failed error=%s", exc)
 
 
-def run_with_node(app: Any, svc: Any, engine: Any) -> None:
+def run_with_node(app: Any, svc: Any, engine: DecodeEngine) -> None:
     """Tie the node's own work to the app's lifespan: a StallWatch on its event loop while it serves (a node that
     stops answering says where it was), and the engine closed at shutdown (TP worker ranks stopped): uvicorn
     re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run` does not run on a signal."""
@@ -80,7 +67,7 @@ def run_with_node(app: Any, svc: Any, engine: Any) -> None:
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
-    async def lifespan(a: Any):
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
         watch = asyncio.get_running_loop().create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe).run())
         try:
             async with inner(a) as state:

@@ -19,7 +19,8 @@ import torch
 from tilepd import __version__
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION
-from tilepd.plan.service_configs import DecodeServerConfig
+from tilepd.contracts.service_configs import DecodeServerConfig
+from tilepd.engine.types import DecodeEngine
 from tilepd.runtime.convert import convert, convert_indexer
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
@@ -60,7 +61,7 @@ class DecodeOutcome:
 
 
 class DecodeService:
-    def __init__(self, config: DecodeServerConfig, engine: Any, geometry: CacheGeometry, *,
+    def __init__(self, config: DecodeServerConfig, engine: DecodeEngine, geometry: CacheGeometry, *,
                  receiver: TransportReceiver | None = None, kv_types: tuple[Any, Any] | None = None,
                  worker: ThreadPoolExecutor | None = None):
         self.config = config
@@ -105,8 +106,7 @@ class DecodeService:
         g = self.geometry
 
         def run() -> None:
-            if hasattr(self.engine, "warmup"):  # the engine knows what to prepare (CUDA graphs)
-                self.engine.warmup()
+            self.engine.warmup()  # the engine knows what to prepare (CUDA graphs)
             layers = [torch.zeros(1, g.num_heads, g.entry_width, dtype=g.cache_dtype, device=self.device) for _ in range(g.num_layers)]
             indexer = None
             if g.has_indexer:
@@ -115,8 +115,7 @@ class DecodeService:
             self.engine.inject(kv_state_cls(seq_len=1, layers=layers, indexer=indexer) if indexer is not None
                                else kv_state_cls(seq_len=1, layers=layers))
             self.engine.decode(0, tokens, sampling_cls(ignore_eos=True), lambda t: None, None)
-            if hasattr(self.engine, "reset"):
-                self.engine.reset()
+            self.engine.reset()
 
         t0 = time.perf_counter()
         self.worker.submit(run).result()
@@ -172,7 +171,7 @@ class DecodeService:
             "model": self.config.served_model_name,
             "family": self.geometry.family,
             "max_seq_len": self.config.max_seq_len,
-            "sampling": dict(getattr(self.engine, "capabilities", {}) or {}),
+            "sampling": dict(self.engine.capabilities),
             "protocol_version": PROTOCOL_VERSION,
             "layout": self.geometry.describe(),
             "transport": self.receiver.name,
@@ -193,7 +192,7 @@ class DecodeService:
         """Build the grammar compiler on a thread right after start when the engine honours structured output, so
         the first constrained request does not pay for it: built on that request, it once held the node for 25 s
         on a loaded 2-core box (imports under the GIL), long enough for the router to call the node silent."""
-        if not (getattr(self.engine, "capabilities", {}) or {}).get("structured_output"):
+        if not self.engine.capabilities.get("structured_output"):
             return None
 
         def build() -> None:
@@ -215,13 +214,12 @@ class DecodeService:
 
         grammars = self._grammar_compiler()
         compiled = grammars.compile(Constraint(kind, spec))
-        stops = set(stop_token_ids) | set(getattr(self.engine.config, "eos_token_ids", ()))
+        stops = set(stop_token_ids) | set(self.engine.config.eos_token_ids)
         return grammars.matcher(compiled, stops)
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (a tensor-parallel worker rank died), or None; /health answers 503 with it."""
-        check = getattr(self.engine, "health_problem", None)
-        return check() if check is not None else None
+        return self.engine.health_problem()
 
     def status(self) -> dict[str, Any]:
         snap = self.slot.snapshot()

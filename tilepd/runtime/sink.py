@@ -20,7 +20,7 @@ import torch
 
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import ErrorCode, ProtocolError
-from tilepd.plan.service_configs import TransportConfig
+from tilepd.contracts.service_configs import TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.slot import Slot
 from tilepd.transport.base import Buffer

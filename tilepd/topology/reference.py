@@ -15,25 +15,10 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from tilepd.cli.exitcodes import ExitCode
+from tilepd.contracts.exit_codes import EXIT_CODE_MEANINGS, ExitCode
 from tilepd.topology.families import ALIASES, RUNTIME_FAMILIES
 from tilepd.topology.rules import rule_docs
 from tilepd.topology.schema import API_VERSION, Topology
-
-EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
-    ExitCode.OK: "success",
-    ExitCode.ERROR: "unexpected failure (a bug, or an environment problem tilepd cannot name better)",
-    ExitCode.USAGE: "bad command line (unknown option, missing argument, unusable `--out` folder)",
-    ExitCode.INVALID: "the topology failed schema or cross-role validation; every finding is printed as `file:line:col: field.path: message [rule]`",
-    ExitCode.INPUT: "an input file is missing, unreadable or not YAML (the YAML error's line is printed), or a checkpoint / converted-weights input is corrupt",
-    ExitCode.UNREACHABLE: "a host could not be reached over SSH (named in the message)",
-    ExitCode.TASK_FAILED: "an Ansible task failed (host, task and the module's message are printed)",
-    ExitCode.UNHEALTHY: "a service failed its health gate or the canary, or status found it degraded",
-    ExitCode.NOT_AVAILABLE: "the verb exists but this build does not implement it yet",
-    ExitCode.PREFLIGHT: "`tilepd doctor`: a required preflight check failed on a host (check id, evidence, fix and runbook printed)",
-    ExitCode.NOT_DRAINED: "`tilepd drain`: the node was still busy when `--timeout` ran out (it stays draining; run drain again or undrain)",
-    ExitCode.NOT_FOUND: "`tilepd trace`: no router log line names that request id, or its final line is not written yet (still running, or the log rotated away)",
-}
 
 SCHEMA_RULES = {
     "schema.unknown-key": "A key the schema does not know (with a 'did you mean' when one is close).",
@@ -194,7 +179,7 @@ def render_reference() -> str:
     for rid, text in {**SCHEMA_RULES, **rule_docs()}.items():
         out.append(f"| `{rid}` | {text} |")
     out += ["", *_memory_section()]
-    out += ["", "## Exit codes", "", "Every `tilepd` verb (defined in `tilepd/cli/exitcodes.py`):", "", "| code | name | meaning |", "| --- | --- | --- |"]
+    out += ["", "## Exit codes", "", "Every `tilepd` verb (defined in `tilepd/contracts/exit_codes.py`):", "", "| code | name | meaning |", "| --- | --- | --- |"]
     for code in ExitCode:
         out.append(f"| {int(code)} | `{code.name}` | {EXIT_CODE_MEANINGS[code]} |")
     out.append("")

@@ -14,6 +14,7 @@ from pathlib import PurePosixPath
 
 from pydantic_core import to_json
 
+from tilepd.contracts.service_configs import DecodeEndpoint
 from tilepd.engine.spec import spec_from_hf_config
 from tilepd.topology.families import MTP_FAMILIES, canonical_family, known_families
 from tilepd.topology.hf_config import ConfigFileError, read_config_file
@@ -422,8 +423,6 @@ _ARGV_HEADROOM = 2048  # the rest of the kv-transfer-config around the allowlist
 
 def argv_limit(topo: Topology) -> Iterator[Violation]:
     """The prefill's --kv-transfer-config (it lists every decode node) fits in one argv word (Linux: 128 KiB)."""
-    from tilepd.plan.service_configs import DecodeEndpoint  # here, not at the top: tilepd.plan imports this module
-
     allowlist = [DecodeEndpoint(name=d.name, host=d.address, ctrl_port=d.ctrl_port, http_port=d.http_port).model_dump() for d in topo.decode]
     size = len(to_json(allowlist)) + _ARGV_HEADROOM
     if size > MAX_ARG_STRLEN:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tilepd.plan.service_configs import TransportConfig
+from tilepd.contracts.service_configs import TransportConfig
 from tilepd.transport.base import Buffer, Segment
 from tilepd.transport.registry import make_receiver, make_sender
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tilepd.plan.service_configs import TransportConfig
+from tilepd.contracts.service_configs import TransportConfig
 from tilepd.transport.base import TransportReceiver, TransportSender
 
 

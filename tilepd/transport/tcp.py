@@ -21,7 +21,7 @@ import struct
 import threading
 from typing import Any, Sequence
 
-from tilepd.control.framing import stop_listener
+from tilepd.transport.listener import stop_listener
 from tilepd.transport.base import (
     Buffer,
     Peer,

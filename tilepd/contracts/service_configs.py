@@ -1,4 +1,4 @@
-"""Configuration files the plan renders for tilepd's own processes.
+"""Configuration files the plan renders for tilepd's own processes (INTERFACES §6).
 
 These models are the contract between the planner (which writes them) and the
 processes that read them at startup (decode server, router, vLLM connector). Keeping

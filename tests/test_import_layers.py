@@ -1,0 +1,115 @@
+"""The processes below the planner load none of it: a vLLM worker (the connector), the router and a transport import
+the contracts they share with the planner (tilepd.contracts), not tilepd.plan, the topology validator, the CLI or
+ruamel.yaml. Each import runs in a fresh interpreter, so what another test imported cannot hide or cause a finding."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+FORBIDDEN = ("tilepd.plan", "tilepd.topology", "tilepd.cli", "ruamel")
+# the router process is `python -m tilepd.router` (its __main__ imports the server, which imports the app lazily)
+PROCESS_MODULES = ("tilepd.connector.vllm_connector", "tilepd.router", "tilepd.router.__main__", "tilepd.router.app",
+                   "tilepd.transport")
+
+
+def _loaded_after_import(module: str) -> list[str]:
+    code = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"import {module} failed: {out.stderr[-2000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", PROCESS_MODULES)
+def test_process_module_loads_no_planner(module: str) -> None:
+    loaded = _loaded_after_import(module)
+    bad = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
+    assert not bad, f"import {module} loads {', '.join(bad[:12])}{' ...' if len(bad) > 12 else ''}"
+
+
+def test_contracts_import_nothing_of_tilepd() -> None:
+    modules = ("tilepd.contracts.service_configs", "tilepd.contracts.exit_codes", "tilepd.contracts.decode_http",
+               "tilepd.contracts.marker", "tilepd.contracts.cpu_bind", "tilepd.contracts.config_file", "tilepd.contracts.logging_setup")
+    loaded = _loaded_after_import("; import ".join(modules))
+    bad = [m for m in loaded if m.startswith("tilepd.") and not m.startswith("tilepd.contracts")]
+    assert not bad, f"tilepd.contracts loads {', '.join(bad)}"
+
+
+# The packages from the bottom up (docs/INTERFACES.md, "Import direction"): a package imports only its own layer's
+# and lower ones, imports written inside functions included.
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in (
+    "contracts resources runbooks auth otel",  # leaves: import nothing of tilepd
+    "transport",
+    "control",
+    "engine weights dev",
+    "topology",
+    "plan",
+    "connector runtime router",  # the processes
+    "deploy doctor capacity",  # the operator's tools
+    "cli __main__",
+))
+# no import runs upward. A process entry point (`python -m tilepd.X`, a package's __main__.py) sits on top with the
+# CLI, since nothing imports it: tilepd/runtime/__main__.py reaching into tilepd.cli.runtime_cmds (the `tilepd
+# decode-server` verb: one definition of its flags) is such an entry point, not an import of tilepd.runtime's
+UPWARD_ALLOWED: set[tuple[str, str]] = set()
+# left for issue 25 part 2 (a leaf for the model format below both; the weights loader into engine/)
+KNOWN_CYCLES = [{"engine", "weights"}]
+
+
+def _package_imports() -> dict[tuple[str, str], list[str]]:
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "tilepd"
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        src = "__main__" if path.name == "__main__.py" else path.relative_to(root).parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "tilepd" and len(parts) > 1 and parts[1] != src:
+                    edges.setdefault((src, parts[1]), []).append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return edges
+
+
+def _layer(package: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if package in layer)
+
+
+def test_every_package_has_a_layer() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "tilepd"
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()} | \
+        {p.stem for p in root.glob("*.py") if p.stem != "__init__"}
+    assert packages == set().union(*LAYERS), "a package is missing from LAYERS (and from docs/INTERFACES.md's map)"
+
+
+def test_imports_run_downward() -> None:
+    upward = {edge: where for edge, where in _package_imports().items() if _layer(edge[0]) < _layer(edge[1])}
+    assert set(upward) == UPWARD_ALLOWED, {e: w for e, w in upward.items() if e not in UPWARD_ALLOWED}
+
+
+def test_no_package_cycle_but_the_known_one() -> None:
+    graph: dict[str, set[str]] = {}
+    for a, b in _package_imports():
+        graph.setdefault(a, set()).add(b)
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt == b:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    cyclic = {p for p in graph if reaches(p, p)}
+    assert cyclic == set().union(*KNOWN_CYCLES), cyclic

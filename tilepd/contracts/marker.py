@@ -1,0 +1,29 @@
+"""The tilepd marker in vLLM's `kv_transfer_params` (INTERFACES §3): set by the router and the canary, read by the connector.
+
+    {"tilepd": {"host": "10.0.0.5", "ctrl_port": 5556, "transfer_id": "tx-...", "token": "<hex>"}}
+
+What the connector decides about a marker (claim or refuse) is its own business: tilepd.connector.marker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MARKER_KEY = "tilepd"
+# the key under which request_finished reports the hand-off (no clash with NixlConnector's keys)
+RESULT_KEY = "tilepd_handoff"
+
+
+class TilepdMarker(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field(min_length=1, max_length=255)
+    ctrl_port: int = Field(gt=0, lt=65536)
+    transfer_id: str = Field(min_length=1, max_length=200)
+    token: str = Field(min_length=1, max_length=200)
+
+    def as_params(self) -> dict[str, Any]:
+        """The marker as it goes into a request's `kv_transfer_params`."""
+        return {MARKER_KEY: self.model_dump()}
