@@ -21,6 +21,7 @@ from tilepd.deploy.proc import ServiceSpec
 from tilepd.plan import HostPlan, Plan, Service
 from tilepd.plan.ansible_yaml import ansible_yaml
 from tilepd.plan.systemd import env_file_text
+from tilepd.plan.vllm_args import SECRET_FILE_ENV
 from tilepd.topology import Topology, canonical_family
 
 SYSTEMD_DIR = "/etc/systemd/system"
@@ -35,7 +36,8 @@ def spec_file(host: HostPlan, service: Service) -> str:
 def secret_files(service: Service) -> list[Path]:
     """Files a service reads a secret from at start (the supervisor restarts it when one changes)."""
     cfg = service.config or {}
-    return [Path(p) for p in (cfg.get("secret_file"), cfg.get("api_key_file")) if p]
+    vllm = service.env.get(SECRET_FILE_ENV)  # a vLLM's API key derives from it (tilepd.connector.vllm_auth)
+    return [Path(p) for p in (cfg.get("secret_file"), cfg.get("api_key_file"), vllm) if p]
 
 
 # distributions (besides tilepd) whose upgrade on a host restarts the service there on the next `up`
