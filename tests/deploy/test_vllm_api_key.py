@@ -13,6 +13,7 @@ import pytest
 from tilepd.auth import new_secret, vllm_api_key, vllm_auth_header
 from tilepd.connector.launch import start_vllm
 from tilepd.deploy.inventory import service_spec
+from tilepd.doctor.checks_live import probe_vllm_auth
 from tilepd.plan import build_plan
 from tilepd.plan.vllm_args import API_KEY_MIDDLEWARE, SECRET_FILE_ENV
 from tilepd.resources import examples_dir
@@ -64,6 +65,8 @@ def test_a_keyless_request_to_a_prefill_port_gets_401(tiny_llama: Path, tmp_path
                 await up.aclose()
 
         assert asyncio.run(through_the_router_client()) == 200
+        finding = probe_vllm_auth("127.0.0.1", "prefill-p0", srv.url)  # what `tilepd doctor` reports for a running vLLM
+        assert finding.verdict == "ok" and "answers 401" in finding.evidence, finding
         for pid in [srv.proc.pid, *_children(srv.proc.pid)]:  # the key is in no argv and no environment
             for what in ("cmdline", "environ"):
                 try:
