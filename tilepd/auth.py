@@ -24,6 +24,7 @@ TRANSFER_LABEL = "tilepd-transfer:"
 # so a restarted node is tried end to end before the router leases it; its token is minted like any other
 CANARY_TRANSFER_PREFIX = "canary-"
 NODE_API_LABEL = "tilepd-node-api"
+VLLM_API_LABEL = "tilepd-vllm-api"
 SECRET_BYTES = 32  # 64 hex characters
 MIN_SECRET_CHARS = 32
 
@@ -64,6 +65,16 @@ def transfer_token(secret: bytes, transfer_id: str) -> str:
 def node_api_key(secret: bytes) -> str:
     """The bearer key of a decode node's mutating endpoints."""
     return _mac(secret, NODE_API_LABEL)
+
+
+def vllm_api_key(secret: bytes) -> str:
+    """The bearer key every vLLM the deployment starts (prefill, native decode) requires (tilepd.connector.vllm_auth)."""
+    return _mac(secret, VLLM_API_LABEL)
+
+
+def vllm_auth_header(secret: bytes | None) -> dict[str, str]:
+    """Headers of a call on a deployment's vLLM ({} without a secret: an unauthenticated dev run)."""
+    return {"Authorization": f"Bearer {vllm_api_key(secret)}"} if secret else {}
 
 
 def node_auth_header(secret: bytes | None) -> dict[str, str]:

@@ -239,3 +239,57 @@ def test_the_plan_names_the_packages_whose_upgrade_restarts_a_service(repo_root:
     plan = build_plan(load_topology(repo_root / "topology_examples" / "local.yaml"))
     by_role = {s.role: service_spec(plan, s).packages for h in plan.hosts for s in h.services if s.kind == "daemon"}
     assert by_role == {"prefill": ["vllm"], "decode": ["torch"], "router": []}
+
+
+def _stranger_state(pid: int, case: str) -> dict:
+    """A state file naming an unrelated live process as it would read after a reboot, a pid reuse or an old tilepd."""
+    st = proc._proc_stat(pid)
+    assert st is not None
+    base = {"pid": pid, "pgid": pid, "config_hash": "h1"}
+    if case == "other-boot":  # pid and start time match (the worst case), written on another boot
+        return {**base, "start_ticks": st[2], "boot_id": "00000000-0000-0000-0000-000000000000", "owner_token": "feedface"}
+    if case == "no-marker":  # this boot, pid and start time match, but the process does not carry the service's token
+        return {**base, "start_ticks": st[2], "boot_id": proc.boot_id(), "owner_token": "feedface"}
+    return {**base, "start_ticks": st[2] + 1}  # "legacy": a state file without boot id or token whose main process is gone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["other-boot", "no-marker", "legacy"])
+def test_a_stale_state_file_never_signals_an_unrelated_process(tmp_path: Path, case: str) -> None:
+    """An unrelated process in its own session (what `setsid sleep` makes) that a stale state file names as the
+    service's pid and process group: `status` says not running and why, `stop` and `start` leave it alive."""
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        spec = _spec(tmp_path, health=False)
+        spec.pid_file.parent.mkdir(parents=True)
+        spec.state_file.write_text(json.dumps(_stranger_state(stranger.pid, case)))
+        st = proc.status(spec)
+        assert st["running"] is False and st["orphans"] == [] and st["not_ours"], st
+        stopped = proc.stop(spec)
+        assert stopped["changed"] is False and stopped["not_ours"] == st["not_ours"]
+        assert stranger.poll() is None, "stop signalled a process it did not start"
+        assert "event=not_ours" in spec.log_file.read_text()
+        spec.state_file.write_text(json.dumps(_stranger_state(stranger.pid, case)))
+        started = proc.start(spec)
+        try:
+            assert started["action"] == "start" and started["not_ours"] and started["pid"] != stranger.pid
+            assert stranger.poll() is None, "start ended a process it did not start"
+        finally:
+            proc.stop(spec)
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+@pytest.mark.slow
+def test_the_state_records_boot_id_and_a_marker_every_process_of_the_service_carries(tmp_path: Path, cleanup) -> None:
+    spec = _spec(tmp_path)
+    cleanup.append(spec)
+    pid = proc.start(spec)["pid"]
+    assert proc.wait_healthy(spec)["healthy"] is True
+    state = json.loads(spec.state_file.read_text())
+    assert state["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert state["start_ticks"] == int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    members = proc._group_members(pid)
+    assert len(members) == 3 and all(proc._carries_token(p, state["owner_token"]) for p in members)

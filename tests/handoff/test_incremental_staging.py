@@ -9,6 +9,7 @@ takes the staged job off the queue itself, as the sender would.
 from __future__ import annotations
 
 import queue
+import threading
 
 import torch
 
@@ -34,6 +35,7 @@ def _worker(num_slots: int) -> tuple[TilePDConnector, dict[str, torch.Tensor]]:
     c._step = None
     c._inflight = {}
     c._jobs = queue.Queue()
+    c._released, c._released_lock, c._staging_wait_s = [], threading.Lock(), 0.05
     return c, caches
 
 

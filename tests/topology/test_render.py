@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from ruamel.yaml import YAML
 
 from tilepd.plan import RenderError, build_plan, render_plan
+from tilepd.plan.ansible_yaml import load_ansible_yaml
 from tilepd.plan.systemd import env_file_text, quote_exec_arg
 from tilepd.resources import examples_dir
 from tilepd.topology import Topology, load_topology
@@ -51,7 +51,7 @@ def test_layout_of_dsv32(tmp_path: Path) -> None:
 def test_inventory(tmp_path: Path) -> None:
     out = tmp_path / "r"
     render_plan(build_plan(load_topology(examples_dir() / "glm51-seed.yaml")), out)
-    inv = YAML(typ="safe").load((out / "inventory.yml").read_text())["all"]
+    inv = load_ansible_yaml((out / "inventory.yml").read_text())["all"]
     host = inv["hosts"]["10.0.0.20"]
     assert host["ansible_connection"] == "ssh" and host["ansible_user"] == "tilepd" and host["ansible_port"] == 22
     assert host["ansible_ssh_private_key_file"] == "/home/ops/.ssh/tilepd_ed25519"
@@ -61,7 +61,7 @@ def test_inventory(tmp_path: Path) -> None:
     assert inv["vars"]["tilepd_services_mode"] == "systemd"
     local = tmp_path / "l"
     render_plan(build_plan(load_topology(examples_dir() / "local.yaml")), local)
-    inv = YAML(typ="safe").load((local / "inventory.yml").read_text())["all"]
+    inv = load_ansible_yaml((local / "inventory.yml").read_text())["all"]
     assert inv["hosts"]["127.0.0.1"]["ansible_connection"] == "local" and "ansible_user" not in inv["hosts"]["127.0.0.1"]
 
 

@@ -155,6 +155,15 @@ def down(
     from tilepd.deploy import deployment
 
     dep = _load(topology)
+    if purge_weights:
+        from tilepd.deploy.weights import purge_refusal
+
+        m = dep.topology.model
+        why = purge_refusal(m.weights_path, m.hf_path, sorted({h.base_dir for h in dep.plan.hosts}))
+        if why:
+            err.print(f"[red]down --purge-weights refused[/]: {why} (topology {dep.topology_path}); nothing was stopped or deleted",
+                      highlight=False)
+            raise typer.Exit(int(ExitCode.INVALID))
     remote = [h.name for h in dep.plan.hosts if not h.local]
     if remote and not yes and not check and not typer.confirm(f"Stop {dep.plan.deployment} on {', '.join(remote)}?", default=True):
         raise typer.Exit(int(ExitCode.OK))

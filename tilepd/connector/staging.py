@@ -49,10 +49,15 @@ class StagingPool:
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
 
-    def acquire(self, timeout: float | None = 0.0) -> StagingSlot | None:
-        """A free slot, waiting up to `timeout` s (None: forever); None if none came free."""
+    def acquire(self, timeout: float = 0.0) -> StagingSlot | None:
+        """A free slot, waiting up to `timeout` s; None if none came free.
+
+        There is no wait without a bound: the caller runs inside vLLM's forward step, and slots held by
+        transfers to a stalled decode node would hold the whole prefill with it."""
+        if timeout is None or timeout < 0:
+            raise ValueError(f"staging acquire needs a bounded timeout >= 0 s, got {timeout!r}")
         with self._freed:
-            if not self._free and timeout != 0.0:
+            if not self._free and timeout > 0.0:
                 self._freed.wait_for(lambda: bool(self._free), timeout)
             if not self._free:
                 return None

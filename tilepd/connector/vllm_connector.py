@@ -73,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from tilepd.connector import vllm_version
@@ -101,7 +102,14 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+# How long a claimed request may wait for a staging slot. The scheduler holds it at admission (vLLM skips it this
+# step and serves the others) while every slot is held by a transfer in flight; past the bound the hand-off is
+# refused (tilepd_handoff state "refused", the reason says so) and vLLM serves the request without it. The worker's
+# own wait is bounded the same way: it runs inside the forward step, which it must never hold for longer.
+STAGING_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,21 @@ class SendSpec:
 
     def ids_of_group(self, group: int) -> list[int]:
         return self.group_block_ids[group] if self.group_block_ids else self.block_ids
+
+
+@dataclass
+class TilePDWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: the claimed requests whose staging slot a rank gave back (sent, failed,
+    dropped); summed over tensor-parallel ranks, so the scheduler frees a slot when every rank has."""
+
+    released: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TilePDWorkerMetadata)
+        out = dict(self.released)
+        for rid, n in other.released.items():
+            out[rid] = out.get(rid, 0) + n
+        return TilePDWorkerMetadata(out)
 
 
 @dataclass
@@ -191,6 +214,8 @@ class TilePDConnector(KVConnectorBase_V1):
         if not ktc.is_kv_producer or ktc.is_kv_consumer:
             raise ValueError(f"TilePDConnector is producer-only; set kv_role 'kv_producer' (got {ktc.kv_role!r})")
         self._setup(parse_extra_config(ktc.kv_connector_extra_config), role)
+        # every tensor-parallel rank stages its own share: a slot is free again when each rank gave it back
+        self._tp_size = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
 
     def _setup(self, config: ConnectorExtraConfig, role: KVConnectorRole) -> None:
         """Everything but vLLM's base-class state (tests drive a connector built without a full VllmConfig)."""
@@ -200,6 +225,11 @@ class TilePDConnector(KVConnectorBase_V1):
         self._claims: dict[str, _Claim] = {}
         self._refused: dict[str, dict[str, Any]] = {}
         self._drops: list[str] = []
+        self._holding: dict[str, int] = {}  # admitted claims -> ranks that gave their staging slot back
+        self._slot_wait: dict[str, float] = {}  # claims waiting for a slot -> since when (self._clock)
+        self._clock = time.monotonic
+        self._staging_wait_s = STAGING_WAIT_S
+        self._tp_size = 1
         # worker side
         self._cache: PagedCache | None = None
         self._pool: StagingPool | None = None
@@ -208,6 +238,8 @@ class TilePDConnector(KVConnectorBase_V1):
         self._step: list[_StepCopy] | None = None
         self._inflight: dict[str, _Staged] = {}
         self._jobs: queue.Queue[_Staged | None] = queue.Queue()
+        self._released: list[str] = []  # slots given back since the last step (reported to the scheduler)
+        self._released_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._workers = PeerWorkers("tilepd-connector-send")  # one thread per decode node: a stalled node delays only its own sends
         # worker side exports hand-off spans when a collector is named (None: tracing off)
@@ -235,7 +267,44 @@ class TilePDConnector(KVConnectorBase_V1):
         self.events.event("claimed", rid, transfer_id=m.transfer_id, peer=f"{m.host}:{m.ctrl_port}", seq_len=request.num_prompt_tokens)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(0, False) for every request; None ("not yet": vLLM skips it this step) for a claim that waits for a staging
+        slot, at most STAGING_WAIT_S, after which its hand-off is refused and vLLM serves it without one."""
+        rid = request.request_id
+        if rid not in self._claims or rid in self._holding:
+            return 0, False
+        if len(self._holding) < self.config.staging_slots:
+            self._holding[rid] = 0
+            waited = self._slot_wait.pop(rid, None)
+            if waited is not None:
+                self.events.event("staging_admitted", rid, transfer_id=self._claims[rid].marker.transfer_id,
+                                  waited_s=round(self._clock() - waited, 3))
+            return 0, False
+        now = self._clock()
+        since = self._slot_wait.setdefault(rid, now)
+        claim = self._claims[rid]
+        if since == now:
+            self.events.event("staging_wait", rid, level=logging.WARNING, transfer_id=claim.marker.transfer_id,
+                              slots=self.config.staging_slots, holding=",".join(sorted(self._holding)))
+        if now - since < self._staging_wait_s:
+            return None, False
+        del self._slot_wait[rid], self._claims[rid]
+        reason = (f"all {self.config.staging_slots} staging slots held by transfers in flight for {now - since:.1f}s "
+                  f"(a stalled decode node?); the prefill served the request without the hand-off")
+        self.events.count(refused=1)
+        self._refused[rid] = {"transfer_id": claim.marker.transfer_id, "state": "refused", "reason": reason}
+        self.events.event("refused", rid, level=logging.WARNING, transfer_id=claim.marker.transfer_id, reason=reason)
         return 0, False
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Free the scheduler's count of a staging slot once every rank gave it back."""
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, TilePDWorkerMetadata):
+            return
+        for rid, ranks in meta.released.items():
+            if rid in self._holding:
+                self._holding[rid] += ranks
+                if self._holding[rid] >= self._tp_size:
+                    del self._holding[rid]
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         return
@@ -281,6 +350,9 @@ class TilePDConnector(KVConnectorBase_V1):
         claim = self._claims.pop(rid, None)
         if claim is None:
             return False, None
+        self._slot_wait.pop(rid, None)
+        if not claim.staged_tokens:
+            self._holding.pop(rid, None)  # the worker never took a slot for it
         tid = claim.marker.transfer_id
         if claim.scheduled:
             return False, {RESULT_KEY: {"transfer_id": tid, "state": "sending"}}
@@ -341,6 +413,7 @@ class TilePDConnector(KVConnectorBase_V1):
         assert self._pool is not None
         for rid in meta.drops:
             gone = self._inflight.pop(rid, None)
+            self._note_released(rid)  # held or not: the scheduler stops counting a slot for it
             if gone is not None:
                 self._pool.release(gone.slot)
                 self.events.event("dropped", rid, transfer_id=gone.spec.marker.transfer_id, blocks=gone.num_blocks)
@@ -349,9 +422,15 @@ class TilePDConnector(KVConnectorBase_V1):
             st = self._inflight.get(spec.req_id)
             if st is None:
                 slot = self._pool.acquire(timeout=0.0)
-                if slot is None and spec.final:  # every slot in flight: wait (logged) rather than lose the KV
+                if slot is None and spec.final:  # the scheduler admitted it, a slot frees soon: wait, bounded
                     self.events.event("staging_wait", spec.req_id, level=logging.WARNING, transfer_id=spec.marker.transfer_id)
-                    slot = self._pool.acquire(timeout=None)
+                    slot = self._pool.acquire(timeout=self._staging_wait_s)
+                    if slot is None:  # the forward step is not held longer: this request's KV is not sent
+                        self.events.count(failures=1)
+                        self.events.event("staging_timeout", spec.req_id, level=logging.ERROR, transfer_id=spec.marker.transfer_id,
+                                          waited_s=self._staging_wait_s, message="no staging slot came free; the KV is not sent")
+                        self._note_released(spec.req_id)
+                        continue
                 if slot is None:  # a non-final chunk: defer, the final step stages it whole
                     continue
                 st = _Staged(spec, slot, t0)
@@ -480,6 +559,22 @@ class TilePDConnector(KVConnectorBase_V1):
         finally:
             assert self._pool is not None
             self._pool.release(st.slot)
+            self._note_released(st.spec.req_id)
+
+    def _note_released(self, rid: str) -> None:
+        with self._released_lock:
+            self._released.append(rid)
+
+    def build_connector_worker_meta(self) -> TilePDWorkerMetadata | None:
+        """The slots this rank gave back since the last step (the scheduler admits waiting claims on them)."""
+        with self._released_lock:
+            released, self._released = self._released, []
+        if not released:
+            return None
+        out: dict[str, int] = {}
+        for rid in released:
+            out[rid] = 1
+        return TilePDWorkerMetadata(out)
 
     def _send_one(self, st: _Staged) -> None:
         assert self._pool is not None and self._sender is not None

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from tilepd.auth import CANARY_TRANSFER_PREFIX, node_auth_header, transfer_token
+from tilepd.auth import CANARY_TRANSFER_PREFIX, node_auth_header, transfer_token, vllm_auth_header
 from tilepd.contracts.decode_http import CancelBody, DecodeBody
 from tilepd.contracts.marker import MARKER_KEY, RESULT_KEY, TilepdMarker
 from tilepd.router.logprobs import token_id  # the prefill runs with --return-tokens-as-token-ids (tilepd.plan.vllm_args)
@@ -71,13 +71,14 @@ def _token_ids(body: dict[str, Any]) -> list[int]:
     return [token_id(t) for t in body["choices"][0]["logprobs"]["tokens"]]
 
 
-def _prefill(url: str, spec: CanarySpec, max_tokens: int, marker: dict[str, Any] | None) -> dict[str, Any]:
+def _prefill(url: str, spec: CanarySpec, max_tokens: int, marker: dict[str, Any] | None, secret: bytes | None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": spec.model, "prompt": spec.prompt_tokens, "max_tokens": max_tokens, "temperature": 0,
                             "logprobs": 1, "ignore_eos": True, "stream": False}
     if marker is not None:
         body["kv_transfer_params"] = marker
     r = httpx.post(f"{url.rstrip('/')}/v1/completions", json=body, timeout=httpx.Timeout(PREFILL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-                   headers={"x-request-id": str((marker or {}).get(MARKER_KEY, {}).get("transfer_id", "canary-reference"))})
+                   headers={"x-request-id": str((marker or {}).get(MARKER_KEY, {}).get("transfer_id", "canary-reference")),
+                            **vllm_auth_header(secret)})
     r.raise_for_status()
     return r.json()
 
@@ -106,7 +107,7 @@ def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> Ca
     tried: list[str] = []
     for url in spec.prefill_urls:
         try:
-            body = _prefill(url, spec, 1, marker)
+            body = _prefill(url, spec, 1, marker, secret)
         except httpx.HTTPStatusError as exc:
             tried.append(f"{url} answered {exc.response.status_code}: {exc.response.text[:200]}")
             continue
@@ -142,7 +143,7 @@ def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> Ca
         return result("failed", f"the node decoded {len(tokens) - 1} tokens, {spec.max_tokens - 1} were asked for", tokens=tokens,
                       prefill_url=url)
     try:  # the prefill's own greedy continuation, for the record
-        same: bool | None = _token_ids(_prefill(url, spec, spec.max_tokens, None)) == tokens
+        same: bool | None = _token_ids(_prefill(url, spec, spec.max_tokens, None, secret)) == tokens
     except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
         same = None
     return result("ok", f"{spec.max_tokens} tokens through prefill {url} and the node", tokens=tokens, matches_prefill=same,

@@ -11,6 +11,16 @@ pid is never mistaken for ours), the process group, the config hash the service
 was started with (drift detection in `tilepd status`) and a fingerprint of the secret
 files it read at start (a rotated secret restarts it).
 
+Ownership: the supervisor signals only what it started. The state also records the kernel's boot id
+and a random token the service gets in its environment (TILEPD_OWNER, inherited by every child); a
+process is ours only on the same boot, with the recorded start time, and with the token in its
+/proc/PID/environ. Anything else (a state file left from before a reboot or a container restart, a pid
+or group id that now belongs to someone else, an environ we may not read) reads as "not running", is
+never signalled, and the reason goes into the service's log and the verb's JSON (`not_ours`). A state
+file from a tilepd before this check (no boot id, no token) is ours only while its main process runs
+with the recorded pid and start time (the check that tilepd made, so an upgrade can still stop what it
+started; the next start writes the new fields); its orphans cannot be told from strangers and are left alone.
+
 Every service is the leader of its own process group, and every verb acts on the group:
 children re-parented to init when the main process died (vLLM's EngineCore and workers
 after a SIGKILL of the API server, still holding their ports) keep the group id, so `stop`
@@ -40,6 +50,7 @@ import argparse
 import hashlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -66,6 +77,10 @@ _INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR")
 # the next step, so that the router's health check (every health_interval_s, 1 s by default) has seen the change
 RESTART_DRAIN_TIMEOUT_S = 120.0
 ROTATION_GRACE_S = 3.0
+
+# the ownership marker every process a start spawns carries in its environment (value: the state file's owner_token)
+OWNER_ENV = "TILEPD_OWNER"
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 class ServiceSpec(BaseModel):
@@ -133,17 +148,60 @@ def _group_members(pgid: int) -> list[int]:
 
 def _read_state(spec: ServiceSpec) -> dict[str, Any] | None:
     try:
-        return json.loads(spec.state_file.read_text())
+        state = json.loads(spec.state_file.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+    return state if isinstance(state, dict) and isinstance(state.get("pid"), int) else None
+
+
+def boot_id() -> str:
+    """This boot's id: a state file written on another boot names processes that are gone."""
+    try:
+        return _BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _carries_token(pid: int, token: str) -> bool:
+    """Whether the process has our ownership marker in its environment (False when environ cannot be read)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"{OWNER_ENV}={token}".encode() in environ.split(b"\0")
+
+
+def not_ours(state: dict[str, Any] | None) -> str | None:
+    """Why the state file's main process is not a live process this supervisor started (None: it is)."""
+    if not state:
+        return "no state file"
+    pid = int(state["pid"])
+    if state.get("boot_id") and state["boot_id"] != boot_id():
+        return f"state file is from another boot ({state['boot_id']}, now {boot_id()})"
+    st = _proc_stat(pid)
+    if st is None or st[0] in ("Z", "X"):
+        return f"pid {pid} is gone"
+    if st[2] != int(state.get("start_ticks") or 0):
+        return f"pid {pid} started at tick {st[2]}, not at the recorded {state.get('start_ticks')}: another process"
+    token = state.get("owner_token")
+    if token:
+        return None if _carries_token(pid, str(token)) else f"pid {pid} does not carry {OWNER_ENV} of this service (or its environ is unreadable)"
+    return None  # a state file from a tilepd before the marker: pid and start time, the check that tilepd made
 
 
 def _alive(state: dict[str, Any] | None) -> bool:
-    """True when the recorded process still runs (same pid AND same kernel start time)."""
-    if not state:
-        return False
-    st = _proc_stat(int(state["pid"]))
-    return st is not None and st[0] not in ("Z", "X") and st[2] == int(state["start_ticks"])
+    """True when the recorded process still runs and is ours (same boot, pid, kernel start time, ownership marker)."""
+    return not_ours(state) is None
+
+
+def _owned_members(state: dict[str, Any]) -> list[int]:
+    """Members of the recorded group that carry this service's ownership marker, on the boot that wrote the state
+    ([] for a state file without a marker: its strays cannot be told from a stranger's)."""
+    token = state.get("owner_token")
+    if not token or state.get("boot_id") != boot_id():
+        return []
+    pgid = int(state.get("pgid") or state["pid"])
+    return [p for p in _group_members(pgid) if _carries_token(p, str(token))] if pgid > 1 else []
 
 
 def secrets_fingerprint(spec: ServiceSpec) -> str | None:
@@ -163,21 +221,27 @@ def secrets_fingerprint(spec: ServiceSpec) -> str | None:
 
 
 def _orphans(state: dict[str, Any] | None) -> list[int]:
-    """Members of the recorded process group whose main process is gone (children re-parented to init)."""
+    """Our processes of the recorded group whose main process is gone (children re-parented to init)."""
     if not state or _alive(state):
         return []
-    pgid = int(state.get("pgid") or state.get("pid") or 0)
-    return _group_members(pgid) if pgid > 1 else []
+    return _owned_members(state)
 
 
-def _end_group(pgid: int, stop_timeout_s: float) -> tuple[str, list[int]]:
-    """SIGTERM the group, SIGKILL what is left after stop_timeout_s; (signal used, pids still alive)."""
+def _end_group(pgid: int, stop_timeout_s: float, token: str | None = None) -> tuple[str, list[int]]:
+    """SIGTERM the group, SIGKILL what is left after stop_timeout_s; (signal used, pids still alive).
+
+    With a token, each signal goes out only while a member still carries it: a group whose last process of ours
+    ended meanwhile is never signalled (its id could be someone else's by then)."""
+    def ours() -> bool:
+        return token is None or any(_carries_token(p, token) for p in _group_members(pgid))
+
     signal_used = "SIGTERM"
-    _signal_group(pgid, signal.SIGTERM)
+    if ours():
+        _signal_group(pgid, signal.SIGTERM)
     deadline = time.monotonic() + stop_timeout_s
     while _group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _group_members(pgid):
+    if _group_members(pgid) and ours():
         signal_used = "SIGKILL"
         _signal_group(pgid, signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -269,12 +333,14 @@ def _versions_changed(state: dict[str, Any] | None, spec: ServiceSpec) -> dict[s
     return {k: (recorded.get(k), now.get(k)) for k in spec.packages if k in now and k in recorded and now[k] != recorded[k]}
 
 
-def _write_state(spec: ServiceSpec, pid: int, versions: dict[str, str | None] | None = None) -> None:
+def _write_state(spec: ServiceSpec, pid: int, versions: dict[str, str | None] | None = None, token: str | None = None) -> None:
     st = _proc_stat(pid) if pid else None
     state = {
         "pid": pid,
         "pgid": pid,
         "start_ticks": st[2] if st else 0,
+        "boot_id": boot_id(),
+        "owner_token": token,
         "config_hash": spec.config_hash,
         "secrets_fingerprint": secrets_fingerprint(spec),
         "tilepd_version": __version__,
@@ -301,7 +367,9 @@ def status(spec: ServiceSpec) -> dict[str, Any]:
         running = _alive(state)
         pid = int(state["pid"]) if running and state else None
     orphans = _orphans(state) if spec.mode == "process" else []
+    stranger = _stranger(spec, state, orphans, note=False) if spec.mode == "process" else {}
     return {
+        **stranger,
         "name": spec.name,
         "running": running,
         "pid": pid,
@@ -341,12 +409,12 @@ def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dic
     drained = _drain_for_restart(spec) if running else None
     if spec.mode == "systemd":
         return _rejoin(spec, _start_unit(spec, action), drained)
-    recovered: dict[str, Any] = {}
+    recovered: dict[str, Any] = {} if running or orphans else _stranger(spec, state, orphans)
     if running:
         stop(spec)
     elif orphans and state is not None:
         pgid = int(state.get("pgid") or state["pid"])
-        signal_used, left = _end_group(pgid, spec.stop_timeout_s)
+        signal_used, left = _end_group(pgid, spec.stop_timeout_s, state.get("owner_token"))
         recovered = {"orphans_ended": orphans, "signal": signal_used}
         _note(spec, f"main process {state['pid']} was gone; ended {len(orphans)} orphaned process(es) of group {pgid} with {signal_used}")
         if left:
@@ -357,6 +425,8 @@ def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dic
         d.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k in _INHERITED_ENV or k.startswith("LC_")}
     env.update(spec.env)
+    token = secrets.token_hex(16)
+    env[OWNER_ENV] = token  # every process of this start carries it: what stop and recover check before a signal
     versions = package_versions(spec)  # what the new process will import
     with open(spec.log_file, "ab") as log:
         log.write(f"--- tilepd {__version__}: starting {spec.name} ({spec.config_hash[:19]}) at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
@@ -371,7 +441,7 @@ def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dic
             start_new_session=True,  # own session and process group: survives the SSH session, stops as a group
             close_fds=True,
         )
-    _write_state(spec, proc.pid, versions)
+    _write_state(spec, proc.pid, versions, token)
     return _rejoin(spec, {**status(spec), "changed": True, "action": action, **recovered, **why}, drained)
 
 
@@ -477,20 +547,40 @@ def stop(spec: ServiceSpec, *, check: bool = False) -> dict[str, Any]:
         return _stop_unit(spec, check=check)
     state = _read_state(spec)
     orphans = _orphans(state)
+    stranger = _stranger(spec, state, orphans)
     if not _alive(state) and not orphans:
         if not check:
             _clear(spec)
-        return {"name": spec.name, "changed": False, "running": False, "action": "none"}
+        return {"name": spec.name, "changed": False, "running": False, "action": "none", **stranger}
     assert state is not None
     if check:
         return {"name": spec.name, "changed": True, "running": True, "action": "stop", "pid": state["pid"], "orphans": orphans}
     pgid = int(state.get("pgid", state["pid"]))
-    signal_used, left = _end_group(pgid, spec.stop_timeout_s)
+    signal_used, left = _end_group(pgid, spec.stop_timeout_s, state.get("owner_token"))
     if orphans:
         _note(spec, f"main process {state['pid']} was gone; stop ended {len(orphans)} orphaned process(es) of group {pgid} with {signal_used}")
     _clear(spec)
     return {"name": spec.name, "changed": True, "running": bool(left), "action": "stop", "pid": state["pid"], "signal": signal_used, "left": left,
             "orphans": orphans}
+
+
+def _stranger(spec: ServiceSpec, state: dict[str, Any] | None, orphans: list[int], *, note: bool = True) -> dict[str, Any]:
+    """{"not_ours": reason} when a state file names a live pid or group that is not ours (logged unless note=False)."""
+    if not state or orphans or _alive(state):
+        return {}
+    pgid = int(state.get("pgid") or state["pid"])
+    live = [p for p in {int(state["pid"]), *(_group_members(pgid) if pgid > 1 else [])} if not _gone(p)]
+    if not live:
+        return {}  # gone: nothing to tell apart
+    reason = str(not_ours(state))
+    if note:
+        _note(spec, f"event=not_ours pid={state['pid']} pgid={pgid} live={sorted(live)} reason={reason!r}: not signalled")
+    return {"not_ours": reason}
+
+
+def _gone(pid: int) -> bool:
+    st = _proc_stat(pid)
+    return st is None or st[0] in ("Z", "X")
 
 
 def _stop_unit(spec: ServiceSpec, *, check: bool) -> dict[str, Any]:

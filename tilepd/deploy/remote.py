@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tilepd.deploy import host_keys
 from tilepd.plan import HostPlan
 from tilepd.runbooks import see
 
@@ -23,6 +24,14 @@ class HostUnreachable(Exception):
         super().__init__(f"{host}: unreachable over SSH: {reason}" + see("RB-host-unreachable"))
         self.host = host
         self.reason = reason
+
+
+class HostKeyChanged(HostUnreachable):
+    """The host offered another key than the one recorded at first contact: refused before authenticating."""
+
+    def __init__(self, host: str, reason: str, offered: str, recorded: str) -> None:
+        super().__init__(host, reason)
+        self.offered, self.recorded = offered, recorded
 
 
 @dataclass
@@ -41,16 +50,31 @@ class HostShell:
         self.connect_timeout_s = connect_timeout_s
         self._client = None
         self._procs: list[subprocess.Popen[str]] = []
+        # after a connect: "recorded" (first contact, the key was added to known_hosts) or "known" (it matched)
+        self.host_key_status: str | None = None
+        self.host_key_fingerprint: str | None = None
 
     def _ssh(self):  # noqa: ANN202 - paramiko.SSHClient, imported lazily
         if self._client is None:
             import paramiko
 
             client = paramiko.SSHClient()
+            shell = self
+
+            class _AcceptNew(paramiko.MissingHostKeyPolicy):
+                """accept-new: an unknown host's key is recorded; a known host's other key raises BadHostKeyException."""
+
+                def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+                    if shell.known_hosts is None:
+                        raise paramiko.SSHException(f"no known_hosts file to record {hostname}'s key in")
+                    host_keys.record(shell.known_hosts, hostname, key)
+                    shell.host_key_status = "recorded"
+
             # the deployment's own known_hosts (trust on first use, shared with ansible)
-            if self.known_hosts is not None and self.known_hosts.exists():
+            if self.known_hosts is not None:
+                host_keys.ensure_file(self.known_hosts)
                 client.load_host_keys(str(self.known_hosts))
-            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+            client.set_missing_host_key_policy(_AcceptNew())
             ssh = self.host.ssh
             try:
                 client.connect(
@@ -65,9 +89,15 @@ class HostShell:
                     look_for_keys=ssh.key_file is None,
                 )
             except paramiko.BadHostKeyException as e:
-                raise HostUnreachable(self.host.name, f"{e}; if the host was rebuilt, remove its line from {self.known_hosts}") from None
+                assert self.known_hosts is not None  # a key is only "bad" against a recorded one
+                raise HostKeyChanged(self.host.name, host_keys.changed_key_message(self.host.name, self.known_hosts, self.host.address, ssh.port),
+                                     offered=host_keys.fingerprint(e.key), recorded=host_keys.fingerprint(e.expected_key)) from None
             except (OSError, paramiko.SSHException) as e:
                 raise HostUnreachable(self.host.name, str(e) or type(e).__name__) from None
+            transport = client.get_transport()
+            if transport is not None:
+                self.host_key_fingerprint = host_keys.fingerprint(transport.get_remote_server_key())
+            self.host_key_status = self.host_key_status or "known"
             self._client = client
         return self._client
 

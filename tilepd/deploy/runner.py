@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tilepd.deploy import host_keys
 from tilepd.deploy.secrets import SOCKET_ENV, serve
 from tilepd.resources import playbooks_dir
 from tilepd.runbooks import cite
@@ -106,9 +107,11 @@ def _json_line(stdout: str) -> dict[str, Any] | None:
 class _Digest:
     """Folds ansible-runner events into a PlaybookResult and forwards TaskEvents."""
 
-    def __init__(self, result: PlaybookResult, on_event: Callable[[TaskEvent], None] | None) -> None:
+    def __init__(self, result: PlaybookResult, on_event: Callable[[TaskEvent], None] | None, known_hosts: Path | None = None,
+                 endpoints: Mapping[str, tuple[str, int]] | None = None) -> None:
         self.result = result
         self.on_event = on_event
+        self.known_hosts, self.endpoints = known_hosts, endpoints or {}
 
     def _emit(self, ev: TaskEvent) -> None:
         if self.on_event is not None:
@@ -135,7 +138,10 @@ class _Digest:
             self.result.failures.append(self._failure(host, task, res))
             self._emit(TaskEvent("failed", host=host, task=task, message=self.result.failures[-1].message))
         elif kind == "runner_on_unreachable":
-            msg = cite(_message(res), "RB-host-unreachable")
+            address, port = self.endpoints.get(host or "", (host or "?", 22))
+            ssh_said = " ".join([_message(res), *(str(r.get("msg", "")) for r in res.get("results") or [] if isinstance(r, dict))])  # a loop's items
+            msg = _message(res) if ssh_said == _message(res) else ssh_said.strip()
+            msg = cite(host_keys.explain_ssh_failure(msg, host or "?", self.known_hosts, address, port), "RB-host-unreachable")
             self.result.failures.append(TaskFailure(host=host or "?", task=task, message=msg, unreachable=True))
             self._emit(TaskEvent("unreachable", host=host, task=task, message=msg))
         elif kind == "runner_item_on_ok" and res.get("changed"):
@@ -186,7 +192,7 @@ def run_playbook(
     # ansible-runner re-reads env/ (cmdline, extravars) of earlier runs: start clean
     shutil.rmtree(private_dir / "env", ignore_errors=True)
     result = PlaybookResult(playbook=playbook, status="unknown", rc=-1)
-    digest = _Digest(result, on_event)
+    digest = _Digest(result, on_event, known_hosts, host_keys.inventory_endpoints(inventory))
     bindir = str(Path(sys.executable).parent)
     # the static settings are in playbooks/ansible.cfg (an `ansible-playbook` run by hand reads them too); only what
     # changes per run is here

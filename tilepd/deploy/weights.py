@@ -1,4 +1,4 @@
-"""Model files on a host, idempotently: the tiny dev model and weight conversion.
+"""Model files on a host, idempotently: the tiny dev model, weight conversion, and their purge.
 
 Called by the `weights` role (`python -m tilepd.deploy.weights tiny|convert ...`); prints
 one JSON line whose `changed` drives Ansible's changed_when, so a second `up` reports
@@ -13,6 +13,8 @@ import argparse
 import contextlib
 import fcntl
 import json
+import os
+import posixpath
 import shutil
 import sys
 from collections.abc import Iterator
@@ -87,6 +89,44 @@ def ensure_converted(hf: Path, out: Path, *, family: str, dtype: str, tp: int = 
             "seconds": round(result.seconds, 3), "tensors": result.tensors}  # fmt: skip
 
 
+def purge_refusal(weights: str, hf: str, base_dirs: list[str]) -> str | None:
+    """Why deleting `weights` recursively would take what must survive (None when it would not).
+
+    Refused: a weights_path that equals, contains or lies inside hf_path (the checkpoint the deployment cannot
+    rebuild), or that equals or contains a base_dir (configs, logs, pid files, secrets) or is the filesystem root.
+    Paths are compared after normalisation; on the host they are resolved first (symlinks, `..`)."""
+    w, h = posixpath.normpath(weights), posixpath.normpath(hf)
+
+    def within(inner: str, outer: str) -> bool:
+        return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+    if w == "/":
+        return f"weights_path {weights} is the filesystem root"
+    if within(h, w) or within(w, h):
+        how = "equals" if w == h else ("contains" if within(h, w) else "lies inside")
+        return f"weights_path {weights} {how} hf_path {hf}: deleting it would delete the checkpoint"
+    for b in base_dirs:
+        if within(posixpath.normpath(b), w):
+            how = "equals" if posixpath.normpath(b) == w else "contains"
+            return f"weights_path {weights} {how} base_dir {b}: deleting it would delete the deployment's configs, logs and secrets"
+    return None
+
+
+def purge(weights: Path, hf: Path, base_dirs: list[Path], *, check: bool = False) -> dict[str, Any]:
+    """Delete the converted weights unless purge_refusal (on the paths as this host resolves them) says no."""
+    real = [os.path.realpath(p) for p in (weights, hf, *base_dirs)]
+    why = purge_refusal(str(weights), str(hf), [str(b) for b in base_dirs]) or purge_refusal(real[0], real[1], real[2:])
+    if why:
+        return {"failed": True, "changed": False, "path": str(weights), "msg": f"refusing to purge: {why}"}
+    present = weights.exists() or weights.is_symlink()
+    if present and not check:
+        if weights.is_symlink() or not weights.is_dir():
+            weights.unlink()
+        else:
+            shutil.rmtree(weights)
+    return {"changed": present, "path": str(weights), "action": "purge" if present else "none"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tilepd.deploy.weights")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -102,9 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dtype", default="bf16")
     c.add_argument("--tp", type=int, default=1)
     c.add_argument("--check", action="store_true")
+    p = sub.add_parser("purge", help="delete the converted weights, unless that would take hf_path or a base_dir")
+    p.add_argument("--weights", type=Path, required=True)
+    p.add_argument("--hf", type=Path, required=True)
+    p.add_argument("--base-dir", type=Path, action="append", default=[])
+    p.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     if args.verb == "tiny":
         result = ensure_tiny(args.family, args.out, seed=args.seed, check=args.check)
+    elif args.verb == "purge":
+        result = purge(args.weights, args.hf, args.base_dir, check=args.check)
     else:
         result = ensure_converted(args.hf, args.out, family=args.family, dtype=args.dtype, tp=args.tp, check=args.check)
     print(json.dumps(result))

@@ -60,6 +60,21 @@ def evaluate_router_metrics(host: str, metrics_text: str) -> list[Finding]:
     return out
 
 
+def probe_vllm_auth(host: str, svc_name: str, base_url: str, timeout_s: float = 5.0) -> Finding:
+    """vllm-auth: a running prefill or native vLLM refuses a keyless request (else anyone who reaches its port
+    bypasses the router's keys and sets their own kv_transfer_params)."""
+    import httpx
+
+    try:
+        code = httpx.get(f"{base_url}/v1/models", timeout=timeout_s).status_code
+    except httpx.HTTPError as e:
+        return Finding("vllm-auth", host, "warn", f"{svc_name}: {base_url}/v1/models did not answer: {type(e).__name__}", required=False)
+    if code == 401:
+        return ok("vllm-auth", host, f"{svc_name}: a keyless request to {base_url}/v1/models answers 401", required=False)
+    return Finding("vllm-auth", host, "fail", f"{svc_name}: a keyless request to {base_url}/v1/models answers {code}: its port is open to "
+                   "anyone who reaches it", "`tilepd up` with this tilepd restarts it with the deployment's API key", required=False)
+
+
 def run_live(exp: HostExpect, states: dict[str, dict[str, Any]]) -> list[Finding]:
     import httpx
 
@@ -70,6 +85,8 @@ def run_live(exp: HostExpect, states: dict[str, dict[str, Any]]) -> list[Finding
         health = probes.health(svc) if running else None
         figures = probes.live_figures(svc) if running and health and health[0] else {}
         out.append(evaluate_service(exp.host.name, svc.name, svc.role, state, health, figures))
+        if svc.role in ("prefill", "native_decode") and running and health and health[0]:
+            out.append(probe_vllm_auth(exp.host.name, svc.name, probes.base_url(svc)))
         if svc.role == "router" and running and health and health[0]:
             try:
                 text = httpx.get(f"{probes.base_url(svc)}/metrics", timeout=5).text

@@ -6,7 +6,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tilepd.deploy.remote import HostShell, HostUnreachable
+from tilepd.deploy import host_keys
+from tilepd.deploy.remote import HostKeyChanged, HostShell, HostUnreachable
 from tilepd.doctor import checks_host as H
 from tilepd.doctor import checks_hw as W
 from tilepd.doctor import checks_live as L
@@ -27,6 +28,7 @@ def check_host(exp: HostExpect, topo: Topology, plan: Plan, *, known_hosts: Path
         if not exp.host.local:
             probe.sh("true")  # connect first: an unreachable host is one finding, not one per check
             out.append(ok("ssh", h, f"{exp.host.ssh.user or 'current user'}@{exp.host.address}:{exp.host.ssh.port}"))
+            out.append(_host_key(shell))
         out += H.run_python(probe, exp)
         out += W.run_gpus(probe, exp)
         moves_kv = plan.rdma and bool({"prefill", "decode", "native_decode"} & set(exp.host.roles))  # the router moves no KV
@@ -48,11 +50,22 @@ def check_host(exp: HostExpect, topo: Topology, plan: Plan, *, known_hosts: Path
                     f.verdict, f.required = "warn", False
                     f.evidence += " (this deployment's services run here)"
         return out
+    except HostKeyChanged as e:
+        fix = "if the host was reinstalled or its key rotated on purpose, check the new key and re-trust it: " + host_keys.retrust_command(
+            shell.known_hosts or Path("known_hosts"), exp.host.address, exp.host.ssh.port)
+        return [Finding("ssh-host-key", h, "fail", f"CHANGED: the host offers {e.offered}, {shell.known_hosts} recorded {e.recorded} at first "
+                        "contact; refused before authenticating", fix, "RB-host-unreachable")]
     except HostUnreachable as e:
         return [Finding("ssh", h, "fail", e.reason, f"check the address, `ssh -p {exp.host.ssh.port} {exp.host.ssh.user or '$USER'}@{exp.host.address}`, "
                         "the key and sshd on the host", "RB-host-unreachable")]
     finally:
         shell.close()
+
+
+def _host_key(shell: HostShell) -> Finding:
+    """The host's SSH key against the deployment's known_hosts (trust on first use; a changed key never gets here)."""
+    seen = "recorded now (first contact)" if shell.host_key_status == "recorded" else "matches the one recorded"
+    return ok("ssh-host-key", shell.host.name, f"{shell.host_key_fingerprint}: {seen} in {shell.known_hosts}")
 
 
 def run_doctor(topo: Topology, plan: Plan, *, hosts: list[str] | None = None, known_hosts: Path | None = None,

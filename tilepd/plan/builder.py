@@ -264,7 +264,8 @@ class _Planner:
                 otlp_endpoint=t.router.otlp_endpoint,
             )
             kvt = vllm_args.prefill_kv_transfer_config(extra, self.native, cpu=p.gpus == 0)
-            env = {**self.base_env(p), **self.cpu_binds.get((p.address, f"prefill-{p.name}"), {})}
+            env = {**self.base_env(p), **self.cpu_binds.get((p.address, f"prefill-{p.name}"), {}),
+                   **vllm_args.api_key_env(self.secret(p, "deployment", DEPLOYMENT_SECRET_ENV))}
             ports = {"http": p.port}
             if self.native:
                 env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = p.address
@@ -290,7 +291,8 @@ class _Planner:
             self.note_host(n, "native_decode", vllm=True)
             kvt = vllm_args.nixl_config("kv_consumer", cpu=n.gpus == 0)
             name = f"native-decode-{n.name}"
-            env = {**self.base_env(n), **self.cpu_binds.get((n.address, name), {})}
+            env = {**self.base_env(n), **self.cpu_binds.get((n.address, name), {}),
+                   **vllm_args.api_key_env(self.secret(n, "deployment", DEPLOYMENT_SECRET_ENV))}
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = n.address
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(n.nixl_side_channel_port)
             self.add(

@@ -12,6 +12,15 @@ from tilepd.topology.families import canonical_family
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 CONNECTOR_CLASS = "TilePDConnector"
 CONNECTOR_MODULE = "tilepd.connector.vllm_connector"
+# every vLLM the deployment starts requires the key derived from the deployment secret; the middleware reads the
+# secret file named in the environment (a path), so the key is in no argv, env or rendered file
+API_KEY_MIDDLEWARE = "tilepd.connector.vllm_auth.DeploymentApiKey"
+SECRET_FILE_ENV = "TILEPD_VLLM_SECRET_FILE"
+
+
+def api_key_env(secret_file: str) -> dict[str, str]:
+    """The environment entry that names the secret file to the API-key middleware."""
+    return {SECRET_FILE_ENV: secret_file}
 
 
 def compact_json(value: Any) -> str:
@@ -71,8 +80,10 @@ def vllm_argv(
     bind: str,
     tp: int,
     kv_transfer_config: dict[str, Any],
+    *,
+    api_key: bool = True,
 ) -> list[str]:
-    """Every flag the topology implies, in a fixed order (golden tests pin it)."""
+    """Every flag the topology implies, in a fixed order (golden tests pin it); `api_key`: the key middleware."""
     m = topo.model
     argv = [
         python, "-m", VLLM_MODULE,
@@ -106,5 +117,7 @@ def vllm_argv(
         # Say it on both sides so the pair always agrees.
         argv.append("--disable-hybrid-kv-cache-manager")
     argv += ["--kv-transfer-config", compact_json(kv_transfer_config)]
+    if api_key:
+        argv += ["--middleware", API_KEY_MIDDLEWARE]
     argv += list(entry.extra_args)
     return argv

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from tilepd.auth import load_secret
+from tilepd.auth import load_secret, vllm_auth_header
 from tilepd.contracts.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.backends import DecodeNodeError, cancel_decode
@@ -68,13 +68,16 @@ def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
     # Only the TCP connect is retried (a request is never sent twice), so a connect that timed out
     # while a 2-core host was saturated no longer fails the request outright (seen: native decode
     # connects timing out during a burst fallback on the CPU test box).
-    client = Upstream(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s, connect_retries=UPSTREAM_CONNECT_RETRIES)
+    secret = load_secret(config.secret_file) if config.secret_file else None
+    vllm_urls = [*config.prefill_urls, *((config.native_pool.prefill_urls + config.native_pool.decode_urls) if config.native_pool else ())]
+    client = Upstream(connect_timeout_s=5.0, read_timeout_s=config.request_timeout_s, connect_retries=UPSTREAM_CONNECT_RETRIES,
+                      auth_by_base_url={u: vllm_auth_header(secret) for u in vllm_urls})  # every vLLM requires its key
     renderer = PromptRenderer(config.tokenizer_dir)
     if config.tool_call_parser:  # vLLM (and torch) load here, at startup, not on the first tool request
         renderer.tools = ToolCalling(config.tool_call_parser, renderer.tokenizer, config.served_model_name)
     return RouterState(config=config, client=client, renderer=renderer, pool=pool,
                        metrics=RouterMetrics(pool, config.breaker_failures), keys=keys,
-                       node_secret=load_secret(config.secret_file) if config.secret_file else None,
+                       node_secret=secret,
                        tracing=make_tracing(config.otlp_endpoint))
 
 

@@ -89,12 +89,14 @@ class Upstream:
     """One connection pool for every upstream; created lazily inside the running event loop."""
 
     def __init__(self, *, connect_timeout_s: float, read_timeout_s: float, connect_retries: int = 2,
-                 max_connections: int = 4096) -> None:
+                 max_connections: int = 4096, auth_by_base_url: Mapping[str, Mapping[str, str]] | None = None) -> None:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s,
                                               sock_read=read_timeout_s)
         self._retries = connect_retries
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        # headers every call under a base URL carries (the deployment's vLLM servers: their API key)
+        self._auth = {base.rstrip("/") + "/": dict(h) for base, h in (auth_by_base_url or {}).items() if h}
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -117,6 +119,8 @@ class Upstream:
         """Retry the connect only (nothing was sent on a connection that never opened): `connect_retries` times, and
         on connect timeouts also for as long as `patience_s` since the first try (an upstream that takes no connection
         in time is overloaded: its accept queue full, or its host starved; one that refuses is down)."""
+        auth = next((h for base, h in self._auth.items() if url.startswith(base)), None)
+        headers = {**auth, **(headers or {})} if auth else headers
         attempt = 0
         loop = asyncio.get_running_loop()
         first = loop.time()
