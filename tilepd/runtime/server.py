@@ -81,7 +81,10 @@ def run_with_node(app: Any, svc: Any, engine: Any) -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(a: Any):
-        watch = asyncio.get_running_loop().create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe).run())
+        loop = asyncio.get_running_loop()
+        if svc.http_listener is not None:  # asyncio reports an accept out of fds to the loop's exception handler
+            loop.set_exception_handler(svc.http_listener.on_loop_exception)
+        watch = loop.create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe).run())
         try:
             async with inner(a) as state:
                 yield state
@@ -94,10 +97,12 @@ def run_with_node(app: Any, svc: Any, engine: Any) -> None:
 
 def serve(config: DecodeServerConfig) -> None:
     """Blocking: load the engine, open the control port, serve HTTP until SIGINT/SIGTERM."""
-    import uvicorn
-
+    from tilepd.runtime.fd_limit import raise_nofile_limit
     from tilepd.runtime.http_api import build_app
+    from tilepd.runtime.http_server import http_server
     from tilepd.runtime.service import DecodeService
+
+    raise_nofile_limit(config.name)
 
     # read before the engine loads: a bad secret file fails in a second, not after minutes of loading
     secret = load_secret(config.secret_file) if config.secret_file is not None else None
@@ -134,9 +139,12 @@ def serve(config: DecodeServerConfig) -> None:
         raise OSError(f"cannot open the control or data port ({config.bind_host}:{config.ctrl_port}, transport "
                       f"{config.transport.name}): {exc}") from exc
     app = build_app(svc, secret)
+    server, svc.http_listener = http_server(app, config.bind_host, config.http_port)
     run_with_node(app, svc, engine)
     try:
-        uvicorn.run(app, host=config.bind_host, port=config.http_port, log_level="warning", access_log=False)
+        server.run()
+        if not server.started:  # the port could not be bound (uvicorn logged why)
+            raise OSError(f"cannot serve HTTP on {config.bind_host}:{config.http_port}")
     finally:
         svc.close()
         close_engine(engine)
