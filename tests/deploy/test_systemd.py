@@ -42,11 +42,20 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert len(units) >= 12
     r = subprocess.run(["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    decode_units = 0
     for unit in units:
         text = unit.read_text()
         assert "EnvironmentFile=" in text and "ExecStart=/" in text
-        if "Type=simple" in text:
+        if "Type=simple" in text or "Type=notify" in text:
             assert "Restart=on-failure" in text and "KillMode=control-group" in text  # orphans die with the unit
+        # a decode node pings systemd from its serving loop (tilepd.runtime.liveness): a wedged one is restarted
+        role = text.split("Description=", 1)[1].split(": ", 1)[1].split()[0]
+        if role == "decode":
+            decode_units += 1
+            assert "Type=notify" in text and "NotifyAccess=main" in text and "WatchdogSec=30" in text, text
+        else:
+            assert "WatchdogSec" not in text, text
+    assert decode_units >= 3
     assert all("LimitMEMLOCK=infinity" in u.read_text() for u in nixl)
 
 

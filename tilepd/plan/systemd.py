@@ -7,6 +7,12 @@ import re
 from tilepd.plan.model import Plan, Service
 
 _SAFE_WORD = re.compile(r"^[A-Za-z0-9_@+=:,./-]+$")
+# A decode node tells systemd when it serves (READY=1) and pings from its serving loop's tick (WATCHDOG=1,
+# tilepd.runtime.liveness); no ping for this long and systemd kills and restarts it (Restart=on-failure). Longer
+# than a SIGSTOP a node must survive (20 s, docs/RELIABILITY.md) and than the loop stalls seen on a loaded box.
+DECODE_WATCHDOG_S = 30
+# Type=notify waits for READY=1: loading a large model's weights takes minutes; `tilepd up`'s health gate bounds it
+DECODE_START_TIMEOUT_S = 1800
 
 
 def _escape_specials(text: str) -> str:
@@ -46,13 +52,16 @@ def unit_text(plan: Plan, service: Service, env_file: str) -> str:
     ]
     if service.creates:
         unit.append(f"ConditionPathExists=!{service.creates}")
+    notify = service.role == "decode" and not oneshot
     svc = [
         "",
         "[Service]",
-        f"Type={'oneshot' if oneshot else 'simple'}",
+        f"Type={'oneshot' if oneshot else 'notify' if notify else 'simple'}",
     ]
     if oneshot:
         svc.append("RemainAfterExit=yes")
+    if notify:
+        svc += ["NotifyAccess=main", f"WatchdogSec={DECODE_WATCHDOG_S}", f"TimeoutStartSec={DECODE_START_TIMEOUT_S}"]
     svc += [
         f"WorkingDirectory={service.cwd}",
         f"EnvironmentFile={env_file}",

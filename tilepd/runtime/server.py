@@ -71,20 +71,26 @@ def close_engine(engine: Any) -> None:
 
 def run_with_node(app: Any, svc: Any, engine: Any) -> None:
     """Tie the node's own work to the app's lifespan: a StallWatch on its event loop while it serves (a node that
-    stops answering says where it was), and the engine closed at shutdown (TP worker ranks stopped): uvicorn
-    re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run` does not run on a signal."""
+    stops answering says where it was; its tick pings systemd's watchdog, tilepd.runtime.liveness), and the engine
+    closed at shutdown (TP worker ranks stopped): uvicorn re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run` does not run on a signal."""
     import asyncio
 
+    from tilepd.runtime.liveness import Liveness, wedge_after_s, wedge_forever
     from tilepd.runtime.stall_watch import StallWatch
 
     inner = app.router.lifespan_context
+    wedge = wedge_after_s()
 
     @contextlib.asynccontextmanager
     async def lifespan(a: Any):
         loop = asyncio.get_running_loop()
         if svc.http_listener is not None:  # asyncio reports an accept out of fds to the loop's exception handler
             loop.set_exception_handler(svc.http_listener.on_loop_exception)
-        watch = loop.create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe).run())
+        server = svc.http_listener.server if svc.http_listener is not None else None
+        liveness = Liveness(svc.config.name, lambda: svc.ready and (server is None or server.started))
+        watch = loop.create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe, on_tick=liveness.tick).run())
+        if wedge is not None:
+            loop.call_later(wedge, wedge_forever, svc.config.name)
         try:
             async with inner(a) as state:
                 yield state
