@@ -12,6 +12,7 @@ from __future__ import annotations
 
 # id -> title: the first line of docs/runbooks/<id>.md after "# <id>: " (a test keeps them equal)
 RUNBOOKS: dict[str, str] = {
+    "RB-accept-failing": "a decode node's port accepts no connection (out of fds or buffers)",
     "RB-api-key-rotation": "rotate the router's API key",
     "RB-decode-down": "a decode node is down or stuck busy",
     "RB-host-unreachable": "a host cannot be reached during `up`",

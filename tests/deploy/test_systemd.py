@@ -42,12 +42,57 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert len(units) >= 12
     r = subprocess.run(["systemd-analyze", "verify", *map(str, units)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    decode_units = 0
     for unit in units:
         text = unit.read_text()
         assert "EnvironmentFile=" in text and "ExecStart=/" in text
-        if "Type=simple" in text:
+        if "Type=simple" in text or "Type=notify" in text:
             assert "Restart=on-failure" in text and "KillMode=control-group" in text  # orphans die with the unit
+        # a decode node pings systemd from its serving loop (tilepd.runtime.liveness): a wedged one is restarted
+        role = text.split("Description=", 1)[1].split(": ", 1)[1].split()[0]
+        if role == "decode":
+            decode_units += 1
+            assert "Type=notify" in text and "NotifyAccess=main" in text and "WatchdogSec=30" in text, text
+        else:
+            assert "WatchdogSec" not in text, text
+    assert decode_units >= 3
+    for unit in units:  # the sandbox (issue 26): every unit hardened, daemons read-only but their base dir
+        text = unit.read_text()
+        assert "NoNewPrivileges=yes" in text and "ProtectKernelModules=yes" in text and "RestrictSUIDSGID=yes" in text, text
+        if "Type=oneshot" not in text:
+            cwd = text.split("WorkingDirectory=", 1)[1].split("\n", 1)[0]
+            assert "ProtectSystem=strict" in text and f"ReadWritePaths={cwd}" in text and "ProtectHome=read-only" in text, text
+            assert "\nCapabilityBoundingSet=\n" in text, text  # no capability: no port below 1024 in these topologies
+            assert "PrivateTmp=yes" not in text  # these test topologies live under /tmp: a private one would hide them
+    exposure = {u.name: _exposure(u) for u in units if "Type=oneshot" not in u.read_text()}
+    assert exposure and all(e <= 6.0 for e in exposure.values()), exposure  # 9.6 UNSAFE each before the sandbox
     assert all("LimitMEMLOCK=infinity" in u.read_text() for u in nixl)
+
+
+def _exposure(unit: Path) -> float:
+    """`systemd-analyze security`'s overall exposure of a unit file (0 safest, 10 least safe)."""
+    r = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)], capture_output=True, text=True, timeout=60)
+    assert r.returncode in (0, 1), r.stderr  # 1: above its default threshold
+    return float(r.stdout.split("Overall exposure level for", 1)[1].split(":", 1)[1].split()[0])
+
+
+def test_the_sandbox_fits_where_the_service_lives() -> None:
+    """A daemon whose paths are outside /tmp gets a private /tmp; a port below 1024 keeps the one capability to bind it."""
+    from tilepd.plan.model import Service
+    from tilepd.plan.systemd import sandbox
+
+    def svc(role: str, base: str, ports: dict[str, int]) -> Service:
+        return Service(name=role, role=role, kind="daemon", stage=1, creates=None, argv=[f"{base}/venv/bin/python", "-m", "x"], env={},
+                       cwd=base, health=None, ports=ports, python=f"{base}/venv/bin/python", log_file=f"{base}/logs/x.log",
+                       pid_file=f"{base}/run/x.pid", unit="x.service", config_file=None, config={"weights_dir": "/srv/w"},
+                       config_hash="sha256:0")
+
+    router = sandbox(svc("router", "/srv/tilepd", {"http": 443}))
+    assert "PrivateTmp=yes" in router and "PrivateDevices=yes" in router, router
+    assert "CapabilityBoundingSet=CAP_NET_BIND_SERVICE" in router and "AmbientCapabilities=CAP_NET_BIND_SERVICE" in router
+    decode = sandbox(svc("decode", "/srv/tilepd", {"http": 8000}))
+    assert "CapabilityBoundingSet=" in decode and "PrivateDevices=yes" not in decode  # GPUs and RDMA devices stay visible
+    assert "PrivateTmp=yes" not in sandbox(svc("decode", "/tmp/t", {"http": 8000}))
 
 
 @pytest.mark.slow

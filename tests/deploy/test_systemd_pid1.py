@@ -9,7 +9,8 @@ this 2-core box; the unit path is the same for it).
 
 Shown: the health gate passes and the units are active; a second `up` changes nothing (same
 MainPID, no restart); SIGKILL of the decode node's main process is undone by systemd
-(Restart=on-failure) and `tilepd status` counts the restart; `down` stops, disables and removes
+(Restart=on-failure) and `tilepd status` counts the restart; a decode node whose loop is wedged is
+restarted by systemd's watchdog (WatchdogSec, its sd_notify pings stop); `down` stops, disables and removes
 the units; the host powers off and nothing of it is left.
 """
 
@@ -202,6 +203,39 @@ def test_forced_up_drains_restarts_and_rejoins_the_decode_node(sd: Deployed) -> 
     drained_at = router_log.rfind("event=node_draining node=d0")
     assert drained_at >= 0 and router_log.find("event=node_undrained node=d0", drained_at) > 0, router_log[-3000:]
     assert sd.status()["decode-d0"]["healthy"] is True
+
+
+def test_systemd_watchdog_restarts_a_wedged_decode_node(sd: Deployed) -> None:
+    """A decode node whose serving loop is blocked for good (the test-only fault TILEPD_FAULT_WEDGE_LOOP_AFTER_S,
+    tilepd.runtime.liveness, set by a drop-in) stops its WATCHDOG=1 pings: systemd kills it after WatchdogSec and
+    Restart=on-failure starts it again, within 60 s of the wedge."""
+    dropin = sd.host_path(f"/etc/systemd/system/{DECODE_UNIT}.d/wedge.conf")
+    dropin.parent.mkdir(parents=True, exist_ok=True)
+    dropin.write_text("[Service]\nEnvironment=TILEPD_FAULT_WEDGE_LOOP_AFTER_S=5\n")
+    try:
+        assert sd.lab.run_in(sd.host, "systemctl", "daemon-reload").returncode == 0
+        started = sd.lab.run_in(sd.host, "systemctl", "restart", DECODE_UNIT)  # returns at the node's READY=1
+        assert started.returncode == 0, started.stderr
+        old = sd.lab.show(sd.host, DECODE_UNIT, "MainPID")["MainPID"]
+        t_wedge = time.monotonic() + 5
+        deadline = t_wedge + 60
+        while True:
+            props = sd.lab.show(sd.host, DECODE_UNIT, "MainPID", "NRestarts")
+            if props["NRestarts"] == "1" and props["MainPID"] not in ("0", old):
+                break
+            assert time.monotonic() < deadline, props
+            time.sleep(0.5)
+        print(f"wedged -> restarted by the watchdog: {time.monotonic() - t_wedge:.1f}s after the wedge")
+        log = sd.lab.run_in(sd.host, "journalctl", "-u", DECODE_UNIT, "--no-pager", "-o", "cat").stdout
+        assert "Watchdog timeout" in log and "event=fault_injected" in log, log[-3000:]
+    finally:
+        dropin.unlink(missing_ok=True)
+        sd.lab.run_in(sd.host, "systemctl", "daemon-reload")
+        sd.lab.run_in(sd.host, "systemctl", "restart", DECODE_UNIT)
+    deadline = time.monotonic() + 120
+    while not sd.status()["decode-d0"]["healthy"]:
+        assert time.monotonic() < deadline
+        time.sleep(1)
 
 
 def test_down_stops_and_removes_the_units(sd: Deployed) -> None:

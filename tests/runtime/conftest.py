@@ -27,10 +27,12 @@ class DecodeNode:
 
 def start_node(python: str, weights: Path, tmp: Path, transport: str = "tcp", family: str = "llama",
                kv_timeout_s: float = 15.0, max_seq_len: int = 512, use_config_file: bool = False,
-               secret_file: Path | None = None, drain_file: Path | None = None) -> DecodeNode:
+               secret_file: Path | None = None, drain_file: Path | None = None, nofile_soft: int | None = None,
+               env: dict[str, str] | None = None) -> DecodeNode:
     """Start `python -m tilepd.runtime` from flags, or from a DecodeServerConfig file as the plan renders it
-    (always so with a deployment `secret_file` or a `drain_file`, which have no flag). Returns once /health answers
-    (200, or 503 draining: a node that starts drained)."""
+    (always so with a deployment `secret_file` or a `drain_file`, which have no flag); `nofile_soft` starts it
+    under that soft fd limit (prlimit; the hard one unchanged). Returns once /health answers (200, or 503 draining:
+    a node that starts drained); `env` is added to the node's environment."""
     http_port, ctrl_port = free_port(), free_port()
     log = tmp / f"decode-{transport}.log"
     if use_config_file or secret_file is not None or drain_file is not None:
@@ -48,7 +50,13 @@ def start_node(python: str, weights: Path, tmp: Path, transport: str = "tcp", fa
         argv = [python, "-m", "tilepd.runtime", "--weights", str(weights), "--family", family, "--max-seq-len", str(max_seq_len),
                 "--host", "127.0.0.1", "--http-port", str(http_port), "--ctrl-port", str(ctrl_port), "--transport", transport,
                 "--kv-timeout-s", str(kv_timeout_s), "--name", f"test-{transport}"]
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    if nofile_soft is not None:
+        import resource
+
+        argv = ["prlimit", f"--nofile={nofile_soft}:{resource.getrlimit(resource.RLIMIT_NOFILE)[1]}", "--", *argv]
+    import os
+
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     node = DecodeNode(proc, f"http://127.0.0.1:{http_port}", ctrl_port, log)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -118,3 +118,53 @@ def test_a_stop_and_continue_is_told_apart(tmp_path: Path, caplog: pytest.LogCap
         watch, _ = asyncio.run(_watched(stopped_from_outside, tmp_path))
     line = _longest_stall(caplog, watch)
     assert " sigcont=1 " in line and watch.continued == 1, line
+
+
+_BLOCKED_LOG = """
+import asyncio, fcntl, os, sys, time
+from tilepd.runtime.stall_watch import StallWatch
+
+r, w = os.pipe()  # the log pipe's reader never reads: fill it, so the next write blocks, as a stopped reader's does
+fcntl.fcntl(w, fcntl.F_SETFL, os.O_NONBLOCK)
+try:
+    while True:
+        os.write(w, b"x" * 65536)
+except BlockingIOError:
+    pass
+fcntl.fcntl(w, fcntl.F_SETFL, 0)
+full = os.fdopen(w, "w")
+
+async def main():
+    watch = StallWatch("n0", tick_s=0.05, warn_after_s=10, dump_after_s=0.3, dump_file=full)
+    task = asyncio.get_running_loop().create_task(watch.run())
+    await asyncio.sleep(0.2)
+    time.sleep(1.0)  # the loop blocked past dump_after_s: the stack dump is due, and its write will block
+    t0 = time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < 2.0:
+        await asyncio.sleep(0.05)
+        n += 1
+    print(f"loop_iterations={n}", flush=True)
+    os._exit(0)
+
+asyncio.run(main())
+"""
+
+
+def test_a_blocked_log_cannot_wedge_the_loop(tmp_path: Path) -> None:
+    """The stack dump's write blocks for good (a full pipe nobody reads, as a stopped log reader leaves it): the
+    loop goes on ticking. With faulthandler's dump_traceback_later the loop's next re-arm waited, holding the GIL,
+    for the blocked dump: the whole process wedged (this test's child then never printed and was killed)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "blocked_log.py"
+    script.write_text(_BLOCKED_LOG)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    try:
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process wedged: its loop never came back from the blocked stack dump")
+    assert out.returncode == 0, out.stderr[-2000:]
+    n = int(out.stdout.split("loop_iterations=")[1])
+    assert n >= 10, out.stdout  # 2 s of 50 ms sleeps: ~40 on a quiet box; a wedged loop makes none

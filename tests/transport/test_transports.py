@@ -127,7 +127,7 @@ def test_closing_a_tcp_receiver_ends_its_accept_thread() -> None:
     from tilepd.transport.tcp import TcpReceiver
 
     rx = TcpReceiver("127.0.0.1", 0)
-    thread = rx._accept_thread
+    thread = rx.listener._thread
     assert thread.is_alive()
     rx.close()
     thread.join(2.0)

@@ -1,9 +1,12 @@
 """Control-channel server of the decode node (INTERFACES §3).
 
-One thread per sender connection. A connection must say `hello` first; the hello
-fixes its layout, which sizes its regions in the receive buffer. A frame that does
-not parse closes the connection and never reaches the slot; a refusal (mismatch,
-busy, bad token) is answered with a typed message and the connection stays open.
+One thread per sender connection, at most `MAX_CONNECTIONS` of them (the listener answers a connection past the
+cap with a typed error and closes it). A connection must say `hello` first, within `HELLO_TIMEOUT_S` of its
+accept; the hello fixes its layout, which sizes its regions in the receive buffer. After that a frame's first byte
+may take `IDLE_TIMEOUT_S` (a quiet sender keeps its cached hello) and the rest of it `FRAME_TIMEOUT_S`, so a peer
+that sends half a frame and stalls holds its thread for seconds, not an hour. A frame that does not parse closes
+the connection and never reaches the slot; a refusal (mismatch, busy, bad token) is answered with a typed message
+and the connection stays open.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import torch
 from tilepd.control.checksum import first_mismatch, region_digests
 from tilepd.control.compat import check_hello, check_raw_hello
 from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame
-from tilepd.transport.listener import stop_listener
 from tilepd.control.layout import CacheLayout
 from tilepd.control.messages import (
     PROTOCOL_VERSION,
@@ -45,12 +47,41 @@ from tilepd.control.messages import (
 from tilepd.runbooks import cite
 from tilepd.runtime.slot import Slot, SlotError
 from tilepd.transport.base import TransportReceiver
+from tilepd.transport.listener import Addr, Listener
 
 log = logging.getLogger("tilepd.runtime.ctrl")
 
-IDLE_TIMEOUT_S = 3600.0  # a quiet sender keeps its connection (hello is cached) for this long
+IDLE_TIMEOUT_S = 600.0  # a quiet sender keeps its connection (hello is cached) this long; the sender reconnects after
+HELLO_TIMEOUT_S = 10.0  # from accept to a whole hello frame
+FRAME_TIMEOUT_S = 10.0  # from a frame's first byte to its last
+MAX_CONNECTIONS = 256  # control connections served at once (prefill ranks x instances need a few dozen)
 DATA_DRAIN_TIMEOUT_S = 30.0  # after done: how long bytes the sender reported may take to land
 _MISMATCH = frozenset({ErrorCode.VERSION_MISMATCH, ErrorCode.LAYOUT_MISMATCH, ErrorCode.TRANSPORT_MISMATCH})
+
+
+class _Deadline:
+    """The socket as `recv_frame` reads it, with one deadline over every recv of a frame (a socket timeout alone
+    restarts at each byte: a peer dripping a byte at a time would hold the connection without bound)."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.deadline = sock, deadline
+
+    def recv_into(self, view: memoryview, n: int) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("frame not complete in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(view, n)
+
+
+def _read_frame(sock: socket.socket, first_byte_s: float, frame_s: float, deadline: float | None = None) -> dict:
+    """One frame: its first byte within `first_byte_s`, the whole of it `frame_s` after that (or by `deadline`)."""
+    sock.settimeout(first_byte_s)
+    if not sock.recv(1, socket.MSG_PEEK):
+        raise PeerClosed("peer closed the connection")
+    frame = recv_frame(_Deadline(sock, deadline if deadline is not None else time.monotonic() + frame_s))
+    sock.settimeout(frame_s)  # for the reply: the deadline's remainder may be a few milliseconds
+    return frame
 
 
 def _refusal(exc: ProtocolError) -> tuple[str, str]:
@@ -83,8 +114,9 @@ class ControlServer:
         self.recv_bytes = recv_bytes
         self.checksum_failures = 0
         self.last_verify_ms = 0.0  # what verifying the last transfer's checksums took (bench/checksum_cost.py)
-        self._listener = socket.create_server((bind_host, port), backlog=64)
-        self.port: int = self._listener.getsockname()[1]
+        self.listener = Listener("control", socket.create_server((bind_host, port), backlog=64), self._on_accept,
+                                 active=lambda: len(self._socks), max_connections=MAX_CONNECTIONS, on_full=self._refuse_full)
+        self.port: int = self.listener.port
         self._ids = itertools.count(1)
         self._closed = False
         self._socks: dict[int, socket.socket] = {}
@@ -92,16 +124,15 @@ class ControlServer:
         self.frames_rejected = 0
         # (transfer_id, token) -> bool; set by the server when the deployment has a secret (tilepd.auth)
         self.token_ok: Callable[[str, str], bool] | None = None
-        self._thread = threading.Thread(target=self._accept_loop, name="ctrl-accept", daemon=True)
 
     def start(self) -> "ControlServer":
-        self._thread.start()
+        self.listener.start()
         log.info("event=ctrl_listening port=%d", self.port)
         return self
 
     def close(self) -> None:
         self._closed = True
-        stop_listener(self._listener, getattr(self, "_thread", None))
+        self.listener.close()
         with self._lock:
             socks = list(self._socks.values())
         for s in socks:
@@ -122,34 +153,44 @@ class ControlServer:
                 pass
 
     # -- connection handling ---------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed:
+    def _on_accept(self, sock: socket.socket, addr: Addr) -> None:
+        if self.allowed and addr[0] not in self.allowed:
+            log.warning("event=ctrl_refused peer=%s reason=not_in_allowed_senders", addr[0])
             try:
-                sock, addr = self._listener.accept()
+                sock.settimeout(1.0)
+                send_frame(sock, dump(Error(code=ErrorCode.NOT_ALLOWED, message=f"{addr[0]} is not in this decode node's allowed_senders")))
             except OSError:
-                return
-            if self.allowed and addr[0] not in self.allowed:
-                log.warning("event=ctrl_refused peer=%s reason=not_in_allowed_senders", addr[0])
-                try:
-                    send_frame(sock, dump(Error(code=ErrorCode.NOT_ALLOWED, message=f"{addr[0]} is not in this decode node's allowed_senders")))
-                except OSError:
-                    pass
-                sock.close()
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn_id = next(self._ids)
-            with self._lock:
-                self._socks[conn_id] = sock
+                pass
+            sock.close()
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn_id = next(self._ids)
+        with self._lock:
+            self._socks[conn_id] = sock
+        try:
             threading.Thread(target=self._serve, args=(sock, addr, conn_id), name=f"ctrl-{conn_id}", daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self._socks.pop(conn_id, None)
+            raise
+
+    @staticmethod
+    def _refuse_full(sock: socket.socket, addr: Addr) -> None:
+        sock.settimeout(1.0)
+        send_frame(sock, dump(Error(code=ErrorCode.BUSY, message=f"this decode node serves {MAX_CONNECTIONS} control connections "
+                                                                "already; retry later")))
 
     def _serve(self, sock: socket.socket, addr: tuple[str, int], conn_id: int) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         hello: Hello | None = None
+        hello_by = time.monotonic() + HELLO_TIMEOUT_S
         try:
-            sock.settimeout(IDLE_TIMEOUT_S)
             while True:
                 try:
-                    raw = recv_frame(sock)
+                    if hello is None:
+                        raw = _read_frame(sock, max(hello_by - time.monotonic(), 0.001), FRAME_TIMEOUT_S, deadline=hello_by)
+                    else:
+                        raw = _read_frame(sock, IDLE_TIMEOUT_S, FRAME_TIMEOUT_S)
                 except PeerClosed:
                     return
                 except FrameError as exc:
@@ -189,9 +230,10 @@ class ControlServer:
                     log.warning("event=bad_frame peer=%s conn=%d reason=unexpected_%s", peer, conn_id, msg.type)
                     return
         except OSError as exc:
-            # a reset, not a clean close or the idle timeout: the prefill (connector) died or restarted
+            # a reset, not a clean close or a timeout: the prefill (connector) died or restarted
             book = "" if isinstance(exc, TimeoutError) else " runbook=RB-prefill-restarted"
-            log.info("event=ctrl_closed peer=%s conn=%d%s reason=%s", peer, conn_id, book, exc)
+            why = ("no_hello" if hello is None else "idle_or_slow_frame") if isinstance(exc, TimeoutError) else "reset"
+            log.info("event=ctrl_closed peer=%s conn=%d why=%s%s reason=%s", peer, conn_id, why, book, exc)
         finally:
             self.slot.sender_gone(conn_id)
             with self._lock:

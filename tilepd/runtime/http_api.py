@@ -141,6 +141,11 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
         problem = svc.health_problem()
         if problem:
             return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+        listeners = svc.listener_problems()
+        down = [p for p in listeners.values() if p]
+        if down:  # a port that takes no connection: every request leased here would wait for nothing
+            return JSONResponse({"status": "unhealthy", "reason": "; ".join(down),
+                                 "listeners": {k: v or "ok" for k, v in listeners.items()}}, status_code=503)
         if svc.slot.draining:  # 503: pollers take it out of rotation; the body says it is alive
             return JSONResponse({"status": "draining", "idle": not svc.slot.busy}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -58,17 +58,26 @@ def close_engine(engine: DecodeEngine) -> None:
 
 def run_with_node(app: Any, svc: Any, engine: DecodeEngine) -> None:
     """Tie the node's own work to the app's lifespan: a StallWatch on its event loop while it serves (a node that
-    stops answering says where it was), and the engine closed at shutdown (TP worker ranks stopped): uvicorn
-    re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run` does not run on a signal."""
+    stops answering says where it was; its tick pings systemd's watchdog, tilepd.runtime.liveness), and the engine
+    closed at shutdown (TP worker ranks stopped): uvicorn re-raises SIGTERM after its graceful shutdown, so code after `uvicorn.run` does not run on a signal."""
     import asyncio
 
+    from tilepd.runtime.liveness import Liveness, wedge_after_s, wedge_forever
     from tilepd.runtime.stall_watch import StallWatch
 
     inner = app.router.lifespan_context
+    wedge = wedge_after_s()
 
     @contextlib.asynccontextmanager
     async def lifespan(a: Any) -> AsyncIterator[Any]:
-        watch = asyncio.get_running_loop().create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe).run())
+        loop = asyncio.get_running_loop()
+        if svc.http_listener is not None:  # asyncio reports an accept out of fds to the loop's exception handler
+            loop.set_exception_handler(svc.http_listener.on_loop_exception)
+        server = svc.http_listener.server if svc.http_listener is not None else None
+        liveness = Liveness(svc.config.name, lambda: svc.ready and (server is None or server.started))
+        watch = loop.create_task(StallWatch(svc.config.name, observe=svc.metrics.loop_lag.observe, on_tick=liveness.tick).run())
+        if wedge is not None:
+            loop.call_later(wedge, wedge_forever, svc.config.name)
         try:
             async with inner(a) as state:
                 yield state
@@ -81,10 +90,12 @@ def run_with_node(app: Any, svc: Any, engine: DecodeEngine) -> None:
 
 def serve(config: DecodeServerConfig) -> None:
     """Blocking: load the engine, open the control port, serve HTTP until SIGINT/SIGTERM."""
-    import uvicorn
-
+    from tilepd.runtime.fd_limit import raise_nofile_limit
     from tilepd.runtime.http_api import build_app
+    from tilepd.runtime.http_server import http_server
     from tilepd.runtime.service import DecodeService
+
+    raise_nofile_limit(config.name)
 
     # read before the engine loads: a bad secret file fails in a second, not after minutes of loading
     secret = load_secret(config.secret_file) if config.secret_file is not None else None
@@ -121,9 +132,12 @@ def serve(config: DecodeServerConfig) -> None:
         raise OSError(f"cannot open the control or data port ({config.bind_host}:{config.ctrl_port}, transport "
                       f"{config.transport.name}): {exc}") from exc
     app = build_app(svc, secret)
+    server, svc.http_listener = http_server(app, config.bind_host, config.http_port)
     run_with_node(app, svc, engine)
     try:
-        uvicorn.run(app, host=config.bind_host, port=config.http_port, log_level="warning", access_log=False)
+        server.run()
+        if not server.started:  # the port could not be bound (uvicorn logged why)
+            raise OSError(f"cannot serve HTTP on {config.bind_host}:{config.http_port}")
     finally:
         svc.close()
         close_engine(engine)

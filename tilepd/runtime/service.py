@@ -97,6 +97,7 @@ class DecodeService:
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="slot-reaper", daemon=True)
         self.ready = False
+        self.http_listener: Any = None  # tilepd.runtime.http_server.HttpListener, set by the server that serves HTTP
 
     # -- lifecycle ------------------------------------------------------------------
     def warm_up(self, tokens: int = 4) -> float:
@@ -220,6 +221,11 @@ class DecodeService:
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (a tensor-parallel worker rank died), or None; /health answers 503 with it."""
         return self.engine.health_problem()
+
+    def listener_problems(self) -> dict[str, str | None]:
+        """Each listener's problem (None: accepting): control, data, http. /health fails naming any that has one."""
+        http = self.http_listener.problem() if self.http_listener is not None else None
+        return {"control": self.ctrl.listener.problem(), "data": self.receiver.listener_problem(), "http": http}
 
     def status(self) -> dict[str, Any]:
         snap = self.slot.snapshot()

@@ -3,9 +3,9 @@
 A node that answers nothing for seconds (no /health, no control frames, no log line) is taken out of rotation by
 the router, and its own log is silent about why. Two witnesses close that gap:
 
-- a tick on the event loop every `tick_s`, which re-arms `faulthandler.dump_traceback_later`: when the loop has not
-  ticked for `dump_after_s`, faulthandler's own C thread (it needs no GIL) writes every Python thread's stack to the
-  log, so a thread holding the GIL or a blocked loop shows where it is;
+- a tick on the event loop every `tick_s`, watched by a witness thread: when the loop has not ticked for
+  `dump_after_s`, the witness writes every Python thread's stack to the log (in faulthandler's format), so a blocked
+  loop shows where it is;
 - at the tick after a late one, one `event=loop_stall` line with what the gap was spent on: this process's CPU time
   and major page faults over the gap (waiting on the disk for code or mmapped weights the kernel had dropped), the
   CPU by thread (from /proc/self/task, so a thread burning the GIL is named), the machine's idle, iowait and steal
@@ -18,12 +18,22 @@ counts (one read per thread) are taken only every `threads_every_s`, so a stall 
 gap plus up to that much before it, which the line says (`threads_over_s`).
 
 The lag also goes to `tilepd_decode_loop_lag_seconds`, so a stall shows on the dashboard before it costs a request.
+
+Why not faulthandler's `dump_traceback_later` (used before): its C thread reads the other threads' frames without
+the GIL, while they run, and the loop's next re-arm (`cancel_dump_traceback_later`) waits, holding the GIL, for
+that thread to finish writing. A node stopped past the timeout and continued (SIGSTOP, a freezer) resumes every
+thread at once with the dump due: once its log ended inside the dump (`  File ` and nothing) and the node never
+answered again. A write that blocks (a full log pipe) wedged the loop the same way, for good
+(tests/runtime/test_stall_watch.py reproduces that one). The witness here takes `sys._current_frames()` under the
+GIL (every other thread is parked at a GIL hand-off, so no frame changes under it), formats at most
+`MAX_DUMP_FRAMES` frames per thread, and writes on its own thread; the loop never waits for it, so however the
+write fares (slow, blocked), the loop keeps ticking. A thread that holds the GIL without end stops the witness
+too: then the liveness watchdog (tilepd.runtime.liveness) restarts the node.
 """
 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import os
 import signal
@@ -31,11 +41,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import IO, Callable
 
 log = logging.getLogger("tilepd.runtime")
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+MAX_DUMP_FRAMES = 40  # per thread, innermost first, as faulthandler's 100 but shorter
 
 
 def _stat_fields(raw: str) -> list[str]:
@@ -108,16 +120,64 @@ def describe_gap(gap_s: float, process_cpu_s: float, threads: dict[str, float], 
     return " ".join(parts)
 
 
+def format_stacks(frames: dict[int, FrameType], current: int, after_s: float, max_frames: int = MAX_DUMP_FRAMES) -> str:
+    """Every thread's stack in faulthandler's layout (`Timeout (h:mm:ss)!`, `Thread 0x...`, `  File "f", line n in
+    fn`, innermost first), which log readers (tests/router/conftest.py) already parse."""
+    secs = int(after_s)
+    out = [f"Timeout ({secs // 3600}:{secs // 60 % 60:02d}:{secs % 60:02d})!"]
+    for ident, frame in frames.items():
+        out.append(f"{'Current thread' if ident == current else 'Thread'} {ident:#018x} (most recent call first):")
+        f: FrameType | None = frame
+        n = 0
+        while f is not None and n < max_frames:
+            out.append(f'  File "{f.f_code.co_filename}", line {f.f_lineno} in {f.f_code.co_name}')
+            f, n = f.f_back, n + 1
+        if f is not None:
+            out.append("  ...")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+class _StackWitness(threading.Thread):
+    """Dumps every thread's stack once per stall when the loop has not ticked for `after_s` (see the module doc)."""
+
+    def __init__(self, after_s: float, poll_s: float, out: IO[str]):
+        super().__init__(name="stall-witness", daemon=True)
+        self.after_s, self.poll_s, self.out = after_s, poll_s, out
+        self.last_tick = time.monotonic()
+        self.ticks = 0
+        self.dumps = 0
+        self._dumped_at_tick = -1
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.poll_s):
+            ticks = self.ticks
+            if ticks == self._dumped_at_tick or time.monotonic() - self.last_tick < self.after_s:
+                continue
+            self._dumped_at_tick = ticks
+            text = format_stacks(sys._current_frames(), threading.get_ident(), self.after_s)
+            self.dumps += 1
+            try:
+                self.out.write(text)
+                self.out.flush()
+            except (OSError, ValueError):  # a closed or broken log: the next stall tries again
+                pass
+
+
 class StallWatch:
-    """Runs as a task on the node's event loop (see `run`); one per process (faulthandler's timer is global)."""
+    """Runs as a task on the node's event loop (see `run`); `on_tick` is called at every tick (the liveness
+    heartbeat: a loop that stops ticking stops it)."""
 
     def __init__(self, node: str, *, tick_s: float = 0.5, warn_after_s: float = 2.0, dump_after_s: float = 5.0,
                  threads_every_s: float = 5.0, dump_file: IO[str] | None = None,
-                 observe: Callable[[float], None] | None = None):
+                 observe: Callable[[float], None] | None = None, on_tick: Callable[[], None] | None = None):
         self.node, self.tick_s, self.warn_after_s, self.dump_after_s = node, tick_s, warn_after_s, dump_after_s
         self.threads_every_s = threads_every_s
         self.dump_file = dump_file or sys.stderr
         self.observe = observe
+        self.on_tick = on_tick
+        self.witness: _StackWitness | None = None
         self.stalls = 0
         self.continued = 0  # SIGCONTs received: a process stopped and continued (SIGSTOP, a debugger, a freezer) knows it so
 
@@ -132,9 +192,13 @@ class StallWatch:
             previous = signal.signal(signal.SIGCONT, self._on_sigcont)
         except ValueError:  # not the main thread: go without
             previous = None
+        witness = self.witness = _StackWitness(self.dump_after_s, min(self.tick_s, self.dump_after_s / 4), self.dump_file)
+        witness.start()
         try:
             while True:
-                faulthandler.dump_traceback_later(self.dump_after_s, repeat=False, file=self.dump_file)
+                witness.last_tick, witness.ticks = time.monotonic(), witness.ticks + 1
+                if self.on_tick is not None:
+                    self.on_tick()
                 await asyncio.sleep(self.tick_s)
                 now = time.monotonic()
                 lag = max(0.0, now - last - self.tick_s)
@@ -145,7 +209,7 @@ class StallWatch:
                     self.stalls += 1
                     new_threads = thread_cpu_seconds()
                     await asyncio.sleep(0)  # a SIGCONT's handler runs on this thread: let it count first
-                    # faulthandler's dump names threads by ident only: the map lets a reader put names on it
+                    # the stack dump names threads by ident only: the map lets a reader put names on it
                     idents = ",".join(f"{t.ident:#x}:{t.name.replace(' ', '_')}" for t in threading.enumerate() if t.ident)
                     log.warning("event=loop_stall node=%s %s thread_idents=%s", self.node,
                                 describe_gap(now - last, new_cpu - cpu, _spent(threads, new_threads), now - threads_at,
@@ -157,6 +221,6 @@ class StallWatch:
                     threads, threads_at = thread_cpu_seconds(), now
                 cpu, faults, machine, last, conts = new_cpu, new_faults, new_machine, now, self.continued
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            witness.stop.set()
             if previous is not None:
                 signal.signal(signal.SIGCONT, previous)

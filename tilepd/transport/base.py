@@ -238,5 +238,9 @@ class TransportReceiver(ABC):
     def bytes_received(self) -> int:
         return 0
 
+    def listener_problem(self) -> str | None:
+        """Why the data port takes no connection now (a receiver with its own listener says), or None."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional
         """Stop listening and release registrations."""

@@ -8,6 +8,9 @@ generation, or one outside the armed range, closes the connection: late and
 foreign writers are dropped. An end frame makes the receiver answer with the
 byte count it stored, so `wait()` on the sender means "landed", not "sent".
 
+The data listener survives accept errors (tilepd.transport.listener) and serves at most `MAX_DATA_CONNECTIONS`
+at once; a data connection that sends nothing for `IDLE_TIMEOUT_S` is closed.
+
 Disarming (transfer finished, cancelled or timed out) shuts down every open data
 connection and waits for its thread to leave `recv_into`, so no stale payload can
 land after the next generation is armed.
@@ -21,7 +24,6 @@ import struct
 import threading
 from typing import Any, Sequence
 
-from tilepd.transport.listener import stop_listener
 from tilepd.transport.base import (
     Buffer,
     Peer,
@@ -32,6 +34,7 @@ from tilepd.transport.base import (
     TransportSender,
     WriteHandle,
 )
+from tilepd.transport.listener import Addr, Listener
 
 log = logging.getLogger("tilepd.transport.tcp")
 
@@ -41,6 +44,8 @@ _MAGIC_END = b"TPDE"
 _ACK = struct.Struct(">Q")
 CHUNK = 16 << 20  # payload is moved in chunks so aborts and disarms take effect quickly
 _SOCK_BUF = 8 << 20
+IDLE_TIMEOUT_S = 30.0  # a data connection silent this long (no header, no payload byte) is dropped
+MAX_DATA_CONNECTIONS = 64  # one per sender rank and write in flight
 
 
 def _tune(sock: socket.socket) -> None:
@@ -155,12 +160,12 @@ class TcpReceiver(TransportReceiver):
         self._total = 0
         self._conns: set[_Conn] = set()
         self._allowed = set(allowed_senders)
-        self._listener = socket.create_server((bind_host, port), backlog=64, reuse_port=False)
-        self.port: int = self._listener.getsockname()[1]
+        self.listener = Listener("data", socket.create_server((bind_host, port), backlog=64, reuse_port=False), self._on_accept,
+                                 active=lambda: len(self._conns), max_connections=MAX_DATA_CONNECTIONS)
+        self.port: int = self.listener.port
         self.advertise_host = advertise_host or (bind_host if bind_host not in ("0.0.0.0", "::", "") else "127.0.0.1")
         self._closed = False
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="tcp-recv-accept", daemon=True)
-        self._accept_thread.start()
+        self.listener.start()
 
     # -- TransportReceiver -------------------------------------------------------------
     def register(self, buf: Buffer) -> None:
@@ -207,26 +212,29 @@ class TcpReceiver(TransportReceiver):
 
     def close(self) -> None:
         self._closed = True
-        stop_listener(self._listener, getattr(self, "_accept_thread", None))
+        self.listener.close()
         self.disarm()
 
+    def listener_problem(self) -> str | None:
+        return self.listener.problem()
+
     # -- internals ---------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed:
+    def _on_accept(self, sock: socket.socket, addr: Addr) -> None:
+        if self._allowed and addr[0] not in self._allowed:
+            log.warning("event=data_refused peer=%s reason=not_in_allowed_senders", addr[0])
+            sock.close()
+            return
+        _tune(sock)
+        sock.settimeout(IDLE_TIMEOUT_S)
+        conn = _Conn(sock, addr)
+        conn.thread = threading.Thread(target=self._serve, args=(conn,), name=f"tcp-recv-{addr[0]}:{addr[1]}", daemon=True)
+        with self._lock:  # started under the lock: disarm() only ever joins started threads
+            self._conns.add(conn)
             try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return
-            if self._allowed and addr[0] not in self._allowed:
-                log.warning("event=data_refused peer=%s reason=not_in_allowed_senders", addr[0])
-                sock.close()
-                continue
-            _tune(sock)
-            conn = _Conn(sock, addr)
-            conn.thread = threading.Thread(target=self._serve, args=(conn,), name=f"tcp-recv-{addr[0]}:{addr[1]}", daemon=True)
-            with self._lock:  # started under the lock: disarm() only ever joins started threads
-                self._conns.add(conn)
                 conn.thread.start()
+            except BaseException:
+                self._conns.discard(conn)
+                raise
 
     def _serve(self, conn: _Conn) -> None:
         sock = conn.sock
