@@ -533,11 +533,14 @@ def _note(spec: ServiceSpec, text: str) -> None:
 def _start_unit(spec: ServiceSpec, action: str) -> dict[str, Any]:
     """systemd mode: enable and (re)start the unit the playbook installed; record the hash it runs with."""
     versions = package_versions(spec)  # what the new process will import
-    for args in (("enable", str(spec.unit)), ("restart", str(spec.unit))):
+    before = _systemd_state(spec)["pid"]
+    # --no-block: a Type=notify unit (the decode node) is "activating" until it sends READY=1, which takes as long as
+    # its weights take to load (minutes for a large model, past _systemctl's timeout); the health gate waits for it
+    for args in (("enable", str(spec.unit)), ("restart", "--no-block", str(spec.unit))):
         r = _systemctl(*args)
         if r.returncode != 0:
             return {"name": spec.name, "changed": True, "failed": True, "msg": f"systemctl {' '.join(args)}: {r.stderr.strip()}"}
-    _write_state(spec, _systemd_state(spec)["pid"] or 0, versions)
+    _write_state(spec, _main_pid_once_started(spec, before), versions)
     return {**status(spec), "changed": True, "action": action}
 
 
@@ -581,6 +584,17 @@ def _stranger(spec: ServiceSpec, state: dict[str, Any] | None, orphans: list[int
 def _gone(pid: int) -> bool:
     st = _proc_stat(pid)
     return st is None or st[0] in ("Z", "X")
+
+
+def _main_pid_once_started(spec: ServiceSpec, before: int | None, wait_s: float = 30.0) -> int:
+    """The new MainPID once systemd has stopped `before` and forked the unit again (a --no-block restart returns
+    before either); 0 if there is none by then (the health gate then reports a unit that never started)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pid = _systemd_state(spec)["pid"] or 0
+        if (pid and pid != before) or time.monotonic() >= deadline:
+            return pid if pid != before else 0
+        time.sleep(0.1)
 
 
 def _stop_unit(spec: ServiceSpec, *, check: bool) -> dict[str, Any]:
