@@ -21,9 +21,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 _TOPK = textwrap.dedent("""
     import torch
     from tilepd.engine import dsa_topk as M
-    M.TUNE["block"] = 64
+    M.TUNE.update(block=64, chunk=96, chunk_block=32)
     g = torch.Generator().manual_seed(0)
     def check(scores, valid, k, what):
+        for one_program_max in (1 << 30, 0):  # one program per row, then the chunked launches
+            M.TUNE["one_program_max"] = one_program_max
+            check_one(scores, valid, k, f"{what} one_program_max={one_program_max}")
+    def check_one(scores, valid, k, what):
         idx, ok = M.topk_select(scores, valid, k)
         assert idx.shape == (scores.shape[0], k) and idx.dtype == torch.int64 and ok.dtype == torch.bool, what
         ref = scores.topk(k, dim=-1).values
