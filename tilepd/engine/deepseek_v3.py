@@ -11,7 +11,9 @@ layer's top-k (transformers modeling_glm_moe_dsa.py:404-417), MTP layers always 
 
 On CUDA with layers.ATTENTION_IMPL["mla"] == "triton" (compiled.accelerate sets it) the latent attention,
 dense and sparse, runs in mla_attention.py's kernel, which reads each cache row once for K and V and
-needs no [H*T, L] bias: dense layers then get a DenseSpan (each token's visible slots) instead.
+needs no [H*T, L] bias: dense layers then get a DenseSpan (each token's visible slots) instead. The same
+switch puts DSA's indexer on its kernels (dsa_indexer.py: key norm + RoPE + cache write, scores; dsa_topk.py:
+the top-k as a radix select).
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class DeepseekV3Model:
             keys = self.index_caches.get(p)
             if keys is not None:  # a full layer indexes; a shared one reuses the previous full layer's top-k
                 idx_cs = cs if self.index_rope is self.rope else self.index_rope.index_select(0, positions)
-                dsa.selection = select_topk(w, p, x, q_resid, positions, idx_cs, keys, dsa.valid, s, self._index_rope_fn)
+                dsa.selection = select_topk(w, p, x, q_resid, positions, idx_cs, keys, dsa.valid, s, self._index_rope_fn,
+                                            kernels=self._mla_kernel(x))
             q_cat, sel = torch.cat([q_lat, q_pe], dim=-1), dsa.selection
             if self._mla_kernel(x):
                 from tilepd.engine.mla_attention import mla_sparse_attention

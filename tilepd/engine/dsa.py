@@ -63,8 +63,14 @@ def indexer_key(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, cs: torch.T
 
 
 def select_topk(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
-                cs: torch.Tensor, keys_cache: torch.Tensor, valid: torch.Tensor, spec: ModelSpec, rope_fn: RopeFn) -> Selection:
-    """Write the new tokens' indexer keys at `positions`, score the window [0, L) and keep the top index_topk."""
+                cs: torch.Tensor, keys_cache: torch.Tensor, valid: torch.Tensor, spec: ModelSpec, rope_fn: RopeFn,
+                kernels: bool = False) -> Selection:
+    """Write the new tokens' indexer keys at `positions`, score the window [0, L) and keep the top index_topk.
+
+    kernels: through dsa_indexer.py and dsa_topk.py (the speed path: the GEMVs plus three Triton launches,
+    no torch topk); otherwise the portable torch ops below, which are the kernels' reference."""
+    if kernels:
+        return _select_topk_kernels(w, p, x, q_resid, positions, cs, keys_cache, valid, spec)
     t, nh, d = x.shape[0], spec.index_n_heads, spec.index_head_dim
     keys_cache.index_copy_(0, positions, indexer_key(w, p, x, cs, spec, rope_fn).to(keys_cache.dtype))
     q = _rope_head(linear(q_resid, w[p + "idx_wq_b"]).view(t, nh, d), cs, spec.qk_rope_head_dim, rope_fn)
@@ -80,6 +86,21 @@ def select_topk(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, q_resid: to
     k = min(spec.index_topk, valid.shape[1])
     idx = index.topk(k, dim=-1).indices
     return Selection(idx, valid.gather(1, idx))
+
+
+def _select_topk_kernels(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
+                         cs: torch.Tensor, keys_cache: torch.Tensor, valid: torch.Tensor, spec: ModelSpec) -> Selection:
+    from tilepd.engine.dsa_indexer import index_scores, write_index_keys
+    from tilepd.engine.dsa_topk import topk_select
+
+    t, nh, d, rope = x.shape[0], spec.index_n_heads, spec.index_head_dim, spec.qk_rope_head_dim
+    write_index_keys(linear(x, w[p + "idx_wk"]), w[p + "idx_k_norm"], w[p + "idx_k_norm_bias"], cs, positions, keys_cache,
+                     rope, spec.indexer_rope_interleave)
+    q = linear(q_resid, w[p + "idx_wq_b"]).view(t, nh, d)
+    weights = linear(x.float(), w[p + "idx_weights_proj"])  # [T, H] fp32; n_heads^-0.5 is applied in the kernel
+    scores = index_scores(q, cs, weights, keys_cache, valid, rope, spec.indexer_rope_interleave)
+    idx, ok = topk_select(scores, valid, min(spec.index_topk, valid.shape[1]))
+    return Selection(idx, ok)
 
 
 def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, rank: int, sel: Selection, scale: float) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""DSA's indexer kernels (dsa_indexer.py) and top-k select (dsa_topk.py), run by Triton's CPU interpreter,
+against the torch ops they replace (dsa.select_topk's reference path, torch.topk). The select is compared
+by value (the sorted values of the chosen slots equal torch.topk's, no slot twice), so a different choice
+among equal values passes and a wrong set fails. Small blocks, so every row spans several loop iterations;
+lengths off the block, heavy ties, -inf (invalid) slots, k = L, T > 1, head counts below the dot's 16."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here")
+
+_TOPK = textwrap.dedent("""
+    import torch
+    from tilepd.engine import dsa_topk as M
+    M.TUNE.update(block=64, chunk=96, chunk_block=32)
+    g = torch.Generator().manual_seed(0)
+    def check(scores, valid, k, what):
+        for one_program_max in (1 << 30, 0):  # one program per row, then the chunked launches
+            M.TUNE["one_program_max"] = one_program_max
+            check_one(scores, valid, k, f"{what} one_program_max={one_program_max}")
+    def check_one(scores, valid, k, what):
+        idx, ok = M.topk_select(scores, valid, k)
+        assert idx.shape == (scores.shape[0], k) and idx.dtype == torch.int64 and ok.dtype == torch.bool, what
+        ref = scores.topk(k, dim=-1).values
+        for r in range(scores.shape[0]):
+            assert len(set(idx[r].tolist())) == k, (what, r, "a slot chosen twice")
+            got = scores[r, idx[r]].sort(descending=True).values
+            assert torch.equal(got, ref[r]), (what, r, got[:8], ref[r][:8])
+        assert torch.equal(ok, valid.gather(1, idx)), what
+    n = 0
+    for length, k, t in ((300, 16, 1), (1000, 64, 2), (77, 77, 3), (64, 64, 1), (1, 1, 1), (513, 100, 4), (2000, 1999, 1)):
+        valid = torch.rand(t, length, generator=g) > 0.2
+        normal = torch.randn(t, length, generator=g).masked_fill(~valid, float("-inf"))
+        ties = torch.randint(0, 4, (t, length), generator=g).float().masked_fill(~valid, float("-inf"))
+        few = normal.clone()  # fewer valid slots than k: -inf ties fill the selection, ok says so
+        few[:, : length - k // 2] = float("-inf")
+        few_valid = valid.clone()
+        few_valid[:, : length - k // 2] = False
+        close = 1.0 + torch.randint(0, 3, (t, length), generator=g).float() * 2**-23  # keys differing in the last bits
+        for name, s, v in (("normal", normal, valid), ("ties", ties, valid), ("few-valid", few, few_valid), ("last-bits", close, valid),
+                           ("negative", -normal.abs() - 1, valid), ("all-invalid", torch.full((t, length), float("-inf")), torch.zeros(t, length, dtype=torch.bool))):
+            check(s.contiguous(), v, k, f"{name} L={length} k={k} T={t}")
+            n += 1
+    print("topk ok", n)
+""")
+
+_INDEXER = textwrap.dedent("""
+    import torch
+    from tilepd.engine import dsa_indexer as M
+    from tilepd.engine.dsa import indexer_key, _rope_head
+    from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table
+    M.TUNE["block_l"] = 16
+    g = torch.Generator().manual_seed(0)
+    D, ROPE, SLOTS = 128, 64, 200
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        for interleaved in (True, False):
+            rope_fn = apply_rope_interleaved if interleaved else apply_rope_neox
+            table = rope_table(ROPE, 10000.0, None, 4096, SLOTS, torch.device("cpu"), dtype, interleaved=interleaved)
+            for t, heads, length in ((1, 8, 37), (2, 32, 100), (3, 5, 16)):
+                positions = torch.arange(length - t, length)
+                cs = table.index_select(0, positions)
+                kx = torch.randn(t, D, generator=g).to(dtype)
+                w = {"k_norm": (1 + 0.1 * torch.randn(D, generator=g)).to(dtype), "k_norm_bias": (0.1 * torch.randn(D, generator=g)).to(dtype)}
+                cache = torch.randn(SLOTS, D, generator=g).to(dtype)
+                ref_cache = cache.clone()
+                M.write_index_keys(kx, w["k_norm"], w["k_norm_bias"], cs, positions, cache, ROPE, interleaved)
+                ref_k = torch.nn.functional.layer_norm(kx, (D,), w["k_norm"], w["k_norm_bias"], 1e-6)
+                ref_cache.index_copy_(0, positions, _rope_head(ref_k.view(t, 1, D), cs, ROPE, rope_fn).view(t, D))
+                err = float((cache.float() - ref_cache.float()).abs().max())
+                assert err < tol, ("keys", dtype, interleaved, t, err)
+                q = torch.randn(t, heads, D, generator=g).to(dtype)
+                weights = torch.randn(t, heads, generator=g)
+                valid = torch.rand(t, length, generator=g) > 0.3
+                got = M.index_scores(q, cs, weights, cache, valid, ROPE, interleaved)
+                qr = _rope_head(q, cs, ROPE, rope_fn)
+                sc = torch.relu(torch.matmul(qr.float(), cache[:length].float().t()) * D**-0.5)
+                want = torch.matmul((weights * heads**-0.5).unsqueeze(1), sc).squeeze(1).masked_fill(~valid, float("-inf"))
+                assert got.shape == want.shape and got.dtype == torch.float32
+                assert torch.equal(torch.isinf(got), ~valid), ("masking", dtype, interleaved, t)
+                err = float((got - want).masked_fill(~valid, 0).abs().max() / want.masked_fill(~valid, 0).abs().max())
+                assert err < tol, ("scores", dtype, interleaved, t, heads, err)
+    print("indexer ok")
+""")
+
+def _interpret(code: str, repo_root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_topk_select_matches_torch_topk_under_interpreter(repo_root: Path) -> None:
+    """Same values as torch.topk for every row, ties and -inf included; ok is valid at the chosen slots."""
+    r = _interpret(_TOPK, repo_root)
+    assert r.returncode == 0 and "topk ok 42" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_indexer_kernels_match_the_torch_ops_under_interpreter(repo_root: Path) -> None:
+    """Key LayerNorm + RoPE + cache write and the head-weighted relu scores, both RoPE layouts, fp32 and bf16."""
+    r = _interpret(_INDEXER, repo_root)
+    assert r.returncode == 0 and "indexer ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_topk_select_refuses_bad_input_by_name() -> None:
+    from tilepd.engine import dsa_topk
+
+    scores, valid = torch.zeros(1, 10), torch.ones(1, 10, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"k=11 outside 1..L=10"):
+        dsa_topk.topk_select(scores, valid, 11)
+    with pytest.raises(ValueError, match="scores dtype torch.bfloat16"):
+        dsa_topk.topk_select(scores.bfloat16(), valid, 4)
+    with pytest.raises(ValueError, match=r"valid \(1, 9\)"):
+        dsa_topk.topk_select(scores, valid[:, :9], 4)
+
+
+_ENGINE = textwrap.dedent("""
+    import sys
+    import torch
+    from tilepd.engine import KVState, SamplingParams, dsa_topk, layers, load_engine
+    torch.set_num_threads(1)
+    calls = []
+    select = dsa_topk.topk_select
+    def counted(*a, **kw):  # a spy, not a stand-in: counts that the kernel path ran
+        calls.append(1)
+        return select(*a, **kw)
+    dsa_topk.topk_select = counted
+    path, refs = sys.argv[1], torch.load(sys.argv[2])
+    for name, ref in refs.items():
+        state = KVState(ref["seq_len"], ref["layers"], ref["indexer"])
+        for spec_tokens, graph in ((0, False), (0, True), (None, False)):
+            eng = load_engine(path, device="cpu", max_seq_len=256, dtype="float32", use_cuda_graph=graph, num_speculative_tokens=spec_tokens)
+            if graph:
+                eng.graph_step.buckets = [8, 16, 24, 96, 128, 256]  # windows below, at and above index_topk (16)
+            runs = {}
+            for impl in ("reference", "triton"):
+                layers.ATTENTION_IMPL["mla"] = impl
+                before = len(calls)
+                eng.inject(state)
+                runs[impl] = eng.decode(ref["tokens"][0], len(ref["tokens"]) - 1, SamplingParams(ignore_eos=True), lambda t: None).tokens
+                assert (len(calls) > before) == (impl == "triton"), (name, impl, len(calls) - before)
+            assert runs["triton"] == runs["reference"] == ref["tokens"][1:], (name, spec_tokens, graph, runs, ref["tokens"][1:])
+            print(name, "mtp" if spec_tokens is None else "graph" if graph else "eager", "ok", flush=True)
+    print("engine ok")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["glm5", "dsv32"])
+def test_tiny_dsa_model_decodes_hfs_tokens_through_the_kernels(model: str, dsa_ref, request: pytest.FixtureRequest, repo_root: Path,
+                                                                tmp_path: Path) -> None:
+    """HF's prefill state (short prompt below index_topk, long one 5x above it), eager step, the graph step's
+    static body across windows, and the MTP speculative path: the kernel path under the interpreter decodes
+    HF's greedy tokens, as the reference path does."""
+    refs = {}
+    for prompt in ("short", "long"):
+        ref = dsa_ref(model, prompt)
+        refs[f"{model}/{prompt}"] = {"seq_len": ref.state.seq_len, "layers": ref.state.layers, "indexer": ref.state.indexer, "tokens": ref.tokens}
+    torch.save(refs, tmp_path / "refs.pt")
+    r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"))
+    assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
