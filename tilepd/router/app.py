@@ -39,6 +39,7 @@ from tilepd.router.lowlatency import EnginePlan, Finished, LowLatencyRun, TextDe
 from tilepd.router.metrics import RouterMetrics
 from tilepd.router.native import serve_native
 from tilepd.router.prompts import PromptRenderer, refuse_client_template
+from tilepd.router.reasons import bounded_reason
 from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
 from tilepd.router.responses import DONE, EventStreamResponse, ResponseWriter, error_chunk
 from tilepd.router.routing import Route, choose_route, served_models
@@ -56,7 +57,7 @@ class _Fallback(Exception):
 
     def __init__(self, reason: str, error: RouterError) -> None:
         super().__init__(reason)
-        self.reason = reason
+        self.reason = bounded_reason(reason)  # a label, a header and a log field: never the client's raw key
         self.error = error
 
 

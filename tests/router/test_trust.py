@@ -1,0 +1,44 @@
+"""Issue 26's smaller router findings, on real router processes: client-chosen keys in labels and headers, API key
+rotation, and a hand-off the prefill's connector refused."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from tilepd.connector.launch import free_port
+
+from .conftest import Stack
+from .stack import MODEL_NAME
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+SMALL = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
+
+
+def test_a_non_latin1_key_is_refused_by_name_not_with_a_500(plain_router: tuple[str, Any], native_router: tuple[str, Any]) -> None:
+    """The key becomes `unsupported:<key>`, which went out as a header: a key outside latin-1 made the router 500."""
+    r = httpx.post(plain_router[0] + "/v1/completions", json={**SMALL, "ключ": 1}, timeout=60)
+    assert r.status_code == 501, r.text
+    assert r.json()["error"]["param"] == "ключ"  # the body names the client's key exactly
+    assert r.headers["x-tilepd-route-reason"] == "unsupported:other"
+    r = httpx.post(native_router[0] + "/v1/completions", json={**SMALL, "ключ": 1}, timeout=120)
+    assert (r.status_code, r.headers["x-tilepd-route"], r.headers["x-tilepd-route-reason"]) == (200, "native", "unsupported:other")
+
+
+def test_client_chosen_keys_add_no_metric_series(plain_router: tuple[str, Any]) -> None:
+    url = plain_router[0]
+    keys = [f"made-up-key-{i}-{time.monotonic_ns()}" for i in range(20)]
+    for key in keys:
+        assert httpx.post(url + "/v1/completions", json={**SMALL, key: 1}, timeout=60).status_code == 501
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert not any(key in metrics for key in keys)
+    other = [line for line in metrics.splitlines() if line.startswith("tilepd_router_routes_total{") and 'reason="unsupported:other"' in line]
+    assert other and float(other[0].rsplit(" ", 1)[1]) >= len(keys), other
+    # a parameter the router knows by name keeps its own label
+    assert httpx.post(url + "/v1/completions", json={**SMALL, "logit_bias": {"5": 1}}, timeout=60).headers[
+        "x-tilepd-route-reason"] == "unsupported:logit_bias"
