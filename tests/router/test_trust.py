@@ -42,3 +42,17 @@ def test_client_chosen_keys_add_no_metric_series(plain_router: tuple[str, Any]) 
     # a parameter the router knows by name keeps its own label
     assert httpx.post(url + "/v1/completions", json={**SMALL, "logit_bias": {"5": 1}}, timeout=60).headers[
         "x-tilepd-route-reason"] == "unsupported:logit_bias"
+
+
+@pytest.mark.parametrize("content", ["sk-old,sk-new\n", "sk-old\nsk-new\n"], ids=["comma", "lines"])
+def test_a_key_file_with_the_old_and_the_new_key_lets_both_in(router_stack: Stack, start_router_proc: Callable[..., Any],
+                                                               tmp_path: Any, content: str) -> None:
+    """Rotation (README): the file holds both keys while clients move over. `old,new` on one line was read as one key."""
+    key_file = tmp_path / "keys"
+    key_file.write_text(content)
+    srv, _ = start_router_proc(router_stack.config(native=False, api_key_file=key_file))
+    for key in ("sk-old", "sk-new"):
+        r = httpx.post(srv.url + "/v1/completions", json=SMALL, headers={"authorization": f"Bearer {key}"}, timeout=60)
+        assert r.status_code == 200, (key, r.text)
+    for wrong in ("sk-old,sk-new", "sk-other"):
+        assert httpx.post(srv.url + "/v1/completions", json=SMALL, headers={"authorization": f"Bearer {wrong}"}).status_code == 401
