@@ -56,3 +56,25 @@ def test_a_key_file_with_the_old_and_the_new_key_lets_both_in(router_stack: Stac
         assert r.status_code == 200, (key, r.text)
     for wrong in ("sk-old,sk-new", "sk-other"):
         assert httpx.post(srv.url + "/v1/completions", json=SMALL, headers={"authorization": f"Bearer {wrong}"}).status_code == 401
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["no-native", "native"])
+def test_a_refused_handoff_is_not_waited_for(router_stack: Stack, start_router_proc: Callable[..., Any], native: bool) -> None:
+    """The router names the node by a control port the prefill's allowlist lacks (its HTTP port is the real node's, so
+    it is healthy and in rotation): the connector refuses the hand-off and says so in `tilepd_handoff`. The router
+    used to open the decode anyway, and the node waited KV_WAIT_S (30 s) for a KV that never came."""
+    assert router_stack.endpoint is not None
+    unlisted = router_stack.endpoint.model_copy(update={"ctrl_port": free_port()})
+    srv, _ = start_router_proc(router_stack.config(native=native, decode_nodes=(unlisted,)))
+    before = httpx.get(router_stack.decode_url + "/status", timeout=10).json()["transfers_total"]
+    r = httpx.post(srv.url + "/v1/completions", json=SMALL, headers={"x-request-id": "req-refused-handoff"}, timeout=120)
+    if native:
+        assert (r.status_code, r.headers["x-tilepd-route"], r.headers["x-tilepd-route-reason"]) == (200, "native", "handoff_refused"), r.text
+    else:
+        assert r.status_code == 502 and r.headers["x-tilepd-route-reason"] == "handoff_refused", r.text
+        err = r.json()["error"]
+        assert err["code"] == "handoff_refused" and "not in the allowlist" in err["message"], err
+    assert httpx.get(router_stack.decode_url + "/status", timeout=10).json()["transfers_total"] == before  # never asked
+    status = httpx.get(srv.url + "/status", timeout=10).json()["nodes"][0]
+    assert not status["leased"] and status["in_rotation"], status
+    assert "req=req-refused-handoff event=handoff_refused node=d0" in srv.log_text()

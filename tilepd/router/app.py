@@ -35,7 +35,7 @@ from tilepd.router.limits import BodySizeLimit
 from tilepd.router.logprobs import LogprobsRenderer
 from tilepd.router.structured import structured_plan
 from tilepd.router.tools import ToolCalling, ToolPlan, Unsupported
-from tilepd.router.lowlatency import EnginePlan, Finished, LowLatencyRun, TextDelta
+from tilepd.router.lowlatency import EnginePlan, Finished, HandoffRefused, LowLatencyRun, TextDelta
 from tilepd.router.metrics import RouterMetrics
 from tilepd.router.native import serve_native
 from tilepd.router.prompts import PromptRenderer, refuse_client_template
@@ -382,6 +382,8 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
     headers = {**_route_headers(route, rid), "x-tilepd-node": lease.node.name}
     try:
         first = await events.__anext__()  # prefill done: errors here still get a proper HTTP status
+    except HandoffRefused as exc:  # before any byte went out: the native pool takes it, else the client gets the reason
+        raise _Fallback("handoff_refused", exc) from None
     except (RouterError, PassThroughError) as exc:
         _count(state, route, exc.status, t0)
         _close_timeline(state, tl, route, exc.status)
