@@ -78,3 +78,18 @@ def test_choice_compiles_as_the_grammar_vllm_builds(engine, compiler, llama_ref,
     choices = ["red", "green", 'dark "blue"']
     ids = _constrained(engine, compiler, llama_ref, Constraint("grammar", choice_as_grammar(choices)))
     assert tok.decode(ids[:-1]) in choices
+
+
+def test_the_compile_cache_is_bounded_by_bytes(tiny_llama: Path, engine) -> None:
+    """Distinct schemas (what a client controls) past the bound evict the least recently used: the cache stays under it.
+    Unbounded (the old default), the same loop leaves all of them compiled."""
+    def fill(c: GrammarCompiler) -> int:
+        for i in range(40):
+            schema = {"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"} for j in range(8)}, "required": [f"k{i}_0"]}
+            c.compile(Constraint("json_schema", json.dumps(schema)))
+        return c.cache_bytes
+
+    unbounded = fill(GrammarCompiler.from_pretrained(tiny_llama, engine.config.vocab_size, cache_limit_bytes=-1))
+    limit = unbounded // 4
+    bounded = GrammarCompiler.from_pretrained(tiny_llama, engine.config.vocab_size, cache_limit_bytes=limit)
+    assert 0 < fill(bounded) <= limit < unbounded, (bounded.cache_bytes, limit, unbounded)

@@ -176,3 +176,43 @@ def test_the_plan_gives_the_router_the_tool_parser_vllm_is_given() -> None:
                        (base.replace('["--max-num-seqs", "64"]', '["--tool-call-parser=llama3_json"]'), "llama3_json")):
         plan = build_plan(load_topology_text(text))
         assert RouterConfig.model_validate(plan.service("router").config).tool_call_parser == want
+
+
+def test_a_slow_tool_schema_gets_a_400_while_the_router_serves_others(router_stack: Stack,
+                                                                      start_router_proc: Callable[..., tuple[Server, RouterConfig]]) -> None:
+    """A tool schema whose xgrammar compile takes ~20 s on the 2-core box (20000 array items of a bounded string):
+    compiled in the render pool under `prompt_render.timeout_s` (3 s here), it gets a 400 naming the limit, and a plain
+    completion sent meanwhile is answered first. The old router compiled it on its event loop: the plain one waited."""
+    import threading
+    import time
+
+    from tilepd.plan.service_configs import PromptRenderConfig
+
+    n = 20000
+    slow = {"type": "function", "function": {"name": "fill", "description": "Fill a list", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "minItems": n, "maxItems": n, "items": {
+            "type": "object", "properties": {"x": {"type": "string", "pattern": f"[a-z]{{1,{n}}}"}}}}},
+        "required": ["a"], "additionalProperties": False}}}
+    srv, _ = start_router_proc(router_stack.config(native=False, tool_call_parser=TOOL_CALL_PARSER,
+                                                   prompt_render=PromptRenderConfig(timeout_s=3.0)))
+    answered: dict[str, Any] = {}
+
+    def tool_request() -> None:
+        body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 8, "tools": [slow],
+                "tool_choice": {"type": "function", "function": {"name": "fill"}}}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        answered["tool"] = (time.monotonic(), r)
+
+    thread = threading.Thread(target=tool_request)
+    thread.start()
+    time.sleep(0.5)
+    plain = httpx.post(srv.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4,
+                                                         "temperature": 0}, timeout=120)
+    plain_at = time.monotonic()
+    thread.join(150)
+    assert plain.status_code == 200, plain.text
+    tool_at, r = answered["tool"]
+    assert plain_at < tool_at, "the plain completion waited for the tool schema's compile"
+    err = r.json()["error"]
+    assert (r.status_code, err["code"], err["param"]) == (400, "prompt_render_limit", "tools"), err
+    assert "over 3 s (prompt_render.timeout_s)" in err["message"], err

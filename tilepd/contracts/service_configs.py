@@ -107,6 +107,17 @@ class RoutingConfig(_Strict):
     fallback_to_native: bool = True
 
 
+class PromptRenderConfig(_Strict):
+    """The router's chat-template rendering (tilepd/router/render_pool.py): which `chat_template_kwargs` a client may
+    pass (any other key, `chat_template` always, is refused with a 400), and the bounds of one render."""
+
+    # keys a model's own template reads for a switch the client may flip; an operator adds their template's own
+    allowed_template_kwargs: tuple[str, ...] = ("enable_thinking", "thinking", "reasoning_effort")
+    workers: int = Field(default=2, ge=1, le=64)
+    timeout_s: float = Field(default=5.0, gt=0)
+    memory_mb: int = Field(default=1024, ge=64)
+
+
 class RouterConfig(_Strict):
     """Read by `python -m tilepd.router --config FILE`."""
 
@@ -138,3 +149,4 @@ class RouterConfig(_Strict):
     tool_call_parser: str | None = Field(default=None, min_length=1, max_length=64)
     # OpenTelemetry collector (OTLP/HTTP, e.g. http://collector:4318): one trace per request (tilepd/router/tracing.py); off when None
     otlp_endpoint: str | None = Field(default=None, min_length=1, max_length=500)
+    prompt_render: PromptRenderConfig = PromptRenderConfig()

@@ -46,23 +46,32 @@ class Constraint:
     spec: str
 
 
-class GrammarCompiler:
-    """One per node: the tokenizer's xgrammar info and a compile cache (schemas repeat across agent calls)."""
+# the compile cache's bound: xgrammar evicts least-recently-used grammars past it. Unbounded, every distinct schema a
+# client sends stays compiled in the node for good (each a token mask table: up to megabytes)
+CACHE_LIMIT_BYTES = 256 << 20
 
-    def __init__(self, info: Any, vocab_size: int) -> None:
+
+class GrammarCompiler:
+    """One per node: the tokenizer's xgrammar info and a compile cache (schemas repeat across agent calls), LRU by bytes."""
+
+    def __init__(self, info: Any, vocab_size: int, cache_limit_bytes: int = CACHE_LIMIT_BYTES) -> None:
         """info: an xgrammar.TokenizerInfo (from_pretrained builds it from a tokenizer directory)."""
         self.vocab_size = int(vocab_size)
         self.info = info
-        self.compiler = _xgr().GrammarCompiler(info, max_threads=8, cache_enabled=True)
+        self.compiler = _xgr().GrammarCompiler(info, max_threads=8, cache_enabled=True, cache_limit_bytes=int(cache_limit_bytes))
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, tokenizer_dir: Path, vocab_size: int) -> "GrammarCompiler":
+    def from_pretrained(cls, tokenizer_dir: Path, vocab_size: int, cache_limit_bytes: int = CACHE_LIMIT_BYTES) -> "GrammarCompiler":
         """The model's HF tokenizer, padded to the model config's vocab_size as vLLM pads it."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        return cls(_xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=int(vocab_size)), vocab_size)
+        return cls(_xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=int(vocab_size)), vocab_size, cache_limit_bytes)
+
+    @property
+    def cache_bytes(self) -> int:
+        return int(self.compiler.get_cache_size_bytes())
 
     def compile(self, c: Constraint, field: str = "structured_output") -> Any:
         """-> xgrammar.CompiledGrammar; GrammarError naming `field`.spec when the constraint is malformed."""

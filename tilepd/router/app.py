@@ -35,10 +35,11 @@ from tilepd.router.limits import BodySizeLimit
 from tilepd.router.logprobs import LogprobsRenderer
 from tilepd.router.structured import structured_plan
 from tilepd.router.tools import ToolCalling, ToolPlan, Unsupported
-from tilepd.router.lowlatency import EnginePlan, Finished, LowLatencyRun, TextDelta
+from tilepd.router.lowlatency import EnginePlan, Finished, HandoffRefused, LowLatencyRun, TextDelta
 from tilepd.router.metrics import RouterMetrics
 from tilepd.router.native import serve_native
-from tilepd.router.prompts import PromptRenderer
+from tilepd.router.prompts import PromptRenderer, refuse_client_template
+from tilepd.router.reasons import bounded_reason
 from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
 from tilepd.router.responses import DONE, EventStreamResponse, ResponseWriter, error_chunk
 from tilepd.router.routing import Route, choose_route, served_models
@@ -56,7 +57,7 @@ class _Fallback(Exception):
 
     def __init__(self, reason: str, error: RouterError) -> None:
         super().__init__(reason)
-        self.reason = reason
+        self.reason = bounded_reason(reason)  # a label, a header and a log field: never the client's raw key
         self.error = error
 
 
@@ -75,6 +76,7 @@ def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
     renderer = PromptRenderer(config.tokenizer_dir)
     if config.tool_call_parser:  # vLLM (and torch) load here, at startup, not on the first tool request
         renderer.tools = ToolCalling(config.tool_call_parser, renderer.tokenizer, config.served_model_name)
+    renderer.start_pool(config.prompt_render)  # forked with all of that loaded
     return RouterState(config=config, client=client, renderer=renderer, pool=pool,
                        metrics=RouterMetrics(pool, config.breaker_failures), keys=keys,
                        node_secret=secret,
@@ -164,6 +166,8 @@ async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> R
         state.keys.check(request.headers.get("authorization"))
         body = await _read_json(request)
         req = _validate(endpoint, body)
+        if endpoint == "chat":  # before any pool: the native vLLM would render a client's template too
+            refuse_client_template(body, state.config.prompt_render.allowed_template_kwargs)
         route = choose_route(state.config, req.model, request.headers)
     except RouterError as exc:  # refused before any pool: say so, with the request id, like every other answer
         exc.headers.update({"x-tilepd-route": "none", "x-tilepd-route-reason": exc.code or "refused", "x-request-id": rid})
@@ -267,14 +271,14 @@ def _count(state: RouterState, route: Route, status: int, t0: float) -> None:
     m.request_seconds.labels(route.pool).observe(time.perf_counter() - t0)
 
 
-def _plan(state: RouterState, endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, max_seq_len: int,
-          tools: ToolPlan | None = None) -> EnginePlan:
+async def _plan(state: RouterState, endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, max_seq_len: int,
+                rid: str, tools: ToolPlan | None = None) -> EnginePlan:
     renderer = state.renderer
     if isinstance(req, ChatCompletionRequest):
-        prompt_ids = renderer.chat_ids(req, tools.tool_dicts if tools is not None else None)
+        prompt_ids = await renderer.chat_ids(req, rid, tools.tool_dicts if tools is not None else None)
         limit, limit_name = req.token_limit(), ("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     else:
-        prompt_ids = renderer.completion_ids(req)
+        prompt_ids = await renderer.completion_ids(req, rid)
         limit, limit_name = req.max_tokens, "max_tokens"
     if limit is not None and limit < 1:
         raise invalid(limit_name, "must be at least 1")
@@ -353,7 +357,9 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
     if refusal is not None:
         raise _Fallback(f"unsupported:{refusal.param}", unsupported(refusal.param, refusal.reason))
     tools = _tool_plan(state, req, body, caps)
-    plan = _plan(state, endpoint, req, int(caps.get("max_seq_len") or 0), tools)
+    if tools is not None:
+        await state.renderer.check_compiles(tools, rid)
+    plan = await _plan(state, endpoint, req, int(caps.get("max_seq_len") or 0), rid, tools)
     if tools is not None and tools.choice == "none":
         tools = None  # rendered with the tools, answered as text: vLLM parses nothing under "none"
     tl.upto("admission")
@@ -379,6 +385,8 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
     headers = {**_route_headers(route, rid), "x-tilepd-node": lease.node.name}
     try:
         first = await events.__anext__()  # prefill done: errors here still get a proper HTTP status
+    except HandoffRefused as exc:  # before any byte went out: the native pool takes it, else the client gets the reason
+        raise _Fallback("handoff_refused", exc) from None
     except (RouterError, PassThroughError) as exc:
         _count(state, route, exc.status, t0)
         _close_timeline(state, tl, route, exc.status)
@@ -585,6 +593,7 @@ async def _shutdown(state: RouterState) -> None:
     if pending:
         await asyncio.wait(pending, timeout=5.0)
     await state.client.aclose()
+    await asyncio.to_thread(state.renderer.close)
     if state.tracing is not None:
         await asyncio.get_running_loop().run_in_executor(None, state.tracing.shutdown)
     log.info("event=stopped cancelled_decodes=%d", len(leased))

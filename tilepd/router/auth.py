@@ -27,7 +27,8 @@ class ApiKeys:
 
     @classmethod
     def load(cls, env_var: str | None, key_file: Path | None) -> ApiKeys:
-        """Keys are comma/newline separated; blank lines and `#` comments in the file are ignored."""
+        """Keys are comma/newline separated, in the env var and in the file alike (`old,new` or one per line: both keys
+        work, which is how a key is rotated); blank lines and `#` comment lines in the file are ignored."""
         keys: list[str] = []
         if env_var:
             value = os.environ.get(env_var)
@@ -39,7 +40,7 @@ class ApiKeys:
                 lines = Path(key_file).read_text().splitlines()
             except OSError as exc:
                 raise ApiKeyConfigError(f"api_key_file {key_file}: {exc.strerror}") from exc
-            found = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+            found = [k.strip() for ln in lines if not ln.strip().startswith("#") for k in ln.split(",") if k.strip()]
             if not found:
                 raise ApiKeyConfigError(f"api_key_file {key_file} holds no key")
             keys += found

@@ -27,6 +27,7 @@ class PrefillResult:
     prompt_tokens: int
     finish_reason: str  # "stop" when the first token already ends the request
     choice: dict[str, Any] | None = None  # vLLM's choice, for the first token's logprobs
+    handoff: dict[str, Any] | None = None  # the connector's `tilepd_handoff` (state sending / refused / not_sent)
 
 
 class DecodeNodeError(Exception):
@@ -62,8 +63,9 @@ async def prefill_first_token(client: Upstream, url: str, body: dict[str, Any], 
     try:
         data = resp.json()
         choice = data["choices"][0]
+        handoff = (data.get("kv_transfer_params") or {}).get("tilepd_handoff")
         return PrefillResult(token_id(choice["logprobs"]["tokens"][0]), int(data["usage"]["prompt_tokens"]), choice.get("finish_reason") or "length",
-                             choice)
+                             choice, handoff if isinstance(handoff, dict) else None)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise RouterError(502, f"prefill {url} answered without a first token id: {exc}", type="prefill_error", code="prefill_bad_response") from exc
 

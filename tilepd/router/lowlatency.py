@@ -152,6 +152,17 @@ class Finished:
     failovers: int = 0
 
 
+class HandoffRefused(RouterError):
+    """The prefill's connector refused to hand this request's KV to the node (`tilepd_handoff` state refused): no
+    KV will come, so the node is not asked to wait for it (it would, KV_WAIT_S); the request goes native or fails."""
+
+    def __init__(self, node: str, reason: str) -> None:
+        super().__init__(502, f"the prefill refused the hand-off to decode node {node}: {reason}"[:1000], type="prefill_error",
+                         code="handoff_refused")
+        self.node = node
+        self.reason = reason
+
+
 class NodeFault(Exception):
     """The decode node failed this request; `down`: it is dead or silent (out of rotation at once)."""
 
@@ -526,6 +537,12 @@ class LowLatencyRun:
         except RouterError:
             att.stage = "refused"
             raise
+        handoff = prefill.handoff or {}
+        if handoff.get("state") == "refused":  # nothing reached the node: the lease goes back now
+            att.stage = "refused"
+            log.warning("req=%s event=handoff_refused node=%s transfer=%s reason=%r", self.request_id, att.node_name,
+                        att.transfer_id, str(handoff.get("reason", "?"))[:300])
+            raise HandoffRefused(att.node_name, str(handoff.get("reason", "no reason given")))
         att.stage = "prefilled"
         att.first_token = prefill.first_token
         if self.plan.logprobs is not None:

@@ -93,13 +93,30 @@ def _constraint(vreq: Any) -> StructuredPlan | None:
                                          "node does not compile")
     name, value = next(iter(used.items()))
     spec = value if isinstance(value, str) else json.dumps(value)
-    _check_compiles(vreq, NODE_KIND[name], spec)
     return StructuredPlan({"structured_outputs": {name: value}}, {"type": NODE_KIND[name], "spec": spec}, "tools")
 
 
-def _check_compiles(vreq: Any, kind: str, spec: str) -> None:
-    """Compile the constraint's grammar (no tokenizer needed) so a malformed tool schema is a 400 naming the tool."""
+@dataclass(frozen=True)
+class CompileJob:
+    """A tool-call constraint to compile in the render pool (its cost follows the client's schemas)."""
+
+    kind: str
+    spec: str
+    tool_params: tuple[str | None, ...]  # each tool's parameters schema as JSON, to name the one that does not compile
+
+
+def compile_job(plan: "ToolPlan") -> CompileJob | None:
+    if plan.structured is None:
+        return None
+    params = tuple(json.dumps(t.function.parameters) if t.function.parameters is not None else None for t in plan.request.tools or ())
+    return CompileJob(plan.structured.node["type"], plan.structured.node["spec"], params)
+
+
+def compile_problem(job: CompileJob) -> tuple[str, str] | None:
+    """Compile the constraint's grammar (no tokenizer needed): None, or the (param, message) of the 400 naming the tool."""
     import xgrammar as xgr
+
+    kind, spec = job.kind, job.spec
 
     try:
         if kind == "json_schema":
@@ -111,18 +128,17 @@ def _check_compiles(vreq: Any, kind: str, spec: str) -> None:
                 xgr.Grammar.from_structural_tag(items, tag["triggers"])
             else:
                 xgr.Grammar.from_structural_tag(spec)
-        return
+        return None
     except (ValueError, RuntimeError, TypeError, KeyError) as exc:
         whole = str(exc)
-    for i, tool in enumerate(vreq.tools or ()):
-        params = tool.function.parameters
+    for i, params in enumerate(job.tool_params):
         if params is None:
             continue
         try:
-            xgr.Grammar.from_json_schema(json.dumps(params), any_whitespace=True)
+            xgr.Grammar.from_json_schema(params, any_whitespace=True)
         except (ValueError, RuntimeError, TypeError) as exc:
-            raise invalid(f"tools[{i}].function.parameters", f"the JSON schema does not compile: {exc}") from None
-    raise invalid("tools", f"the tool-call constraint does not compile: {whole}")
+            return f"tools[{i}].function.parameters", f"the JSON schema does not compile: {exc}"[:1000]
+    return "tools", f"the tool-call constraint does not compile: {whole}"[:1000]
 
 
 @dataclass
