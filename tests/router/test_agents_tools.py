@@ -186,7 +186,7 @@ def test_a_slow_tool_schema_gets_a_400_while_the_router_serves_others(router_sta
     import threading
     import time
 
-    from tilepd.plan.service_configs import PromptRenderConfig
+    from tilepd.contracts.service_configs import PromptRenderConfig
 
     n = 20000
     slow = {"type": "function", "function": {"name": "fill", "description": "Fill a list", "strict": True, "parameters": {

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tilepd.plan.service_configs import PromptRenderConfig
+from tilepd.contracts.service_configs import PromptRenderConfig
 
 from .conftest import Stack
 from .stack import MODEL_NAME

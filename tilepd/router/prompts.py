@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tilepd.plan.service_configs import PromptRenderConfig
+from tilepd.contracts.service_configs import PromptRenderConfig
 from tilepd.router.errors import invalid
 from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest
 from tilepd.router.render_pool import ChatJob, RenderLimits, RenderPool, TextJob

@@ -113,7 +113,6 @@ class RenderPool:
         or the template raised, 503 when no worker freed up."""
         idle = self._queue()
         lim = self.limits
-        t0 = time.monotonic()
         try:
             worker = await asyncio.wait_for(idle.get(), lim.timeout_s)
         except TimeoutError:
