@@ -18,7 +18,6 @@ import multiprocessing
 import os
 import resource
 import signal
-import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
