@@ -36,8 +36,6 @@ import argparse
 import json
 import sys
 import time
-import zlib
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_speed import GLM51 as GLM51_WITH_MTP, read_bandwidth, step_read_bytes, time_engine  # noqa: E402
-from tilepd.dev.synthetic import hf_tensor_shapes  # noqa: E402
+from tilepd.dev.synthetic import hf_tensor_shapes, random_source  # noqa: E402
 from tilepd.engine.engine import engine_for  # noqa: E402
 from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8  # noqa: E402
 from tilepd.engine.spec import ModelSpec, spec_from_hf_config  # noqa: E402
@@ -64,23 +62,6 @@ TINY_GLM51 = {**GLM51, "vocab_size": 1024, "hidden_size": 128, "intermediate_siz
               "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
               "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
 TARGET_MS = {1024: 2.3, 131072: 2.8}  # issue 24 part 3: ms per step of the TP8 shard, collectives not included
-
-
-def random_source(shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype, seed: int = 0) -> Callable[[str], torch.Tensor]:
-    """HF source tensor name -> random values, each from its own seeded generator (as synthetic.random_runtime_weights
-    draws them), so kv_b_proj read twice (W_UK, W_UV) is the same tensor both times."""
-
-    def get(name: str) -> torch.Tensor:
-        shape = shapes[name]
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if name.endswith("e_score_correction_bias"):
-            return torch.randn(shape, generator=gen, device=device) * 0.01
-        if len(shape) == 1:
-            return torch.ones(shape, device=device, dtype=dtype)
-        std = 1.0 if "embed_tokens" in name else shape[-1] ** -0.5
-        return torch.randn(shape, generator=gen, device=device, dtype=dtype) * std
-
-    return get
 
 
 def shard_weights(spec: ModelSpec, device: torch.device, dtype: torch.dtype, rank: int, tp: int, fp8: bool) -> tuple[dict, dict[str, tuple[int, int]]]:

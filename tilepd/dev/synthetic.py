@@ -7,6 +7,7 @@ valid checkpoint for convert-weights: config.json + sharded model-0000N.safetens
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -119,18 +120,10 @@ def _hf_shape(name: str, s, h: int) -> tuple[int, ...]:
     return table[last]
 
 
-def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed: int = 0, rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
-    """tilepd runtime weights with random values, built directly on `device` (no checkpoint, no disk);
-    with tp > 1 only tensor-parallel rank `rank`'s shard is kept (as `convert-weights --tp` writes it).
-
-    Each HF-named source tensor is drawn from its own seeded generator, so a tensor read twice (kv_b_proj
-    feeds W_UK and W_UV) is the same both times, and only one layer's sources exist at a time."""
+def random_source(shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype, seed: int = 0) -> Callable[[str], torch.Tensor]:
+    """HF source tensor name -> random values of the scale real weights have, each from its own seeded generator, so
+    a tensor read twice (kv_b_proj feeds W_UK and W_UV) is the same both times."""
     import zlib
-
-    from tilepd.weights.build import build_chunks, cast_chunk
-    from tilepd.weights.layout import family_layout
-
-    shapes = hf_tensor_shapes(spec)
 
     def get(name: str) -> torch.Tensor:
         shape = shapes[name]
@@ -140,7 +133,20 @@ def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed:
         if len(shape) == 1:
             return torch.ones(shape, device=device, dtype=dtype)
         std = 1.0 if "embed_tokens" in name else shape[-1] ** -0.5
-        return (torch.randn(shape, generator=gen, device=device, dtype=dtype) * std)
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype) * std
+
+    return get
+
+
+def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed: int = 0, rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
+    """tilepd runtime weights with random values, built directly on `device` (no checkpoint, no disk);
+    with tp > 1 only tensor-parallel rank `rank`'s shard is kept (as `convert-weights --tp` writes it).
+
+    Each HF-named source tensor is drawn by random_source, and only one layer's sources exist at a time."""
+    from tilepd.weights.build import build_chunks, cast_chunk
+    from tilepd.weights.layout import family_layout
+
+    get = random_source(hf_tensor_shapes(spec), device, dtype, seed)
 
     out: dict[str, torch.Tensor] = {}
     for t in family_layout(spec, set()):

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tilepd.engine import layers
+from tilepd.engine import layers, moe
 
 log = logging.getLogger(__name__)
 
@@ -52,65 +52,42 @@ def _triton_available() -> bool:
     return True
 
 
+def _switch_on(path: SpeedPath, table: dict[str, str], key: str, part: str, what: str, *, first: bool = False) -> None:
+    """Point `table[key]` at the Triton implementation, name it in `path` (`first`: at the front of the name) and put
+    its undo first among the fallbacks."""
+    before = table[key]
+    table[key] = "triton"
+    if first:
+        path.parts.insert(0, part)
+    else:
+        path.parts.append(part)
+
+    def undo() -> str:
+        table[key] = before
+        return f"{what} back to {before}"
+
+    path.fallbacks.insert(0, undo)
+
+
 def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, mla_attention: bool = True,
                moe_gemv: bool = True, moe_route: bool = True, fused_gemv: bool = True, compile_mode: str | None = None) -> SpeedPath:
     """Turn on the speed path for `model` (CUDA only; call before the first graph capture); `compile_mode` None compiles
     with SPEED_COMPILE_OPTIONS."""
     path = SpeedPath()
-    if triton_attention and _triton_available():
-        before = layers.ATTENTION_IMPL["default"]
-        layers.ATTENTION_IMPL["default"] = "triton"
-        path.parts.append("triton-attn")
-
-        def undo_triton() -> str:
-            layers.ATTENTION_IMPL["default"] = before
-            return f"attention back to {before}"
-
-        path.fallbacks.insert(0, undo_triton)
-    if mla_attention and _triton_available() and getattr(getattr(model, "spec", None), "family", None) == "deepseek_v3":
-        before_mla = layers.ATTENTION_IMPL["mla"]
-        layers.ATTENTION_IMPL["mla"] = "triton"
-        path.parts.append("mla-kernel")
-
-        def undo_mla() -> str:
-            layers.ATTENTION_IMPL["mla"] = before_mla
-            return f"MLA attention back to {before_mla}"
-
-        path.fallbacks.insert(0, undo_mla)  # a failing MLA kernel is undone before the generic one
-    if moe_gemv and _triton_available() and getattr(getattr(model, "spec", None), "n_routed_experts", 0):
-        from tilepd.engine import moe
-
-        before_moe = moe.EXPERT_IMPL["dense"]
-        moe.EXPERT_IMPL["dense"] = "triton"
-        path.parts.append("moe-gemv")
-
-        def undo_moe() -> str:
-            moe.EXPERT_IMPL["dense"] = before_moe
-            return f"routed experts back to {before_moe}"
-
-        path.fallbacks.insert(0, undo_moe)
-    if moe_route and _triton_available() and getattr(getattr(model, "spec", None), "n_routed_experts", 0):
-        from tilepd.engine import moe
-
-        before_route = moe.ROUTE_IMPL["router"]
-        moe.ROUTE_IMPL["router"] = "triton"
-        path.parts.append("moe-route")
-
-        def undo_route() -> str:
-            moe.ROUTE_IMPL["router"] = before_route
-            return f"MoE router back to {before_route}"
-
-        path.fallbacks.insert(0, undo_route)
-    if fused_gemv and _triton_available() and getattr(getattr(model, "spec", None), "family", None) == "llama":
-        before_gemv = layers.GEMV_IMPL["dense"]
-        layers.GEMV_IMPL["dense"] = "triton"
-        path.parts.insert(0, "fused-gemv")
-
-        def undo_gemv() -> str:
-            layers.GEMV_IMPL["dense"] = before_gemv
-            return f"dense GEMVs back to {before_gemv}"
-
-        path.fallbacks.insert(0, undo_gemv)  # a failing fused GEMV is undone before the generic attention kernel
+    spec = getattr(model, "spec", None)
+    family, experts = getattr(spec, "family", None), getattr(spec, "n_routed_experts", 0)
+    triton = _triton_available()
+    # each switch's undo goes to the front: the last one turned on is the first one GraphStep takes back
+    if triton_attention and triton:
+        _switch_on(path, layers.ATTENTION_IMPL, "default", "triton-attn", "attention")
+    if mla_attention and triton and family == "deepseek_v3":
+        _switch_on(path, layers.ATTENTION_IMPL, "mla", "mla-kernel", "MLA attention")  # undone before the generic one
+    if moe_gemv and triton and experts:
+        _switch_on(path, moe.EXPERT_IMPL, "dense", "moe-gemv", "routed experts")
+    if moe_route and triton and experts:
+        _switch_on(path, moe.ROUTE_IMPL, "router", "moe-route", "MoE router")
+    if fused_gemv and triton and family == "llama":
+        _switch_on(path, layers.GEMV_IMPL, "dense", "fused-gemv", "dense GEMVs", first=True)  # undone before the attention kernel
     if compile_layers and hasattr(model, "compile"):
         saved = {name: getattr(model, name) for name in _SWAPPED if hasattr(model, name)}
         try:
