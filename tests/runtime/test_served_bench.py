@@ -29,6 +29,8 @@ def test_served_decode_tiny_cpu(repo_root: Path, python_exe: str) -> None:
         # the KV crossed the control protocol in vLLM's block layout: 2 layers x 16-token blocks x 2 heads x (16 K + 16 V) fp32
         assert row["kv_bytes"] == 2 * -(-row["context"] // 16) * 16 * 2 * 32 * 4
         assert row["served_ms_per_token"] > 0 and row["engine_ms_per_token"] > 0 and row["speed_ratio"] > 0
-        assert 0 < row["kv_acked_to_first_token_ms"] <= row["kv_landed_to_first_token_ms"]
+        # the first token comes after the KV landed; the sender's ack can be stamped after the reader thread stamped
+        # that token (the node acks, then decodes: two threads here race for the clock), so only its order is checked
+        assert row["kv_acked_to_first_token_ms"] <= row["kv_landed_to_first_token_ms"] and row["kv_landed_to_first_token_ms"] > 0
         assert row["node_convert_ms"] > 0 and row["node_first_step_ms"] > 0
         assert row["loop_cpu_us_per_token"] > 0 and row["host_cpu_us_per_token_served"] > 0
