@@ -146,6 +146,11 @@ class _Digest:
             self._emit(TaskEvent("unreachable", host=host, task=task, message=msg))
         elif kind == "runner_item_on_ok" and res.get("changed"):
             pass  # counted once by runner_on_ok of the loop task
+        elif kind == "playbook_on_stats":
+            # an unreachable result of a task with ignore_unreachable (the secrets play asks every host, down ones too)
+            # is no failure: Ansible's own stats count a host unreachable ("dark") only when it was not ignored
+            dark = data.get("dark") or {}
+            self.result.failures = [f for f in self.result.failures if not f.unreachable or f.host in dark]
         return True
 
     def _collect_service(self, host: str, res: dict[str, Any]) -> None:
@@ -200,6 +205,9 @@ def run_playbook(
         # the controller's own ansible-playbook (the venv's), whatever PATH the operator has
         "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
         "ANSIBLE_CONFIG": str(playbooks_dir() / "ansible.cfg"),
+        # ansible-runner sets ANSIBLE_HOST_KEY_CHECKING=False unless it is given, which would override ansible.cfg's
+        # True (ssh_args' StrictHostKeyChecking=accept-new comes first on ssh's command line and wins either way)
+        "ANSIBLE_HOST_KEY_CHECKING": "True",
     }
     if known_hosts:  # host keys are recorded per deployment (trust on first use), not in the operator's ~/.ssh
         envvars["ANSIBLE_SSH_EXTRA_ARGS"] = f"-o UserKnownHostsFile={known_hosts}"
