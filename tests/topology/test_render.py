@@ -115,3 +115,20 @@ def test_rerender_replaces_and_refuses_foreign_folders(tmp_path: Path) -> None:
     with pytest.raises(RenderError, match="holds no earlier render"):
         render_plan(plan, foreign)
     assert (foreign / "keep.txt").read_text() == "mine"
+
+
+def test_strings_yaml_1_1_reads_as_other_types_reach_ansible_as_strings() -> None:
+    """Ansible reads host_vars with PyYAML (YAML 1.1): `yes`, `on`, `0600` or `1:20` written bare would come back as
+    True, 384 or 80; an env value or argv word must arrive as the operator wrote it."""
+    import yaml
+
+    from tilepd.plan.ansible_yaml import ansible_yaml
+
+    values = {"a": "yes", "b": "on", "c": "0600", "d": "1:20", "e": "~", "f": "plain", "g": "{{ lookup('pipe', 'id') }}", "n": 5}
+    text = ansible_yaml(values, "test")
+
+    class AnsibleLike(yaml.SafeLoader):
+        pass
+
+    AnsibleLike.add_constructor("!unsafe", lambda loader, node: loader.construct_scalar(node))
+    assert yaml.load(text, Loader=AnsibleLike) == values

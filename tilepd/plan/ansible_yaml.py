@@ -28,6 +28,16 @@ class Unsafe(str):
     """A string Ansible must take literally."""
 
 
+class Quoted(str):
+    """A string that YAML 1.1 (PyYAML, which Ansible reads with) would take as another type: written quoted."""
+
+
+def _represent_quoted(representer: SafeRepresenter, value: Quoted) -> Any:
+    # ruamel writes by YAML 1.2, where `yes`, `on` or `1:20` are plain strings and go bare; PyYAML would read them back
+    # as True or 80
+    return representer.represent_scalar("tag:yaml.org,2002:str", str(value), style="'")
+
+
 def _represent_unsafe(representer: SafeRepresenter, value: Unsafe) -> Any:
     style = "|" if "\n" in value else None
     return representer.represent_scalar("!unsafe", str(value), style=style)
@@ -38,7 +48,7 @@ def mark_unsafe(value: Any) -> Any:
     if isinstance(value, str):
         if _RESOLVER.resolve(pyyaml.ScalarNode, value, (True, False)) != _STR_TAG:
             assert "{" not in value  # YAML 1.1's int/float/bool/null/timestamp forms hold no brace
-            return value
+            return Quoted(value)
         return Unsafe(value)
     if isinstance(value, dict):
         return {k: mark_unsafe(v) for k, v in value.items()}
@@ -54,6 +64,7 @@ def ansible_yaml(value: Any, header: str) -> str:
     yaml.width = 100_000  # never fold long values (hashes, argv words)
     yaml.sort_base_mapping_type_on_output = False  # type: ignore[attr-defined]
     yaml.representer.add_representer(Unsafe, _represent_unsafe)
+    yaml.representer.add_representer(Quoted, _represent_quoted)
     buf = io.StringIO()
     yaml.dump(mark_unsafe(value), buf)
     return f"# {header}\n" + buf.getvalue()

@@ -81,8 +81,8 @@ class Liveness:
         if not self.ready_sent:
             if not self.serving():
                 return
-            self.ready_sent = True
-            if self.notifier.send("READY=1\nSTATUS=serving"):
+            if self.notifier.send("READY=1\nSTATUS=serving"):  # a datagram that did not go is sent again next tick
+                self.ready_sent = True
                 log.info("event=sd_ready node=%s watchdog_s=%s", self.node, self.notifier.watchdog_s)
         every = self.notifier.watchdog_s
         now = time.monotonic()
