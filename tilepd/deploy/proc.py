@@ -294,6 +294,7 @@ def _systemd_state(spec: ServiceSpec) -> dict[str, Any]:
     pid = int(props.get("MainPID", "0") or 0)
     restarts = props.get("NRestarts", "")
     return {"running": props.get("ActiveState") in ("active", "activating", "reloading"), "pid": pid or None,
+            "state": props.get("ActiveState", ""),
             "restarts": int(restarts) if restarts.isdigit() else None}
 
 
@@ -586,14 +587,23 @@ def _gone(pid: int) -> bool:
     return st is None or st[0] in ("Z", "X")
 
 
-def _main_pid_once_started(spec: ServiceSpec, before: int | None, wait_s: float = 30.0) -> int:
+def _main_pid_once_started(spec: ServiceSpec, before: int | None, settle_s: float = 30.0, cap_s: float = 600.0) -> int:
     """The new MainPID once systemd has stopped `before` and forked the unit again (a --no-block restart returns
-    before either); 0 if there is none by then (the health gate then reports a unit that never started)."""
-    deadline = time.monotonic() + wait_s
+    before either). Waits while the old process is still stopping (`deactivating`: up to the unit's stop timeout,
+    bounded by cap_s) and settle_s past that; 0 if no new process came (the health gate then reports a unit that
+    never started), never the old pid, so the gate cannot pass on the process that is going away."""
+    now = time.monotonic()
+    settle, cap = now + settle_s, now + cap_s
     while True:
-        pid = _systemd_state(spec)["pid"] or 0
-        if (pid and pid != before) or time.monotonic() >= deadline:
-            return pid if pid != before else 0
+        st = _systemd_state(spec)
+        pid = st["pid"] or 0
+        if pid and pid != before:
+            return pid
+        now = time.monotonic()
+        if st["state"] == "deactivating" or (pid and pid == before):
+            settle = now + settle_s  # the old process is still there: the new one cannot have started yet
+        if now >= settle or now >= cap:
+            return 0
         time.sleep(0.1)
 
 
