@@ -51,6 +51,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -838,13 +839,18 @@ def main(argv: list[str] | None = None) -> dict:
     _tokens_agree(rows)
     report["rows"] = [r.__dict__ for r in rows]
     report["seconds"] = time.perf_counter() - t0
+    emit_report(report, args, _print_table)
+    return report
+
+
+def emit_report(report: dict, args: argparse.Namespace, print_table: Callable[[dict], None]) -> None:
+    """A bench's report to `--out` (JSON file), and to stdout as JSON (`--json`) or as its table for people."""
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_table(report)
-    return report
+        print_table(report)
 
 
 def _tokens_agree(rows: list[Row]) -> None:

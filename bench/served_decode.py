@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 NEEDED = ("fastapi", "uvicorn", "httpx", "prometheus_client", "xxhash", "numpy")
 
-from decode_speed import LLAMA3_8B  # noqa: E402 - the same shapes decode_speed.py measures (bench/ is sys.path[0])
+from decode_speed import LLAMA3_8B, emit_report  # noqa: E402 - the same shapes decode_speed.py measures (bench/ is sys.path[0])
 
 TINY_LLAMA = {**LLAMA3_8B, "bos_token_id": 0, "eos_token_id": 1, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
@@ -462,12 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("--tokens must be at least 2 (ms/token is timed between tokens)")
     logging.basicConfig(level=logging.WARNING)
     report = run(args)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print(report)
+    emit_report(report, args, _print)
     return 0 if not any(r.get("error") for r in report["rows"]) else 1
 
 

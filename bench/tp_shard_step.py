@@ -33,7 +33,6 @@ floor, and issue 24's target beside it (<= 2.3 ms per step at 1K, <= 2.8 ms at 1
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_speed import GLM51 as GLM51_WITH_MTP, read_bandwidth, step_read_bytes, time_engine  # noqa: E402
+from decode_speed import GLM51 as GLM51_WITH_MTP, emit_report, read_bandwidth, step_read_bytes, time_engine  # noqa: E402
 from tilepd.dev.synthetic import hf_tensor_shapes, random_source  # noqa: E402
 from tilepd.engine.engine import engine_for  # noqa: E402
 from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8  # noqa: E402
@@ -252,12 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         report["peak_allocated_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     report["seconds"] = time.perf_counter() - t0
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    emit_report(report, args, print_report)
     return report
 
 
