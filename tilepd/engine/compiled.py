@@ -70,7 +70,8 @@ def _switch_on(path: SpeedPath, table: dict[str, str], key: str, part: str, what
 
 
 def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, mla_attention: bool = True,
-               moe_gemv: bool = True, moe_route: bool = True, fused_gemv: bool = True, compile_mode: str | None = None) -> SpeedPath:
+               moe_gemv: bool = True, moe_route: bool = True, fused_gemv: bool = True, mla_fused: bool = True,
+               compile_mode: str | None = None) -> SpeedPath:
     """Turn on the speed path for `model` (CUDA only; call before the first graph capture); `compile_mode` None compiles
     with SPEED_COMPILE_OPTIONS."""
     path = SpeedPath()
@@ -82,6 +83,12 @@ def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = T
         _switch_on(path, layers.ATTENTION_IMPL, "default", "triton-attn", "attention")
     if mla_attention and triton and family == "deepseek_v3":
         _switch_on(path, layers.ATTENTION_IMPL, "mla", "mla-kernel", "MLA attention")  # undone before the generic one
+    from tilepd.engine import mla_fused as fused_attention
+
+    fused_attention.FUSED_IMPL["attention"] = "torch"  # off unless this call turns it on (a bench's variants share the table)
+    if mla_fused and mla_attention and triton and family == "deepseek_v3" and hasattr(model, "fused"):
+        fused_attention.prepare_model(model)  # concatenated projections, before any capture
+        _switch_on(path, fused_attention.FUSED_IMPL, "attention", "mla-fused", "fused MLA attention")  # undone before the MLA kernel
     if moe_gemv and triton and experts:
         _switch_on(path, moe.EXPERT_IMPL, "dense", "moe-gemv", "routed experts")
     if moe_route and triton and experts:
