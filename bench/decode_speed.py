@@ -26,8 +26,8 @@ CUDA graph; attention through torch SDPA), `graph[triton]` / `graph[bmm]` (same,
 split-KV Triton kernel / as two batched GEMVs), `speed-path` (what `load_engine(device="cuda")` uses:
 compiled.accelerate = torch.compile'd layers around the Triton attention, in the graph),
 `compile+graph` (per-layer torch.compile including SDPA attention, then the graph; skipped with --no-compile),
-`speed-path[no-mla]` / `speed-path[no-moe-gemv]` / `speed-path[no-moe-route]` (DeepSeek family: the speed path without
-the MLA kernel / without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py / with the torch router
+`speed-path[no-mla]` / `speed-path[no-mla-fused]` / `speed-path[no-moe-gemv]` / `speed-path[no-moe-route]` (DeepSeek family: the
+speed path without the MLA kernel / without the fused attention half-layer, mla_fused.py / without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py / with the torch router
 instead of the fused one, route_triton.py), `speed-path[no-fused-gemv]`
 (Llama family: without the GEMVs that fuse the norms, SiLU-mul and residual adds, gemv_triton.py),
 `eager` (no graph, fewer tokens), and HF transformers `generate` (eager, batch 1, fewer tokens).
@@ -186,10 +186,15 @@ def step_read_bytes(spec: ModelSpec, weights: dict, context: int) -> tuple[float
     """(weight bytes one decode step reads, KV bytes at `context`). Embedding: one row; MoE: the routed
     experts a token uses (num_experts_per_tok of n_routed_experts) plus everything else once; fp8 weights:
     values + block scales. DSA: per layer the min(index_topk, context) selected latent rows plus, for
-    layers with their own indexer, the indexer keys of the whole context (what the step really reads)."""
+    layers with their own indexer, the indexer keys of the whole context (what the step really reads); while the
+    context fits index_topk every causal row is selected, so the indexer's query and head-weight projections and
+    its keys are not needed (only the new key is computed and written)."""
     total = 0.0
+    short = spec.is_dsa and context <= spec.index_topk
     for name, w in weights.items():
         b = w.nbytes() if isinstance(w, BlockFp8) else w.numel() * w.element_size()
+        if short and name.endswith(("idx_wq_b", "idx_weights_proj")):
+            continue
         if name == "embed":
             b = w.shape[1] * w.element_size()
         elif name.endswith(("experts_w13", "experts_w2")):
@@ -200,7 +205,8 @@ def step_read_bytes(spec: ModelSpec, weights: dict, context: int) -> tuple[float
     itemsize = weights["embed"].element_size()
     if spec.is_dsa:
         rows = min(spec.index_topk, context)
-        kv = sum(rows * spec.cache_entry_width + (context * spec.index_head_dim if spec.has_indexer(i) else 0) for i in range(spec.num_layers))
+        kv = sum(rows * spec.cache_entry_width + (context * spec.index_head_dim if spec.has_indexer(i) and not short else 0)
+                 for i in range(spec.num_layers))
         return total, float(kv * itemsize)
     kv = spec.num_layers * context * spec.cache_heads * spec.cache_entry_width * itemsize
     return total, float(kv)
@@ -253,10 +259,12 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
             model = build_model(spec, weights, max_ctx + args.tokens + 16, device, dtype)
             if variant == "speed-path":  # exactly what load_engine(device="cuda") turns on
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode)
-            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "speed-path[no-fused-gemv]"):
+            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "speed-path[no-fused-gemv]",
+                             "speed-path[no-mla-fused]"):
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode,  # the same without one part
                                   mla_attention=variant != "speed-path[no-mla]", moe_gemv=variant != "speed-path[no-moe-gemv]",
-                                  moe_route=variant != "speed-path[no-moe-route]", fused_gemv=variant != "speed-path[no-fused-gemv]")
+                                  moe_route=variant != "speed-path[no-moe-route]", fused_gemv=variant != "speed-path[no-fused-gemv]",
+                                  mla_fused=variant != "speed-path[no-mla-fused]")
             elif variant.startswith("compile"):
                 if not hasattr(model, "compile"):
                     raise RuntimeError(f"no compiled path for family {spec.family}")
@@ -765,7 +773,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-tokens", type=int, default=None, help="tokens for HF generate (default 32)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-moe-gemv], speed-path[no-moe-route], speed-path[no-fused-gemv], graph, graph[triton], graph[bmm], "
+                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-mla-fused], speed-path[no-moe-gemv], speed-path[no-moe-route], speed-path[no-fused-gemv], graph, graph[triton], graph[bmm], "
                          "compile+graph, compile(no-attn)+graph, "
                          "compile(no-attn)+graph[triton], eager; on CPU 'static' = graph body)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")

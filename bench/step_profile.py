@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GEMV_NAME_MARKS = ("gemv", "gemm", "xmma", "cutlass", "cublas")
-VARIANTS = ["speed-path", "speed-path[no-fused-gemv]", "speed-path[no-moe-route]", "speed-path[no-moe-gemv]", "speed-path[no-mla]"]
+VARIANTS = ["speed-path", "speed-path[no-fused-gemv]", "speed-path[no-moe-route]", "speed-path[no-moe-gemv]", "speed-path[no-mla]",
+            "speed-path[no-mla-fused]"]
 
 
 def is_gemv_kernel(name: str) -> bool:
@@ -121,7 +122,7 @@ def main() -> None:
         model = build_model(spec, weights, window, dev, dtype)
         off = variant.removeprefix("speed-path").strip("[]")
         path = accelerate(model, fused_gemv=off != "no-fused-gemv", moe_route=off != "no-moe-route", moe_gemv=off != "no-moe-gemv",
-                          mla_attention=off != "no-mla")
+                          mla_attention=off != "no-mla", mla_fused=off != "no-mla-fused")
         engine = Engine(model, spec, dev, window, use_cuda_graph=True, num_speculative_tokens=0)
         engine.graph_step.buckets = [window]
         engine.graph_step.fallbacks = list(path.fallbacks)
