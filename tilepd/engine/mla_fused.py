@@ -1,4 +1,4 @@
-"""The DeepSeek-family attention half-layer on the speed path in 5-6 launches (8 with DSA's scoring).
+"""The DeepSeek-family attention half-layer on the speed path in 5-6 launches (7 + the top-k's with DSA's scoring).
 
 x -> x + wo(W_UV(attention(q, cache))), with the norms, RoPE, the cache writes, W_UK and W_UV folded into the
 launches that read the weights anyway:
@@ -10,7 +10,8 @@ launches that read the weights anyway:
      and only the wq_b prefix is computed;
   3. prepare (mla_fused_triton): q_lat = q_nope . W_UK with RoPE(q_pe) behind it, the latent's norm + RoPE(k_pe)
      into the cache, the indexer key into its cache;
-  4. DSA past index_topk only: the indexer's head weights, scores (dsa_indexer) and top-k (dsa_topk);
+  4. DSA past index_topk only: the indexer's scores (dsa_indexer) and top-k (dsa_topk); its head weights are one
+     more role of prepare;
   5. split-KV MLA attention (mla_attention's split kernel, dense span or DSA selection);
   6. merge + W_UV in one launch (mla_fused_triton.merge_uv);
   7. wo with the residual add in its epilogue.
@@ -30,7 +31,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tilepd.engine.fp8 import BlockFp8
-from tilepd.engine.layers import linear, rms_norm
 
 if TYPE_CHECKING:
     from tilepd.engine.deepseek_v3 import DeepseekV3Model, DenseSpan
@@ -193,15 +193,15 @@ def attention_block(model: "DeepseekV3Model", p: str, cache: torch.Tensor, x: to
     if keys is not None:
         idx_cs = cs if model.index_rope is model.rope else model.index_rope.index_select(0, positions)
         index = (a["idx_wk"], w[p + "idx_k_norm"], w[p + "idx_k_norm_bias"], idx_cs, keys, s.indexer_rope_interleave)
-    q_cat = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions,
-                    cache, r, rope, s.rope_interleave, index)
+    head_weights = (x, w[p + "attn_norm"], eps, w[p + "idx_weights_proj"]) if scoring else None
+    q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
+                             index, head_weights)
     if dsa is not None:
         if scoring:
             from tilepd.engine.dsa_indexer import index_scores
             from tilepd.engine.dsa_topk import topk_select
 
             nh, d = s.index_n_heads, s.index_head_dim
-            weights = linear(rms_norm(x, w[p + "attn_norm"], eps).float(), w[p + "idx_weights_proj"])  # fp32 as HF
             scores = index_scores(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope, s.indexer_rope_interleave)
             dsa.selection = Selection(*topk_select(scores, dsa.valid, min(s.index_topk, dsa.valid.shape[1])))
         elif dsa.selection is None:  # the window fits index_topk: every causal slot is selected, in order

@@ -5,12 +5,13 @@ RMSNorm, RoPE on q_pe and k_pe (flip, mul, addcmul each), two cats, the cache wr
 (cuBLAS), the indexer key's LayerNorm + RoPE + write, the split-KV merge and the W_UV product (cuBLAS), each a few
 microseconds plus a launch gap. Here:
 
-  * `prepare` (one launch): per token, programs of three roles side by side
+  * `prepare` (one launch): per token, programs of up to four roles side by side
       - absorb: q_lat[h, c] = q_nope[h] . W_UK[h, :, c] for a tile of c, and (first tile) RoPE(q_pe[h]) behind it,
         written as the attention kernel's query row [q_lat | q_pe] in the cache dtype (no cat);
       - latent: RMSNorm(c_kv) * kv_a_norm and RoPE(k_pe), stored at the token's cache slot (no cat, no index_copy);
       - index key (DSA layers with an indexer): LayerNorm(wk . h) with bias and RoPE on its first channels, stored
         at the token's slot of the indexer-key cache (dsa_indexer's key kernel, one role here);
+      - head weights (DSA past index_topk): the indexer's weights_proj over the normed hidden in fp32, a head a program;
   * `merge_uv` (one launch): the split-KV partials merged by their log-sum-exp (mla_attention's merge), rounded
     to the cache dtype as the merge stores it, and the W_UV product out[h, v] = lat[h] . W_UV[h, v, :] in the same
     program, written as the wo GEMV's input row [T, H * v].
@@ -61,12 +62,12 @@ if triton is not None:
         return (a + xp * sin).to(ACT)
 
     @triton.jit
-    def _prepare_kernel(Q, KV, KX, WUK, KVN, KN, KB, CS, ICS, POS, C, IC, QOUT, eps,
-                        s_qt, s_kvt, s_kxt, s_ct, s_c1, s_ict, s_ic1, s_cl, s_icl, s_ot, s_oh,
-                        H, NOPE, QW, N_ABSORB,
+    def _prepare_kernel(Q, KV, KX, WUK, KVN, KN, KB, CS, ICS, POS, C, IC, QOUT, X, XN, WP, WOUT, eps, x_eps,
+                        s_qt, s_kvt, s_kxt, s_ct, s_c1, s_ict, s_ic1, s_cl, s_icl, s_ot, s_oh, s_xt, s_wp, s_wt,
+                        H, NOPE, QW, N_ABSORB, HIDDEN,
                         RANK: tl.constexpr, ROPE: tl.constexpr, IDX_D: tl.constexpr, INTERLEAVED: tl.constexpr,
-                        IDX_INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr, ACT: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+                        IDX_INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ACT: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
         t = tl.program_id(1)
         pid = tl.program_id(0)
         offs_p = tl.arange(0, ROPE)
@@ -100,6 +101,24 @@ if triton is not None:
             tl.store(row + offs_r, c.to(C.dtype.element_ty))
             k_pe = _rope_rounded(KV + t * s_kvt + RANK, offs_p, cos, sin, ROPE, INTERLEAVED, ACT)
             tl.store(row + RANK + offs_p, k_pe.to(C.dtype.element_ty))
+        elif HAS_WEIGHTS and pid > N_ABSORB + 1:  # DSA scoring: one indexer head's weight, fp32 over the normed hidden
+            hh = pid - N_ABSORB - 2
+            x_row = X + t * s_xt
+            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                kc = k0 + tl.arange(0, BLOCK_K)
+                xs = tl.load(x_row + kc, mask=kc < HIDDEN, other=0.0).to(tl.float32)
+                sq += xs * xs
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / HIDDEN + x_eps)
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                kc = k0 + tl.arange(0, BLOCK_K)
+                km = kc < HIDDEN
+                xs = tl.load(x_row + kc, mask=km, other=0.0).to(tl.float32)
+                g = tl.load(XN + kc, mask=km, other=0.0).to(tl.float32)
+                xn = ((xs * rstd).to(ACT).to(tl.float32) * g).to(ACT).to(tl.float32)  # rms_norm(x) as the layer rounds it
+                acc += xn * tl.load(WP + hh * s_wp + kc, mask=km, other=0.0).to(tl.float32)
+            tl.store(WOUT + t * s_wt + hh, tl.sum(acc, axis=0))
         elif HAS_INDEX:  # DSA: the indexer key, LayerNorm (eps 1e-6, bias) + RoPE on its first ROPE channels
             offs = tl.arange(0, IDX_D)
             roped = offs < ROPE
@@ -152,14 +171,16 @@ def _tl(dtype: torch.dtype) -> object:
 
 def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torch.Tensor, eps: float, cs: torch.Tensor,
             positions: torch.Tensor, cache: torch.Tensor, rank: int, rope: int, interleaved: bool,
-            index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+            index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None,
+            head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch: the attention query [T, H, rank + rope] (q_lat | roped q_pe, cache dtype), the tokens' cache rows,
-    and (index given) their indexer keys.
+    (index given) their indexer keys, and (head_weights given) the indexer's head weights [T, heads] float32.
 
     q [T, H * (nope + rope)] (wq_b's output); kv [T, rank + rope] (wkv_a's output, may be a strided view); w_uk
     [H, nope, rank]; cs [T, 2, rope] the rope table at the tokens' positions; cache [max_seq_len, 1, rank + rope].
     index = (kx [T, D] wk's output, LayerNorm weight, bias, indexer cs [T, 2, rope], indexer-key cache
-    [max_seq_len, D], interleaved)."""
+    [max_seq_len, D], interleaved). head_weights = (x [T, hidden] the layer's input, its attn_norm weight and eps,
+    weights_proj [heads, hidden]): weights_proj(rms_norm(x).float()) as HF computes it (one program a head)."""
     if triton is None:
         raise RuntimeError("MLA fused kernels need Triton, which is not importable here")
     t = q.shape[0]
@@ -181,15 +202,27 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
                              "contiguous rows")
     else:
         kx, kn, kb, ics, icache, idx_interleaved, idx_d = kv, kv_norm, kv_norm, cs, rows, interleaved, 16
+    wout = None
+    if head_weights is not None:
+        if index is None:
+            raise ValueError("MLA prepare: the indexer's head weights come with its key (index)")
+        x, xn, x_eps, wp = head_weights
+        if x.shape[0] != t or wp.shape[1] != x.shape[1] or x.stride(-1) != 1 or wp.stride(-1) != 1:
+            raise ValueError(f"MLA prepare: hidden {list(x.shape)} and weights_proj {list(wp.shape)} do not fit")
+        wout = torch.empty(t, wp.shape[0], dtype=torch.float32, device=q.device)
+        n_heads, hidden = wp.shape[0], x.shape[1]
+    else:
+        x, xn, x_eps, wp, n_heads, hidden = q, kv_norm, 0.0, q, 0, 1
     n_absorb = h * (rank // block_c)
-    grid = (n_absorb + 1 + (index is not None), t)
+    grid = (n_absorb + 1 + (index is not None) + n_heads, t)
     _prepare_kernel[grid](
-        q, kv, kx, w_uk, kv_norm, kn, kb, cs, ics, positions, rows, icache, qout, eps,
+        q, kv, kx, w_uk, kv_norm, kn, kb, cs, ics, positions, rows, icache, qout, x, xn, wp, wout if wout is not None else qout, eps, x_eps,
         q.stride(0), kv.stride(0), kx.stride(0), cs.stride(0), cs.stride(1), ics.stride(0), ics.stride(1), rows.stride(0),
-        icache.stride(0), qout.stride(0), qout.stride(1), h, nope, nope + rope, n_absorb,
+        icache.stride(0), qout.stride(0), qout.stride(1), x.stride(0), wp.stride(0), wout.stride(0) if wout is not None else 0,
+        h, nope, nope + rope, n_absorb, hidden,
         RANK=rank, ROPE=rope, IDX_D=idx_d, INTERLEAVED=interleaved, IDX_INTERLEAVED=idx_interleaved, HAS_INDEX=index is not None,
-        ACT=_tl(q.dtype), BLOCK_C=block_c, BLOCK_D=BLOCK_D, num_warps=4)
-    return qout
+        HAS_WEIGHTS=wout is not None, ACT=_tl(q.dtype), BLOCK_C=block_c, BLOCK_D=BLOCK_D, BLOCK_K=1024, num_warps=4)
+    return qout, wout
 
 
 def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: torch.dtype, lat: torch.dtype) -> torch.Tensor:
@@ -214,7 +247,8 @@ def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: tor
 
 def prepare_reference(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torch.Tensor, eps: float, cs: torch.Tensor,
                       positions: torch.Tensor, cache: torch.Tensor, rank: int, rope: int, interleaved: bool,
-                      index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+                      index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None,
+                      head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     from tilepd.engine.layers import rms_norm
     from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox
 
@@ -234,7 +268,11 @@ def prepare_reference(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_
         k = torch.cat([idx_fn(k[..., :rope].contiguous(), ics), k[..., rope:]], dim=-1)
         icache.index_copy_(0, positions, k.view(t, d).to(icache.dtype))
     q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
-    return torch.cat([q_lat, rope_fn(q_pe, cs)], dim=-1).to(cache.dtype)
+    wout = None
+    if head_weights is not None:
+        x, xn, x_eps, wp = head_weights
+        wout = F.linear(rms_norm(x, xn, x_eps).float(), wp.float())
+    return torch.cat([q_lat, rope_fn(q_pe, cs)], dim=-1).to(cache.dtype), wout
 
 
 def merge_uv_reference(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: torch.dtype, lat: torch.dtype) -> torch.Tensor:
