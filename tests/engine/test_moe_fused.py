@@ -211,3 +211,19 @@ def test_tiny_dsa_model_decodes_hfs_tokens_through_the_fused_moe_block(model: st
     torch.save(refs, tmp_path / "refs.pt")
     r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"))
     assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_moe_fused_gpu_bench_runs_on_tiny_shapes_under_interpreter(repo_root: Path, tmp_path: Path) -> None:
+    """bench/moe_fused_gpu.py's code on the tiny stand-in shapes (CPU, float32), so the GPU bench cannot rot: every
+    model, format and T agrees with today's ops, with no expert set flipped."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "moe_fused.json"
+    r = subprocess.run([sys.executable, str(repo_root / "bench" / "moe_fused_gpu.py"), "--device", "cpu", "--tiny", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0 and "moe fused gpu ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in rows] == [f"{m} {f} T={t}" for m in ("glm-5.1", "deepseek-v3") for f in ("bf16", "fp8") for t in (1, 2, 4)]
+    assert all(r["id_mismatches"] == 0 and r["max_rel"] < 1e-5 for r in rows), rows
