@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decode_speed import CONFIGS, _graph_time_us  # noqa: E402
 from tilepd.engine import layers, moe, moe_fused, moe_fused_triton  # noqa: E402
+from tilepd.engine.cuda_graph import capture_graph  # noqa: E402
 from tilepd.engine.fp8 import BlockFp8, quantize  # noqa: E402
 from tilepd.engine.route_triton import route_logits  # noqa: E402
 
@@ -112,16 +113,7 @@ def count_launches(fn, dev: torch.device, replays: int = 5) -> dict | None:  # n
     """Kernels per call of `fn` as the decode step's graph runs it: one call captured, `replays` replays profiled."""
     if dev.type != "cuda":
         return None
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn, [])
     graph.replay()
     torch.cuda.synchronize()
     per: dict[str, int] = defaultdict(int)

@@ -10,14 +10,14 @@ bf16 ulps; float32 cases compare to float32 accumulation order. bench/moe_fused_
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
+import json
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.engine.interpret import interpret
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here")
 
@@ -126,14 +126,9 @@ _KERNELS = textwrap.dedent("""
 """)
 
 
-def _interpret(code: str, repo_root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=900)
-
-
 @pytest.mark.slow
 def test_fused_moe_kernels_match_the_torch_ops_under_interpreter(repo_root: Path) -> None:
-    r = _interpret(_KERNELS, repo_root)
+    r = interpret(["-c", _KERNELS], repo_root, timeout=900)
     assert r.returncode == 0 and "moe fused ok 34" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
@@ -209,7 +204,7 @@ def test_tiny_dsa_model_decodes_hfs_tokens_through_the_fused_moe_block(model: st
     ref = dsa_ref(model, "long")
     refs = {f"{model}/long": {"seq_len": ref.state.seq_len, "layers": ref.state.layers, "indexer": ref.state.indexer, "tokens": ref.tokens}}
     torch.save(refs, tmp_path / "refs.pt")
-    r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"))
+    r = interpret(["-c", _ENGINE, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt")], repo_root, timeout=900)
     assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
@@ -217,13 +212,9 @@ def test_tiny_dsa_model_decodes_hfs_tokens_through_the_fused_moe_block(model: st
 def test_moe_fused_gpu_bench_runs_on_tiny_shapes_under_interpreter(repo_root: Path, tmp_path: Path) -> None:
     """bench/moe_fused_gpu.py's code on the tiny stand-in shapes (CPU, float32), so the GPU bench cannot rot: every
     model, format and T agrees with today's ops, with no expert set flipped."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "moe_fused.json"
-    r = subprocess.run([sys.executable, str(repo_root / "bench" / "moe_fused_gpu.py"), "--device", "cpu", "--tiny", "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=900)
+    r = interpret([str(repo_root / "bench" / "moe_fused_gpu.py"), "--device", "cpu", "--tiny", "--out", str(out)], repo_root, timeout=900)
     assert r.returncode == 0 and "moe fused gpu ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
-    import json
-
     rows = json.loads(out.read_text())["rows"]
     assert [r["case"] for r in rows] == [f"{m} {f} T={t}" for m in ("glm-5.1", "deepseek-v3") for f in ("bf16", "fp8") for t in (1, 2, 4)]
     assert all(r["id_mismatches"] == 0 and r["max_rel"] < 1e-5 for r in rows), rows
