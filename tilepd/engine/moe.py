@@ -8,7 +8,9 @@ its gate GEMV is one Triton kernel on the speed path (ROUTE_IMPL["router"] == "t
 is the portable path and the kernel's test oracle. With both kernels on and one shared expert of a routed expert's
 shape (DeepSeek-V3, GLM-5), moe_grouped runs the layer in 8 launches instead of ~30: the shared expert is one more
 row (id -1) of the grouped gate-up and down GEMVs (bf16: moe_triton; fp8: fp8_triton), each token's activation is
-read in place by its k+1 rows, and the weighted sum is one batched product.
+read in place by its k+1 rows, and the weighted sum is one batched product. mlp_block is a DeepSeek-family layer's
+whole MLP half (norm, MoE or dense MLP, residual add); with BLOCK_IMPL "triton" too, a MoE layer's half is 3 launches
+(moe_fused.py).
 """
 
 from __future__ import annotations

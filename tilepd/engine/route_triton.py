@@ -15,7 +15,8 @@ for GLM-5's single group (the group stage is compiled out when every group is ke
 topk(sorted=False) order is unspecified; moe() sums over them, so only the set and the weights matter).
 NaN logits are not handled (the reference is undefined there too).
 
-Device tensors only (no host sync), static shapes: it sits inside the decode step's CUDA graph. Under
+The per-token routing is a device function (route_row), which moe_fused_triton.py's gate kernel also calls after its
+router GEMV. Device tensors only (no host sync), static shapes: it sits inside the decode step's CUDA graph. Under
 TRITON_INTERPRET=1 it also runs on CPU tensors, which is how tests/engine/test_moe_route.py checks it
 against moe.route().
 """
