@@ -15,7 +15,7 @@ expert; GLM-5.1 one group, DeepSeek-V3 8 groups best 4), bf16 and block-scaled f
 2. launches per block: one block captured in a CUDA graph, replays under torch.profiler, kernels counted per replay.
 3. time per block inside a CUDA graph (bench/decode_speed.py's _graph_time_us: 20 blocks in one graph, best of 5
    replays), fused vs today's, T = 1 and 4, with each fused kernel alone; bytes the block must read and GB/s.
-4. --sweep (default on, --no-sweep skips): the gate and down kernels' tile settings at T = 1, each kernel timed alone,
+4. --sweep (default on, --no-sweep skips): the gate and down kernels' tile settings at T = 1 with fp8 experts, each kernel timed alone,
    so the defaults in moe_fused_triton.TUNE can follow the device.
 """
 
@@ -133,8 +133,8 @@ def _time_us(fn, dev: torch.device) -> float:  # noqa: ANN001 - a callable
     return _graph_time_us(fn, dev, reps=20 if dev.type == "cuda" else 1)
 
 
-def kernel_times(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device) -> dict:
-    """Each fused kernel alone in a graph (us): the gate, the grouped gate-up GEMV, the down kernel."""
+def kernel_calls(x: torch.Tensor, w: dict, s: SimpleNamespace) -> dict:
+    """The fused block's three launches as separate calls on one batch (each reads the previous one's outputs)."""
     from tilepd.engine import fp8_triton
     from tilepd.engine.moe_triton import expert_gemv
 
@@ -149,8 +149,8 @@ def kernel_times(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device
         def gate_up() -> torch.Tensor:
             return expert_gemv(h, w13, ids.view(-1), shared=s13, x_div=k + 1)
     gu = gate_up()
-    return {"gate_us": _time_us(lambda: moe_fused_triton.gate_route(*args), dev), "gate_up_us": _time_us(gate_up, dev),
-            "down_us": _time_us(lambda: moe_fused_triton.down_combine(gu, w["l.experts_w2"], w["l.shared_w2"], ids, weights, x), dev)}
+    return {"gate": lambda: moe_fused_triton.gate_route(*args), "gate_up": gate_up,
+            "down": lambda: moe_fused_triton.down_combine(gu, w["l.experts_w2"], w["l.shared_w2"], ids, weights, x)}
 
 
 def sweep(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device) -> dict:
@@ -160,10 +160,10 @@ def sweep(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device) -> di
     try:
         for be, bk, nw in GATE_SWEEP:
             moe_fused_triton.TUNE.update(saved, gate_block_e=be, gate_block_k=bk, gate_num_warps=nw)
-            out["gate"][f"block_e={be},block_k={bk},warps={nw}"] = kernel_times(x, w, s, dev)["gate_us"]
+            out["gate"][f"block_e={be},block_k={bk},warps={nw}"] = _time_us(kernel_calls(x, w, s)["gate"], dev)
         for bn, nw in DOWN_SWEEP:
             moe_fused_triton.TUNE.update(saved, down_block_n=bn, down_num_warps=nw)
-            out["down"][f"block_n={bn},warps={nw}"] = kernel_times(x, w, s, dev)["down_us"]
+            out["down"][f"block_n={bn},warps={nw}"] = _time_us(kernel_calls(x, w, s)["down"], dev)
     finally:
         moe_fused_triton.TUNE.update(saved)
     return out
@@ -186,10 +186,10 @@ def run_case(model: str, fmt: str, args, dev: torch.device, dtype: torch.dtype) 
             row["fused_us"] = _time_us(lambda: fused(x, w, s), dev)
             row["today_us"] = _time_us(lambda: today(x, w, s), dev)
             row["fused_GBps"] = block_bytes(w, s) / (row["fused_us"] * 1e-6) / 1e9 if t == 1 else None  # T = 1: bytes of one token's experts
-            row.update(kernel_times(x, w, s, dev))
+            row.update({f"{name}_us": _time_us(fn, dev) for name, fn in kernel_calls(x, w, s).items()})
             row["fused_launches"] = count_launches(lambda: fused(x, w, s), dev)
             row["today_launches"] = count_launches(lambda: today(x, w, s), dev)
-            if t == 1 and args.sweep and dev.type == "cuda":
+            if t == 1 and fmt == "fp8" and args.sweep and dev.type == "cuda":  # the served format
                 row["sweep"] = sweep(x, w, s, dev)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("sweep",)}), flush=True)
