@@ -26,9 +26,11 @@ CUDA graph; attention through torch SDPA), `graph[triton]` / `graph[bmm]` (same,
 split-KV Triton kernel / as two batched GEMVs), `speed-path` (what `load_engine(device="cuda")` uses:
 compiled.accelerate = torch.compile'd layers around the Triton attention, in the graph),
 `compile+graph` (per-layer torch.compile including SDPA attention, then the graph; skipped with --no-compile),
-`speed-path[no-mla]` / `speed-path[no-mla-fused]` / `speed-path[no-moe-gemv]` / `speed-path[no-moe-route]` (DeepSeek family: the
-speed path without the MLA kernel / without the fused attention half-layer, mla_fused.py / without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py / with the torch router
-instead of the fused one, route_triton.py), `speed-path[no-fused-gemv]`
+`speed-path[no-mla]` / `speed-path[no-mla-fused]` / `speed-path[no-moe-gemv]` / `speed-path[no-moe-route]` /
+`speed-path[no-moe-fused]` (DeepSeek family: the speed path without the MLA kernel / without the fused attention
+half-layer, mla_fused.py / without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py / with the
+torch router instead of the fused one, route_triton.py / with the MoE layers' norm, MoE and residual add as
+moe_grouped's ~10 launches instead of moe_fused.py's 3), `speed-path[no-fused-gemv]`
 (Llama family: without the GEMVs that fuse the norms, SiLU-mul and residual adds, gemv_triton.py),
 `eager` (no graph, fewer tokens), and HF transformers `generate` (eager, batch 1, fewer tokens).
 DeepSeek-family models also run `speed-path[no-mla]` (the speed path with MLA attention on the reference
@@ -242,7 +244,8 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
     windows = sorted({c + args.tokens + 16 for c in args.contexts})
     variants = ["speed-path", "speed-path[no-fused-gemv]", "graph", "graph[triton]"] + ([] if args.no_compile else ["compile+graph"]) + ["eager"]
     if spec.family == "deepseek_v3":  # no compiled path; the MLA kernel, the expert GEMV and the router kernel on/off side by side
-        variants = ["speed-path", "speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "graph", "eager"]
+        variants = ["speed-path", "speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "speed-path[no-moe-fused]", "graph",
+                    "eager"]
     if device.type != "cuda":
         variants = ["static", "static[bmm]", "eager"]  # the graph's body without capture; eager
     if args.variants:
@@ -253,18 +256,19 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
         moe.ROUTE_IMPL["router"] = "torch"
+        moe.BLOCK_IMPL["moe"] = "torch"
         layers.GEMV_IMPL["dense"] = "torch"
         path = None
         try:
             model = build_model(spec, weights, max_ctx + args.tokens + 16, device, dtype)
             if variant == "speed-path":  # exactly what load_engine(device="cuda") turns on
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode)
-            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "speed-path[no-fused-gemv]",
-                             "speed-path[no-mla-fused]"):
+            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "speed-path[no-moe-fused]",
+                             "speed-path[no-fused-gemv]", "speed-path[no-mla-fused]"):
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode,  # the same without one part
                                   mla_attention=variant != "speed-path[no-mla]", moe_gemv=variant != "speed-path[no-moe-gemv]",
-                                  moe_route=variant != "speed-path[no-moe-route]", fused_gemv=variant != "speed-path[no-fused-gemv]",
-                                  mla_fused=variant != "speed-path[no-mla-fused]")
+                                  moe_route=variant != "speed-path[no-moe-route]", moe_fused=variant != "speed-path[no-moe-fused]",
+                                  fused_gemv=variant != "speed-path[no-fused-gemv]", mla_fused=variant != "speed-path[no-mla-fused]")
             elif variant.startswith("compile"):
                 if not hasattr(model, "compile"):
                     raise RuntimeError(f"no compiled path for family {spec.family}")
@@ -301,6 +305,7 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
         moe.ROUTE_IMPL["router"] = "torch"
+        moe.BLOCK_IMPL["moe"] = "torch"
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -409,6 +414,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
         moe.ROUTE_IMPL["router"] = "torch"
+        moe.BLOCK_IMPL["moe"] = "torch"
         model = build_model(spec, weights, max_seq, device, dtype)
         path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode) if device.type == "cuda" else None
         engine = Engine(model, spec, device, max_seq, use_cuda_graph=True, num_speculative_tokens=max(ks))
@@ -493,6 +499,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
     layers.ATTENTION_IMPL["mla"] = "reference"
     moe.EXPERT_IMPL["dense"] = "gather"
     moe.ROUTE_IMPL["router"] = "torch"
+    moe.BLOCK_IMPL["moe"] = "torch"
     return rows
 
 
@@ -773,7 +780,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-tokens", type=int, default=None, help="tokens for HF generate (default 32)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-mla-fused], speed-path[no-moe-gemv], speed-path[no-moe-route], speed-path[no-fused-gemv], graph, graph[triton], graph[bmm], "
+                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-mla-fused], speed-path[no-moe-gemv], speed-path[no-moe-route], speed-path[no-moe-fused], speed-path[no-fused-gemv], graph, graph[triton], graph[bmm], "
                          "compile+graph, compile(no-attn)+graph, "
                          "compile(no-attn)+graph[triton], eager; on CPU 'static' = graph body)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")

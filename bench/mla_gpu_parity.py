@@ -36,7 +36,7 @@ from tilepd.engine.types import SamplingParams  # noqa: E402
 
 
 def decode(spec, weights, device, variant: str, context: int, tokens: int, oracle: list[int] | None = None) -> tuple[list[int], str]:
-    layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "reference", "gather", "torch"
+    layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"] = "reference", "gather", "torch", "torch"
     max_seq = context + tokens + 64
     model = build_model(spec, weights, max_seq, device, torch.float32)
     # Llama's speed path compiles its per-layer functions (Inductor's coordinate descent); the DeepSeek family has no compiled part
@@ -54,14 +54,14 @@ def decode(spec, weights, device, variant: str, context: int, tokens: int, oracl
     res = engine.decode(3, tokens, SamplingParams(ignore_eos=True), lambda t: None)
     gs = engine.graph_step
     note = (f"path={path.name if path else 'plain'} switches=mla:{layers.ATTENTION_IMPL['mla']},experts:{moe.EXPERT_IMPL['dense']},"
-            f"router:{moe.ROUTE_IMPL['router']}")
+            f"router:{moe.ROUTE_IMPL['router']},moe-block:{moe.BLOCK_IMPL['moe']}")
     if gs is not None and gs.capture_error:
         note += f" capture_error={gs.capture_error[:120]}"
     if mtp:
         note += f" spec={engine.last_spec_stats} mtp_graphs={len(engine._spec_step.graphs)}"
         if engine._spec_step.capture_error:
             note += f" capture_error={engine._spec_step.capture_error[:120]}"
-    layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "reference", "gather", "torch"
+    layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"] = "reference", "gather", "torch", "torch"
     return res.tokens, note
 
 

@@ -125,23 +125,26 @@ def test_engine_decodes_the_same_tokens_through_the_kernel(tiny_deepseek: Path, 
 
 def test_accelerate_turns_the_kernels_on_and_undoes_them_first(tiny_deepseek: Path) -> None:
     """compiled.accelerate on a DeepSeek-family model switches MLA attention and the routed experts to the
-    kernels; a capture failure undoes the expert GEMV, then the MLA kernel, before the generic attention."""
+    kernels; a capture failure undoes the fused MoE block, the router, the expert GEMV, then the MLA kernel, before the
+    generic attention."""
     from tilepd.engine import layers, load_engine, moe
     from tilepd.engine.compiled import accelerate
 
-    before = (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"])
+    before = (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"])
     try:
         eng = load_engine(tiny_deepseek, device="cpu", max_seq_len=64, dtype="float32", num_speculative_tokens=0)
         path = accelerate(eng.model, compile_layers=False)
-        assert path.name == "triton-attn+mla-kernel+moe-gemv+moe-route+graph"
-        assert (layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"]) == ("triton", "triton", "triton")
-        assert [undo() for undo in path.fallbacks] == ["MoE router back to torch", "routed experts back to gather", "MLA attention back to reference",
-                                                       "attention back to sdpa"]
-        assert (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"]) == (
-            "sdpa", "reference", "gather", "torch")
+        assert path.name == "triton-attn+mla-kernel+moe-gemv+moe-route+moe-fused+graph"
+        assert (layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"]) == ("triton",) * 4
+        assert [undo() for undo in path.fallbacks] == ["fused MoE block back to torch", "MoE router back to torch", "routed experts back to gather",
+                                                       "MLA attention back to reference", "attention back to sdpa"]
+        assert (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"],
+                moe.BLOCK_IMPL["moe"]) == ("sdpa", "reference", "gather", "torch", "torch")
         assert accelerate(eng.model, compile_layers=False, mla_attention=False, moe_gemv=False, moe_route=False).name == "triton-attn+graph"
+        assert moe.BLOCK_IMPL["moe"] == "torch", "the fused block stands on the expert GEMV and the router kernel"
+        assert accelerate(eng.model, compile_layers=False, moe_fused=False).name == "triton-attn+mla-kernel+moe-gemv+moe-route+graph"
     finally:
-        layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = before
+        layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"] = before
 
 
 cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
