@@ -35,7 +35,7 @@ from decode_speed import CONFIGS, random_state, sync  # noqa: E402
 from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
 from tilepd.engine.engine import Engine, build_model  # noqa: E402
 from tilepd.engine.grammar import Constraint, GrammarCompiler  # noqa: E402
-from tilepd.engine.spec import spec_from_hf_config  # noqa: E402
+from tilepd.model_format.model_spec import spec_from_hf_config  # noqa: E402
 from tilepd.engine.types import SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},

@@ -64,7 +64,7 @@ from tilepd.engine.fp8 import BlockFp8  # noqa: E402
 from tilepd.engine import layers, moe  # noqa: E402
 from tilepd.engine.compiled import accelerate  # noqa: E402
 from tilepd.engine.engine import Engine, build_model  # noqa: E402
-from tilepd.engine.spec import ModelSpec, spec_from_hf_config  # noqa: E402
+from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config  # noqa: E402
 from tilepd.engine.types import KVState, SamplingParams  # noqa: E402
 
 LLAMA3_8B = {

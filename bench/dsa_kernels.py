@@ -33,7 +33,7 @@ from tilepd.engine.dsa import _rope_head, select_topk  # noqa: E402
 from tilepd.engine.layers import length_mask  # noqa: E402
 from tilepd.engine.mla_attention import mla_sparse_attention  # noqa: E402
 from tilepd.engine.rope import apply_rope_interleaved, rope_table  # noqa: E402
-from tilepd.engine.spec import spec_from_hf_config  # noqa: E402
+from tilepd.model_format.model_spec import spec_from_hf_config  # noqa: E402
 
 LENGTHS = (1024, 32768, 131072, 202752)
 

@@ -57,7 +57,7 @@ def measure(cfg: dict, max_seq_len: int, device: str, out: mp.Queue) -> None:
 
     from tilepd.dev.synthetic import random_runtime_weights
     from tilepd.engine.engine import build_model, engine_for
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
     from tilepd.engine.types import KVState, SamplingParams
     from tilepd.topology.memory_fit import DecodeSetting, decode_parts, decode_policy, weight_bytes as estimate_weights
 

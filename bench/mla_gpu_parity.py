@@ -31,7 +31,7 @@ from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
 from tilepd.engine import layers, moe  # noqa: E402
 from tilepd.engine.compiled import accelerate  # noqa: E402
 from tilepd.engine.engine import Engine, build_model  # noqa: E402
-from tilepd.engine.spec import spec_from_hf_config  # noqa: E402
+from tilepd.model_format.model_spec import spec_from_hf_config  # noqa: E402
 from tilepd.engine.types import SamplingParams  # noqa: E402
 
 

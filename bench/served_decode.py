@@ -80,7 +80,7 @@ def write_runtime_weights(cfg: dict[str, Any], out_dir: Path, device: torch.devi
     runtime format: rank0.safetensors in the layout's order + manifest.json (what load_engine reads).
     Returns (out_dir, GB written)."""
     from tilepd.dev.synthetic import random_runtime_weights
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
     from tilepd.weights.convert import rank_file
     from tilepd.weights.layout import LAYOUT_VERSION, family_layout
     from tilepd.weights.manifest import CONVERTER_VERSION, FORMAT, write_manifest_atomically
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = TINY_LLAMA if args.tiny else LLAMA3_8B
     max_seq_len = max(args.contexts) + args.tokens + 64
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
 
     spec = spec_from_hf_config(cfg)
     wire_dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"

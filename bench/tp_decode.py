@@ -55,7 +55,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     """One rank: random shard, TP model, warm-up decode, timed decode; rank 0 writes the gathered figures."""
     from tilepd.dev.synthetic import random_runtime_weights
     from tilepd.engine.engine import engine_for
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
     from tilepd.engine.tp import TPGroup, build_tp_model
     from tilepd.engine.types import KVState, SamplingParams
 

@@ -41,7 +41,7 @@ def test_contracts_import_nothing_of_tilepd() -> None:
 # The packages from the bottom up (docs/INTERFACES.md, "Import direction"): a package imports only its own layer's
 # and lower ones, imports written inside functions included.
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in (
-    "contracts resources runbooks auth otel",  # leaves: import nothing of tilepd
+    "contracts model_format resources runbooks auth otel",  # leaves: import nothing of tilepd
     "transport",
     "control",
     "engine weights dev",

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 _CASES = textwrap.dedent("""
     import torch
     from tilepd.engine import moe, moe_triton
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
     g = torch.Generator().manual_seed(0)
     moe_triton.TUNE.update(block_k=32, programs=4)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8
-from tilepd.engine.spec import spec_from_hf_config
+from tilepd.model_format.model_spec import spec_from_hf_config
 from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "tp_shard_step.py"

@@ -28,7 +28,7 @@ from tilepd.engine.dsa import DSAStep, select_topk, sparse_mla_attention
 from tilepd.engine.layers import ATTENTION_IMPL, linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.moe import moe
 from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table, yarn_softmax_scale
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 
 from tilepd.engine.logprobs import TOP_LOGPROBS_MAX, TokenLogprobs, token_logprobs
 from tilepd.engine.sampling import SamplerState, greedy
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 from tilepd.engine.types import DecodeResult, FinishReason, InProcessEngine, KVState, SamplingParams
 
 CAPABILITIES: dict[str, Any] = {

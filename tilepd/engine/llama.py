@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tilepd.engine.layers import linear, linear_add, attention_bias, cached_attention, length_mask, norm_linear, rms_norm, silu_mul_linear_add
 from tilepd.engine.rope import apply_rope_neox, rope_table
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 
 
 def attn_in(x: torch.Tensor, norm_w: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, q_norm: torch.Tensor | None,

@@ -36,7 +36,7 @@ from tilepd.engine.deepseek_v3 import DeepseekV3Model
 from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.llama import LlamaModel
 from tilepd.engine.moe import moe
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from tilepd.engine.spec import ModelSpec
+    from tilepd.model_format.model_spec import ModelSpec
 
 FinishReason = Literal["stop", "length", "cancelled"]
 

@@ -103,7 +103,7 @@ def indexer_layers(spec: Any, num_layers: int, num_mtp_layers: int) -> tuple[int
     if given is not None:
         return tuple(int(i) for i in given)
     has = getattr(spec, "has_indexer", None)
-    if callable(has):  # tilepd.engine.spec.ModelSpec knows it per layer (main, then MTP)
+    if callable(has):  # tilepd.model_format.model_spec.ModelSpec knows it per layer (main, then MTP)
         return tuple(l for l in range(num_layers + num_mtp_layers) if has(l))
     types = _get(spec, "indexer_types")
     pattern = _get(spec, "index_topk_pattern")

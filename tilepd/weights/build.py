@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 from tilepd.weights.layout import OutTensor
 from tilepd.weights.source import WeightsError
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8, device_supports_fp8, kernel_available
-from tilepd.engine.spec import ModelSpec, spec_from_hf_config
+from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.runbooks import see
 from tilepd.weights import fp8_build
 from tilepd.weights.build import build_chunks, cast_chunk
