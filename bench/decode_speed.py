@@ -60,7 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
-from tilepd.engine.fp8 import BlockFp8  # noqa: E402
+from tilepd.model_format.block_fp8 import BlockFp8  # noqa: E402
 from tilepd.engine import layers, moe  # noqa: E402
 from tilepd.engine.compiled import accelerate  # noqa: E402
 from tilepd.engine.engine import Engine, build_model  # noqa: E402
@@ -165,7 +165,7 @@ def read_bandwidth(device: torch.device, gib: float) -> dict:
 def quantize_weights(spec: ModelSpec, weights: dict) -> None:
     """Replace every tensor `convert-weights --dtype fp8` would store as block-scaled fp8 (stores_fp8) by its
     e4m3 quantisation with 128x128 block scales, in place (stacked experts one at a time: bounded memory)."""
-    from tilepd.engine.fp8 import quantize
+    from tilepd.model_format.block_fp8 import quantize
     from tilepd.weights.fp8_build import stores_fp8
     from tilepd.weights.layout import family_layout
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8_gpu_parity import _graph_time  # noqa: E402 - this folder is the script's: one CUDA-graph timer for both
 from sweep_check import config_ok  # noqa: E402
 from tilepd.engine import fp8_triton  # noqa: E402
-from tilepd.engine.fp8 import dequantize, quantize  # noqa: E402
+from tilepd.model_format.block_fp8 import dequantize, quantize  # noqa: E402
 
 # (name, N, K): batch-1 GEMVs of one layer
 SHAPES = [

@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.engine.fp8 import BlockFp8, dequantize, fp8_expert_linear, kernel_available, quantize  # noqa: E402
+from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize  # noqa: E402
+from tilepd.engine.fp8 import fp8_expert_linear, kernel_available  # noqa: E402
 from tilepd.engine.layers import linear  # noqa: E402
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decode_speed import _graph_time_us  # noqa: E402
 from tilepd.engine import moe  # noqa: E402
-from tilepd.engine.fp8 import BlockFp8, quantize  # noqa: E402
+from tilepd.model_format.block_fp8 import BlockFp8, quantize  # noqa: E402
 
 ROUTERS = {"deepseek-v3": dict(h=7168, e=256, n_group=8, topk_group=4, k=8), "glm-5.1": dict(h=6144, e=256, n_group=1, topk_group=1, k=8)}
 TINY = {"deepseek-v3": dict(h=32, e=16, n_group=4, topk_group=2, k=3), "glm-5.1": dict(h=32, e=16, n_group=1, topk_group=1, k=3)}

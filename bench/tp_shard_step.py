@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_speed import GLM51 as GLM51_WITH_MTP, emit_report, read_bandwidth, step_read_bytes, time_engine  # noqa: E402
 from tilepd.dev.synthetic import hf_tensor_shapes, random_source  # noqa: E402
 from tilepd.engine.engine import engine_for  # noqa: E402
-from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8  # noqa: E402
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8  # noqa: E402
 from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config  # noqa: E402
 from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec  # noqa: E402
 from tilepd.weights import fp8_build  # noqa: E402

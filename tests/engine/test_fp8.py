@@ -17,7 +17,8 @@ import torch
 from tilepd.dev.fp8_checkpoint import write_fp8_checkpoint
 from tilepd.engine import KVState, SamplingParams, load_engine
 from tilepd.engine.engine import Engine, build_model
-from tilepd.engine.fp8 import FP8, BlockFp8, fp8_expert_linear, fp8_linear, quantize
+from tilepd.model_format.block_fp8 import FP8, BlockFp8, quantize
+from tilepd.engine.fp8 import fp8_expert_linear, fp8_linear
 from tilepd.engine.layers import linear
 from tilepd.engine.moe import moe
 from tilepd.weights import convert_weights
@@ -25,7 +26,7 @@ from tilepd.weights.loader import load_weights
 
 
 def ref_dequant(w: BlockFp8) -> torch.Tensor:
-    """Independent of tilepd.engine.fp8.dequantize: each element indexes its block's scale."""
+    """Independent of tilepd.model_format.block_fp8.dequantize: each element indexes its block's scale."""
     n, k = w.weight.shape[-2:]
     r = torch.arange(n) // w.block[0]
     c = torch.arange(k) // w.block[1]
@@ -87,7 +88,7 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
     script = textwrap.dedent("""
         import torch
         from tilepd.engine import fp8_triton
-        from tilepd.engine.fp8 import BlockFp8, FP8, dequantize
+        from tilepd.model_format.block_fp8 import BlockFp8, FP8, dequantize
         g = torch.Generator().manual_seed(0)
         def rnd(shape, block):
             n, k = shape[-2:]

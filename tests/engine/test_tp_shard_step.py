@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8
 from tilepd.model_format.model_spec import spec_from_hf_config
 from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tilepd.dev.fp8_checkpoint import is_quantised, write_fp8_checkpoint
-from tilepd.engine.fp8 import FP8, BlockFp8, quantize
+from tilepd.model_format.block_fp8 import FP8, BlockFp8, quantize
 from tilepd.weights import WeightsError, convert_weights
 from tilepd.weights import fp8_build
 from tilepd.weights.layout import OutTensor

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.fp8 import BlockFp8, fp8_linear
+from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.engine.fp8 import fp8_linear
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | BlockFp8, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.fp8 import BlockFp8, fp8_expert_linear
+from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.engine.fp8 import fp8_expert_linear
 from tilepd.engine.layers import silu_mul, swiglu
 from tilepd.model_format.model_spec import ModelSpec
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
-from tilepd.engine.fp8 import DEFAULT_BLOCK, FP8
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, FP8
 from tilepd.weights import fp8_build
 from tilepd.weights.build import build_chunks, cast_chunk, out_shape
 from tilepd.weights.layout import LAYOUT_VERSION, OutTensor, expected_shape, family_layout

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tilepd.engine.fp8 import DEFAULT_BLOCK, FP8, BlockFp8, quantize
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, FP8, BlockFp8, quantize
 from tilepd.weights.errors import WeightsError
 from tilepd.weights.layout import OutTensor
 

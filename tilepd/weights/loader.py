@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8, device_supports_fp8, kernel_available
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8
+from tilepd.engine.fp8 import device_supports_fp8, kernel_available
 from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.runbooks import see
 from tilepd.weights import fp8_build
