@@ -51,7 +51,7 @@ def prepare(out: Path) -> None:
 
 def _reference_engine(weights_dir: Path, dtype: torch.dtype, like):
     from tilepd.engine.engine import build_model, engine_for
-    from tilepd.weights.loader import load_weights
+    from tilepd.engine.weights_loader import load_weights
 
     _, w = load_weights(weights_dir, like.device, dtype)
     dense = {k: dequantize(v, torch.float32).to(dtype) if isinstance(v, BlockFp8) else v for k, v in w.items()}

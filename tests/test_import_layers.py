@@ -44,7 +44,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in
     "contracts model_format resources runbooks auth otel",  # leaves: import nothing of tilepd
     "transport",
     "control",
-    "engine weights dev",
+    "weights",  # the converter: the model's format (model_format) in, the runtime files out
+    "engine dev",  # the engine reads those files (engine/weights_loader.py)
     "topology",
     "plan",
     "connector runtime router",  # the processes
@@ -55,8 +56,6 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in
 # CLI, since nothing imports it: tilepd/runtime/__main__.py reaching into tilepd.cli.runtime_cmds (the `tilepd
 # decode-server` verb: one definition of its flags) is such an entry point, not an import of tilepd.runtime's
 UPWARD_ALLOWED: set[tuple[str, str]] = set()
-# left for issue 25 part 2 (a leaf for the model format below both; the weights loader into engine/)
-KNOWN_CYCLES = [{"engine", "weights"}]
 
 
 def _package_imports() -> dict[tuple[str, str], list[str]]:
@@ -95,11 +94,7 @@ def test_imports_run_downward() -> None:
     assert set(upward) == UPWARD_ALLOWED, {e: w for e, w in upward.items() if e not in UPWARD_ALLOWED}
 
 
-def test_no_package_cycle_but_the_known_one() -> None:
-    graph: dict[str, set[str]] = {}
-    for a, b in _package_imports():
-        graph.setdefault(a, set()).add(b)
-
+def _cyclic(graph: dict[str, set[str]]) -> set[str]:
     def reaches(a: str, b: str) -> bool:
         seen, todo = set(), [a]
         while todo:
@@ -111,5 +106,20 @@ def test_no_package_cycle_but_the_known_one() -> None:
                     todo.append(nxt)
         return False
 
-    cyclic = {p for p in graph if reaches(p, p)}
-    assert cyclic == set().union(*KNOWN_CYCLES), cyclic
+    return {p for p in graph if reaches(p, p)}
+
+
+def test_no_package_cycle() -> None:
+    graph: dict[str, set[str]] = {}
+    for a, b in _package_imports():
+        graph.setdefault(a, set()).add(b)
+    assert not _cyclic(graph), {(a, b): w for (a, b), w in _package_imports().items() if a in _cyclic(graph) and b in _cyclic(graph)}
+
+
+def test_model_format_imports_nothing_of_tilepd_and_its_spec_no_torch() -> None:
+    """The operator's install (no torch) validates topologies through tilepd.model_format.model_spec."""
+    loaded = _loaded_after_import("tilepd.model_format.model_spec")
+    assert not [m for m in loaded if m.startswith("tilepd.") and not m.startswith("tilepd.model_format")], loaded
+    assert "torch" not in loaded
+    loaded = _loaded_after_import("tilepd.model_format.block_fp8")
+    assert not [m for m in loaded if m.startswith("tilepd.") and not m.startswith("tilepd.model_format")]

@@ -22,7 +22,7 @@ from tilepd.engine.fp8 import fp8_expert_linear, fp8_linear
 from tilepd.engine.layers import linear
 from tilepd.engine.moe import moe
 from tilepd.weights import convert_weights
-from tilepd.weights.loader import load_weights
+from tilepd.engine.weights_loader import load_weights
 
 
 def ref_dequant(w: BlockFp8) -> torch.Tensor:

@@ -14,7 +14,7 @@ from tilepd.model_format.block_fp8 import FP8, BlockFp8, quantize
 from tilepd.weights import WeightsError, convert_weights
 from tilepd.weights import fp8_build
 from tilepd.weights.layout import OutTensor
-from tilepd.weights.loader import load_weights
+from tilepd.engine.weights_loader import load_weights
 from tilepd.weights.source import Checkpoint, SafetensorsFile
 
 

@@ -305,7 +305,7 @@ def load_engine(weights_dir, device: str = "cpu", max_seq_len: int = 4096, dtype
     speed_path: on CUDA with graphs, compiled.accelerate (Triton split-KV attention + torch.compile'd
     layers, each undone by itself if it fails at the first capture); engine.speed_path names what is on.
     """
-    from tilepd.weights.loader import load_weights
+    from tilepd.engine.weights_loader import load_weights
 
     dev = torch.device(device)
     if dev.type == "cpu" and cpu_threads > 0:

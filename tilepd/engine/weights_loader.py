@@ -1,4 +1,8 @@
-"""Load tilepd runtime weights (a converted directory, or an HF checkpoint converted in memory) onto a device."""
+"""Load tilepd runtime weights (a converted directory, or an HF checkpoint converted in memory) onto a device.
+
+The engine's side of tilepd.weights: that package writes the format (and builds the tensors an in-memory
+conversion loads here); the engine reads it through this module, so tilepd.weights imports nothing of the engine.
+"""
 
 from __future__ import annotations
 
