@@ -116,6 +116,34 @@ def test_no_package_cycle() -> None:
     assert not _cyclic(graph), {(a, b): w for (a, b), w in _package_imports().items() if a in _cyclic(graph) and b in _cyclic(graph)}
 
 
+def _module_imports() -> dict[str, set[str]]:
+    """Module -> the tilepd modules it imports (`from tilepd.x import y` counts as tilepd.x.y when y is a module)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "tilepd"
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
+            else:
+                continue
+            graph.setdefault(mod, set()).update(n for n in names if n in modules and n != mod)
+    return graph
+
+
+def test_no_module_cycle() -> None:
+    """Inside a package too: two modules that import each other (even lazily, inside a function) are one concern
+    split in two or a piece that belongs below both."""
+    graph = _module_imports()
+    cyclic = _cyclic(graph)
+    assert not cyclic, {m: sorted(graph[m] & cyclic) for m in sorted(cyclic)}
+
+
 def test_model_format_imports_nothing_of_tilepd_and_its_spec_no_torch() -> None:
     """The operator's install (no torch) validates topologies through tilepd.model_format.model_spec."""
     loaded = _loaded_after_import("tilepd.model_format.model_spec")
