@@ -383,7 +383,7 @@ def _decode_after_warmup(engine: Engine, state: KVState, tokens: int, device: to
 
 
 def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: float) -> list[Row]:
-    """DeepSeek-family MTP through the static verify+draft step (speculative.SpecStep; CUDA graphs on CUDA, the
+    """DeepSeek-family MTP through the static verify+draft step (mtp.MtpStep; CUDA graphs on CUDA, the
     speed path's kernels), per context and per k in --spec-tokens:
 
     `mtp-spec(k)`: this model's own (random-weight) MTP drafts, acceptance as it comes (~0: the cost per step).
@@ -391,7 +391,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
     layer still runs): tokens/s at full acceptance vs no-MTP, the step and the k+1-token verify forward against
     a plain step and a 1-token forward (each forward alone timed inside a graph), tokens/s for acceptance
     lengths 1..k+1 from the measured step time, and the byte floors of the verify and draft parts."""
-    from tilepd.engine.speculative import spec_step
+    from tilepd.engine.mtp import mtp_step
 
     rows: list[Row] = []
     max_ctx = max(args.contexts)
@@ -447,12 +447,12 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
                 name = f"mtp-{'forced' if forced else 'spec'}(k={k})"
                 try:
                     engine.num_speculative_tokens = k
-                    engine._spec_step = None  # free the previous k's graphs before capturing this one's
-                    step = spec_step(engine)
+                    engine._mtp_step = None  # free the previous k's graphs before capturing this one's
+                    step = mtp_step(engine)
                     if forced:
                         step.set_oracle([0] * c + [3] + base.tokens, force=True)
                     res = _decode_after_warmup(engine, state, args.tokens, device)
-                    st = dict(engine.last_spec_stats)
+                    st = dict(engine.last_mtp_stats)
                     ms = res.timings["decode_ms"] / len(res.tokens)
                     step_ms = res.timings["decode_ms"] / st["target_steps"]
                     parts = mtp_step_read_bytes(spec, weights, c, k)

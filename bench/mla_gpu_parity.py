@@ -5,7 +5,7 @@ For a tiny DeepSeek-V3 (dense MLA, bf16-style dense experts) and a tiny GLM-5 (D
 HF), each injected with the same random prefix state (40 and 300 tokens):
   - `graph`: CUDA graphs, MLA and experts on the reference path (SDPA / gather+matmul, gather+einsum);
   - `speed-path`: compiled.accelerate (MLA kernel + expert GEMV + router kernel) in CUDA graphs, windows changing mid-run;
-  - `speed-path+mtp` / `+mtp3`: the same kernels in the MTP step's CUDA graphs (speculative.SpecStep, k=1 / k=3:
+  - `speed-path+mtp` / `+mtp3`: the same kernels in the MTP step's CUDA graphs (mtp.MtpStep, k=1 / k=3:
     verify steps of 2 / 4 tokens); `+mtp3-oracle`: k=3 with drafts from the reference tokens, every 5th wrong
     (accepted and rejected drafts in one run; the random MTP layer alone is almost never accepted).
 A tiny Llama goes through its speed path too (split-KV attention, the per-layer functions compiled with
@@ -47,9 +47,9 @@ def decode(spec, weights, device, variant: str, context: int, tokens: int, oracl
         engine.graph_step.buckets = [context + 8, context + 24, max_seq]  # windows change during the run
         engine.graph_step.fallbacks = list(path.fallbacks) if path is not None else []
     if oracle is not None:
-        from tilepd.engine.speculative import spec_step
+        from tilepd.engine.mtp import mtp_step
 
-        spec_step(engine).set_oracle([0] * context + [3] + [(t + 1) % spec.vocab_size if i % 5 == 4 else t for i, t in enumerate(oracle)])
+        mtp_step(engine).set_oracle([0] * context + [3] + [(t + 1) % spec.vocab_size if i % 5 == 4 else t for i, t in enumerate(oracle)])
     engine.inject(random_state(spec, context, device, torch.float32))
     res = engine.decode(3, tokens, SamplingParams(ignore_eos=True), lambda t: None)
     gs = engine.graph_step
@@ -58,9 +58,9 @@ def decode(spec, weights, device, variant: str, context: int, tokens: int, oracl
     if gs is not None and gs.capture_error:
         note += f" capture_error={gs.capture_error[:120]}"
     if mtp:
-        note += f" spec={engine.last_spec_stats} mtp_graphs={len(engine._spec_step.graphs)}"
-        if engine._spec_step.capture_error:
-            note += f" capture_error={engine._spec_step.capture_error[:120]}"
+        note += f" spec={engine.last_mtp_stats} mtp_graphs={len(engine._mtp_step.graphs)}"
+        if engine._mtp_step.capture_error:
+            note += f" capture_error={engine._mtp_step.capture_error[:120]}"
     layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "reference", "gather", "torch"
     return res.tokens, note
 
