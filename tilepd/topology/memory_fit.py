@@ -386,11 +386,11 @@ def _vllm_rows(topo: Topology, spec: ModelSpec, fp8_checkpoint: bool, report: Me
                 report.problems.append((loc + ("gpu_type",), f"GPU type {e.gpu_type!r} is not in tilepd's table ({', '.join(known_gpu_names())}); "
                                         f"state its memory per GPU as {role}[{i}].gpu_memory_gib"))
             online = _online_fp8(e)
-            spec_on = m.speculative.prefill is not None
+            mtp_on = m.speculative.prefill is not None
             kv_dt = m.kv_cache_dtype.prefill
 
-            def parts_at(n: int, tp: int = tp, online: bool = online, spec_on: bool = spec_on, kv_dt: str = kv_dt) -> dict[str, int]:
-                return vllm_parts(spec, tp, n, kv_dt, fp8_checkpoint, online, spec_on)
+            def parts_at(n: int, tp: int = tp, online: bool = online, mtp_on: bool = mtp_on, kv_dt: str = kv_dt) -> dict[str, int]:
+                return vllm_parts(spec, tp, n, kv_dt, fp8_checkpoint, online, mtp_on)
 
             parts = parts_at(m.max_seq_len)
             dtype = "fp8 checkpoint" if fp8_checkpoint else ("bf16 checkpoint, --quantization fp8" if online else "bf16 checkpoint")
@@ -402,7 +402,7 @@ def _vllm_rows(topo: Topology, spec: ModelSpec, fp8_checkpoint: bool, report: Me
                 fixes = []
                 if not fp8_checkpoint and not online:
                     fixes.append(f"an fp8 checkpoint at model.hf_path, or `--quantization fp8` in {role}[{i}].extra_args "
-                                 f"({gib(sum(vllm_parts(spec, tp, m.max_seq_len, kv_dt, False, True, spec_on).values()))} per GPU)")
+                                 f"({gib(sum(vllm_parts(spec, tp, m.max_seq_len, kv_dt, False, True, mtp_on).values()))} per GPU)")
                 bigger = tp * 2
                 while bigger <= MAX_TP_TRIED and sum(parts_at(m.max_seq_len, tp=bigger).values()) > cap.bytes:
                     bigger *= 2
