@@ -1,4 +1,4 @@
-"""Wire bytes (vLLM block layout) -> engine-native KV layers."""
+"""Wire bytes (vLLM block layout) -> KV layers in the engine layout."""
 
 from __future__ import annotations
 

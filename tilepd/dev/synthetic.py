@@ -157,7 +157,7 @@ def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed:
 
 
 def random_kv_state(spec, seq_len: int, num_layers: int | None = None, seed: int = 0):
-    """A prefix in the native layout (INTERFACES §1) with values of the scale real caches have."""
+    """A prefix in the engine layout (INTERFACES §1) with values of the scale real caches have."""
     from tilepd.engine.types import KVState
 
     g = torch.Generator().manual_seed(seed)

@@ -110,7 +110,7 @@ class Engine(InProcessEngine):
 
     @torch.no_grad()
     def inject(self, state: KVState) -> None:
-        """Copy a prefix in the native layout into positions [0, state.seq_len) of every layer's cache.
+        """Copy a prefix in the engine layout into positions [0, state.seq_len) of every layer's cache.
 
         deepseek_v3 with MTP: a state may carry num_layers + num_mtp_layers tensors (a prefill that ran
         the draft layer); then the MTP layer sees the whole prefix, else only what it decoded itself.

@@ -43,7 +43,7 @@ class SamplingParams:
 
 @dataclass
 class KVState:
-    """Prefix cache in the engine's native layout: one tensor per layer, positions [0, seq_len).
+    """Prefix cache in the engine layout: one tensor per layer, positions [0, seq_len).
 
     llama: [seq_len, num_kv_heads, 2 * head_dim] (K then V); deepseek_v3: [seq_len, 1, kv_lora_rank + rope_dim]
     (normalised latent, then the roped key part, interleaved pairs as vLLM stores it).
