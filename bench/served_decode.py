@@ -207,7 +207,7 @@ def client_main(conn: Any, layout_json: str, max_seq_len: int, max_context: int,
     import numpy as np
 
     from tilepd.auth import node_auth_header, transfer_token
-    from tilepd.control.layout import CacheLayout
+    from tilepd.control.cache_layout import CacheLayout
     from tilepd.control.sender import KVSender
     from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
     from tilepd.transport import Buffer
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = args.workdir or pick_workdir(int(2 * 8.1e9) if not args.tiny else 1 << 20)
     node = proc = None
     try:
-        from tilepd.control.layout import CacheLayout
+        from tilepd.control.cache_layout import CacheLayout
 
         layout = CacheLayout(kind="attn", num_layers=spec.num_layers, block_size=BLOCK_SIZE, num_heads=spec.num_kv_heads,
                              entry_width=2 * spec.head_dim, dtype=wire_dtype, order="BHNC", head_size_k=spec.head_dim,

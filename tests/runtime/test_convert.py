@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.runtime.convert import convert, convert_layer, to_wire
 
 
@@ -93,7 +93,7 @@ def test_indexer_keys_dequantise_to_vllms_fp8_round_trip() -> None:
     """Wire blocks as vLLM's indexer cache holds them (values, then scales, per 64-token block) -> the keys the
     engine gets are exactly HF's keys passed through vLLM's fp8 round trip; a shared layer gets None."""
     from tests.handoff.vllm_caches import quant_indexer_blocks
-    from tilepd.control.layout import IndexerLayout
+    from tilepd.control.cache_layout import IndexerLayout
     from tilepd.dev.hf_reference import vllm_indexer_fp8_round_trip
     from tilepd.runtime.convert import convert_indexer
 

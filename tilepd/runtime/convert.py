@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tilepd.control.layout import INDEXER_QUANT_GROUP, CacheLayout, IndexerLayout
+from tilepd.control.cache_layout import INDEXER_QUANT_GROUP, CacheLayout, IndexerLayout
 
 WIRE_TORCH_DTYPE: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from tilepd.control.layout import FP8_DS_MLA_ENTRY_BYTES, ITEMSIZE, CacheLayout, indexer_token_bytes
+from tilepd.control.cache_layout import FP8_DS_MLA_ENTRY_BYTES, ITEMSIZE, CacheLayout, indexer_token_bytes
 from tilepd.control.messages import ErrorCode, ProtocolError
 
 # vLLM block sizes top out at 256 tokens; regions round max_seq_len up to a block

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from tilepd import __version__
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION
 from tilepd.contracts.service_configs import DecodeServerConfig
 from tilepd.engine.types import DecodeEngine

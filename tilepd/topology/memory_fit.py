@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from tilepd.control.layout import FP8_DS_MLA_ENTRY_BYTES
+from tilepd.control.cache_layout import FP8_DS_MLA_ENTRY_BYTES
 from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.topology.gpus import GIB, known_gpu, known_gpu_names
 from tilepd.topology.hf_config import ConfigFileError, HfConfig, model_config
