@@ -80,7 +80,7 @@ from tilepd.connector import vllm_version
 from tilepd.connector.cpu_attn import cpu_attn_isa, probe_block_perm
 from tilepd.connector.cpu_binding import restore_bound_cores
 from tilepd.connector.events import EventLog, ensure_logging
-from tilepd.connector.layout import (
+from tilepd.connector.paged_cache import (
     ModelCacheFacts,
     PagedCache,
     UnsupportedCacheLayout,
