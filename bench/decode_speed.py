@@ -167,7 +167,7 @@ def quantize_weights(spec: ModelSpec, weights: dict) -> None:
     e4m3 quantisation with 128x128 block scales, in place (stacked experts one at a time: bounded memory)."""
     from tilepd.model_format.block_fp8 import quantize
     from tilepd.weights.fp8_build import stores_fp8
-    from tilepd.weights.layout import family_layout
+    from tilepd.weights.out_tensors import family_layout
 
     for t in family_layout(spec, set()):
         if t.name not in weights or not stores_fp8(t, lambda p: False, True, False):

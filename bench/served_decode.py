@@ -82,7 +82,7 @@ def write_runtime_weights(cfg: dict[str, Any], out_dir: Path, device: torch.devi
     from tilepd.dev.synthetic import random_runtime_weights
     from tilepd.model_format.model_spec import spec_from_hf_config
     from tilepd.weights.convert import rank_file
-    from tilepd.weights.layout import LAYOUT_VERSION, family_layout
+    from tilepd.weights.out_tensors import LAYOUT_VERSION, family_layout
     from tilepd.weights.manifest import CONVERTER_VERSION, FORMAT, write_manifest_atomically
     from tilepd.weights.safetensors_writer import StreamingSafetensorsWriter
 

@@ -10,7 +10,7 @@ On one NVIDIA H200 (issue 24 part 3):
 What is built: rank --rank's shard of GLM-5.1 at --tp ranks, as the decode server at tp_size=8 holds it: the
 engine's own partitioning (tilepd.engine.tp.build_tp_model: 1/8 of the MLA heads, every routed and shared
 expert's intermediate slice, vocab-parallel embedding and head; the latent cache, the DSA indexer and the router
-replicated), over random weights that convert-weights' own code shards and quantises (weights.layout,
+replicated), over random weights that convert-weights' own code shards and quantises (weights.out_tensors,
 weights.build, weights.fp8_build.plan/build: each source part quantised to e4m3 with 128x128 block scales, then
 sliced for the rank; the block each tensor gets is reported, and a column shard off a block boundary is refused
 by plan() as convert-weights refuses it). All 78 layers: layers 0-3 (3 dense, the first MoE layer) are drawn,
@@ -50,7 +50,7 @@ from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config  # noq
 from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec  # noqa: E402
 from tilepd.weights import fp8_build  # noqa: E402
 from tilepd.weights.build import build_chunks, cast_chunk  # noqa: E402
-from tilepd.weights.layout import family_layout  # noqa: E402
+from tilepd.weights.out_tensors import family_layout  # noqa: E402
 
 # GLM-5.1 (transformers 5.19 GlmMoeDsaConfig defaults = huggingface.co/zai-org/GLM-5.1 config.json): decode_speed's
 # per-layer shapes at the real depth, 3 dense layers first; no MTP layer (the plain decode step does not run it).

@@ -62,7 +62,7 @@ def test_glm51_tp8_shard_is_whole_128_blocks_and_an_eighth_of_the_heads(bench) -
     convert-weights --tp 8 --dtype fp8 plans them (no per-row fallback, no refused column shard)."""
     from tilepd.dev.synthetic import hf_tensor_shapes
     from tilepd.weights import fp8_build
-    from tilepd.weights.layout import family_layout
+    from tilepd.weights.out_tensors import family_layout
 
     spec = spec_from_hf_config(bench.GLM51)
     assert (spec.num_layers, spec.first_k_dense_replace, spec.vocab_size, spec.num_heads) == (78, 3, 154880, 64)

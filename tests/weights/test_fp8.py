@@ -13,7 +13,7 @@ from tilepd.dev.fp8_checkpoint import is_quantised, write_fp8_checkpoint
 from tilepd.model_format.block_fp8 import FP8, BlockFp8, quantize
 from tilepd.weights import WeightsError, convert_weights
 from tilepd.weights import fp8_build
-from tilepd.weights.layout import OutTensor
+from tilepd.weights.out_tensors import OutTensor
 from tilepd.engine.weights_loader import load_weights
 from tilepd.weights.source import Checkpoint, SafetensorsFile
 

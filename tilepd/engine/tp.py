@@ -1,6 +1,6 @@
 """Tensor-parallel execution of one rank: the process group, vocab-parallel embedding/head, and TP models.
 
-Megatron-style split, matching the shards `convert-weights --tp N` writes (tilepd/weights/layout.py):
+Megatron-style split, matching the shards `convert-weights --tp N` writes (tilepd/weights/out_tensors.py):
 
 - attention: the fused QKV (llama) / q_b and W_UK/W_UV (MLA) are column-parallel by head, so each rank
   runs its own heads over its own cache; o_proj is row-parallel and followed by one all-reduce.

@@ -17,7 +17,7 @@ from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.runbooks import see
 from tilepd.weights import fp8_build
 from tilepd.weights.build import build_chunks, cast_chunk
-from tilepd.weights.layout import family_layout
+from tilepd.weights.out_tensors import family_layout
 from tilepd.weights.manifest import MANIFEST, read_manifest
 from tilepd.weights.source import Checkpoint, SafetensorsFile, WeightsError
 

@@ -1,7 +1,7 @@
 """Rule `memory-fit`: what each GPU of the deployment must hold, against what it has, before anything launches.
 
 Per decode GPU (the tilepd engine): its shard of the converted weights at `model.weights_dtype` (counted
-tensor by tensor from the engine's own weight layout, tilepd/weights/layout.py, so MoE experts, MLA and the
+tensor by tensor from the engine's own weight layout, tilepd/weights/out_tensors.py, so MoE experts, MLA and the
 DSA indexer are what the engine loads), the MTP layers, the static caches for one request of `max_seq_len`
 (MLA's latent and the indexer keys are replicated on every rank), the KV receive buffer on GPU 0 when it
 lives in VRAM, and a workspace allowance. Per vLLM GPU (prefill, native decode): its shard of the weights
@@ -23,7 +23,7 @@ from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.topology.gpus import GIB, known_gpu, known_gpu_names
 from tilepd.topology.hf_config import ConfigFileError, HfConfig, model_config
 from tilepd.topology.schema import DecodeNode, Topology, VllmHostBase
-from tilepd.weights.layout import OutTensor, expected_shape, family_layout
+from tilepd.weights.out_tensors import OutTensor, expected_shape, family_layout
 
 Loc = tuple[str | int, ...]
 
@@ -162,7 +162,7 @@ def layout_shapes(spec: ModelSpec) -> list[tuple[OutTensor, tuple[int, ...]]]:
     for t in family_layout(spec, set()):
         shape = expected_shape(t.name, spec)
         if shape is None:
-            raise ValueError(f"runtime tensor {t.name} has no known shape (tilepd/weights/layout.py expected_shape)")
+            raise ValueError(f"runtime tensor {t.name} has no known shape (tilepd/weights/out_tensors.py expected_shape)")
         out.append((t, shape))
     _SHAPES.clear()
     _SHAPES[id(spec)] = (spec, out)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from tilepd.model_format.model_spec import ModelSpec
-from tilepd.weights.layout import OutTensor
+from tilepd.weights.out_tensors import OutTensor
 from tilepd.weights.source import WeightsError
 
 

@@ -21,7 +21,7 @@ from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, FP8
 from tilepd.weights import fp8_build
 from tilepd.weights.build import build_chunks, cast_chunk, out_shape
-from tilepd.weights.layout import LAYOUT_VERSION, OutTensor, expected_shape, family_layout
+from tilepd.weights.out_tensors import LAYOUT_VERSION, OutTensor, expected_shape, family_layout
 from tilepd.weights.manifest import CONVERTER_VERSION, FORMAT, MANIFEST, source_entry, source_files, write_manifest_atomically
 from tilepd.weights.safetensors_writer import StreamingSafetensorsWriter
 from tilepd.weights.skip import resolve_options, try_skip

@@ -25,7 +25,7 @@ import torch
 
 from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, FP8, BlockFp8, quantize
 from tilepd.weights.errors import WeightsError
-from tilepd.weights.layout import OutTensor
+from tilepd.weights.out_tensors import OutTensor
 
 ShapeOf = Callable[[str], tuple[int, ...]]
 
