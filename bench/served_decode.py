@@ -175,7 +175,7 @@ class Node:
         thread, its token callback only taking the time: convert + inject + decode, as run_decode does,
         minus serving."""
         from tilepd.engine.types import KVState, SamplingParams
-        from tilepd.runtime.convert import convert
+        from tilepd.runtime.kv_convert import convert
 
         svc, cuda = self.svc, self.svc.device.type == "cuda"
 

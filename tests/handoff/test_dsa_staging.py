@@ -11,7 +11,7 @@ import torch
 
 from tests.handoff.dsa_drive import expected_wire, random_dsa_state, send_to_receiver
 from tilepd.dev.hf_reference import vllm_indexer_fp8_round_trip
-from tilepd.runtime.convert import convert, convert_indexer
+from tilepd.runtime.kv_convert import convert, convert_indexer
 
 
 def _fp8_ds_mla_keeps(x: torch.Tensor) -> torch.Tensor:

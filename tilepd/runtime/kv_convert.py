@@ -1,4 +1,4 @@
-"""Received bytes (vLLM paged layout, INTERFACES §2) -> the engine layout's KV layers (§1).
+"""The decode node's KV conversion: received bytes (vLLM paged layout, INTERFACES §2) -> the engine layout's KV layers (§1).
 
 The prefill side ships blocks as vLLM holds them; this is the one place the decode
 node reorders them: per layer, view the region as [blocks, H, bs, C] (BHNC) or

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tilepd.control.cache_layout import CacheLayout
-from tilepd.runtime.convert import convert, convert_layer, to_wire
+from tilepd.runtime.kv_convert import convert, convert_layer, to_wire
 
 
 def _layers(t: int, h: int, c: int, n: int = 2) -> list[torch.Tensor]:
@@ -95,7 +95,7 @@ def test_indexer_keys_dequantise_to_vllms_fp8_round_trip() -> None:
     from tests.handoff.vllm_caches import quant_indexer_blocks
     from tilepd.control.cache_layout import IndexerLayout
     from tilepd.dev.hf_reference import vllm_indexer_fp8_round_trip
-    from tilepd.runtime.convert import convert_indexer
+    from tilepd.runtime.kv_convert import convert_indexer
 
     ix = IndexerLayout(layers=[0, 2], block_size=64, head_dim=128)
     lay = CacheLayout(kind="mla", num_layers=3, block_size=64, num_heads=1, entry_width=576, dtype="float32", kv_lora_rank=512,
