@@ -69,7 +69,7 @@ def test_glm51_tp8_shard_is_whole_128_blocks_and_an_eighth_of_the_heads(bench) -
     assert local_spec(spec, 8).num_heads == 8
     built = spec_from_hf_config({**bench.GLM51, "num_hidden_layers": 4})
     shapes = hf_tensor_shapes(built)
-    planned = {t.name: fp8_build.plan(t, lambda p: shapes[p], 8, DEFAULT_BLOCK)[0]
+    planned = {t.name: fp8_build.block_and_scale_shape(t, lambda p: shapes[p], 8, DEFAULT_BLOCK)[0]
                for t in family_layout(built, set()) if fp8_build.stores_fp8(t, lambda p: False, True, False)}
     assert "layers.3.experts_w2" in planned and "layers.0.w2" in planned
     assert {b for b in planned.values()} == {DEFAULT_BLOCK}

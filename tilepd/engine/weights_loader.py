@@ -100,7 +100,7 @@ def _load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype, rank: in
         out: Weights = {}
         for t in layout:
             if t.name in fp8:
-                block, _ = fp8_build.plan(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
+                block, _ = fp8_build.block_and_scale_shape(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
                 parts = list(fp8_build.build(t, get_fp8, block, rank, tp))
                 w = BlockFp8(torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts]), block) if t.stacked else parts[0]
                 out[t.name] = w.to(device)

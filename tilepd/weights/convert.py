@@ -51,7 +51,7 @@ Entry = tuple[str, torch.dtype, tuple[int, ...]]
 def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, dtype: torch.dtype,
              fp8: bool) -> tuple[list[Entry], dict[str, tuple[int, int]]]:
     """(safetensors entries of one rank, block of each fp8 tensor). An fp8 tensor `x` is stored as `x`
-    (float8_e4m3fn) and `x.scale` (float32 block scales, fp8_build.plan)."""
+    (float8_e4m3fn) and `x.scale` (float32 block scales, fp8_build.block_and_scale_shape)."""
     entries: list[Entry] = []
     blocks: dict[str, tuple[int, int]] = {}
     source_block = ck.fp8_block()
@@ -65,7 +65,7 @@ def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, 
             )
         shape = out_shape(t, ck.shape, spec, tp)
         if fp8_build.stores_fp8(t, ck.is_fp8, fp8, source_block is not None):
-            block, scale_shape = fp8_build.plan(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
+            block, scale_shape = fp8_build.block_and_scale_shape(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
             blocks[t.name] = block
             entries += [(t.name, FP8, shape), (t.name + ".scale", torch.float32, scale_shape)]
         else:
