@@ -88,7 +88,7 @@ from tilepd.connector.paged_cache import (
     facts_from_vllm_config,
     read_paged_cache,
 )
-from tilepd.connector.marker import decide_claim
+from tilepd.connector.claim import decide_claim
 from tilepd.connector.peer_workers import PeerWorkers
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
 from tilepd.connector.tracing import make_connector_tracing, traceparent_of
