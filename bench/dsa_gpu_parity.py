@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.engine import KVState, SamplingParams, load_engine  # noqa: E402
+from tilepd.engine import KVState, SamplingParams, load_engine
 
 MODELS = ("glm5", "dsv32")
 PROMPTS = {"short": 10, "long": 80}

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize  # noqa: E402
-from tilepd.engine.fp8 import fp8_expert_linear, kernel_available  # noqa: E402
-from tilepd.engine.layers import linear  # noqa: E402
+from kit import graph_replay_ms
+from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize
+from tilepd.engine.fp8 import fp8_expert_linear, kernel_available
+from tilepd.engine.layers import linear
 
 
 def prepare(out: Path) -> None:
@@ -102,30 +102,6 @@ def parity(weights: Path, family: str, n: int) -> bool:
     return ok_all
 
 
-def _graph_time(fn, iters: int = 50, batches: int = 1) -> float:
-    """ms per call of fn, replayed from one CUDA graph (launch overhead out of the comparison); with `batches`,
-    the best batch of `iters` replays (another tenant's noise only slows one down)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            g.replay()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / iters * 1e3)
-    return best
-
-
 def _nbytes(w) -> int:
     return w.nbytes() if isinstance(w, BlockFp8) else w.numel() * w.element_size()
 
@@ -161,7 +137,7 @@ def speed(layers: int) -> bool:
 
     res = {}
     for name, ws in (("bf16", dense), ("fp8", fp8)):
-        ms = _graph_time(stack(ws))
+        ms = graph_replay_ms(stack(ws))
         nbytes = sum(_nbytes(w) for layer in ws for w in layer)
         res[name] = (ms, nbytes)
         print(f"llama-8B-shaped GEMV stack, {layers} layers, {name:4s}: {nbytes / 2**30:6.3f} GiB  {ms:7.3f} ms  "
@@ -175,8 +151,8 @@ def speed(layers: int) -> bool:
     w13_8 = BlockFp8(*_quantize_stacked(w13), (128, 128))
     ids = torch.randperm(e, device=dev, generator=g)[:top].view(1, top)
     xd = torch.randn(1, hd, device=dev, dtype=torch.bfloat16)
-    ms_d = _graph_time(lambda: torch.einsum("th,tkoh->tko", xd, w13[ids]))
-    ms_f = _graph_time(lambda: fp8_expert_linear(xd, w13_8, ids))
+    ms_d = graph_replay_ms(lambda: torch.einsum("th,tkoh->tko", xd, w13[ids]))
+    ms_f = graph_replay_ms(lambda: fp8_expert_linear(xd, w13_8, ids))
     ref = torch.einsum("th,tkoh->tko", xd.float(), dequantize(w13_8[ids]))
     err = float((fp8_expert_linear(xd, w13_8, ids).float() - ref).abs().max() / ref.abs().max())
     ok &= err < 1e-2
@@ -198,7 +174,7 @@ def _sweep(shapes, fp8, dense, x, xi) -> None:
         def run():
             for w in ws:
                 linear(xin, w)
-        return _graph_time(run, 20) / len(ws)
+        return graph_replay_ms(run, 20) / len(ws)
 
     try:
         for i, (n, k) in enumerate(shapes):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.topology.gpus import GIB  # noqa: E402
-from tilepd.topology.known_models import KNOWN_MODELS  # noqa: E402
+from tilepd.topology.gpus import GIB
+from tilepd.topology.known_models import KNOWN_MODELS
 
 _DSV3 = {k: v for k, v in KNOWN_MODELS["deepseek-ai/DeepSeek-V3"].config.items() if k != "quantization_config"}
 _TINY_DSV3 = {**_DSV3, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 2,

@@ -23,16 +23,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_speed import TINY_DSV3, TINY_GLM5, TINY_LLAMA, random_state  # noqa: E402
-from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
-from tilepd.engine import layers, moe  # noqa: E402
-from tilepd.engine.compiled import accelerate  # noqa: E402
-from tilepd.engine.engine import Engine, build_model  # noqa: E402
-from tilepd.model_format.model_spec import spec_from_hf_config  # noqa: E402
-from tilepd.engine.types import SamplingParams  # noqa: E402
+from kit import TINY_DSV3, TINY_GLM5, TINY_LLAMA, random_state
+from tilepd.dev.synthetic import random_runtime_weights
+from tilepd.engine import layers, moe
+from tilepd.engine.compiled import accelerate
+from tilepd.engine.engine import Engine, build_model
+from tilepd.model_format.model_spec import spec_from_hf_config
+from tilepd.engine.types import SamplingParams
 
 
 def decode(spec, weights, device, variant: str, context: int, tokens: int, oracle: list[int] | None = None) -> tuple[list[int], str]:

@@ -48,12 +48,12 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tilepd (and tests) first
+
+from kit import LLAMA3_8B, emit_report
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 NEEDED = ("fastapi", "uvicorn", "httpx", "prometheus_client", "xxhash", "numpy")
-
-from decode_speed import LLAMA3_8B, emit_report  # noqa: E402 - the same shapes decode_speed.py measures (bench/ is sys.path[0])
 
 TINY_LLAMA = {**LLAMA3_8B, "bos_token_id": 0, "eos_token_id": 1, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}

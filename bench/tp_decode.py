@@ -32,9 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_speed import DSV3_SMALL, LLAMA3_8B, TINY_DSV3, TINY_LLAMA, read_bandwidth, step_read_bytes  # noqa: E402
+from kit import DSV3_SMALL, LLAMA3_8B, TINY_DSV3, TINY_LLAMA, read_bandwidth, step_read_bytes
 
 LLAMA70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
             "num_key_value_heads": 8, "head_dim": 128}

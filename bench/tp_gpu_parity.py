@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.dev.synthetic import random_kv_state  # noqa: E402
-from tilepd.engine import SamplingParams, load_engine  # noqa: E402
-from tilepd.engine.tp_engine import launch_tp_engine  # noqa: E402
+from tilepd.dev.synthetic import random_kv_state
+from tilepd.engine import SamplingParams, load_engine
+from tilepd.engine.tp_engine import launch_tp_engine
 
 GREEDY = SamplingParams(ignore_eos=True)
 

@@ -40,17 +40,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_speed import GLM51 as GLM51_WITH_MTP, emit_report, read_bandwidth, step_read_bytes, time_engine  # noqa: E402
-from tilepd.dev.synthetic import hf_tensor_shapes, random_source  # noqa: E402
-from tilepd.engine.engine import engine_for  # noqa: E402
-from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8  # noqa: E402
-from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config  # noqa: E402
-from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec  # noqa: E402
-from tilepd.weights import fp8_build  # noqa: E402
-from tilepd.weights.build import build_chunks, cast_chunk  # noqa: E402
-from tilepd.weights.out_tensors import family_layout  # noqa: E402
+from kit import GLM51 as GLM51_WITH_MTP, emit_report, read_bandwidth, step_read_bytes, time_engine
+from tilepd.dev.synthetic import hf_tensor_shapes, random_source
+from tilepd.engine.engine import engine_for
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8
+from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
+from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec
+from tilepd.weights import fp8_build
+from tilepd.weights.build import build_chunks, cast_chunk
+from tilepd.weights.out_tensors import family_layout
 
 # GLM-5.1 (transformers 5.19 GlmMoeDsaConfig defaults = huggingface.co/zai-org/GLM-5.1 config.json): decode_speed's
 # per-layer shapes at the real depth, 3 dense layers first; no MTP layer (the plain decode step does not run it).

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from tilepd.model_format.model_spec import spec_from_hf_config
 from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "tp_shard_step.py"
+sys.path.insert(0, str(BENCH.parent))  # the bench imports its folder's kit, as when it runs as a script
 
 
 @pytest.fixture(scope="module")
