@@ -77,7 +77,7 @@ def main() -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("FAIL: no CUDA device")
         return 1
-    from tests.handoff.dsa_drive import expected_wire, random_dsa_state, send_to_receiver
+    from tests.connector.dsa_drive import expected_wire, random_dsa_state, send_to_receiver
 
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu dry run"
     print(f"torch {torch.__version__}, {name}, connector base: {base}", flush=True)

@@ -92,7 +92,7 @@ def test_tensor_parallel_shards_are_concatenated_by_rank() -> None:
 def test_indexer_keys_dequantise_to_vllms_fp8_round_trip() -> None:
     """Wire blocks as vLLM's indexer cache holds them (values, then scales, per 64-token block) -> the keys the
     engine gets are exactly HF's keys passed through vLLM's fp8 round trip; a shared layer gets None."""
-    from tests.handoff.vllm_caches import quant_indexer_blocks
+    from tests.connector.vllm_caches import quant_indexer_blocks
     from tilepd.control.cache_layout import IndexerLayout
     from tilepd.dev.hf_reference import vllm_indexer_fp8_round_trip
     from tilepd.runtime.kv_convert import convert_indexer
@@ -118,7 +118,7 @@ def test_indexer_keys_dequantise_to_vllms_fp8_round_trip() -> None:
 
 def test_indexer_block_interior_is_values_then_scales() -> None:
     """One block: bytes [0, 64*128) are the tokens' fp8 values, then 64 fp32 scales (vLLM's CUDA layout)."""
-    from tests.handoff.vllm_caches import quant_indexer_blocks
+    from tests.connector.vllm_caches import quant_indexer_blocks
 
     k = torch.zeros(64, 128)
     k[5, 7] = 448.0 * 4  # token 5's group: scale 4, value 448

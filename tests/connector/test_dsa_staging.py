@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.handoff.dsa_drive import expected_wire, random_dsa_state, send_to_receiver
+from tests.connector.dsa_drive import expected_wire, random_dsa_state, send_to_receiver
 from tilepd.dev.hf_reference import vllm_indexer_fp8_round_trip
 from tilepd.runtime.kv_convert import convert, convert_indexer
 

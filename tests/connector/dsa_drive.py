@@ -100,7 +100,7 @@ def send_to_receiver(state: Any, *, latent: str = "bfloat16", device: str = "cpu
     import numpy as np
     import torch
 
-    from tests.handoff.vllm_caches import dsa_caches
+    from tests.connector.vllm_caches import dsa_caches
     from tilepd.control.messages import ErrorCode, ProtocolError
     from tilepd.contracts.service_configs import DecodeEndpoint, TransportConfig
     from tilepd.runtime.ctrl_server import ControlServer
