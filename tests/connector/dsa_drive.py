@@ -1,4 +1,4 @@
-"""Drive the real TilePDConnector through the hooks vLLM calls, without a vLLM process (DSA tests and the GPU bench).
+"""Drive the real TilePDConnector through the hooks vLLM calls, without a vLLM process (the DSA tests, on CPU and on CUDA).
 
 The connector is built without a VllmConfig (`TilePDConnector._setup`); the scheduler side gets a minimal
 scheduler output carrying only what vLLM passes it (request ids, computed and scheduled token counts) and a

@@ -2,7 +2,7 @@
 layouts, a scattered block table, chunked prefill steps, the real connector hooks and sender over tcp into a
 decode-node receiver. What lands must be each cache's blocks exactly as vLLM holds them (computed independently
 from the cache tensors), and converting it must give back the state (indexer keys as vLLM's fp8 keeps them).
-bench/connector_gpu_parity.py runs the same on CUDA caches (pinned staging, CUDA events) and compares."""
+test_connector_gpu_parity.py (marker gpu) runs the same on CUDA caches (pinned staging, CUDA events) and compares."""
 
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def test_quantize_block_scales_are_amax_over_448() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here (the kernel is checked by bench/fp8_gpu_parity.py)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here (the kernel is checked on CUDA by tests/engine/test_fp8_gpu_parity.py, marker gpu)")
 def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
     """The CUDA kernel's code, run by Triton's CPU interpreter on the same cases as the reference."""
     script = textwrap.dedent("""
