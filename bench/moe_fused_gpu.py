@@ -13,7 +13,7 @@ expert; GLM-5.1 one group, DeepSeek-V3 8 groups best 4), bf16 and block-scaled f
    differ (the kernel's 1/rms against torch's, an ulp apart at times), and the max abs and relative error of the output on the tokens
    routed alike (relative to the MoE output's max abs).
 2. launches per block: one block captured in a CUDA graph, replays under torch.profiler, kernels counted per replay.
-3. time per block inside a CUDA graph (bench/decode_speed.py's _graph_time_us: 20 blocks in one graph, best of 5
+3. time per block inside a CUDA graph (bench/kit.py's graph_time_us: 20 blocks in one graph, best of 5
    replays), fused vs today's, T = 1 and 4, with each fused kernel alone; bytes the block must read and GB/s.
 4. --sweep (default on, --no-sweep skips): the gate and down kernels' tile settings at T = 1 with fp8 experts, each kernel timed alone,
    so the defaults in moe_fused_triton.TUNE can follow the device.
@@ -35,11 +35,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_speed import CONFIGS, _graph_time_us  # noqa: E402
-from tilepd.engine import layers, moe, moe_fused, moe_fused_triton  # noqa: E402
-from tilepd.engine.cuda_graph import capture_graph  # noqa: E402
-from tilepd.engine.fp8 import BlockFp8, quantize  # noqa: E402
-from tilepd.engine.route_triton import route_logits  # noqa: E402
+from kit import CONFIGS, graph_time_us
+from tilepd.engine import layers, moe, moe_fused, moe_fused_triton
+from tilepd.engine.cuda_graph import capture_graph
+from tilepd.model_format.block_fp8 import BlockFp8, quantize
+from tilepd.engine.route_triton import route_logits
 
 MODELS = ("glm-5.1", "deepseek-v3")
 GATE_SWEEP = [(1, 2048, 4), (2, 2048, 8), (2, 4096, 8), (4, 1024, 8), (4, 2048, 8)]  # (block_e, block_k, warps)
@@ -130,7 +130,7 @@ def count_launches(fn, dev: torch.device, replays: int = 5) -> dict | None:  # n
 
 def _time_us(fn, dev: torch.device) -> float:  # noqa: ANN001 - a callable
     """us per call in a CUDA graph; on CPU (the interpreter: seconds a call) one call, only so the code runs."""
-    return _graph_time_us(fn, dev, reps=20 if dev.type == "cuda" else 1)
+    return graph_time_us(fn, dev, reps=20 if dev.type == "cuda" else 1)
 
 
 def kernel_calls(x: torch.Tensor, w: dict, s: SimpleNamespace) -> dict:

@@ -87,7 +87,7 @@ def profile_line(p: dict) -> str:
 
 
 def main() -> None:
-    from decode_speed import CONFIGS, build_weights, model_spec, random_state, read_bandwidth, step_read_bytes
+    from kit import CONFIGS, build_weights, model_spec, random_state, read_bandwidth, step_read_bytes
     from tilepd.engine import layers, moe
     from tilepd.engine.compiled import accelerate
     from tilepd.engine.engine import Engine, build_model

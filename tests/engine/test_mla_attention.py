@@ -87,7 +87,7 @@ _ENGINE = textwrap.dedent("""
     import sys
     import torch
     from tilepd.engine import KVState, SamplingParams, layers, load_engine, moe
-    from tilepd.engine.deepseek_v3 import DenseSpan
+    from tilepd.engine.mla_fused import DenseSpan
     torch.set_num_threads(1)
     for path in sys.argv[1:]:
         eng = load_engine(path, device="cpu", max_seq_len=128, dtype="float32", use_cuda_graph=True, num_speculative_tokens=0)

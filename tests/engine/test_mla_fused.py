@@ -118,7 +118,7 @@ _FP8 = _FAST_TILES + textwrap.dedent("""
     import sys
     import torch
     from tilepd.engine import KVState, SamplingParams, layers, load_engine, mla_fused
-    from tilepd.engine.fp8 import BlockFp8
+    from tilepd.model_format.block_fp8 import BlockFp8
     torch.set_num_threads(1)
     eng = load_engine(sys.argv[1], device="cpu", max_seq_len=64, dtype="float32", num_speculative_tokens=0)
     s = eng.config
@@ -188,7 +188,7 @@ def test_concatenated_fp8_parts_keep_their_values_and_the_entries_become_views(r
     """_concat on block-scaled parts: the joined weight dequantises to the parts stacked; on the 128-row grid the block
     scales are joined as they are, off it each row keeps its own scale (block_n 1); each part's new entry is a view."""
     from tilepd.engine import mla_fused
-    from tilepd.engine.fp8 import BlockFp8, dequantize, quantize
+    from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize
 
     g = torch.Generator().manual_seed(0)
     parts = [(f"p{i}", quantize(torch.randn(n, 256, generator=g))) for i, n in enumerate(rows)]

@@ -45,6 +45,17 @@ class SpeedPath:
         return "+".join(self.parts) or "plain"
 
 
+def reference_path() -> None:
+    """Every speed-path switch back to the portable ops: the tables are module state, shared by a bench's variants and
+    by tests that build several engines in one process."""
+    from tilepd.engine import mla_fused
+
+    layers.ATTENTION_IMPL.update(default="sdpa", mla="reference")
+    layers.GEMV_IMPL["dense"] = "torch"
+    moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"] = "gather", "torch", "torch"
+    mla_fused.FUSED_IMPL["attention"] = "torch"
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401

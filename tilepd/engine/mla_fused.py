@@ -26,15 +26,37 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from tilepd.engine.fp8 import BlockFp8
+from tilepd.engine.dsa import DSAStep
+from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.model_format.model_spec import ModelSpec
 
-if TYPE_CHECKING:
-    from tilepd.engine.deepseek_v3 import DeepseekV3Model, DenseSpan
-    from tilepd.engine.dsa import DSAStep
+
+@dataclass
+class DenseSpan:
+    """Dense MLA mask for the kernel: token t sees slots lo[t]..hi[t] (device tensors) of a window of `length`."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    length: int
+
+
+class MlaModel(Protocol):
+    """What the fused block reads of a DeepSeek-family model (deepseek_v3.DeepseekV3Model and its TP subclass)."""
+
+    spec: ModelSpec
+    w: dict
+    fused: dict
+    mtp_caches: list[torch.Tensor]
+    index_caches: dict[str, torch.Tensor]
+    rope: torch.Tensor
+    index_rope: torch.Tensor
+    scale: float
+
+    def _mla_kernel(self, x: torch.Tensor) -> bool: ...
 
 # "torch": the model's own ops (deepseek_v3._attention); "triton": this module (CUDA, or CPU under TRITON_INTERPRET=1),
 # set by compiled.accelerate(mla_fused=True).
@@ -115,7 +137,7 @@ def _groups(w: dict, p: str, names: tuple[str, ...], built: dict) -> list[Group]
     return groups
 
 
-def prepare_model(model: "DeepseekV3Model") -> None:
+def prepare_model(model: MlaModel) -> None:
     """Concatenate each layer's projections for G1 and G2 (main layers and MTP layers). Call outside any graph capture."""
     s, w = model.spec, model.w
     prefixes = [f"layers.{i}." for i in range(s.num_layers)] + [f"mtp.{k}." for k in range(len(model.mtp_caches))]
@@ -134,7 +156,7 @@ def _kernels_available() -> bool:
     return mla_fused_triton.available() and fp8_triton.available() and gemv_triton.available()
 
 
-def applies(model: "DeepseekV3Model", p: str, x: torch.Tensor) -> bool:
+def applies(model: MlaModel, p: str, x: torch.Tensor) -> bool:
     """This step's layer `p` runs here: switch on, the MLA kernel path in use, few enough rows, weights prepared."""
     if FUSED_IMPL["attention"] != "triton" or x.shape[0] > MAX_TOKENS or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
@@ -173,8 +195,8 @@ def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torc
     return out
 
 
-def attention_block(model: "DeepseekV3Model", p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-                    cs: torch.Tensor, mask: "DenseSpan | None", dsa: "DSAStep | None", residual: bool = True) -> torch.Tensor:
+def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                    cs: torch.Tensor, mask: DenseSpan | None, dsa: DSAStep | None, residual: bool = True) -> torch.Tensor:
     """x + attention(rms_norm(x)) for layer `p` (residual False: the attention output alone, which tensor parallelism
     all-reduces before its own add)."""
     from tilepd.engine.dsa import Selection

@@ -249,7 +249,7 @@ def prepare_reference(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_
                       positions: torch.Tensor, cache: torch.Tensor, rank: int, rope: int, interleaved: bool,
                       index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None,
                       head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from tilepd.engine.layers import rms_norm
+    from tilepd.engine.norm_act import rms_norm
     from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox
 
     rope_fn = apply_rope_interleaved if interleaved else apply_rope_neox

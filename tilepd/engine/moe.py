@@ -20,9 +20,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.fp8 import BlockFp8, fp8_expert_linear
+from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.engine.fp8 import fp8_expert_linear
 from tilepd.engine.layers import rms_norm, silu_mul, swiglu
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 
 
 # "torch": route_torch (portable reference); "triton": route_triton.route_logits after the gate GEMV (CUDA, or CPU

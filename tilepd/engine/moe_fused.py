@@ -25,8 +25,9 @@ import os
 
 import torch
 
-from tilepd.engine.fp8 import GEMV_MAX_ROWS, BlockFp8
-from tilepd.engine.spec import ModelSpec
+from tilepd.engine.fp8 import GEMV_MAX_ROWS
+from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.model_format.model_spec import ModelSpec
 
 
 def applies(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tilepd.engine.fp8 import BlockFp8
+from tilepd.model_format.block_fp8 import BlockFp8
 from tilepd.engine.tuning import env_int
 
 try:

@@ -1,4 +1,4 @@
-"""Drive the real TilePDConnector through the hooks vLLM calls, without a vLLM process (DSA tests and the GPU bench).
+"""Drive the real TilePDConnector through the hooks vLLM calls, without a vLLM process (the DSA tests, on CPU and on CUDA).
 
 The connector is built without a VllmConfig (`TilePDConnector._setup`); the scheduler side gets a minimal
 scheduler output carrying only what vLLM passes it (request ids, computed and scheduled token counts) and a
@@ -100,7 +100,7 @@ def send_to_receiver(state: Any, *, latent: str = "bfloat16", device: str = "cpu
     import numpy as np
     import torch
 
-    from tests.handoff.vllm_caches import dsa_caches
+    from tests.connector.vllm_caches import dsa_caches
     from tilepd.control.messages import ErrorCode, ProtocolError
     from tilepd.contracts.service_configs import DecodeEndpoint, TransportConfig
     from tilepd.runtime.ctrl_server import ControlServer

@@ -82,7 +82,7 @@ def dsa_caches(state: KVState, *, block_size: int = 64, num_blocks: int = 16, la
     ix_names = [f"model.layers.{l}.self_attn.indexer.k_cache" for l in ix_layers]
     try:
         import vllm.v1.kv_cache_interface  # noqa: F401  (vLLM's own allocator views when vLLM is installed)
-    except ImportError:  # a GPU host without vLLM (bench/connector_gpu_parity.py): LBHNC views by hand
+    except ImportError:  # a GPU host without vLLM (test_connector_gpu_parity.py): LBHNC views by hand
         lat_views, ix_views = _plain_views(n_lat, len(ix_layers), num_blocks, block_size, width, ihd, latent, device, layout)
     else:
         lat_views, ix_views = _vllm_views(n_lat, lat_names, ix_names, num_blocks, block_size, width, ihd, latent, device, layout)

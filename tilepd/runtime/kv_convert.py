@@ -1,4 +1,4 @@
-"""Received bytes (vLLM paged layout, INTERFACES §2) -> the engine's native KV layers (§1).
+"""The decode node's KV conversion: received bytes (vLLM paged layout, INTERFACES §2) -> the engine layout's KV layers (§1).
 
 The prefill side ships blocks as vLLM holds them; this is the one place the decode
 node reorders them: per layer, view the region as [blocks, H, bs, C] (BHNC) or
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tilepd.control.layout import INDEXER_QUANT_GROUP, CacheLayout, IndexerLayout
+from tilepd.control.cache_layout import INDEXER_QUANT_GROUP, CacheLayout, IndexerLayout
 
 WIRE_TORCH_DTYPE: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -68,7 +68,7 @@ def convert_layer(raw: torch.Tensor, layout: CacheLayout, seq_len: int, out_dtyp
 
 def convert(buf: torch.Tensor, layout: CacheLayout, max_seq_len: int, seq_len: int, out_dtype: torch.dtype,
             device: torch.device | str | None = None, tp_size: int = 1) -> list[torch.Tensor]:
-    """All layers of one received transfer, in the engine's native layout.
+    """All layers of one received transfer, in the engine layout.
 
     With tp_size > 1 rank r's heads sit in their own regions (after the r-1 ranks before it) and are
     concatenated in rank order, which is how tensor parallelism splits KV heads.
@@ -83,7 +83,7 @@ def convert(buf: torch.Tensor, layout: CacheLayout, max_seq_len: int, seq_len: i
 
 
 def to_wire(layers: list[torch.Tensor], layout: CacheLayout) -> bytes:
-    """Inverse of `convert` for float wire dtypes: native [T, H, C] layers -> contiguous wire blocks.
+    """Inverse of `convert` for float wire dtypes: engine-layout [T, H, C] layers -> contiguous wire blocks.
 
     Used by tests and the bench to produce what a vLLM prefill would send.
     """

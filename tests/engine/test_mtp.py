@@ -1,4 +1,4 @@
-"""MTP speculative decode (deepseek_v3, and DSA models) through the static verify+draft step (speculative.SpecStep),
+"""MTP speculative decode (deepseek_v3, and DSA models) through the static verify+draft step (mtp.MtpStep),
 run on CPU without capture: exactly plain greedy output (HF's tokens), whatever the drafts; acceptance reported.
 
 Random MTP weights draft badly (mostly rejections); an oracle draft table (the bench's forced-acceptance
@@ -12,14 +12,14 @@ import pytest
 
 from tests.engine.conftest import DSA_STEPS
 from tilepd.engine import SamplingParams, load_engine
-from tilepd.engine.speculative import spec_step
+from tilepd.engine.mtp import mtp_step
 
 STEPS = 64
 GREEDY = SamplingParams(ignore_eos=True)
 
 
 def _engine(path: Path, k: int, max_seq_len: int = 256, buckets: list[int] | None = None):
-    """A CPU engine whose SpecStep runs the graph's static body: fixed windows from `buckets` when given."""
+    """A CPU engine whose MtpStep runs the graph's static body: fixed windows from `buckets` when given."""
     eng = load_engine(path, device="cpu", max_seq_len=max_seq_len, dtype="float32", num_speculative_tokens=k, use_cuda_graph=buckets is not None)
     if buckets is not None:  # the graph step's static windows (uncaptured on CPU), shared by the MTP step
         eng.graph_step.buckets = buckets
@@ -37,7 +37,7 @@ def test_mtp_step_equals_plain_greedy(k: int, tiny_deepseek: Path, deepseek_ref)
     assert engine.capabilities["speculative_mtp"] is True
     res = _decode(engine, deepseek_ref)
     assert res.tokens == deepseek_ref.tokens[1 : STEPS + 1]
-    stats = engine.last_spec_stats
+    stats = engine.last_mtp_stats
     print(f"MTP k={k}: acceptance {stats['acceptance_rate']:.3f} ({stats['accepted']}/{stats['drafted']}), "
           f"{stats['target_steps']} target steps for {len(res.tokens)} tokens")
     assert stats["drafted"] > 0 and res.timings["acceptance_rate"] == stats["acceptance_rate"]
@@ -55,10 +55,10 @@ def _oracle(ref, every: int | None, vocab: int) -> list[int]:
 def test_oracle_drafts_accept_and_reject(tiny_deepseek: Path, deepseek_ref) -> None:
     """Drafts from a table of the true tokens with every 5th one wrong: both paths of the acceptance, exact output."""
     engine = _engine(tiny_deepseek, 3)
-    spec_step(engine).set_oracle(_oracle(deepseek_ref, 5, engine.config.vocab_size))
+    mtp_step(engine).set_oracle(_oracle(deepseek_ref, 5, engine.config.vocab_size))
     res = _decode(engine, deepseek_ref)
     assert res.tokens == deepseek_ref.tokens[1 : STEPS + 1]
-    stats = engine.last_spec_stats
+    stats = engine.last_mtp_stats
     print(f"oracle k=3, every 5th draft wrong: acceptance {stats['acceptance_rate']:.3f}, {stats['target_steps']} target steps")
     assert 0.3 < stats["acceptance_rate"] < 0.9
     assert stats["target_steps"] < STEPS / 2
@@ -67,17 +67,17 @@ def test_oracle_drafts_accept_and_reject(tiny_deepseek: Path, deepseek_ref) -> N
 def test_forced_full_acceptance(tiny_deepseek: Path, deepseek_ref) -> None:
     """The bench's forced mode with the true tokens as drafts: every draft accepted, k+1 tokens per step, exact."""
     engine = _engine(tiny_deepseek, 3)
-    spec_step(engine).set_oracle(_oracle(deepseek_ref, None, engine.config.vocab_size), force=True)
+    mtp_step(engine).set_oracle(_oracle(deepseek_ref, None, engine.config.vocab_size), force=True)
     res = _decode(engine, deepseek_ref, steps=41)
     assert res.tokens == deepseek_ref.tokens[1:42]
-    stats = engine.last_spec_stats
+    stats = engine.last_mtp_stats
     assert stats["acceptance_rate"] == 1.0 and stats["matched"] == stats["accepted"]
     assert stats["target_steps"] == 1 + 10  # first step: 1 token; then 4 per step
 
 
 def test_stops_mid_step_and_at_max_tokens(tiny_deepseek: Path, deepseek_ref) -> None:
     engine = _engine(tiny_deepseek, 3)
-    spec_step(engine).set_oracle(_oracle(deepseek_ref, None, engine.config.vocab_size))
+    mtp_step(engine).set_oracle(_oracle(deepseek_ref, None, engine.config.vocab_size))
     truth = deepseek_ref.tokens[1:]
     stop_at = next(i for i in range(6, STEPS) if truth[i] not in truth[:i] and i % 4 != 0)
     res = _decode(engine, deepseek_ref, stop_token_ids=(truth[stop_at],))
@@ -105,10 +105,10 @@ def test_dsa_models_mtp_step(model: str, k: int, dsa_ref, request: pytest.Fixtur
     eng = _engine(request.getfixturevalue(f"tiny_{model}"), k, buckets=[96, 128, 256])
     assert "mtp.0." in eng.model.index_caches
     if k == 3:
-        spec_step(eng).set_oracle(_oracle(ref, 4, eng.config.vocab_size))
+        mtp_step(eng).set_oracle(_oracle(ref, 4, eng.config.vocab_size))
     eng.inject(ref.state)
     assert eng.decode(ref.tokens[0], DSA_STEPS, GREEDY, lambda t: None).tokens == ref.tokens[1:]
-    stats = eng.last_spec_stats
+    stats = eng.last_mtp_stats
     assert stats["drafted"] > 0
     if k == 3:
         assert 0 < stats["acceptance_rate"] < 1
@@ -158,7 +158,7 @@ def test_mtp_drafts_equal_the_eager_drafter(model: str, request: pytest.FixtureR
     ref = request.getfixturevalue("deepseek_ref") if model == "deepseek" else request.getfixturevalue("dsa_ref")("glm5", "long")
     k = 3
     eng = _engine(path, k, buckets=[96, 128, 256])
-    step = spec_step(eng)
+    step = mtp_step(eng)
     table = _oracle(ref, None, eng.config.vocab_size)
     for i in range(len(ref.prompt_ids) + 3, len(table), 3):  # wrong drafts at varying offsets in the k-window
         table[i] = (table[i] + 7) % eng.config.vocab_size

@@ -88,7 +88,7 @@ class ModelSpec:
 
     @property
     def cache_entry_width(self) -> int:
-        """Channels per token per head of the native cache (INTERFACES §1)."""
+        """Channels per token per head of the cache in the engine layout (INTERFACES §1)."""
         if self.family == "deepseek_v3":
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.head_dim

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from tests.deploy import topo
-from tilepd.deploy.convert import convert_on_nodes
+from tilepd.deploy.convert_on_nodes import convert_on_nodes
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,8 @@
-"""Load tilepd runtime weights (a converted directory, or an HF checkpoint converted in memory) onto a device."""
+"""Load tilepd runtime weights (a converted directory, or an HF checkpoint converted in memory) onto a device.
+
+The engine's side of tilepd.weights: that package writes the format (and builds the tensors an in-memory
+conversion loads here); the engine reads it through this module, so tilepd.weights imports nothing of the engine.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,13 @@ from pathlib import Path
 
 import torch
 
-from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8, device_supports_fp8, kernel_available
-from tilepd.engine.spec import ModelSpec, spec_from_hf_config
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8
+from tilepd.engine.fp8 import device_supports_fp8, kernel_available
+from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.runbooks import see
 from tilepd.weights import fp8_build
 from tilepd.weights.build import build_chunks, cast_chunk
-from tilepd.weights.layout import family_layout
+from tilepd.weights.out_tensors import family_layout
 from tilepd.weights.manifest import MANIFEST, read_manifest
 from tilepd.weights.source import Checkpoint, SafetensorsFile, WeightsError
 
@@ -95,7 +100,7 @@ def _load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype, rank: in
         out: Weights = {}
         for t in layout:
             if t.name in fp8:
-                block, _ = fp8_build.plan(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
+                block, _ = fp8_build.block_and_scale_shape(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
                 parts = list(fp8_build.build(t, get_fp8, block, rank, tp))
                 w = BlockFp8(torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts]), block) if t.stacked else parts[0]
                 out[t.name] = w.to(device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tilepd.connector.layout import ModelCacheFacts, UnsupportedCacheLayout, read_paged_cache
+from tilepd.connector.paged_cache import ModelCacheFacts, UnsupportedCacheLayout, read_paged_cache
 from tilepd.connector.staging import StagingPool, gather_blocks
 
 LLAMA = ModelCacheFacts(use_mla=False, cache_dtype="auto", scheduler_block_size=128, head_size=32)
@@ -157,7 +157,7 @@ def test_unknown_dsa_caches_are_refused_with_a_reason(caches, facts, needle: str
 
 
 def test_shuffled_indexer_layout_is_refused() -> None:
-    from tilepd.connector.layout import cache_role
+    from tilepd.connector.paged_cache import cache_role
 
     class DeepseekV32IndexerCache:  # the class name vLLM registers; the ROCm shuffled layout flag set
         uses_shuffled_layout = True

@@ -14,7 +14,7 @@ import threading
 import torch
 
 from tilepd.connector.events import EventLog
-from tilepd.connector.layout import ModelCacheFacts, read_paged_cache
+from tilepd.connector.paged_cache import ModelCacheFacts, read_paged_cache
 from tilepd.contracts.marker import TilepdMarker
 from tilepd.connector.staging import StagingPool
 from tilepd.connector.vllm_connector import SendSpec, TilePDConnector, TilePDConnectorMetadata

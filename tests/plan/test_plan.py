@@ -10,7 +10,7 @@ from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeServerC
 from tilepd.resources import examples_dir
 from tilepd.topology import load_topology, load_topology_text
 
-BASE = (Path(__file__).parent / "base_valid.yaml").read_text()
+BASE = (Path(__file__).parents[1] / "topology" / "base_valid.yaml").read_text()  # the topology tests' valid base
 
 
 def _plan(name: str):

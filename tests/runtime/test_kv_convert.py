@@ -1,4 +1,4 @@
-"""Wire bytes (vLLM block layout) -> engine-native KV layers."""
+"""Wire bytes (vLLM block layout) -> KV layers in the engine layout."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tilepd.control.layout import CacheLayout
-from tilepd.runtime.convert import convert, convert_layer, to_wire
+from tilepd.control.cache_layout import CacheLayout
+from tilepd.runtime.kv_convert import convert, convert_layer, to_wire
 
 
 def _layers(t: int, h: int, c: int, n: int = 2) -> list[torch.Tensor]:
@@ -92,10 +92,10 @@ def test_tensor_parallel_shards_are_concatenated_by_rank() -> None:
 def test_indexer_keys_dequantise_to_vllms_fp8_round_trip() -> None:
     """Wire blocks as vLLM's indexer cache holds them (values, then scales, per 64-token block) -> the keys the
     engine gets are exactly HF's keys passed through vLLM's fp8 round trip; a shared layer gets None."""
-    from tests.handoff.vllm_caches import quant_indexer_blocks
-    from tilepd.control.layout import IndexerLayout
+    from tests.connector.vllm_caches import quant_indexer_blocks
+    from tilepd.control.cache_layout import IndexerLayout
     from tilepd.dev.hf_reference import vllm_indexer_fp8_round_trip
-    from tilepd.runtime.convert import convert_indexer
+    from tilepd.runtime.kv_convert import convert_indexer
 
     ix = IndexerLayout(layers=[0, 2], block_size=64, head_dim=128)
     lay = CacheLayout(kind="mla", num_layers=3, block_size=64, num_heads=1, entry_width=576, dtype="float32", kv_lora_rank=512,
@@ -118,7 +118,7 @@ def test_indexer_keys_dequantise_to_vllms_fp8_round_trip() -> None:
 
 def test_indexer_block_interior_is_values_then_scales() -> None:
     """One block: bytes [0, 64*128) are the tokens' fp8 values, then 64 fp32 scales (vLLM's CUDA layout)."""
-    from tests.handoff.vllm_caches import quant_indexer_blocks
+    from tests.connector.vllm_caches import quant_indexer_blocks
 
     k = torch.zeros(64, 128)
     k[5, 7] = 448.0 * 4  # token 5's group: scale 4, value 448

@@ -2,16 +2,16 @@
 layouts, a scattered block table, chunked prefill steps, the real connector hooks and sender over tcp into a
 decode-node receiver. What lands must be each cache's blocks exactly as vLLM holds them (computed independently
 from the cache tensors), and converting it must give back the state (indexer keys as vLLM's fp8 keeps them).
-bench/connector_gpu_parity.py runs the same on CUDA caches (pinned staging, CUDA events) and compares."""
+test_connector_gpu_parity.py (marker gpu) runs the same on CUDA caches (pinned staging, CUDA events) and compares."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.handoff.dsa_drive import expected_wire, random_dsa_state, send_to_receiver
+from tests.connector.dsa_drive import expected_wire, random_dsa_state, send_to_receiver
 from tilepd.dev.hf_reference import vllm_indexer_fp8_round_trip
-from tilepd.runtime.convert import convert, convert_indexer
+from tilepd.runtime.kv_convert import convert, convert_indexer
 
 
 def _fp8_ds_mla_keeps(x: torch.Tensor) -> torch.Tensor:

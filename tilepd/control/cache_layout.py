@@ -2,7 +2,7 @@
 
 The connector builds it from vLLM's cache tensors and sends it in `hello`; the
 decode node uses it to size regions in its receive buffer and to convert the bytes
-it receives into the engine's native cache. Two ends agree on bytes only through
+it receives into the engine layout of its cache. Two ends agree on bytes only through
 this model, so every size the wire depends on is derived here.
 
 Version 2 adds a second per-layer segment, the lightning indexer's key cache of DSA

@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import torch
 
-from tilepd.control.layout import FP8_DS_MLA_ENTRY_BYTES, CacheLayout, IndexerLayout, indexer_token_bytes
+from tilepd.control.cache_layout import FP8_DS_MLA_ENTRY_BYTES, CacheLayout, IndexerLayout, indexer_token_bytes
 
 Order = Literal["BHNC", "BNHC"]
 

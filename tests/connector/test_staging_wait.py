@@ -14,7 +14,7 @@ from vllm.v1.request import Request
 from tilepd.contracts.marker import RESULT_KEY
 from tilepd.connector.staging import StagingPool
 from tilepd.connector.vllm_connector import STAGING_WAIT_S, KVConnectorRole, TilePDConnector
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 
 NODE = DecodeEndpoint(name="d0", host="127.0.0.1", ctrl_port=5556, http_port=8100)

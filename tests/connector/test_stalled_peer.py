@@ -22,7 +22,7 @@ import torch
 from tilepd.contracts.marker import TilepdMarker
 from tilepd.connector.staging import StagingPool
 from tilepd.connector.vllm_connector import KVConnectorRole, SendSpec, TilePDConnector, _Staged
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.sender import REPLY_TIMEOUT_S, KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.geometry import CacheGeometry

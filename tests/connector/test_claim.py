@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tilepd.connector.events import EventLog, parse_event_lines
-from tilepd.connector.marker import decide_claim
+from tilepd.connector.claim import decide_claim
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 
 CFG = ConnectorExtraConfig(

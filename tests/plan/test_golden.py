@@ -1,7 +1,7 @@
 """Golden files pin the rendered vLLM argv and kv-transfer-config of the two production examples.
 
 A change here is a change of what runs in production: regenerate deliberately with
-`TILEPD_UPDATE_GOLDEN=1 pytest tests/topology/test_golden.py` and review the diff.
+`TILEPD_UPDATE_GOLDEN=1 pytest tests/plan/test_golden.py` and review the diff.
 """
 
 from __future__ import annotations

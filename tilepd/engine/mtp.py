@@ -34,7 +34,7 @@ from tilepd.engine.types import DecodeResult, FinishReason
 log = logging.getLogger(__name__)
 
 
-class SpecStep:
+class MtpStep:
     """The static verify + accept + draft step over the engine's StepIO (token = pending, position = P).
 
     `plain` is the engine's GraphStep (or None): its window buckets and speed-path fallbacks are shared."""
@@ -165,21 +165,21 @@ class SpecStep:
         return len(self.graphs)
 
 
-def spec_step(engine) -> SpecStep:
-    """The engine's SpecStep for its current num_speculative_tokens (built on first use)."""
-    step = getattr(engine, "_spec_step", None)
+def mtp_step(engine) -> MtpStep:
+    """The engine's MtpStep for its current num_speculative_tokens (built on first use)."""
+    step = getattr(engine, "_mtp_step", None)
     if step is None or step.k != engine.num_speculative_tokens:
         plain = engine.graph_step
-        step = SpecStep(engine.model, engine.num_speculative_tokens, engine.max_seq_len, engine.io, plain,
+        step = MtpStep(engine.model, engine.num_speculative_tokens, engine.max_seq_len, engine.io, plain,
                         capture=plain is not None and plain.capture)
-        engine._spec_step = step
+        engine._mtp_step = step
     return step
 
 
-def speculative_decode(engine, first_token: int, max_tokens: int, stops: set[int], on_token: Callable[[int], None],
-                       cancel: threading.Event | None) -> DecodeResult:
-    """Greedy decode through SpecStep (plain steps only where the drafts would run past the cache)."""
-    step = spec_step(engine)
+def mtp_decode(engine, first_token: int, max_tokens: int, stops: set[int], on_token: Callable[[int], None],
+               cancel: threading.Event | None) -> DecodeResult:
+    """Greedy decode through MtpStep (plain steps only where the drafts would run past the cache)."""
+    step = mtp_step(engine)
     plain = engine.graph_step or engine.eager_step
     io, k = engine.io, step.k
     tokens: list[int] = []
@@ -235,7 +235,7 @@ def speculative_decode(engine, first_token: int, max_tokens: int, stops: set[int
     engine.seq_len = min(p, engine.max_seq_len)
     elapsed = time.perf_counter() - t0
     rate = accepted / drafted if drafted else 0.0
-    engine.last_spec_stats = {"drafted": drafted, "accepted": accepted, "acceptance_rate": rate, "target_steps": target_steps,
+    engine.last_mtp_stats = {"drafted": drafted, "accepted": accepted, "acceptance_rate": rate, "target_steps": target_steps,
                               "matched": matched}
     timings = {"decode_ms": elapsed * 1e3, "first_step_ms": t_first * 1e3,
                "ms_per_token": elapsed / len(tokens) * 1e3 if tokens else 0.0,
