@@ -13,6 +13,7 @@ on the CPU first (transformers), once per module.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,14 +27,22 @@ STEPS = 32
 DEVICE = "cuda"  # where the checks run (a dry run of this file's own logic can set cpu: the graphs' static body, eagerly)
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny models and HF's prefill state + greedy tokens for each prompt, made on the CPU (needs transformers)."""
-    pytest.importorskip("transformers", reason="the tiny models and HF references need transformers")
+REFS_ENV = "TILEPD_DSA_GPU_REFS"  # a folder `prepare_references` wrote (on a CPU box with the project's transformers)
+
+
+def prepare_references(out: Path) -> Path:
+    """Tiny models and HF's prefill state + greedy tokens for each prompt, made on the CPU (needs transformers).
+
+    HF's cache layout is the reference's input, and the project's transformers (5.19) stores the MLA latent there;
+    with the GPU machine's own transformers (5.17) the reference's layer 0 came back [80, 4, 128] instead of
+    [80, 1, 576] (2026-12-03), so the references are made where the project's environment is and carried
+    (`REFS_ENV`), as the GPU bench did before it became this test:
+        python -c "from pathlib import Path; from tests.engine.test_dsa_gpu_parity import prepare_references as p; p(Path('build/dsa-gpu-refs'))"
+    """
     from tilepd.dev.hf_reference import hf_reference
     from tilepd.dev.tiny_model import make_tiny_model
 
-    out = tmp_path_factory.mktemp("dsa-refs")
+    out.mkdir(parents=True, exist_ok=True)
     for model in MODELS:
         path = make_tiny_model(model, out / model)
         for kind, n in PROMPTS.items():
@@ -42,6 +51,20 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
             torch.save({"seq_len": ref.state.seq_len, "layers": ref.state.layers, "indexer": ref.state.indexer,
                         "tokens": ref.tokens}, out / f"{model}-{kind}.pt")
     return out
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The references `REFS_ENV` names, else made here (needs transformers)."""
+    carried = os.environ.get(REFS_ENV)
+    if carried:
+        path = Path(carried)
+        missing = [f"{m}-{k}.pt" for m in MODELS for k in PROMPTS if not (path / f"{m}-{k}.pt").is_file()]
+        if missing:
+            raise FileNotFoundError(f"{REFS_ENV}={carried}: {', '.join(missing)} missing (prepare_references writes them)")
+        return path
+    pytest.importorskip("transformers", reason="the tiny models and HF references need transformers")
+    return prepare_references(tmp_path_factory.mktemp("dsa-refs"))
 
 
 @pytest.fixture(scope="module")

@@ -28,16 +28,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tilepd.engine.tuning import env_int
+
 try:
     import triton
     import triton.language as tl
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
-BLOCK_C = 128  # latent columns per absorb program (fewer for a smaller power-of-two rank)
-BLOCK_D = 64  # q_nope channels per absorb loop step
-BLOCK_V = 64  # W_UV output channels per merge program
-CHUNK_C = 128  # latent columns per merge loop step (likewise)
+# Tiles (env TILEPD_MLA_FUSED_* override them, so bench/mla_fused_gpu.py can sweep on the device): block_c latent
+# columns per absorb program (fewer for a smaller power-of-two rank), block_d q_nope channels per absorb loop step,
+# block_v W_UV output channels per merge program, chunk_c latent columns per merge loop step, stages: Triton's software
+# pipelining of those loops (the next chunk's weights load while this one is summed). Defaults from
+# `python bench/mla_fused_gpu.py` on one H200 (2026-12-03, GLM-5.1 shapes, bf16): prepare 7.8 us (W_UK read floor
+# 3.1 us) with 64 columns a program against 8.2 with 128; merge + W_UV 6.6 us (W_UV floor 4.1 us) with 256-column
+# chunks against 11.3 with 128; deeper pipelining was slower for both.
+TUNE: dict[str, int] = {
+    "block_c": env_int("TILEPD_MLA_FUSED_BLOCK_C", 64),
+    "block_d": env_int("TILEPD_MLA_FUSED_BLOCK_D", 64),
+    "prep_stages": env_int("TILEPD_MLA_FUSED_PREP_STAGES", 1),
+    "prep_warps": env_int("TILEPD_MLA_FUSED_PREP_WARPS", 4),
+    "block_v": env_int("TILEPD_MLA_FUSED_BLOCK_V", 64),
+    "chunk_c": env_int("TILEPD_MLA_FUSED_CHUNK_C", 256),
+    "merge_stages": env_int("TILEPD_MLA_FUSED_MERGE_STAGES", 1),
+    "merge_warps": env_int("TILEPD_MLA_FUSED_MERGE_WARPS", 4),
+}
 
 
 def available() -> bool:
@@ -67,7 +82,7 @@ if triton is not None:
                         H, NOPE, QW, N_ABSORB, HIDDEN,
                         RANK: tl.constexpr, ROPE: tl.constexpr, IDX_D: tl.constexpr, INTERLEAVED: tl.constexpr,
                         IDX_INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ACT: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
         t = tl.program_id(1)
         pid = tl.program_id(0)
         offs_p = tl.arange(0, ROPE)
@@ -80,7 +95,7 @@ if triton is not None:
             offs_c = (pid % n_ct) * BLOCK_C + tl.arange(0, BLOCK_C)
             q_head = Q + t * s_qt + h * QW
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-            for d0 in range(0, NOPE, BLOCK_D):
+            for d0 in tl.range(0, NOPE, BLOCK_D, num_stages=STAGES):
                 offs_d = d0 + tl.arange(0, BLOCK_D)
                 dmask = offs_d < NOPE
                 qn = tl.load(q_head + offs_d, mask=dmask, other=0.0).to(tl.float32)
@@ -101,43 +116,45 @@ if triton is not None:
             tl.store(row + offs_r, c.to(C.dtype.element_ty))
             k_pe = _rope_rounded(KV + t * s_kvt + RANK, offs_p, cos, sin, ROPE, INTERLEAVED, ACT)
             tl.store(row + RANK + offs_p, k_pe.to(C.dtype.element_ty))
-        elif HAS_WEIGHTS and pid > N_ABSORB + 1:  # DSA scoring: one indexer head's weight, fp32 over the normed hidden
-            hh = pid - N_ABSORB - 2
-            x_row = X + t * s_xt
-            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                xs = tl.load(x_row + kc, mask=kc < HIDDEN, other=0.0).to(tl.float32)
-                sq += xs * xs
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / HIDDEN + x_eps)
-            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                km = kc < HIDDEN
-                xs = tl.load(x_row + kc, mask=km, other=0.0).to(tl.float32)
-                g = tl.load(XN + kc, mask=km, other=0.0).to(tl.float32)
-                xn = ((xs * rstd).to(ACT).to(tl.float32) * g).to(ACT).to(tl.float32)  # rms_norm(x) as the layer rounds it
-                acc += xn * tl.load(WP + hh * s_wp + kc, mask=km, other=0.0).to(tl.float32)
-            tl.store(WOUT + t * s_wt + hh, tl.sum(acc, axis=0))
-        elif HAS_INDEX:  # DSA: the indexer key, LayerNorm (eps 1e-6, bias) + RoPE on its first ROPE channels
-            offs = tl.arange(0, IDX_D)
-            roped = offs < ROPE
-            partner = tl.where(roped, _partner(offs, ROPE, IDX_INTERLEAVED), offs)
-            x = tl.load(KX + t * s_kxt + offs).to(tl.float32)
-            mean = tl.sum(x, axis=0) / IDX_D
-            var = tl.sum((x - mean) * (x - mean), axis=0) / IDX_D
-            rstd = 1.0 / tl.sqrt(var + 1e-6)
-            y = (x - mean) * rstd * tl.load(KN + offs).to(tl.float32) + tl.load(KB + offs).to(tl.float32)
-            xp = tl.load(KX + t * s_kxt + partner).to(tl.float32)
-            yp = (xp - mean) * rstd * tl.load(KN + partner).to(tl.float32) + tl.load(KB + partner).to(tl.float32)
-            icos = tl.load(ICS + t * s_ict + offs, mask=roped, other=1.0).to(tl.float32)
-            isin = tl.load(ICS + t * s_ict + s_ic1 + offs, mask=roped, other=0.0).to(tl.float32)
-            tl.store(IC + slot * s_icl + offs, (y * icos + yp * isin).to(IC.dtype.element_ty))
+        elif pid == N_ABSORB + 1:  # DSA: the indexer key, LayerNorm (eps 1e-6, bias) + RoPE on its first ROPE channels
+            if HAS_INDEX:
+                offs = tl.arange(0, IDX_D)
+                roped = offs < ROPE
+                partner = tl.where(roped, _partner(offs, ROPE, IDX_INTERLEAVED), offs)
+                x = tl.load(KX + t * s_kxt + offs).to(tl.float32)
+                mean = tl.sum(x, axis=0) / IDX_D
+                var = tl.sum((x - mean) * (x - mean), axis=0) / IDX_D
+                rstd = 1.0 / tl.sqrt(var + 1e-6)
+                y = (x - mean) * rstd * tl.load(KN + offs).to(tl.float32) + tl.load(KB + offs).to(tl.float32)
+                xp = tl.load(KX + t * s_kxt + partner).to(tl.float32)
+                yp = (xp - mean) * rstd * tl.load(KN + partner).to(tl.float32) + tl.load(KB + partner).to(tl.float32)
+                icos = tl.load(ICS + t * s_ict + offs, mask=roped, other=1.0).to(tl.float32)
+                isin = tl.load(ICS + t * s_ict + s_ic1 + offs, mask=roped, other=0.0).to(tl.float32)
+                tl.store(IC + slot * s_icl + offs, (y * icos + yp * isin).to(IC.dtype.element_ty))
+        else:  # DSA scoring: one indexer head's weight, fp32 over the normed hidden (programs past the key's)
+            if HAS_WEIGHTS:
+                hh = pid - N_ABSORB - 2
+                x_row = X + t * s_xt
+                sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, HIDDEN, BLOCK_K):
+                    kc = k0 + tl.arange(0, BLOCK_K)
+                    xs = tl.load(x_row + kc, mask=kc < HIDDEN, other=0.0).to(tl.float32)
+                    sq += xs * xs
+                rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / HIDDEN + x_eps)
+                acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, HIDDEN, BLOCK_K):
+                    kc = k0 + tl.arange(0, BLOCK_K)
+                    km = kc < HIDDEN
+                    xs = tl.load(x_row + kc, mask=km, other=0.0).to(tl.float32)
+                    g = tl.load(XN + kc, mask=km, other=0.0).to(tl.float32)
+                    xn = ((xs * rstd).to(ACT).to(tl.float32) * g).to(ACT).to(tl.float32)  # rms_norm(x) as the layer rounds it
+                    acc += xn * tl.load(WP + hh * s_wp + kc, mask=km, other=0.0).to(tl.float32)
+                tl.store(WOUT + t * s_wt + hh, tl.sum(acc, axis=0))
 
     @triton.jit
     def _merge_uv_kernel(O, LSE, WUV, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out,
                          RANK: tl.constexpr, ACT: tl.constexpr, LAT: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr):
+                         BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr, STAGES: tl.constexpr):
         row = tl.program_id(0)
         t = row // H
         h = row % H
@@ -152,7 +169,7 @@ if triton is not None:
         den = tl.sum(wt, axis=0)
         den = tl.where(den > 0.0, den, 1.0)
         acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-        for c0 in range(0, RANK, CHUNK_C):
+        for c0 in tl.range(0, RANK, CHUNK_C, num_stages=STAGES):
             offs_c = c0 + tl.arange(0, CHUNK_C)
             o = tl.load(O + t * s_ot + h * s_oh + offs_s[:, None] * s_os + offs_c[None, :], mask=smask[:, None], other=0.0)
             lat = (tl.sum(o * wt[:, None], axis=0) / den).to(LAT).to(ACT).to(tl.float32)
@@ -186,7 +203,7 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
     t = q.shape[0]
     h, nope, r = w_uk.shape
     rows = cache.reshape(cache.shape[0], -1)
-    block_c = min(BLOCK_C, rank)
+    block_c = min(TUNE["block_c"], rank)
     if r != rank or rank % block_c or rope & (rope - 1) or q.shape[1] != h * (nope + rope) or kv.shape[1] != rank + rope \
             or rows.shape[1] != rank + rope:
         raise ValueError(f"MLA prepare: q {list(q.shape)}, kv {list(kv.shape)}, W_UK {list(w_uk.shape)}, cache {list(cache.shape)} "
@@ -221,7 +238,8 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
         icache.stride(0), qout.stride(0), qout.stride(1), x.stride(0), wp.stride(0), wout.stride(0) if wout is not None else 0,
         h, nope, nope + rope, n_absorb, hidden,
         RANK=rank, ROPE=rope, IDX_D=idx_d, INTERLEAVED=interleaved, IDX_INTERLEAVED=idx_interleaved, HAS_INDEX=index is not None,
-        HAS_WEIGHTS=wout is not None, ACT=_tl(q.dtype), BLOCK_C=block_c, BLOCK_D=BLOCK_D, BLOCK_K=1024, num_warps=4)
+        HAS_WEIGHTS=wout is not None, ACT=_tl(q.dtype), BLOCK_C=block_c, BLOCK_D=TUNE["block_d"], BLOCK_K=1024, STAGES=TUNE["prep_stages"],
+        num_warps=TUNE["prep_warps"])
     return qout, wout
 
 
@@ -232,14 +250,15 @@ def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: tor
         raise RuntimeError("MLA fused kernels need Triton, which is not importable here")
     t, h, s, rank = part.shape
     v = w_uv.shape[1]
-    chunk_c = min(CHUNK_C, rank)
+    chunk_c = min(TUNE["chunk_c"], rank)
     if tuple(w_uv.shape) != (h, v, rank) or not w_uv.is_contiguous() or part.stride(-1) != 1 or rank % chunk_c:
         raise ValueError(f"MLA merge_uv: partials {list(part.shape)}, W_UV {list(w_uv.shape)} (contiguous, rank a power of two)")
     out = torch.empty(t, h * v, dtype=act, device=part.device)
-    _merge_uv_kernel[(t * h, triton.cdiv(v, BLOCK_V))](
+    block_v = TUNE["block_v"]
+    _merge_uv_kernel[(t * h, triton.cdiv(v, block_v))](
         part, lse, w_uv, out, s, h, v, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-        RANK=rank, ACT=_tl(act), LAT=_tl(lat), BLOCK_S=max(2, triton.next_power_of_2(s)), BLOCK_V=BLOCK_V, CHUNK_C=chunk_c,
-        num_warps=4)
+        RANK=rank, ACT=_tl(act), LAT=_tl(lat), BLOCK_S=max(2, triton.next_power_of_2(s)), BLOCK_V=block_v, CHUNK_C=chunk_c,
+        STAGES=TUNE["merge_stages"], num_warps=TUNE["merge_warps"])
     return out
 
 
