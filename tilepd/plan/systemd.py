@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from pathlib import PurePosixPath
 
 from tilepd.plan.model import Plan, Service
+from tilepd.plan.vllm_args import SECRET_FILE_ENV
 
 _SAFE_WORD = re.compile(r"^[A-Za-z0-9_@+=:,./-]+$")
 # A decode node tells systemd when it serves (READY=1) and pings from its serving loop's tick (WATCHDOG=1,
@@ -28,6 +30,15 @@ def quote_exec_arg(arg: str) -> str:
     return '"' + _escape_specials(escaped) + '"'
 
 
+def quote_path(word: str) -> str:
+    """One path or assignment in a setting that expands %-specifiers but not $VARIABLES (`ReadWritePaths=`,
+    `BindReadOnlyPaths=`, `Environment=`): quoted when it needs it (a colon too: it separates a bind's source and
+    destination), % doubled."""
+    if word and _SAFE_WORD.match(word) and ":" not in word:
+        return word.replace("%", "%%")
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%") + '"'
+
+
 def exec_start(argv: list[str]) -> str:
     return " ".join(quote_exec_arg(a) for a in argv)
 
@@ -41,6 +52,43 @@ def env_file_text(env: dict[str, str]) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def data_dir(base_dir: str) -> str:
+    """The one folder a unit's service writes (caches, a decode node's drain state): in systemd mode the playbooks give
+    it to the service user; the rest of the base dir (configs, env and spec files, secrets) stays the SSH user's."""
+    return f"{base_dir.rstrip('/')}/data"
+
+
+def secret_paths(service: Service) -> list[str]:
+    """Files a service reads a secret from at start: its config's `secret_file` and `api_key_file`, a vLLM's
+    TILEPD_VLLM_SECRET_FILE (its API key derives from it, tilepd.connector.vllm_auth)."""
+    cfg = service.config or {}
+    found = (cfg.get("secret_file"), cfg.get("api_key_file"), service.env.get(SECRET_FILE_ENV))
+    return list(dict.fromkeys(str(p) for p in found if p))
+
+
+def credentials(service: Service) -> list[tuple[str, str]]:
+    """(credential id, path) for each secret file: systemd (as root) reads it at start (`LoadCredential=`) and shows
+    the service its copy, owned by the service user and mode 0400, at the same path (`BindReadOnlyPaths=`). The
+    files themselves stay 0600 and the SSH user's, so `up` keeps and rotates them without privileges."""
+    out: list[tuple[str, str]] = []
+    for path in secret_paths(service):
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", PurePosixPath(path).name).lstrip(".") or "secret"
+        cid, n = stem, 1
+        while any(cid == c for c, _ in out):
+            n += 1
+            cid = f"{stem}-{n}"
+        out.append((cid, path))
+    return out
+
+
+def _credential_lines(service: Service) -> list[str]:
+    lines = []
+    for cid, path in credentials(service):
+        lines.append(f"LoadCredential={cid}:{path.replace('%', '%%')}")
+        lines.append(f"BindReadOnlyPaths={quote_path(f'/run/credentials/{service.unit}/{cid}')}:{quote_path(path)}")
+    return lines
+
+
 _TMP_DIRS = ("/tmp", "/var/tmp")
 # every unit: no privilege gain, no writes to kernel knobs, modules, cgroups, clock or hostname, no SUID/SGID files
 HARDENING = ["NoNewPrivileges=yes", "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
@@ -52,38 +100,42 @@ def _under(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
 
-def _paths(service: Service) -> list[str]:
-    """The absolute paths a service names (its interpreter, base dir, argv, env, config): what its sandbox must show."""
-    out = [service.python, service.cwd, *(a for a in service.argv if a.startswith("/"))]
-    out += [v for v in service.env.values() if v.startswith("/")]
-    stack: list = [service.config or {}]
+def service_paths(service: Service) -> list[tuple[str, str]]:
+    """(absolute path, where the service names it) for its interpreter, base dir, argv, env and config: what its
+    sandbox must show and its user must be able to use."""
+    out = [(service.python, "interpreter"), (service.cwd, "working directory")]
+    out += [(a, "argv") for a in service.argv[1:] if a.startswith("/")]
+    out += [(v, k) for k, v in service.env.items() if v.startswith("/")]
+    stack: list[tuple[str, object]] = [("config", service.config or {})]
     while stack:
-        item = stack.pop()
+        key, item = stack.pop()
         if isinstance(item, dict):
-            stack += list(item.values())
+            stack += [(str(k), v) for k, v in item.items()]
         elif isinstance(item, list):
-            stack += item
+            stack += [(key, v) for v in item]
         elif isinstance(item, str) and item.startswith("/"):
-            out.append(item)
+            out.append((item, key))
     return out
 
 
 def sandbox(service: Service) -> list[str]:
-    """The sandbox of a daemon: the whole file system read-only but its base dir (`ProtectSystem=strict`, home
+    """The sandbox of a daemon: the whole file system read-only but its data dir (`ProtectSystem=strict`, home
     directories too: `ProtectHome=read-only`, not `yes`, because a venv's interpreter is often a symlink into a
-    pyenv or conda under a home, which the plan cannot see from here), and a private /tmp unless the service's own
-    paths (interpreter, weights, base dir) live there. Oneshots (weights download and conversion) write where the
-    topology says and get only the common hardening."""
+    pyenv or conda under a home, which the plan cannot see from here), its secrets as credentials, and a private
+    /tmp unless the service's own paths (interpreter, weights, base dir) live there. Oneshots (weights download and
+    conversion) write where the topology says and get only the common hardening."""
     if service.kind == "oneshot":
         return []
-    paths = _paths(service)
-    base = service.cwd
-    lines = ["ProtectSystem=strict", f"ReadWritePaths={quote_exec_arg(base)}",
-             # caches (vLLM's compile cache, Hugging Face, Triton) in the base dir, the one place it may write; the
-             # EnvironmentFile (the topology's env) is read after these and wins
-             "Environment=" + " ".join(quote_exec_arg(f"{k}={base}/{v}") for k, v in
-                                       (("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config"), ("TRITON_CACHE_DIR", "cache/triton")))]
+    paths = [p for p, _ in service_paths(service)]
+    data = data_dir(service.cwd)
+    lines = ["ProtectSystem=strict", f"ReadWritePaths={quote_path(data)}",
+             # HOME and the caches (vLLM's compile cache, Hugging Face, Triton) in the data dir, the one place it may
+             # write; the EnvironmentFile (the topology's env) is read after these and wins
+             "Environment=" + " ".join(quote_path(f"{k}={v}") for k, v in
+                                       (("HOME", data), ("XDG_CACHE_HOME", f"{data}/cache"), ("XDG_CONFIG_HOME", f"{data}/config"),
+                                        ("TRITON_CACHE_DIR", f"{data}/cache/triton")))]
     lines.append("ProtectHome=read-only")
+    lines += _credential_lines(service)
     if not any(_under(p, _TMP_DIRS) for p in paths):
         lines.append("PrivateTmp=yes")
     if service.role == "router":
@@ -97,7 +149,7 @@ def sandbox(service: Service) -> list[str]:
 
 
 def unit_text(plan: Plan, service: Service, env_file: str) -> str:
-    """The unit for `service`: restart on failure (daemons), raised limits, output to journald."""
+    """The unit for `service`: as the service user, restart on failure (daemons), raised limits, output to journald."""
     oneshot = service.kind == "oneshot"
     unit = [
         "[Unit]",
@@ -118,6 +170,9 @@ def unit_text(plan: Plan, service: Service, env_file: str) -> str:
     if notify:
         svc += ["NotifyAccess=main", f"WatchdogSec={DECODE_WATCHDOG_S}", f"TimeoutStartSec={DECODE_START_TIMEOUT_S}"]
     svc += [
+        # the dedicated user the playbooks create (deployment.service_user), never root; its group of the same name
+        f"User={plan.service_user}",
+        f"Group={plan.service_user}",
         f"WorkingDirectory={service.cwd}",
         f"EnvironmentFile={env_file}",
         f"ExecStart={exec_start(service.argv)}",
