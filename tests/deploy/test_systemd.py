@@ -66,10 +66,11 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
             # writes only to its data dir (the service user's), HOME and caches there
             assert "ProtectSystem=strict" in text and f"\nReadWritePaths={cwd}/data\n" in text and "ProtectHome=read-only" in text, text
             assert f"Environment=HOME={cwd}/data XDG_CACHE_HOME={cwd}/data/cache " in text, text
-            # the deployment secret as a credential, shown at its own path (the file stays the SSH user's, 0600)
-            unit_name = unit.name
-            assert f"\nLoadCredential=deployment:{cwd}/secrets/deployment\n" in text, text
-            assert f"\nBindReadOnlyPaths=/run/credentials/{unit_name}/deployment:{cwd}/secrets/deployment\n" in text, text
+            # the deployment secret copied for the service user at each start, shown at its own path (the file stays the
+            # SSH user's, 0600)
+            copy = f"{cwd}/data/secrets/{unit.name}/deployment"
+            assert f"\nExecStartPre=+/usr/bin/install -D -o tilepd -g tilepd -m 0600 {cwd}/secrets/deployment {copy}\n" in text, text
+            assert f"\nBindReadOnlyPaths={copy}:{cwd}/secrets/deployment\n" in text, text
             assert "\nCapabilityBoundingSet=\n" in text, text  # no capability: no port below 1024 in these topologies
             assert "PrivateTmp=yes" not in text  # these test topologies live under /tmp: a private one would hide them
     exposure = {u: _exposure(u) for u in units if "Type=oneshot" not in u.read_text()}
@@ -96,12 +97,12 @@ def test_the_sandbox_fits_where_the_service_lives() -> None:
                        pid_file=f"{base}/run/x.pid", unit="x.service", config_file=None, config={"weights_dir": "/srv/w"},
                        config_hash="sha256:0")
 
-    router = sandbox(svc("router", "/srv/tilepd", {"http": 443}))
+    router = sandbox(svc("router", "/srv/tilepd", {"http": 443}), "tilepd")
     assert "PrivateTmp=yes" in router and "PrivateDevices=yes" in router, router
     assert "CapabilityBoundingSet=CAP_NET_BIND_SERVICE" in router and "AmbientCapabilities=CAP_NET_BIND_SERVICE" in router
-    decode = sandbox(svc("decode", "/srv/tilepd", {"http": 8000}))
+    decode = sandbox(svc("decode", "/srv/tilepd", {"http": 8000}), "tilepd")
     assert "CapabilityBoundingSet=" in decode and "PrivateDevices=yes" not in decode  # GPUs and RDMA devices stay visible
-    assert "PrivateTmp=yes" not in sandbox(svc("decode", "/tmp/t", {"http": 8000}))
+    assert "PrivateTmp=yes" not in sandbox(svc("decode", "/tmp/t", {"http": 8000}), "tilepd")
 
 
 @pytest.mark.slow

@@ -66,26 +66,32 @@ def secret_paths(service: Service) -> list[str]:
     return list(dict.fromkeys(str(p) for p in found if p))
 
 
-def credentials(service: Service) -> list[tuple[str, str]]:
-    """(credential id, path) for each secret file: systemd (as root) reads it at start (`LoadCredential=`) and shows
-    the service its copy, owned by the service user and mode 0400, at the same path (`BindReadOnlyPaths=`). The
-    files themselves stay 0600 and the SSH user's, so `up` keeps and rotates them without privileges."""
+# what copies a secret for the service user at each start (coreutils; the same path on Debian, Ubuntu and RHEL)
+INSTALL = "/usr/bin/install"
+
+
+def secret_copies(service: Service) -> list[tuple[str, str]]:
+    """(secret file, the service user's copy in its data dir) for each secret the service reads. The unit's
+    privileged `ExecStartPre=+install -o USER -m 0600` refreshes the copy at every start and `BindReadOnlyPaths=`
+    shows it at the secret's own path, so the service reads what its config names while the file itself stays 0600
+    and the SSH user's (`up` keeps and rotates it without privileges, `tilepd drain` reads it over SSH). Not
+    `LoadCredential=`: systemd 252 sets credentials up after the mount namespace, so they cannot be bound there."""
     out: list[tuple[str, str]] = []
     for path in secret_paths(service):
         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", PurePosixPath(path).name).lstrip(".") or "secret"
-        cid, n = stem, 1
-        while any(cid == c for c, _ in out):
+        name, n = stem, 1
+        while any(PurePosixPath(c).name == name for _, c in out):
             n += 1
-            cid = f"{stem}-{n}"
-        out.append((cid, path))
+            name = f"{stem}-{n}"
+        out.append((path, f"{data_dir(service.cwd)}/secrets/{service.unit}/{name}"))
     return out
 
 
-def _credential_lines(service: Service) -> list[str]:
+def _secret_lines(service: Service, user: str) -> list[str]:
     lines = []
-    for cid, path in credentials(service):
-        lines.append(f"LoadCredential={cid}:{path.replace('%', '%%')}")
-        lines.append(f"BindReadOnlyPaths={quote_path(f'/run/credentials/{service.unit}/{cid}')}:{quote_path(path)}")
+    for path, copy in secret_copies(service):
+        lines.append("ExecStartPre=+" + exec_start([INSTALL, "-D", "-o", user, "-g", user, "-m", "0600", path, copy]))
+        lines.append(f"BindReadOnlyPaths={quote_path(copy)}:{quote_path(path)}")
     return lines
 
 
@@ -118,10 +124,10 @@ def service_paths(service: Service) -> list[tuple[str, str]]:
     return out
 
 
-def sandbox(service: Service) -> list[str]:
+def sandbox(service: Service, user: str) -> list[str]:
     """The sandbox of a daemon: the whole file system read-only but its data dir (`ProtectSystem=strict`, home
     directories too: `ProtectHome=read-only`, not `yes`, because a venv's interpreter is often a symlink into a
-    pyenv or conda under a home, which the plan cannot see from here), its secrets as credentials, and a private
+    pyenv or conda under a home, which the plan cannot see from here), its secrets as copies it owns, and a private
     /tmp unless the service's own paths (interpreter, weights, base dir) live there. Oneshots (weights download and
     conversion) write where the topology says and get only the common hardening."""
     if service.kind == "oneshot":
@@ -135,7 +141,7 @@ def sandbox(service: Service) -> list[str]:
                                        (("HOME", data), ("XDG_CACHE_HOME", f"{data}/cache"), ("XDG_CONFIG_HOME", f"{data}/config"),
                                         ("TRITON_CACHE_DIR", f"{data}/cache/triton")))]
     lines.append("ProtectHome=read-only")
-    lines += _credential_lines(service)
+    lines += _secret_lines(service, user)
     if not any(_under(p, _TMP_DIRS) for p in paths):
         lines.append("PrivateTmp=yes")
     if service.role == "router":
@@ -182,7 +188,7 @@ def unit_text(plan: Plan, service: Service, env_file: str) -> str:
     # stop, restart and a crash end every process of the unit's cgroup, also children whose parent died
     # (vLLM's EngineCore and workers would otherwise keep their ports and block the next start)
     svc.append("KillMode=control-group")
-    svc += HARDENING + sandbox(service)
+    svc += HARDENING + sandbox(service, plan.service_user)
     svc.append("LimitNOFILE=1048576")
     if plan.rdma:
         svc.append("LimitMEMLOCK=infinity")  # RDMA registers (pins) the KV buffers
