@@ -66,11 +66,9 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
             # writes only to its data dir (the service user's), HOME and caches there
             assert "ProtectSystem=strict" in text and f"\nReadWritePaths={cwd}/data\n" in text and "ProtectHome=read-only" in text, text
             assert f"Environment=HOME={cwd}/data XDG_CACHE_HOME={cwd}/data/cache " in text, text
-            # the deployment secret copied for the service user at each start, shown at its own path (the file stays the
-            # SSH user's, 0600)
-            copy = f"{cwd}/data/secrets/{unit.name}/deployment"
-            assert f"\nExecStartPre=+/usr/bin/install -D -o tilepd -g tilepd -m 0600 {cwd}/secrets/deployment {copy}\n" in text, text
-            assert f"\nBindReadOnlyPaths={copy}:{cwd}/secrets/deployment\n" in text, text
+            # the service user's copy of the deployment secret (`up` writes it), shown at the secret's own path (the file
+            # stays the SSH user's, 0600)
+            assert f"\nBindReadOnlyPaths={cwd}/data/secrets/deployment:{cwd}/secrets/deployment\n" in text, text
             assert "\nCapabilityBoundingSet=\n" in text, text  # no capability: no port below 1024 in these topologies
             assert "PrivateTmp=yes" not in text  # these test topologies live under /tmp: a private one would hide them
     exposure = {u: _exposure(u) for u in units if "Type=oneshot" not in u.read_text()}
@@ -97,12 +95,30 @@ def test_the_sandbox_fits_where_the_service_lives() -> None:
                        pid_file=f"{base}/run/x.pid", unit="x.service", config_file=None, config={"weights_dir": "/srv/w"},
                        config_hash="sha256:0")
 
-    router = sandbox(svc("router", "/srv/tilepd", {"http": 443}), "tilepd")
+    router = sandbox(svc("router", "/srv/tilepd", {"http": 443}))
     assert "PrivateTmp=yes" in router and "PrivateDevices=yes" in router, router
     assert "CapabilityBoundingSet=CAP_NET_BIND_SERVICE" in router and "AmbientCapabilities=CAP_NET_BIND_SERVICE" in router
-    decode = sandbox(svc("decode", "/srv/tilepd", {"http": 8000}), "tilepd")
+    decode = sandbox(svc("decode", "/srv/tilepd", {"http": 8000}))
     assert "CapabilityBoundingSet=" in decode and "PrivateDevices=yes" not in decode  # GPUs and RDMA devices stay visible
-    assert "PrivateTmp=yes" not in sandbox(svc("decode", "/tmp/t", {"http": 8000}), "tilepd")
+    assert "PrivateTmp=yes" not in sandbox(svc("decode", "/tmp/t", {"http": 8000}))
+
+
+def test_each_secret_is_shown_at_its_own_path_from_the_service_users_copy() -> None:
+    """The deployment secret and an operator's key file elsewhere (a space and a % in its name) each get a copy in the
+    data dir, bound read-only over the original path, quoted and %-escaped as systemd reads them back."""
+    from tilepd.plan.model import Service
+    from tilepd.plan.systemd import sandbox, secret_copies
+
+    base = "/srv/tilepd"
+    router = Service(name="router", role="router", kind="daemon", stage=4, creates=None, argv=[f"{base}/venv/bin/python"], env={}, cwd=base,
+                     health=None, ports={"http": 8080}, python=f"{base}/venv/bin/python", log_file="/l", pid_file="/p", unit="tilepd-router.service",
+                     config_file=None, config={"secret_file": f"{base}/secrets/deployment", "api_key_file": "/etc/keys/router 100%.key"},
+                     config_hash="sha256:0")
+    assert secret_copies(router) == [(f"{base}/secrets/deployment", f"{base}/data/secrets/deployment"),
+                                     ("/etc/keys/router 100%.key", f"{base}/data/secrets/etc_keys_router_100_.key")]
+    binds = [line for line in sandbox(router) if line.startswith("BindReadOnlyPaths=")]
+    assert binds == [f"BindReadOnlyPaths={base}/data/secrets/deployment:{base}/secrets/deployment",
+                     f'BindReadOnlyPaths={base}/data/secrets/etc_keys_router_100_.key:"/etc/keys/router 100%%.key"'], binds
 
 
 @pytest.mark.slow

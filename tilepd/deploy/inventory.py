@@ -21,7 +21,7 @@ from tilepd.deploy.proc import ServiceSpec
 from tilepd.plan import HostPlan, Plan, Service
 from tilepd.plan.ansible_yaml import ansible_yaml
 from tilepd.deploy.service_user import Manifest, access_needs
-from tilepd.plan.systemd import data_dir, env_file_text, secret_paths
+from tilepd.plan.systemd import data_dir, env_file_text, secret_copies, secret_paths
 from tilepd.topology import Topology, canonical_family
 
 SYSTEMD_DIR = "/etc/systemd/system"
@@ -140,6 +140,8 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
         "tilepd_service_user": plan.service_user,
         "tilepd_data_dir": data_dir(host.base_dir),
         "tilepd_service_user_access": Manifest(user=plan.service_user, needs=access_needs(host)).model_dump(mode="json"),
+        "tilepd_secret_copies": [{"src": src, "dest": dest} for src, dest in dict.fromkeys(
+            pair for svc in host.services if svc.kind == "daemon" for pair in secret_copies(svc))],
         "tilepd_model": {
             "hf_path": m.hf_path,
             "weights_path": m.weights_path,

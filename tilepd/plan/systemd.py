@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import PurePosixPath
 
 from tilepd.plan.model import Plan, Service
 from tilepd.plan.vllm_args import SECRET_FILE_ENV
@@ -66,33 +65,22 @@ def secret_paths(service: Service) -> list[str]:
     return list(dict.fromkeys(str(p) for p in found if p))
 
 
-# what copies a secret for the service user at each start (coreutils; the same path on Debian, Ubuntu and RHEL)
-INSTALL = "/usr/bin/install"
+def secret_copy(base_dir: str, path: str) -> str:
+    """Where the service user's copy of the secret file `path` lives on its host: `<data>/secrets/<name>` (the name
+    under `<base_dir>/secrets/`, or the whole path made one word for a file elsewhere, e.g. the router's api_key.file)."""
+    secrets = f"{base_dir.rstrip('/')}/secrets/"
+    name = path[len(secrets):] if path.startswith(secrets) else path.lstrip("/")
+    return f"{data_dir(base_dir)}/secrets/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
 
 
 def secret_copies(service: Service) -> list[tuple[str, str]]:
-    """(secret file, the service user's copy in its data dir) for each secret the service reads. The unit's
-    privileged `ExecStartPre=+install -o USER -m 0600` refreshes the copy at every start and `BindReadOnlyPaths=`
-    shows it at the secret's own path, so the service reads what its config names while the file itself stays 0600
-    and the SSH user's (`up` keeps and rotates it without privileges, `tilepd drain` reads it over SSH). Not
-    `LoadCredential=`: systemd 252 sets credentials up after the mount namespace, so they cannot be bound there."""
-    out: list[tuple[str, str]] = []
-    for path in secret_paths(service):
-        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", PurePosixPath(path).name).lstrip(".") or "secret"
-        name, n = stem, 1
-        while any(PurePosixPath(c).name == name for _, c in out):
-            n += 1
-            name = f"{stem}-{n}"
-        out.append((path, f"{data_dir(service.cwd)}/secrets/{service.unit}/{name}"))
-    return out
-
-
-def _secret_lines(service: Service, user: str) -> list[str]:
-    lines = []
-    for path, copy in secret_copies(service):
-        lines.append("ExecStartPre=+" + exec_start([INSTALL, "-D", "-o", user, "-g", user, "-m", "0600", path, copy]))
-        lines.append(f"BindReadOnlyPaths={quote_path(copy)}:{quote_path(path)}")
-    return lines
+    """(secret file, the service user's copy) for each secret the service reads. `up` writes the copy (owned by the
+    service user, 0600) whenever the secret changes, and the unit shows it at the secret's own path
+    (`BindReadOnlyPaths=`), so the service reads the path its config names while the file itself stays 0600 and the
+    SSH user's (`up` keeps and rotates it without privileges, `tilepd drain` reads it over SSH). Not
+    `LoadCredential=`, nor a copy made by the unit's `ExecStartPre=+`: under systemd 252 a bind whose source does not
+    exist yet fails the unit at NAMESPACE, and a credential does not exist yet then (docs/RELIABILITY.md, "Security")."""
+    return [(path, secret_copy(service.cwd, path)) for path in secret_paths(service)]
 
 
 _TMP_DIRS = ("/tmp", "/var/tmp")
@@ -124,7 +112,7 @@ def service_paths(service: Service) -> list[tuple[str, str]]:
     return out
 
 
-def sandbox(service: Service, user: str) -> list[str]:
+def sandbox(service: Service) -> list[str]:
     """The sandbox of a daemon: the whole file system read-only but its data dir (`ProtectSystem=strict`, home
     directories too: `ProtectHome=read-only`, not `yes`, because a venv's interpreter is often a symlink into a
     pyenv or conda under a home, which the plan cannot see from here), its secrets as copies it owns, and a private
@@ -141,7 +129,7 @@ def sandbox(service: Service, user: str) -> list[str]:
                                        (("HOME", data), ("XDG_CACHE_HOME", f"{data}/cache"), ("XDG_CONFIG_HOME", f"{data}/config"),
                                         ("TRITON_CACHE_DIR", f"{data}/cache/triton")))]
     lines.append("ProtectHome=read-only")
-    lines += _secret_lines(service, user)
+    lines += [f"BindReadOnlyPaths={quote_path(copy)}:{quote_path(path)}" for path, copy in secret_copies(service)]
     if not any(_under(p, _TMP_DIRS) for p in paths):
         lines.append("PrivateTmp=yes")
     if service.role == "router":
@@ -188,7 +176,7 @@ def unit_text(plan: Plan, service: Service, env_file: str) -> str:
     # stop, restart and a crash end every process of the unit's cgroup, also children whose parent died
     # (vLLM's EngineCore and workers would otherwise keep their ports and block the next start)
     svc.append("KillMode=control-group")
-    svc += HARDENING + sandbox(service, plan.service_user)
+    svc += HARDENING + sandbox(service)
     svc.append("LimitNOFILE=1048576")
     if plan.rdma:
         svc.append("LimitMEMLOCK=infinity")  # RDMA registers (pins) the KV buffers
