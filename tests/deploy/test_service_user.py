@@ -72,7 +72,7 @@ def test_each_blocking_folder_or_file_is_named_once_with_what_it_blocks(open_dir
         {"path": str(private / "not-yet" / "tokenizer"), "need": "read", "why": "router tokenizer_dir"},
         {"path": str(open_dir / "link"), "need": "read", "why": "prefill-p0 argv"},
         {"path": str(secret_only), "need": "read", "why": "router config"},
-        {"path": str(secret_only), "need": "reach", "why": "router secret_file, a secret systemd copies for it"},
+        {"path": str(secret_only), "need": "reach", "why": "router secret_file, a secret shown from its copy"},
         {"path": str(root_dir), "need": "write", "why": "router data dir"},
         {"path": str(theirs), "need": "write", "why": "decode-d0 data dir"},
         {"path": str(open_dir / "later" / "weights"), "need": "read", "why": "decode-d0 weights_dir, converted later"},
@@ -132,7 +132,7 @@ def test_the_needs_of_each_daemon_come_from_the_plan(tmp_path: Path) -> None:
     needs = {(a.path, a.need): a.why for a in access_needs(decode)}
     base = f"{tmp_path}/hosts/d0"
     assert needs[(f"{base}/data", "write")] == "decode-d0 data dir"
-    assert needs[(f"{base}/secrets/deployment", "reach")] == "decode-d0 secret_file, a secret systemd copies for it"
+    assert needs[(f"{base}/secrets/deployment", "reach")] == "decode-d0 secret_file, a secret shown from its copy"
     assert needs[(plan.service("decode-d0").python, "run")] == "decode-d0 interpreter"
     assert needs[(f"{tmp_path}/models/tiny-llama-tilepd", "read")] == "decode-d0 weights_dir"
     assert needs[(f"{base}/config/decode-d0.json", "read")] == "decode-d0 argv"

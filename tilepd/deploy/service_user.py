@@ -2,8 +2,9 @@
 
 In systemd mode every unit runs as `deployment.service_user` (tilepd.plan.systemd), not as the SSH user who wrote
 its files. That user must run the interpreter, read the base dir, configs and model, reach (traverse to) its
-secrets, which its unit copies for it at start, and write its data dir. The playbooks (roles/service_user) create
-the user and the data dir, then run this check as root before any service starts: a forked child takes the user's
+secrets' paths (its unit shows it there the copies `up` writes for it), and write its data dir. The playbooks
+(roles/service_user) create the user and the data dir, then run this check as root before any service starts: a
+forked child takes the user's
 uid, gid and groups and asks the kernel (`os.access`: modes, ACLs and read-only mounts as the kernel applies them),
 so a path the user cannot use is named with the folder or file that blocks it, instead of a unit failing later
 with EACCES in its journal.
@@ -69,7 +70,7 @@ def access_needs(host: HostPlan) -> list[Access]:
         add(data, "write", f"{svc.name} data dir")
         for path, where in service_paths(svc):
             if path in secrets:
-                add(path, "reach", f"{svc.name} {where}, a secret systemd copies for it")
+                add(path, "reach", f"{svc.name} {where}, a secret shown from its copy")
             elif where == "interpreter":
                 add(path, "run", f"{svc.name} interpreter")
             elif path != data and not path.startswith(data + "/"):
