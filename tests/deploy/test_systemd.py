@@ -71,6 +71,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
             assert f"\nBindReadOnlyPaths={cwd}/data/secrets/deployment:{cwd}/secrets/deployment\n" in text, text
             assert "\nCapabilityBoundingSet=\n" in text, text  # no capability: no port below 1024 in these topologies
             assert "PrivateTmp=yes" not in text  # these test topologies live under /tmp: a private one would hide them
+            assert f"\nEnvironment=TMPDIR={cwd}/data\n" in text, text  # the machine's /tmp is read-only to it
     exposure = {u: _exposure(u) for u in units if "Type=oneshot" not in u.read_text()}
     # 9.6 UNSAFE each before the sandbox; 5.3 (decode, prefill) and 4.6 (router) with it but as root
     assert exposure and all(e <= 5.0 for e in exposure.values()), {str(u.relative_to(tmp_path)): e for u, e in exposure.items()}
@@ -101,6 +102,7 @@ def test_the_sandbox_fits_where_the_service_lives() -> None:
     decode = sandbox(svc("decode", "/srv/tilepd", {"http": 8000}))
     assert "CapabilityBoundingSet=" in decode and "PrivateDevices=yes" not in decode  # GPUs and RDMA devices stay visible
     assert "PrivateTmp=yes" not in sandbox(svc("decode", "/tmp/t", {"http": 8000}))
+    assert not any(line.startswith("Environment=TMPDIR") for line in decode)  # a private /tmp is writable
 
 
 def test_each_secret_is_shown_at_its_own_path_from_the_service_users_copy() -> None:

@@ -103,7 +103,7 @@ def sd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
         t0 = time.monotonic()
         d.first = d.up()
         print(f"first up: {time.monotonic() - t0:.1f}s")
-        assert d.first.rc == 0, d.first
+        assert d.first.rc == 0, str(d.first)
         yield d
     finally:
         try:

@@ -116,8 +116,8 @@ def sandbox(service: Service) -> list[str]:
     """The sandbox of a daemon: the whole file system read-only but its data dir (`ProtectSystem=strict`, home
     directories too: `ProtectHome=read-only`, not `yes`, because a venv's interpreter is often a symlink into a
     pyenv or conda under a home, which the plan cannot see from here), its secrets as copies it owns, and a private
-    /tmp unless the service's own paths (interpreter, weights, base dir) live there. Oneshots (weights download and
-    conversion) write where the topology says and get only the common hardening."""
+    /tmp unless the service's own paths (interpreter, weights, base dir) live there (then TMPDIR is its data dir).
+    Oneshots (weights download and conversion) write where the topology says and get only the common hardening."""
     if service.kind == "oneshot":
         return []
     paths = [p for p, _ in service_paths(service)]
@@ -132,6 +132,8 @@ def sandbox(service: Service) -> list[str]:
     lines += [f"BindReadOnlyPaths={quote_path(copy)}:{quote_path(path)}" for path, copy in secret_copies(service)]
     if not any(_under(p, _TMP_DIRS) for p in paths):
         lines.append("PrivateTmp=yes")
+    else:  # /tmp stays the machine's and read-only (ProtectSystem=strict): temp files go to the data dir
+        lines.append(f"Environment={quote_path(f'TMPDIR={data}')}")
     if service.role == "router":
         lines += ["PrivateDevices=yes", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK"]
     low = sorted(p for p in service.ports.values() if 0 < p < 1024)
