@@ -50,6 +50,7 @@ class Deployed:
     file: Path
     first: Run
     refused: Run | None = None  # the `up` before the lab's folder was opened to the service user
+    after_refusal: dict[str, str] | None = None  # unit -> its file and state right after that `up`
     down: Run | None = None
 
     def run(self, *args: str) -> Run:
@@ -99,6 +100,8 @@ def sd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
         t0 = time.monotonic()
         d.refused = d.up()
         print(f"refused up: {time.monotonic() - t0:.1f}s")
+        d.after_refusal = {u: f"{d.host_path(f'/etc/systemd/system/{u}').exists()} {lab.show(lab.hosts[0], u, 'ActiveState')['ActiveState']}"
+                           for u in UNITS}
         root.chmod(0o755)  # as a real host keeps /srv/tilepd: the service user may enter, the files say what it may read
         t0 = time.monotonic()
         d.first = d.up()
@@ -140,8 +143,7 @@ def test_up_refuses_what_the_service_user_cannot_read_before_anything_starts(sd:
         assert named in refused.out, refused
     assert "interpreter)" not in refused.out, refused  # the host's /root shows the interpreter to every user
     assert "health gate" not in refused.out and "unit files" not in refused.out, refused  # stopped in the first play
-    for unit in UNITS:
-        assert not sd.host_path(f"/etc/systemd/system/{unit}").exists()
+    assert sd.after_refusal == {unit: "False inactive" for unit in UNITS}  # no unit file, nothing started
     # the user was created before the check, in the host's own /etc, not the machine's
     with pytest.raises(KeyError):
         pwd.getpwnam(SERVICE_USER)
