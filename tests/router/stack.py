@@ -38,8 +38,9 @@ def spare_endpoint(name: str) -> DecodeEndpoint:
 
 
 def start_decode_node(model_dir: Path, workdir: Path, name: str = "d0", *, kv_timeout_s: float = 30.0,
-                      endpoint: DecodeEndpoint | None = None) -> tuple[Server, DecodeEndpoint]:
-    """A CPU decode node; on `endpoint`'s ports when given (a restart keeps its place in the allowlist)."""
+                      endpoint: DecodeEndpoint | None = None, env: dict[str, str] | None = None) -> tuple[Server, DecodeEndpoint]:
+    """A CPU decode node; on `endpoint`'s ports when given (a restart keeps its place in the allowlist); `env` adds
+    to its environment (a test-only fault, tilepd.runtime.faults)."""
     ep = endpoint or spare_endpoint(name)
     cfg = DecodeServerConfig(
         name=ep.name, served_model_name=MODEL_NAME, family="llama", weights_dir=model_dir, max_seq_len=MAX_SEQ_LEN, device="cpu",
@@ -50,7 +51,7 @@ def start_decode_node(model_dir: Path, workdir: Path, name: str = "d0", *, kv_ti
     path = workdir / f"{ep.name}.json"
     path.write_text(cfg.model_dump_json())
     srv = start_process([sys.executable, "-m", "tilepd.runtime", "--config", str(path)], workdir / f"{ep.name}.log",
-                        f"http://127.0.0.1:{cfg.http_port}/health", timeout=300)
+                        f"http://127.0.0.1:{cfg.http_port}/health", timeout=300, env=env)
     return srv, ep
 
 

@@ -16,9 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
+from tilepd.runtime.faults import SLOW_TOKEN_ENV
+
 from .conftest import Stack
 from .held_relay import HeldRelay
-from .stack import MAX_SEQ_LEN, MODEL_NAME, wait_until
+from .stack import MAX_SEQ_LEN, MODEL_NAME, start_decode_node, stop_all, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -36,6 +38,42 @@ def _all_idle(stack: Stack, router_url: str) -> bool:
 # those into local recomputes (slow, but 200s) instead of vLLM's default 500s, and the router
 # retries upstream TCP connects that time out on the saturated box (it used to answer 502).
 # Both fixed 2026-11-29.
+
+
+# A decode node that holds its engine 20 ms after each token (a test-only fault, tilepd/runtime/faults.py): a decode of
+# 600 tokens then lasts at least 12 s on any machine, so a client that leaves after a few tokens leaves a decode that
+# is still running. On the shared node the whole decode took ~0.1 s on a quiet box (CI: 429 of 600 tokens were out
+# before the cancel landed), so the condition under test did not arise.
+SLOW_TOKEN_S = 0.02
+
+
+@pytest.fixture(scope="module")
+def slow_node(router_stack: Stack, start_router_proc: Callable[..., Any]) -> Iterator[tuple[str, str, Path]]:
+    """(router url, node url, node log) for a router over one slow node on the stack's last spare endpoint."""
+    ep = router_stack.spares[-1]
+    srv, _ = start_decode_node(router_stack.model, router_stack.workdir, endpoint=ep, env={SLOW_TOKEN_ENV: str(SLOW_TOKEN_S)})
+    try:
+        router, _ = start_router_proc(router_stack.config(native=False, queue_timeout_s=2.0, decode_nodes=(ep,)))
+        yield router.url, f"http://127.0.0.1:{ep.http_port}", srv.log_path
+    finally:
+        stop_all([srv])
+
+
+def _tokens_total(node_url: str) -> float:
+    """The node's tilepd_decode_tokens_total: counted by the engine's thread when a decode returns, whether or not
+    anyone still reads its stream (a cancelled stream's HTTP answer never completes, so /status's `last` keeps the
+    previous decode's figures)."""
+    text = httpx.get(node_url + "/metrics").text
+    return float(re.search(r"^tilepd_decode_tokens_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+
+def _cancelled(node_log: Path) -> int:
+    return node_log.read_text(errors="replace").count("reason=cancelled")
+
+
+def _node_idle(router_url: str, node_url: str) -> bool:
+    status = httpx.get(router_url + "/status").json()
+    return status["queue_depth"] == 0 and not any(n["leased"] for n in status["nodes"]) and not httpx.get(node_url + "/status").json()["busy"]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +142,9 @@ def test_twenty_concurrent_requests_one_node(router_stack: Stack, start_router_p
     assert wait_until(lambda: _all_idle(router_stack, srv.url)), "a lease leaked"
 
 
-def test_client_dropping_mid_stream_cancels_the_decode(router_stack: Stack, plain_router: tuple[str, Any]) -> None:
-    url, _ = plain_router
+def test_client_dropping_mid_stream_cancels_the_decode(slow_node: tuple[str, str, Path]) -> None:
+    url, node_url, node_log = slow_node
+    tokens_before, cancelled_before = _tokens_total(node_url), _cancelled(node_log)
     body = {**BODY, "max_tokens": 600, "stream": True}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", url + "/v1/completions", json=body) as resp:
@@ -113,34 +152,38 @@ def test_client_dropping_mid_stream_cancels_the_decode(router_stack: Stack, plai
             lines = resp.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert all(g.startswith("data: ") or g == "" for g in got)
-            assert httpx.get(router_stack.decode_url + "/status").json()["state"] == "decoding"
+            assert httpx.get(node_url + "/status").json()["state"] == "decoding"
             dropped = time.monotonic()
-    # leaving the block closed the connection mid-stream: the node is freed by a cancel, not by the
-    # decode running out (the proof is the token count, which no machine's speed changes)
-    assert wait_until(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 10.0)
+    # leaving the block closed the connection mid-stream: the node is freed by a cancel, not by the decode running
+    # out (it would take >= 12 s: 600 tokens at >= 20 ms each on the slowed node)
+    assert wait_until(lambda: not httpx.get(node_url + "/status").json()["busy"] and _tokens_total(node_url) > tokens_before, 10.0)
     freed_s = time.monotonic() - dropped
-    decoded = httpx.get(router_stack.decode_url + "/status").json()["last"]["tokens"]
+    decoded = _tokens_total(node_url) - tokens_before
     assert decoded < 300, f"the node decoded {decoded} of 600 tokens ({freed_s:.2f} s) after the client left: not cancelled"
-    assert wait_until(lambda: _all_idle(router_stack, url), 5.0)
+    assert _cancelled(node_log) == cancelled_before + 1, "the node's slot was not freed by a cancel"
+    assert wait_until(lambda: _node_idle(url, node_url), 5.0)
     again = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
 
 
-def test_client_dropping_a_non_streamed_request_cancels_the_decode(router_stack: Stack, plain_router: tuple[str, Any]) -> None:
+def test_client_dropping_a_non_streamed_request_cancels_the_decode(router_stack: Stack, slow_node: tuple[str, str, Path]) -> None:
     """A plain socket sends the request, waits until the node decodes, then closes: the router must notice with no body to write."""
-    url, _ = plain_router
+    url, node_url, node_log = slow_node
+    tokens_before, cancelled_before = _tokens_total(node_url), _cancelled(node_log)
     host, port = url.removeprefix("http://").split(":")
     payload = json.dumps({**BODY, "max_tokens": 1000}).encode()
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
-        assert wait_until(lambda: httpx.get(router_stack.decode_url + "/status").json()["state"] == "decoding", 30.0)
+        assert wait_until(lambda: httpx.get(node_url + "/status").json()["state"] == "decoding", 30.0)
     dropped = time.monotonic()
-    assert wait_until(lambda: not httpx.get(router_stack.decode_url + "/status").json()["busy"], 10.0)
+    # 1000 tokens at >= 20 ms each: >= 20 s unless cancelled
+    assert wait_until(lambda: not httpx.get(node_url + "/status").json()["busy"] and _tokens_total(node_url) > tokens_before, 10.0)
     freed_s = time.monotonic() - dropped
-    decoded = httpx.get(router_stack.decode_url + "/status").json()["last"]["tokens"]
+    decoded = _tokens_total(node_url) - tokens_before
     assert decoded < 500, f"the node decoded {decoded} of 1000 tokens ({freed_s:.2f} s) after the client left: not cancelled"
-    assert wait_until(lambda: _all_idle(router_stack, url), 5.0)
+    assert _cancelled(node_log) == cancelled_before + 1, "the node's slot was not freed by a cancel"
+    assert wait_until(lambda: _node_idle(url, node_url), 5.0)
     assert any("outcome=disconnected" in p.read_text() for p in Path(router_stack.workdir).glob("router-*.log"))
 
 

@@ -104,7 +104,7 @@ def test_server_timing_is_rfc_syntax_and_round_trips() -> None:
 
 
 def test_request_id_is_made_safe_for_log_lines() -> None:
-    from tilepd.router.app import request_id
+    from tilepd.router.call import request_id
 
     assert request_id("abc-123_X.y:z") == "abc-123_X.y:z"
     assert request_id("a b=c\nd") == "a_b_c_d"

@@ -19,25 +19,17 @@ the top-k as a radix select).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tilepd.engine.dsa import DSAStep, select_topk, sparse_mla_attention
-from tilepd.engine.layers import ATTENTION_IMPL, linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
-from tilepd.engine.moe import moe
+from tilepd.engine import mla_fused
+from tilepd.engine.mla_fused import DenseSpan
+from tilepd.engine.layers import ATTENTION_IMPL, linear, attention_bias, cached_attention, length_mask, rms_norm
+from tilepd.engine.moe import mlp_block
 from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table, yarn_softmax_scale
-from tilepd.engine.spec import ModelSpec
-
-
-@dataclass
-class DenseSpan:
-    """Dense MLA mask for the kernel: token t sees slots lo[t]..hi[t] (device tensors) of a window of `length`."""
-
-    lo: torch.Tensor
-    hi: torch.Tensor
-    length: int
+from tilepd.model_format.model_spec import ModelSpec
 
 
 class DeepseekV3Model:
@@ -58,6 +50,7 @@ class DeepseekV3Model:
                                device, weights["embed"].dtype, interleaved=spec.rope_interleave)
         self.scale = (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(spec.rope_scaling)
         self._rope_fn = apply_rope_interleaved if spec.rope_interleave else apply_rope_neox
+        self.fused: dict[str, mla_fused.FusedLayer] = {}  # the speed path's concatenated projections (mla_fused.prepare_model)
         # DSA: indexer-key caches keyed by layer prefix (none for GLM "shared" layers), cache dtype.
         self.index_caches: dict[str, torch.Tensor] = {}
         if spec.is_dsa:
@@ -138,12 +131,18 @@ class DeepseekV3Model:
         out = torch.einsum("thc,hvc->thv", out_lat.to(x.dtype), w[p + "w_uv"])  # W_UV after attention
         return linear(out.reshape(t, -1), w[p + "wo"])
 
+    def _attention_residual(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor,
+                            mask: torch.Tensor | DenseSpan | None, dsa: DSAStep | None) -> torch.Tensor:
+        """x + attention(rms_norm(x)): on the speed path in a few fused launches (mla_fused), else the ops above."""
+        if mla_fused.applies(self, p, x):
+            return mla_fused.attention_block(self, p, cache, x, positions, cs, mask, dsa)
+        return x + self._attention(p, cache, rms_norm(x, self.w[p + "attn_norm"], self.spec.rms_norm_eps), positions, cs, mask, dsa=dsa)
+
     def _layer(self, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cs: torch.Tensor, mask: torch.Tensor | DenseSpan | None, is_moe: bool,
                dsa: DSAStep | None = None) -> torch.Tensor:
         s, w = self.spec, self.w
-        x = x + self._attention(p, cache, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps), positions, cs, mask, dsa=dsa)
-        h = rms_norm(x, w[p + "mlp_norm"], s.rms_norm_eps)
-        return x + (moe(h, w, p, s) if is_moe else swiglu(h, w[p + "w13"], w[p + "w2"]))
+        x = self._attention_residual(p, cache, x, positions, cs, mask, dsa)
+        return mlp_block(x, w, p, s, is_moe)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Main model on T tokens. Returns (logits [T, V] float32, final-normed hidden [T, h])."""

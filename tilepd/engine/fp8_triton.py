@@ -40,11 +40,21 @@ if triton is not None:
     def _fp8_gemv_kernel(X, W, S, WS, SS, IDS, BIAS, Y, N, K, s_xr, s_we, s_wn, s_se, s_sn, s_yr,
                          BN: tl.constexpr, BK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-                         BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr):
+                         BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr,
+                         NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
+        act = Y.dtype.element_ty
+        x_row = X + (r // X_DIV) * s_xr
+        if NORM:  # rms_norm(x) * NW in the prologue: the row's mean square first (x is a few KB, from L2)
+            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kc = k0 + tl.arange(0, BLOCK_K)
+                xs = tl.load(x_row + kc, mask=kc < K, other=0.0).to(tl.float32)
+                sq += xs * xs
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
         w_base = W
         s_base = S
         if HAS_IDS:
@@ -70,7 +80,10 @@ if triton is not None:
                 w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
             else:
                 w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            x = tl.load(X + (r // X_DIV) * s_xr + cols, mask=cmask, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            if NORM:  # rounded where the unfused path rounds (the normed row, then times the norm weight)
+                g = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+                x = ((x * rstd).to(act).to(tl.float32) * g).to(act).to(tl.float32)
             if BITS_CVT:
                 x = x * 256.0
             if ROW_UNIFORM:  # the tile's rows share one row block: fold the scales into x
@@ -89,7 +102,9 @@ if triton is not None:
             out = tl.sum(acc, axis=1)
         if HAS_BIAS:
             out += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(Y + r * s_yr + rows, out.to(Y.dtype.element_ty), mask=rmask)
+        if HAS_RES:  # residual + y, y rounded first as the unfused add sees it
+            out = out.to(act).to(tl.float32) + tl.load(RES + r * s_rr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(Y + r * s_yr + rows, out.to(act), mask=rmask)
 
 
 # Tile config: (BLOCK_N, BLOCK_K, num_warps). BLOCK_N is picked per call for enough programs to fill the
@@ -140,14 +155,53 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
         x.stride(0), weight.stride(0) if has_ids else 0, weight.stride(-2), scale.stride(0) if has_ids else 0, scale.stride(-2), y.stride(0),
         BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
         ROW_UNIFORM=block_n % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
-        HAS_SHARED=shared is not None, X_DIV=x_div, num_warps=TUNE["num_warps"], **extra,
+        HAS_SHARED=shared is not None, X_DIV=x_div, NW=x, RES=x, eps=0.0, s_rr=0, NORM=False, HAS_RES=False,
+        num_warps=TUNE["num_warps"], **extra,
+    )
+    return y
+
+
+def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], *, rows: int | None = None,
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense (no expert ids) GEMV with the layer's small ops inside: y = (residual +) W[:rows] @ rms_norm(x) * g.
+
+    x [R, K]; weight [N, K] fp8 with block scales; `rows` computes only the first rows of W (a prefix of a
+    concatenated weight: DSA's indexer query rows are not needed while the window fits index_topk); `norm_weight`
+    puts rms_norm(x, norm_weight, eps) in the prologue (each program sums x's squares itself); `residual` [R, rows]
+    is added in the epilogue. Rounding as the unfused ops: the normed row and the product with the norm weight in
+    x's dtype, the GEMV's output in x's dtype before the add."""
+    if triton is None:
+        raise RuntimeError("fp8 GEMV kernel needs Triton, which is not importable here")
+    n = weight.shape[0] if rows is None else rows
+    r, k = x.shape
+    if weight.dim() != 2 or weight.shape[1] != k or not 0 < n <= weight.shape[0]:
+        raise ValueError(f"fp8 fused GEMV: weight {list(weight.shape)} (rows {rows}) does not fit x {list(x.shape)}")
+    if weight.stride(-1) != 1 or x.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("fp8 fused GEMV: weight, scale and x must be contiguous along K")
+    if residual is not None and (tuple(residual.shape) != (r, n) or residual.stride(-1) != 1):
+        raise ValueError(f"fp8 fused GEMV: residual {list(residual.shape)}, expected [{r}, {n}] contiguous")
+    if norm_weight is not None and tuple(norm_weight.shape) != (k,):
+        raise ValueError(f"fp8 fused GEMV: norm weight {list(norm_weight.shape)}, expected [{k}]")
+    y = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    tile_n = _block_n(n, r)
+    tile_k = min(TUNE["block_k"], triton.next_power_of_2(k))
+    bits = bool(TUNE["bits_cvt"])
+    extra = {"num_stages": TUNE["num_stages"]} if TUNE["num_stages"] else {}
+    _fp8_gemv_kernel[(r, triton.cdiv(n, tile_n))](
+        x, weight.view(torch.uint8) if bits else weight, scale, x, x, x, x, y, n, k,
+        x.stride(0), 0, weight.stride(0), 0, scale.stride(0), y.stride(0),
+        BN=block[0], BK=block[1], HAS_IDS=False, HAS_BIAS=False, BLOCK_N=tile_n, BLOCK_K=tile_k,
+        ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
+        HAS_SHARED=False, X_DIV=1, NW=norm_weight if norm_weight is not None else x, RES=residual if residual is not None else x,
+        eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
+        num_warps=TUNE["num_warps"], **extra,
     )
     return y
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,
                block_n: int, block_k: int) -> torch.Tensor:
-    from tilepd.engine.fp8 import BlockFp8, dequantize
+    from tilepd.model_format.block_fp8 import BlockFp8, dequantize
 
     w = BlockFp8(weight, scale, (block_n, block_k))
     if ids is None:

@@ -150,8 +150,11 @@ if triton is not None:
         tl.store(OUT + t * s_pt + h * s_ph + offs_d, res.to(OUT.dtype.element_ty))
 
 
-def _launch(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, length: int, *, idx: torch.Tensor | None = None,
-            ok: torch.Tensor | None = None, lo: torch.Tensor | None = None, hi: torch.Tensor | None = None) -> torch.Tensor:
+def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, length: int, *, idx: torch.Tensor | None = None,
+                   ok: torch.Tensor | None = None, lo: torch.Tensor | None = None,
+                   hi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel alone: (partials [T, H, S, rank] float32, their log-sum-exp [T, H, S] in log2 units), for a
+    merge that does more than merge (mla_fused_triton.merge_uv applies W_UV in the same launch)."""
     if triton is None:
         raise RuntimeError("MLA attention kernel needs Triton, which is not importable here")
     t, h, width = q.shape
@@ -172,7 +175,6 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, lengt
     splits = triton.cdiv(length, chunk)
     part = torch.empty(t, h, splits, rank, dtype=torch.float32, device=q.device)
     lse = torch.empty(t, h, splits, dtype=torch.float32, device=q.device)
-    out = torch.empty(t, h, rank, dtype=cache.dtype, device=q.device)
     sparse = idx is not None
     dummy = part
     _mla_split_kernel[(groups, splits)](
@@ -182,6 +184,14 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, lengt
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse, UPCAST=_INTERPRET and cache.dtype != torch.float32,
         PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", num_warps=tune["num_warps"], num_stages=tune["num_stages"])
+    return part, lse
+
+
+def _launch(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, length: int, *, idx: torch.Tensor | None = None,
+            ok: torch.Tensor | None = None, lo: torch.Tensor | None = None, hi: torch.Tensor | None = None) -> torch.Tensor:
+    part, lse = split_partials(q, cache, rank, scale, length, idx=idx, ok=ok, lo=lo, hi=hi)
+    t, h, splits, _ = part.shape
+    out = torch.empty(t, h, rank, dtype=cache.dtype, device=q.device)
     block_d = min(rank, 128)
     _mla_merge_kernel[(t * h, rank // block_d)](
         part, lse, out, splits, h, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),

@@ -1,6 +1,6 @@
 """Tensor-parallel execution of one rank: the process group, vocab-parallel embedding/head, and TP models.
 
-Megatron-style split, matching the shards `convert-weights --tp N` writes (tilepd/weights/layout.py):
+Megatron-style split, matching the shards `convert-weights --tp N` writes (tilepd/weights/out_tensors.py):
 
 - attention: the fused QKV (llama) / q_b and W_UK/W_UV (MLA) are column-parallel by head, so each rank
   runs its own heads over its own cache; o_proj is row-parallel and followed by one all-reduce.
@@ -33,10 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tilepd.engine.deepseek_v3 import DeepseekV3Model
+from tilepd.engine import mla_fused
 from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.llama import LlamaModel
 from tilepd.engine.moe import moe
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 
 
 @dataclass
@@ -155,9 +156,14 @@ class TPDeepseekV3Model(DeepseekV3Model):
     def _attention(self, p, cache, x, positions, cs, mask, dsa=None) -> torch.Tensor:  # noqa: ANN001 - same as the base
         return self.tp.all_reduce(super()._attention(p, cache, x, positions, cs, mask, dsa=dsa))
 
+    def _attention_residual(self, p, cache, x, positions, cs, mask, dsa) -> torch.Tensor:  # noqa: ANN001 - same as the base
+        if mla_fused.applies(self, p, x):  # this rank's heads' output, all-reduced before the residual add
+            return x + self.tp.all_reduce(mla_fused.attention_block(self, p, cache, x, positions, cs, mask, dsa, residual=False))
+        return super()._attention_residual(p, cache, x, positions, cs, mask, dsa)
+
     def _layer(self, p, cache, x, positions, cs, mask, is_moe, dsa=None) -> torch.Tensor:  # noqa: ANN001 - same as the base
         s, w = self.spec, self.w
-        x = x + self._attention(p, cache, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps), positions, cs, mask, dsa=dsa)
+        x = self._attention_residual(p, cache, x, positions, cs, mask, dsa)
         h = rms_norm(x, w[p + "mlp_norm"], s.rms_norm_eps)
         return x + self.tp.all_reduce(moe(h, w, p, s) if is_moe else swiglu(h, w[p + "w13"], w[p + "w2"]))
 

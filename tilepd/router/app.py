@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -27,6 +26,7 @@ from tilepd.auth import load_secret, vllm_auth_header
 from tilepd.contracts.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.backends import DecodeNodeError, cancel_decode
+from tilepd.router.call import Call
 from tilepd.router.errors import PassThroughError, RouterError, invalid, unsupported
 from tilepd.router.gate import gate
 from tilepd.router.health import probe_all, probe_forever
@@ -44,7 +44,6 @@ from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, End
 from tilepd.router.responses import DONE, EventStreamResponse, ResponseWriter, error_chunk
 from tilepd.router.routing import Route, choose_route, served_models
 from tilepd.router.state import RouterState
-from tilepd.router.timeline import Timeline
 from tilepd.router.tracing import make_tracing
 from tilepd.router.upstream import Upstream
 
@@ -146,52 +145,45 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
     return app
 
 
-def request_id(given: str | None) -> str:
-    """The client's x-request-id made safe for log lines and headers (printable, no spaces or `=`, at most 128), else a fresh one."""
-    if given:
-        safe = "".join(ch if (ch.isalnum() or ch in "-_.:/+@") and ord(ch) < 128 else "_" for ch in given.strip())[:128]
-        if safe:
-            return safe
-    return f"req-{uuid.uuid4().hex[:16]}"
-
-
 async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
-    t0 = time.perf_counter()
-    rid = request_id(request.headers.get("x-request-id"))
-    tl = Timeline(rid, t0)
-    tl.attrs["endpoint"] = endpoint
-    if state.tracing is not None:
-        state.tracing.start(tl, request.headers, f"POST {request.url.path}")
+    call = Call(state, request, endpoint)
     try:
-        state.keys.check(request.headers.get("authorization"))
-        body = await _read_json(request)
-        req = _validate(endpoint, body)
-        if endpoint == "chat":  # before any pool: the native vLLM would render a client's template too
-            refuse_client_template(body, state.config.prompt_render.allowed_template_kwargs)
-        route = choose_route(state.config, req.model, request.headers)
-    except RouterError as exc:  # refused before any pool: say so, with the request id, like every other answer
-        exc.headers.update({"x-tilepd-route": "none", "x-tilepd-route-reason": exc.code or "refused", "x-request-id": rid})
-        tl.upto("admission")
-        _close_timeline(state, tl, Route("none", exc.code or "refused"), exc.status)
-        log.info("req=%s event=refused status=%d code=%s %s", rid, exc.status, exc.code, tl.log_fields())
+        await _admit(call)
+    except RouterError as exc:
+        call.refused_at_admission(exc)
         raise
-    if route.pool == "low_latency":
+    if call.route.pool == "low_latency":
         try:
-            return await _serve_low_latency(state, request, endpoint, req, body, route, rid, t0, tl)
+            return await _serve_low_latency(call)
         except _Fallback as fb:
-            if not tl.spans:
-                tl.upto("admission")
-            tl.attrs["fallback"] = fb.reason
-            if state.config.native_pool is None or not state.config.routing.fallback_to_native:
-                _count(state, Route("low_latency", fb.reason), fb.error.status, t0)
-                _close_timeline(state, tl, Route("low_latency", fb.reason), fb.error.status)
-                log.info("req=%s event=refused route=low_latency reason=%s status=%d runbook=%s %s", rid, fb.reason, fb.error.status,
-                         fb.error.runbook or "-", tl.log_fields())
-                fb.error.headers.update(_route_headers(Route("low_latency", fb.reason), rid))
-                fb.error.headers["server-timing"] = tl.server_timing()
-                raise fb.error from None
-            route = Route("native", fb.reason)
-    return await _serve_native(state, endpoint, body, route, rid, t0, tl)
+            _fall_back(call, fb)
+    return await _serve_native(call)
+
+
+async def _admit(call: Call) -> None:
+    """Authenticate, parse, validate and route the request (any RouterError: refused before any pool)."""
+    state, request = call.state, call.request
+    state.keys.check(request.headers.get("authorization"))
+    call.body = await _read_json(request)
+    call.req = _validate(call.endpoint, call.body)
+    if call.endpoint == "chat":  # before any pool: the native vLLM would render a client's template too
+        refuse_client_template(call.body, state.config.prompt_render.allowed_template_kwargs)
+    call.route = choose_route(state.config, call.req.model, request.headers)
+
+
+def _fall_back(call: Call, fb: _Fallback) -> None:
+    """The low-latency pool cannot take the request: route it native, or raise what the client gets without a native pool."""
+    tl = call.timeline
+    if not tl.spans:
+        tl.upto("admission")
+    tl.attrs["fallback"] = fb.reason
+    cfg = call.state.config
+    if cfg.native_pool is None or not cfg.routing.fallback_to_native:
+        call.route = Route("low_latency", fb.reason)
+        call.refused(fb.error, "refused", f"route=low_latency reason={fb.reason} status={fb.error.status} "
+                     f"runbook={fb.error.runbook or '-'}")
+        raise fb.error from None
+    call.route = Route("native", fb.reason)
 
 
 MAX_JSON_DEPTH = 32  # nesting of objects/arrays in a request body (deeper bodies would recurse in copies and validators)
@@ -238,47 +230,13 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> CompletionRequest | C
         raise invalid(param, first["msg"]) from None
 
 
-def _route_headers(route: Route, rid: str) -> dict[str, str]:
-    return {"x-tilepd-route": route.pool, "x-tilepd-route-reason": route.reason, "x-request-id": rid}
-
-
-def _close_timeline(state: RouterState, tl: Timeline, route: Route, status: int, t_end: float | None = None) -> None:
-    """End the request's timeline: `respond` up to `t_end` (default now), the phase histograms, the trace. A stream
-    ends when its last bytes were handed to the server: the generator's `finally` runs only once the server asks for
-    more, after the client may already have them all."""
-    if tl.t_end is not None:
-        return
-    if tl.spans:
-        tl.upto("respond", end=t_end)
-    tl.close(t_end)
-    tl.attrs.setdefault("route", route.pool)
-    tl.attrs.setdefault("reason", route.reason)
-    hist = state.metrics.phase_seconds
-    for phase, ms in tl.phases_ms().items():
-        if ms > 0 and (phase != "other" or ms >= 0.05):
-            hist.labels(phase, route.pool).observe(ms / 1e3)
-    if state.tracing is not None:
-        try:
-            state.tracing.finish(tl, status)
-        except Exception as exc:  # noqa: BLE001 - tracing never fails a request
-            log.warning("req=%s event=tracing_error error=%r", tl.request_id, exc)
-
-
-def _count(state: RouterState, route: Route, status: int, t0: float) -> None:
-    m = state.metrics
-    m.routes.labels(route.pool, route.reason).inc()
-    m.responses.labels(route.pool, str(status)).inc()
-    m.request_seconds.labels(route.pool).observe(time.perf_counter() - t0)
-
-
-async def _plan(state: RouterState, endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, max_seq_len: int,
-                rid: str, tools: ToolPlan | None = None) -> EnginePlan:
-    renderer = state.renderer
+async def _plan(call: Call, max_seq_len: int, tools: ToolPlan | None = None) -> EnginePlan:
+    renderer, req = call.state.renderer, call.req
     if isinstance(req, ChatCompletionRequest):
-        prompt_ids = await renderer.chat_ids(req, rid, tools.tool_dicts if tools is not None else None)
+        prompt_ids = await renderer.chat_ids(req, call.rid, tools.tool_dicts if tools is not None else None)
         limit, limit_name = req.token_limit(), ("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     else:
-        prompt_ids = await renderer.completion_ids(req, rid)
+        prompt_ids = await renderer.completion_ids(req, call.rid)
         limit, limit_name = req.max_tokens, "max_tokens"
     if limit is not None and limit < 1:
         raise invalid(limit_name, "must be at least 1")
@@ -347,8 +305,8 @@ def _engine_caps(state: RouterState) -> dict[str, Any] | None:
     return None
 
 
-async def _serve_low_latency(state: RouterState, request: Request, endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest,
-                             body: dict[str, Any], route: Route, rid: str, t0: float, tl: Timeline) -> Response:
+async def _serve_low_latency(call: Call) -> Response:
+    state, req, tl = call.state, call.req, call.timeline
     caps = _engine_caps(state)
     if caps is None:
         raise _Fallback("no_node_in_rotation", RouterError(503, "no low-latency decode node is healthy", type="service_unavailable",
@@ -356,10 +314,10 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
     refusal = gate(req, caps.get("sampling") or {}, tool_parser=state.renderer.tools is not None)
     if refusal is not None:
         raise _Fallback(f"unsupported:{refusal.param}", unsupported(refusal.param, refusal.reason))
-    tools = _tool_plan(state, req, body, caps)
+    tools = _tool_plan(state, req, call.body, caps)
     if tools is not None:
-        await state.renderer.check_compiles(tools, rid)
-    plan = await _plan(state, endpoint, req, int(caps.get("max_seq_len") or 0), rid, tools)
+        await state.renderer.check_compiles(tools, call.rid)
+    plan = await _plan(call, int(caps.get("max_seq_len") or 0), tools)
     if tools is not None and tools.choice == "none":
         tools = None  # rendered with the tools, answered as text: vLLM parses nothing under "none"
     tl.upto("admission")
@@ -375,36 +333,32 @@ async def _serve_low_latency(state: RouterState, request: Request, endpoint: End
                                                            headers={"retry-after": str(RETRY_AFTER_S)})) from None
     tl.upto("queue_wait", node=lease.node.name)
     state.metrics.lease_wait_seconds.observe(lease.waited_s)
-    run = LowLatencyRun(state, plan, lease, rid, timeline=tl)
+    run = LowLatencyRun(state, plan, lease, call.rid, timeline=tl)
     run.user = req.user
     events = run.events()
-    writer = ResponseWriter(endpoint, req.model or state.config.served_model_name)
+    writer = ResponseWriter(call.endpoint, req.model or state.config.served_model_name)
     if plan.logprobs is not None:
         writer.logprobs = LogprobsRenderer(state.renderer.tokenizer, plan.logprobs)
     writer.tools = tools
-    headers = {**_route_headers(route, rid), "x-tilepd-node": lease.node.name}
+    headers = {**call.route_headers(), "x-tilepd-node": lease.node.name}
     try:
         first = await events.__anext__()  # prefill done: errors here still get a proper HTTP status
     except HandoffRefused as exc:  # before any byte went out: the native pool takes it, else the client gets the reason
         raise _Fallback("handoff_refused", exc) from None
     except (RouterError, PassThroughError) as exc:
-        _count(state, route, exc.status, t0)
-        _close_timeline(state, tl, route, exc.status)
-        log.info("req=%s event=prefill_failed route=%s node=%s status=%d %s", rid, route.pool, lease.node.name, exc.status, tl.log_fields())
-        exc.headers.update(headers)
-        exc.headers["server-timing"] = tl.server_timing()
+        call.refused(exc, "prefill_failed", f"route={call.route.pool} node={lease.node.name} status={exc.status}", headers)
         raise
-    state.metrics.ttft_seconds.observe(time.perf_counter() - t0)
+    state.metrics.ttft_seconds.observe(time.perf_counter() - call.t0)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # the headers go out now: they carry the phases up to the first token; the rest is in the log, metrics, traces
         headers["server-timing"] = tl.server_timing(partial=True)
-        return EventStreamResponse(_sse(state, run, events, first, writer, include_usage, route, rid, t0), headers=headers)
-    return await _collect_unless_disconnected(state, request, run, events, first, writer, route, rid, t0, headers)
+        return EventStreamResponse(_sse(call, run, events, first, writer, include_usage), headers=headers)
+    return await _collect_unless_disconnected(call, run, events, first, writer, headers)
 
 
-async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
-               writer: ResponseWriter, include_usage: bool, route: Route, rid: str, t0: float) -> AsyncIterator[bytes]:
+async def _sse(call: Call, run: LowLatencyRun, events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
+               writer: ResponseWriter, include_usage: bool) -> AsyncIterator[bytes]:
     outcome = "disconnected"
     fin: Finished | None = None
     last_out: float | None = None  # when the last bytes went to the server (None: the client left before them)
@@ -437,12 +391,12 @@ async def _sse(state: RouterState, run: LowLatencyRun, events: AsyncIterator[Tex
     except (DecodeNodeError, RouterError) as exc:
         err = exc.to_router_error() if isinstance(exc, DecodeNodeError) else exc
         outcome = f"error:{err.code}"
-        _note_decode_error(state, run, exc)
+        _note_decode_error(call.state, run, exc)
         last_out = time.perf_counter()
         yield error_chunk(err.body()) + DONE
     finally:
         run.settle_soon()
-        _finish_log(state, route, rid, run, fin, 200, outcome, t0, t_end=last_out)
+        call.finished(run, fin, 200, outcome, t_end=last_out)
 
 
 async def _tool_chunks(run: LowLatencyRun, events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
@@ -472,9 +426,8 @@ async def _tool_chunks(run: LowLatencyRun, events: AsyncIterator[TextDelta | Fin
     yield fin
 
 
-async def _collect_unless_disconnected(state: RouterState, request: Request, run: LowLatencyRun,
-                                       events: AsyncIterator[TextDelta | Finished], first: TextDelta | Finished,
-                                       writer: ResponseWriter, route: Route, rid: str, t0: float, headers: dict[str, str]) -> Response:
+async def _collect_unless_disconnected(call: Call, run: LowLatencyRun, events: AsyncIterator[TextDelta | Finished],
+                                       first: TextDelta | Finished, writer: ResponseWriter, headers: dict[str, str]) -> Response:
     records: list = []
     token_ids: list[int] = []  # for vLLM's tool parser
 
@@ -495,7 +448,7 @@ async def _collect_unless_disconnected(state: RouterState, request: Request, run
         return "".join(parts), fin
 
     async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await call.request.receive())["type"] != "http.disconnect":
             pass
 
     work = asyncio.ensure_future(collect())
@@ -508,17 +461,17 @@ async def _collect_unless_disconnected(state: RouterState, request: Request, run
             work.cancel()
             run.settle_soon()
     if not work.done() or work.cancelled():
-        _finish_log(state, route, rid, run, None, 499, "disconnected", t0)
+        call.finished(run, None, 499, "disconnected")
         return Response(status_code=499)
     try:
         text, fin = work.result()
     except (DecodeNodeError, RouterError) as exc:
         err = exc.to_router_error() if isinstance(exc, DecodeNodeError) else exc
-        _note_decode_error(state, run, exc)
-        _finish_log(state, route, rid, run, None, err.status, f"error:{err.code}", t0)
+        _note_decode_error(call.state, run, exc)
+        call.finished(run, None, err.status, f"error:{err.code}")
         return JSONResponse(err.body(), status_code=err.status, headers={**headers, **err.headers,
                                                                           "server-timing": run.timeline.server_timing()})
-    _finish_log(state, route, rid, run, fin, 200, "ok", t0)
+    call.finished(run, fin, 200, "ok")
     headers = {**headers, "server-timing": run.timeline.server_timing()}
     message, reason = None, fin.finish_reason
     if writer.tools is not None:  # content and tool_calls as vLLM's tool parser reads the text
@@ -534,53 +487,18 @@ def _note_decode_error(state: RouterState, run: LowLatencyRun, exc: Exception) -
                     exc.code, exc.message)
 
 
-def _finish_log(state: RouterState, route: Route, rid: str, run: LowLatencyRun, fin: Finished | None, status: int,
-                outcome: str, t0: float, t_end: float | None = None) -> None:
-    _count(state, route, status, t0)
-    if fin is not None:
-        state.metrics.completion_tokens.inc(fin.completion_tokens)
-    tl = run.timeline
-    tl.attrs["outcome"] = outcome
-    _close_timeline(state, tl, route, status, t_end)
-    log.info("req=%s event=done route=%s reason=%s node=%s status=%d outcome=%s prompt_tokens=%d completion_tokens=%s finish=%s "
-             "ms=%.1f prefill_ms=%s failovers=%d user=%s transfers=%s %s", rid, route.pool, route.reason, run.lease.node.name, status,
-             outcome, run.prompt_tokens, fin.completion_tokens if fin else "-", fin.finish_reason if fin else "-", tl.total_ms,
-             f"{fin.timings['prefill_ms']:.1f}" if fin and "prefill_ms" in fin.timings else "-", run.failovers, run.user or "-",
-             ",".join(run.transfers) or "-", _why(run) + tl.log_fields())
-
-
-def _why(run: LowLatencyRun) -> str:
-    """`retries=<node>:<cause>;...` when nodes failed the request (the timeline's failed_attempt phases say how long)."""
-    causes = [f"{s.attrs.get('node', '?')}:{s.attrs.get('cause', '?')}" for s in run.timeline.spans if s.name == "failed_attempt"]
-    return f"retries={';'.join(causes)} " if causes else ""
-
-
-async def _serve_native(state: RouterState, endpoint: Endpoint, body: dict[str, Any], route: Route, rid: str, t0: float,
-                        tl: Timeline) -> Response:
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+async def _serve_native(call: Call) -> Response:
+    path = "/v1/chat/completions" if call.endpoint == "chat" else "/v1/completions"
+    tl = call.timeline
     if not tl.spans:
         tl.upto("admission")
-    chosen = route.reason in ("header", "model", "default")  # routed native on purpose; any other reason is a fallback
-    if not chosen:
-        tl.attrs["fallback"] = route.reason
-
-    def done(status: int, outcome: str, t_end: float | None = None) -> None:  # after the last byte (streams: when the relay ends)
-        _count(state, route, status, t0)
-        _close_timeline(state, tl, route, status, t_end)
-        log.info("req=%s event=done route=native reason=%s status=%d outcome=%s ms=%.1f runbook=%s %s%s", rid, route.reason, status,
-                 outcome, tl.total_ms, "-" if chosen else "RB-native-fallback", f"fallback={route.reason} " if not chosen else "",
-                 tl.log_fields())
-
+    if not call.native_by_choice:
+        tl.attrs["fallback"] = call.route.reason
     try:
-        resp = await serve_native(state, path, body, rid, _route_headers(route, rid), timeline=tl, on_done=done)
+        resp = await serve_native(call.state, path, call.body, call.rid, call.route_headers(), timeline=tl, on_done=call.finished_native)
     except (RouterError, PassThroughError) as exc:
-        _count(state, route, exc.status, t0)
-        _close_timeline(state, tl, route, exc.status)
         detail = exc.message if isinstance(exc, RouterError) else exc.body[:300].decode("utf-8", "replace")
-        log.info("req=%s event=native_failed route=native reason=%s status=%d error=%r %s", rid, route.reason, exc.status, detail,
-                 tl.log_fields())
-        exc.headers.update(_route_headers(route, rid))
-        exc.headers["server-timing"] = tl.server_timing()
+        call.refused(exc, "native_failed", f"route=native reason={call.route.reason} status={exc.status} error={detail!r}")
         raise
     return resp
 

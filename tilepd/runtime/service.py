@@ -17,12 +17,13 @@ from typing import Any, Callable
 import torch
 
 from tilepd import __version__
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION
 from tilepd.contracts.service_configs import DecodeServerConfig
 from tilepd.engine.types import DecodeEngine
-from tilepd.runtime.convert import convert, convert_indexer
+from tilepd.runtime.kv_convert import convert, convert_indexer
 from tilepd.runtime.ctrl_server import ControlServer
+from tilepd.runtime.faults import slow_token_delay, slowed
 from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes
 from tilepd.runtime.metrics import DecodeMetrics
 from tilepd.runtime.slot import Slot, Transfer
@@ -97,6 +98,7 @@ class DecodeService:
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="slot-reaper", daemon=True)
         self.ready = False
+        self.token_delay_s = slow_token_delay()  # 0.0 outside the tests that inject a slow device
         self.http_listener: Any = None  # tilepd.runtime.http_server.HttpListener, set by the server that serves HTTP
 
     # -- lifecycle ------------------------------------------------------------------
@@ -253,7 +255,8 @@ class DecodeService:
         if job.grammar is not None:
             extra["grammar"] = job.grammar
         c2 = time.process_time()
-        result = self.engine.decode(job.first_token, job.max_tokens, sampling_cls(**job.sampling), job.on_token, transfer.cancel, **extra)
+        on_token = slowed(job.on_token, self.token_delay_s)
+        result = self.engine.decode(job.first_token, job.max_tokens, sampling_cls(**job.sampling), on_token, transfer.cancel, **extra)
         t3 = time.perf_counter()
         n = len(result.tokens)
         # decode_cpu_ms: CPU time of the whole process while the engine decoded (its thread, and the HTTP streaming
