@@ -26,7 +26,7 @@ _KERNELS = textwrap.dedent("""
     import torch.nn.functional as F
     from types import SimpleNamespace
     from tilepd.engine import layers, moe, moe_fused, moe_fused_triton as K
-    from tilepd.engine.fp8 import BlockFp8, dequantize, quantize
+    from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize
     g = torch.Generator().manual_seed(0)
     K.TUNE.update(gate_block_e=32, gate_block_k=16, down_block_n=8, down_block_k=16, down_block_k_fp8=16)
     cpu = torch.device("cpu")
