@@ -77,7 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tilepd.connector import vllm_version
-from tilepd.connector.cpu_attn import cpu_attn_isa, probe_block_perm
+from tilepd.connector.cpu_attn import FP8_CACHE_DTYPES, cpu_attn_isa, probe_block_perm
 from tilepd.connector.cpu_binding import restore_bound_cores
 from tilepd.connector.events import EventLog, ensure_logging
 from tilepd.connector.paged_cache import (
@@ -89,6 +89,7 @@ from tilepd.connector.paged_cache import (
     read_paged_cache,
 )
 from tilepd.connector.claim import decide_claim
+from tilepd.connector.kv_scales import with_kv_scales
 from tilepd.connector.peer_workers import PeerWorkers
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
 from tilepd.connector.tracing import make_connector_tracing, traceparent_of
@@ -372,7 +373,11 @@ class TilePDConnector(KVConnectorBase_V1):
             kcc = getattr(self, "_kv_cache_config", None)
             groups = {n: g for g, grp in enumerate(getattr(kcc, "kv_cache_groups", None) or []) for n in grp.layer_names}
             main = {n: t for n, t in kv_caches.items() if roles[n] == "kv"}
-            cache = read_paged_cache(kv_caches, facts, block_perm=_cpu_attn_block_perm(main, facts), roles=roles, groups=groups)
+            model_dtype = getattr(getattr(self._vllm_config, "model_config", None), "dtype", None) or torch.float32
+            cache = read_paged_cache(kv_caches, facts, block_perm=_cpu_attn_block_perm(main, facts, model_dtype), roles=roles,
+                                     groups=groups)
+            # fp8 caches: the checkpoint's KV scales travel in the layout, the node dequantises with them
+            cache.layout = with_kv_scales(cache.layout, cache.layer_names, ctx)
         except UnsupportedCacheLayout as exc:
             raise UnsupportedCacheLayout(f"TilePDConnector cannot ship this KV cache: {exc}") from exc
         from tilepd.control.sender import KVSender
@@ -394,6 +399,7 @@ class TilePDConnector(KVConnectorBase_V1):
             "registered", None, layout=cache.layout.layout_id, device=cache.device,
             unpack=("cpu_attn_kt_v" if cache.block_perm_is_kt_v else "cpu_attn_perm") if cache.block_perm is not None else "none", transport=self.config.transport.name,
             staging_bytes=self._pool.buffer.numel(), staging_slots=self._pool.num_slots, rank=rank, tp_size=tp,
+            k_scales=_scales(cache.layout.k_scales), v_scales=_scales(cache.layout.v_scales),
         )
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -619,7 +625,7 @@ class TilePDConnector(KVConnectorBase_V1):
             self._tracing.shutdown()
 
 
-def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts) -> torch.Tensor | None:
+def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts, model_dtype: torch.dtype) -> torch.Tensor | None:
     """On vLLM's CPU platform standard attention runs CPU_ATTN, whose blocks are kernel-packed."""
     if facts.use_mla:  # MLA caches are literal on every backend
         return None
@@ -627,17 +633,24 @@ def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFa
 
     if not current_platform.is_cpu():
         return None
-    if facts.cache_dtype != "auto":
-        raise UnsupportedCacheLayout(f"CPU_ATTN with --kv-cache-dtype {facts.cache_dtype} is not supported; use auto")
+    if facts.cache_dtype != "auto" and facts.cache_dtype not in FP8_CACHE_DTYPES:
+        raise UnsupportedCacheLayout(f"CPU_ATTN with --kv-cache-dtype {facts.cache_dtype} is not supported; use auto or "
+                                     f"{' / '.join(FP8_CACHE_DTYPES)}")
     t = next(iter(kv_caches.values()))
     hk, hv = facts.head_size, facts.head_size_v or facts.head_size
     if hk is None or hk != hv or t.dim() != 4 or t.shape[-1] != hk + hv:
         raise UnsupportedCacheLayout(f"CPU_ATTN cache {tuple(t.shape)} does not hold K and V of head size {hk}")
-    isa = cpu_attn_isa(t.dtype, t.shape[2], hk, facts.cache_dtype)
+    # the kernel takes K and V in the model's dtype (an fp8 cache is uint8 storage, not what the ISA is chosen by)
+    dtype = t.dtype if facts.cache_dtype == "auto" else model_dtype
+    isa = cpu_attn_isa(dtype, t.shape[2], hk, facts.cache_dtype)
     try:
-        return probe_block_perm(t.shape[1], t.shape[2], hk, t.dtype, isa)
+        return probe_block_perm(t.shape[1], t.shape[2], hk, dtype, isa, facts.cache_dtype)
     except ValueError as exc:
         raise UnsupportedCacheLayout(str(exc)) from exc
+
+
+def _scales(scales: tuple[float, ...] | None) -> str:
+    return "none" if scales is None else ",".join(f"{x:.6g}" for x in scales)
 
 
 def _cores(cores: set[int]) -> str:
