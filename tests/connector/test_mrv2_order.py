@@ -6,7 +6,7 @@ get_transfer_results) and build_connector_worker_meta, then the drafter's forwar
 whose cache it writes now), then finalize_step: wait_for_save, clear_connector_metadata. vLLM's v1 model runner
 (gpu_model_runner.py, 0.32 too) defers the same way with a speculator; 0.32's model runner v2 did not (wait_for_save
 right after the forward). No vLLM process: the hooks are called here in that order on vLLM-shaped tensors (the
-harness of test_incremental_staging.py); tests/handoff/test_vllm_source_api.py checks the order in vLLM's source.
+harness of test_incremental_staging.py); tests/connector/test_vllm_source_api.py checks the order in vLLM's source.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 import torch
 
 from tilepd.connector.events import EventLog
-from tilepd.connector.layout import ModelCacheFacts, read_paged_cache
+from tilepd.connector.paged_cache import ModelCacheFacts, read_paged_cache
 from tilepd.connector.staging import StagingPool
 from tilepd.connector.vllm_connector import SendSpec, TilePDConnector, TilePDConnectorMetadata, TilePDWorkerMetadata
 from tilepd.contracts.marker import TilepdMarker
