@@ -6,47 +6,29 @@ get_transfer_results) and build_connector_worker_meta, then the drafter's forwar
 whose cache it writes now), then finalize_step: wait_for_save, clear_connector_metadata. vLLM's v1 model runner
 (gpu_model_runner.py, 0.32 too) defers the same way with a speculator; 0.32's model runner v2 did not (wait_for_save
 right after the forward). No vLLM process: the hooks are called here in that order on vLLM-shaped tensors (the
-harness of test_incremental_staging.py); tests/connector/test_vllm_source_api.py checks the order in vLLM's source.
+harness of worker_drive.py); tests/connector/test_vllm_source_api.py checks the order in vLLM's source.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-
 import torch
 
-from tilepd.connector.events import EventLog
-from tilepd.connector.paged_cache import ModelCacheFacts, read_paged_cache
-from tilepd.connector.staging import StagingPool
-from tilepd.connector.vllm_connector import SendSpec, TilePDConnector, TilePDConnectorMetadata, TilePDWorkerMetadata
-from tilepd.contracts.marker import TilepdMarker
+from tilepd.connector.vllm_connector import TilePDConnector, TilePDConnectorMetadata, TilePDWorkerMetadata
+
+from .worker_drive import bare_worker, send_spec
 
 BLOCK = 32
 MAIN = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 MTP = "model.layers.2.self_attn.attn"  # the draft layer: its cache is written by the drafter's forward
 
 
-def _worker(num_slots: int = 1) -> tuple[TilePDConnector, dict[str, torch.Tensor]]:
+def _worker() -> tuple[TilePDConnector, dict[str, torch.Tensor]]:
     flat = torch.randn(3, 12, 2, BLOCK, 64)  # LBHNC
     caches = {name: flat[l] for l, name in enumerate(MAIN + [MTP])}
-    pc = read_paged_cache(caches, ModelCacheFacts(False, "auto", BLOCK, head_size=32))
-    c = TilePDConnector.__new__(TilePDConnector)
-    c.events = EventLog("worker")
-    c._connector_metadata = None
-    c._cache = pc
-    c._pool = StagingPool(pc.layout, max_seq_len=8 * BLOCK, num_slots=num_slots)
-    c._layer_index = {n: i for i, n in enumerate(pc.layer_names)}
-    c._step = None
-    c._inflight = {}
-    c._jobs = queue.Queue()
-    c._released, c._released_lock, c._staging_wait_s = [], threading.Lock(), 0.05
-    return c, caches
+    return bare_worker(caches, BLOCK, 1, 8 * BLOCK), caches
 
 
-def _spec(rid: str, blocks: list[int], start: int, end: int, seq_len: int) -> SendSpec:
-    m = TilepdMarker(host="127.0.0.1", ctrl_port=1, transfer_id=f"t-{rid}", token="x")
-    return SendSpec(rid, m, seq_len, blocks, start, end, end >= seq_len)
+_spec = send_spec
 
 
 def _mrv2_step(c: TilePDConnector, caches: dict[str, torch.Tensor], meta: TilePDConnectorMetadata, finished: set[str],
