@@ -60,6 +60,7 @@ TUNE: dict[str, int] = {
     "down_block_k_fp8": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K_FP8", 1024),
     "down_block_k": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K", 512),
     "down_num_warps": env_int("TILEPD_MOE_FUSED_DOWN_WARPS", 4),
+    "down_unroll": env_int("TILEPD_MOE_FUSED_DOWN_UNROLL", 1),
 }
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # one ticket counter per device, always 0 between launches
@@ -165,41 +166,60 @@ if triton is not None:
         tl.store(A + r * s_ar + cols_n, (a * up).to(act), mask=nmask)  # times up, rounded as the product
 
     @triton.jit
+    def _down_row(A, W, S, WS, SS, e, WTS, t, j, rows, rmask, row_block, s_ar, s_we, s_wn, s_se, s_sn, s_wt,
+                  K: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Row j of token t (expert e): its routing weight times the expert's down GEMV of a's row, the GEMV's output
+        rounded."""
+        act = A.dtype.element_ty
+        w_base = W + e * s_we
+        s_base = S + e * s_se
+        if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
+            w_base = WS
+            s_base = SS
+        w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
+        a_row = A + (t * SLOTS + j) * s_ar
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < K
+            w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            a = tl.load(a_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            if FP8:
+                if ROW_UNIFORM:  # the tile's rows share one row block: its scales fold into the activations
+                    s = tl.load(s_base + row_block * s_sn + cols // BK, mask=cmask, other=0.0)
+                    acc += tl.sum(w * (a * s)[None, :], axis=1)
+                else:  # per-row block scales (rows off block boundaries)
+                    s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+                    acc += tl.sum(w * s * a[None, :], axis=1)
+            else:
+                acc += tl.sum(w * a[None, :], axis=1)
+        return tl.load(WTS + t * s_wt + j).to(tl.float32) * acc.to(act).to(tl.float32)  # the expert's output in the activation dtype
+
+    @triton.jit
     def _down_kernel(A, W, S, WS, SS, IDS, WTS, RES, Y, N, s_ar, s_we, s_wn, s_se, s_sn, s_it, s_wt, s_rr, s_yr,
                      K: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         act = Y.dtype.element_ty
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
+        row_block = pid_n * BLOCK_N // BN
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(SLOTS):  # unrolled with the K chunks: no row's loads wait on the previous row's sum
-            e = tl.load(IDS + t * s_it + j).to(tl.int64)
-            w_base = W + e * s_we
-            s_base = S + e * s_se
-            if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
-                w_base = WS
-                s_base = SS
-            w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
-            a_row = A + (t * SLOTS + j) * s_ar
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in tl.static_range(0, K, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                cmask = cols < K
-                w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-                a = tl.load(a_row + cols, mask=cmask, other=0.0).to(tl.float32)
-                if FP8:
-                    if ROW_UNIFORM:  # the tile's rows share one row block: its scales fold into the activations
-                        s = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
-                        acc += tl.sum(w * (a * s)[None, :], axis=1)
-                    else:  # per-row block scales (rows off block boundaries)
-                        s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-                        acc += tl.sum(w * s * a[None, :], axis=1)
-                else:
-                    acc += tl.sum(w * a[None, :], axis=1)
-            y = acc.to(act).to(tl.float32)  # the expert's down output in the activation dtype
-            total += tl.load(WTS + t * s_wt + j).to(tl.float32) * y
+        if UNROLL:  # rows unrolled: the compiler may issue several rows' loads before the first sum (registers permitting)
+            for j in tl.static_range(SLOTS):
+                e = tl.load(IDS + t * s_it + j).to(tl.int64)
+                total += _down_row(A, W, S, WS, SS, e, WTS, t, j, rows, rmask, row_block, s_ar, s_we, s_wn, s_se, s_sn, s_wt,
+                                   K, SLOTS, FP8, BN, BK, ROW_UNIFORM, BLOCK_N, BLOCK_K)
+        else:  # one row at a time (its K chunks unrolled): fewer registers, more programs resident per SM; the next row's
+            # expert id is loaded a row ahead, so its weights' addresses do not wait on an id load
+            e = tl.load(IDS + t * s_it).to(tl.int64)
+            for j in range(SLOTS):
+                e_next = tl.load(IDS + t * s_it + tl.minimum(j + 1, SLOTS - 1)).to(tl.int64)
+                total += _down_row(A, W, S, WS, SS, e, WTS, t, j, rows, rmask, row_block, s_ar, s_we, s_wn, s_se, s_sn, s_wt,
+                                   K, SLOTS, FP8, BN, BK, ROW_UNIFORM, BLOCK_N, BLOCK_K)
+                e = e_next
         out = total.to(act).to(tl.float32) + tl.load(RES + t * s_rr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(Y + t * s_yr + rows, out.to(act), mask=rmask)
 
@@ -316,5 +336,5 @@ def down_combine(a: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Ten
         a, wt, scale, st, s_scale, ids, weights, residual, y, n, a.stride(0), wt.stride(0), wt.stride(1),
         scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, ids.stride(0), weights.stride(0), residual.stride(0), y.stride(0),
         K=k, SLOTS=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=TUNE["down_num_warps"])
+        UNROLL=bool(TUNE["down_unroll"]), num_warps=TUNE["down_num_warps"])
     return y
