@@ -48,9 +48,8 @@ from tilepd.engine.route_triton import route_logits
 
 MODELS = ("glm-5.1", "deepseek-v3")
 GATE_SWEEP = [(1, 8192, 4), (1, 8192, 8), (2, 8192, 8), (2, 8192, 16), (4, 8192, 16), (2, 2048, 8)]  # (block_e, block_k, warps)
-UP_SWEEP = [(0, 1024, 4), (8, 512, 4), (16, 512, 4), (16, 1024, 8), (8, 2048, 8)]  # (block_n (0: picked), block_k, warps)
-DOWN_SWEEP = [(4, 2048, 2, 0), (4, 2048, 4, 0), (8, 1024, 4, 0), (8, 2048, 8, 0), (16, 1024, 8, 0),
-              (8, 1024, 4, 1), (4, 2048, 4, 1)]  # (block_n, block_k, warps, unroll: rows unrolled; few, they compile slowly)
+UP_SWEEP = [(8, 1024, 4), (8, 512, 4), (16, 512, 4), (16, 1024, 8), (8, 2048, 8)]  # (block_n, block_k, warps)
+DOWN_SWEEP = [(4, 2048, 2), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8), (16, 1024, 8)]  # (block_n, block_k, warps)
 NEAR_TIE = 1e-3
 
 
@@ -183,11 +182,11 @@ def sweep(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device, gate:
             moe_fused_triton.TUNE.update(saved, gate_block_e=be, gate_block_k=bk, gate_num_warps=nw)
             out["gate"][f"block_e={be},block_k={bk},warps={nw}"] = _time_us(kernel_calls(x, w, s)["gate"], dev)
         for bn, bk, nw in UP_SWEEP:
-            moe_fused_triton.TUNE.update(saved, up_block_n=bn, up_block_k=bk, up_block_k_fp8=bk, up_num_warps=nw)
+            moe_fused_triton.TUNE.update(saved, up_block_n=bn, up_block_n_fp8=bn, up_block_k=bk, up_block_k_fp8=bk, up_num_warps=nw)
             out["gate_up"][f"block_n={bn},block_k={bk},warps={nw}"] = _time_us(kernel_calls(x, w, s)["gate_up"], dev)
-        for bn, bk, nw, un in DOWN_SWEEP:
-            moe_fused_triton.TUNE.update(saved, down_block_n=bn, down_block_k=bk, down_block_k_fp8=bk, down_num_warps=nw, down_unroll=un)
-            out["down"][f"block_n={bn},block_k={bk},warps={nw},unroll={un}"] = _time_us(kernel_calls(x, w, s)["down"], dev)
+        for bn, bk, nw in DOWN_SWEEP:
+            moe_fused_triton.TUNE.update(saved, down_block_n=bn, down_block_k=bk, down_block_k_fp8=bk, down_num_warps=nw)
+            out["down"][f"block_n={bn},block_k={bk},warps={nw}"] = _time_us(kernel_calls(x, w, s)["down"], dev)
     finally:
         moe_fused_triton.TUNE.update(saved)
     out["best"] = {name: _best(times) for name, times in out.items()}
@@ -195,8 +194,8 @@ def sweep(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device, gate:
 
 
 def _setting(key: str) -> dict:
-    """A sweep key ("block_n=8,block_k=1024,warps=4,unroll=0") as the TUNE entries of its kernel."""
-    return dict((name, int(v)) for name, v in (part.split("=") for part in key.split(",")))
+    """A sweep key ("block_n=8,block_k=1024,warps=4") as its settings by name ("": none)."""
+    return dict((name, int(v)) for name, v in (part.split("=") for part in key.split(","))) if key else {}
 
 
 def tuned(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device, best: dict) -> dict:
@@ -204,11 +203,10 @@ def tuned(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device, best:
     saved = dict(moe_fused_triton.TUNE)
     try:
         for kernel, prefix in (("gate", "gate_"), ("gate_up", "up_"), ("down", "down_")):
-            if best.get(kernel):
-                for name, v in _setting(best[kernel]).items():
-                    keys = [prefix + name] if name not in ("block_k", "warps") else (
-                        [prefix + "num_warps"] if name == "warps" else [prefix + "block_k"] + ([prefix + "block_k_fp8"] if kernel != "gate" else []))
-                    moe_fused_triton.TUNE.update({k: v for k in keys})
+            for name, v in _setting(best.get(kernel) or "").items():
+                name = "num_warps" if name == "warps" else name
+                both = kernel != "gate" and (name == "block_k" or (kernel == "gate_up" and name == "block_n"))  # the fp8 key too
+                moe_fused_triton.TUNE.update({prefix + name: v, **({prefix + name + "_fp8": v} if both else {})})
         out = {"tune": dict(moe_fused_triton.TUNE), "fused_us": _time_us(lambda: fused(x, w, s), dev)}
         out.update({f"{name}_us": _time_us(fn, dev) for name, fn in kernel_calls(x, w, s).items() if name != "gate_up_grouped"})
         return out

@@ -29,7 +29,8 @@ _KERNELS = textwrap.dedent("""
     from tilepd.engine import layers, moe, moe_fused, moe_fused_triton as K
     from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize
     g = torch.Generator().manual_seed(0)
-    K.TUNE.update(gate_block_e=32, gate_block_k=16, down_block_n=8, down_block_k=16, down_block_k_fp8=16)
+    K.TUNE.update(gate_block_e=32, gate_block_k=16, up_block_n=8, up_block_n_fp8=8, up_block_k=16, up_block_k_fp8=16, down_block_n=8,
+                  down_block_k=16, down_block_k_fp8=16)
     cpu = torch.device("cpu")
     checked = 0
     # 1. gate: (name, experts, n_group, topk_group, top_k, hidden, rows); hidden 40 is off the 16-wide K chunks

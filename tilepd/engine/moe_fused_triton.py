@@ -18,11 +18,12 @@ the activation a [T * S, I] the down GEMV needs. So silu-mul runs once per eleme
 (the first version recomputed it, from a twice-as-wide row, in each of the ~800 down programs).
 
 Down (`down_combine`): each program owns BLOCK_N output columns of one token and walks the token's k+1 rows (routed
-experts, then the shared one at id -1) and the K chunks as one unrolled sequence, so the loads of several rows are in
-flight at once (the first version's loop over rows issued one row's weights at a time behind its id's load): the row's
-GEMV over the expert's weight, its output rounded to the activation dtype (the unfused down GEMV's output), times the
-routing weight and summed in float32 (the unfused path's batched product), the sum rounded, then the residual added and
-rounded (the unfused add). No cross-program reduction, no atomics on the output: the result is deterministic.
+experts, then the shared one at id -1), each row's K chunks unrolled so they are in flight together and the next row's
+expert id loaded a row ahead (the first version's K loop and its id load left gaps with nothing in flight, and its
+silu-mul prologue read a twice-as-wide row; rows fully unrolled measured slower: registers cut the programs per SM):
+the row's GEMV over the expert's weight, its output rounded to the activation dtype (the unfused down GEMV's output),
+times the routing weight and summed in float32 (the unfused path's batched product), the sum rounded, then the residual
+added and rounded (the unfused add). No cross-program reduction, no atomics on the output: the result is deterministic.
 
 Device ids only, static shapes, no host sync: all three sit in the decode step's CUDA graph. Under TRITON_INTERPRET=1
 they also run on CPU tensors, which is how tests/engine/test_moe_fused.py checks them against the torch ops.
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from tilepd.model_format.block_fp8 import BlockFp8
-from tilepd.engine.tuning import env_int, pick_block_n
+from tilepd.engine.tuning import env_int
 
 try:
     import triton
@@ -44,24 +45,25 @@ try:
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
-# gate_*: router experts per program, K chunk (>= H: one chunk), warps; up_*: activation columns per program (0: picked
-# for up_programs programs, like fp8_triton's GEMV), K chunk (fp8 / dense weights), warps; down_*: output columns per
-# program, K chunk (fp8 / dense weights), warps. bench/moe_fused_gpu.py --sweep times the alternatives on the device.
+# gate_*: router experts per program, K chunk (>= H: one chunk), warps; up_*: activation columns per program (fp8 / dense
+# weights: 2x as many weight rows), K chunk, warps; down_*: output columns per program (0: picked, _down_tile), K chunk
+# (fp8: 0 picked with the columns), warps. Defaults from bench/moe_fused_gpu.py --sweep on one H200 (2026-12-03, GLM-5.1
+# and DeepSeek-V3 MoE layers, T = 1, bf16 and fp8; docs/PERFORMANCE.md); --sweep times the alternatives on the device.
 TUNE: dict[str, int] = {
     "gate_block_e": env_int("TILEPD_MOE_FUSED_GATE_BLOCK_E", 2),
     "gate_block_k": env_int("TILEPD_MOE_FUSED_GATE_BLOCK_K", 8192),
     "gate_num_warps": env_int("TILEPD_MOE_FUSED_GATE_WARPS", 8),
-    "up_block_n": env_int("TILEPD_MOE_FUSED_UP_BLOCK_N", 0),
-    "up_programs": env_int("TILEPD_MOE_FUSED_UP_PROGRAMS", 16 * 132),
-    "up_block_k_fp8": env_int("TILEPD_MOE_FUSED_UP_BLOCK_K_FP8", 1024),
+    "up_block_n_fp8": env_int("TILEPD_MOE_FUSED_UP_BLOCK_N_FP8", 8),
+    "up_block_n": env_int("TILEPD_MOE_FUSED_UP_BLOCK_N", 16),
+    "up_block_k_fp8": env_int("TILEPD_MOE_FUSED_UP_BLOCK_K_FP8", 512),
     "up_block_k": env_int("TILEPD_MOE_FUSED_UP_BLOCK_K", 512),
     "up_num_warps": env_int("TILEPD_MOE_FUSED_UP_WARPS", 4),
-    "down_block_n": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_N", 8),
-    "down_block_k_fp8": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K_FP8", 1024),
-    "down_block_k": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K", 512),
+    "down_block_n": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_N", 0),
+    "down_block_k_fp8": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K_FP8", 0),
+    "down_block_k": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K", 1024),
     "down_num_warps": env_int("TILEPD_MOE_FUSED_DOWN_WARPS", 4),
-    "down_unroll": env_int("TILEPD_MOE_FUSED_DOWN_UNROLL", 1),
 }
+_DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # one ticket counter per device, always 0 between launches
 
@@ -166,60 +168,42 @@ if triton is not None:
         tl.store(A + r * s_ar + cols_n, (a * up).to(act), mask=nmask)  # times up, rounded as the product
 
     @triton.jit
-    def _down_row(A, W, S, WS, SS, e, WTS, t, j, rows, rmask, row_block, s_ar, s_we, s_wn, s_se, s_sn, s_wt,
-                  K: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Row j of token t (expert e): its routing weight times the expert's down GEMV of a's row, the GEMV's output
-        rounded."""
-        act = A.dtype.element_ty
-        w_base = W + e * s_we
-        s_base = S + e * s_se
-        if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
-            w_base = WS
-            s_base = SS
-        w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
-        a_row = A + (t * SLOTS + j) * s_ar
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            a = tl.load(a_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            if FP8:
-                if ROW_UNIFORM:  # the tile's rows share one row block: its scales fold into the activations
-                    s = tl.load(s_base + row_block * s_sn + cols // BK, mask=cmask, other=0.0)
-                    acc += tl.sum(w * (a * s)[None, :], axis=1)
-                else:  # per-row block scales (rows off block boundaries)
-                    s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-                    acc += tl.sum(w * s * a[None, :], axis=1)
-            else:
-                acc += tl.sum(w * a[None, :], axis=1)
-        return tl.load(WTS + t * s_wt + j).to(tl.float32) * acc.to(act).to(tl.float32)  # the expert's output in the activation dtype
-
-    @triton.jit
     def _down_kernel(A, W, S, WS, SS, IDS, WTS, RES, Y, N, s_ar, s_we, s_wn, s_se, s_sn, s_it, s_wt, s_rr, s_yr,
                      K: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+                     ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         act = Y.dtype.element_ty
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
-        row_block = pid_n * BLOCK_N // BN
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if UNROLL:  # rows unrolled: the compiler may issue several rows' loads before the first sum (registers permitting)
-            for j in tl.static_range(SLOTS):
-                e = tl.load(IDS + t * s_it + j).to(tl.int64)
-                total += _down_row(A, W, S, WS, SS, e, WTS, t, j, rows, rmask, row_block, s_ar, s_we, s_wn, s_se, s_sn, s_wt,
-                                   K, SLOTS, FP8, BN, BK, ROW_UNIFORM, BLOCK_N, BLOCK_K)
-        else:  # one row at a time (its K chunks unrolled): fewer registers, more programs resident per SM; the next row's
-            # expert id is loaded a row ahead, so its weights' addresses do not wait on an id load
-            e = tl.load(IDS + t * s_it).to(tl.int64)
-            for j in range(SLOTS):
-                e_next = tl.load(IDS + t * s_it + tl.minimum(j + 1, SLOTS - 1)).to(tl.int64)
-                total += _down_row(A, W, S, WS, SS, e, WTS, t, j, rows, rmask, row_block, s_ar, s_we, s_wn, s_se, s_sn, s_wt,
-                                   K, SLOTS, FP8, BN, BK, ROW_UNIFORM, BLOCK_N, BLOCK_K)
-                e = e_next
+        e = tl.load(IDS + t * s_it).to(tl.int64)
+        for j in range(SLOTS):
+            e_next = tl.load(IDS + t * s_it + tl.minimum(j + 1, SLOTS - 1)).to(tl.int64)  # a row ahead: no wait on it
+            w_base = W + e * s_we
+            s_base = S + e * s_se
+            if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
+                w_base = WS
+                s_base = SS
+            w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
+            a_row = A + (t * SLOTS + j) * s_ar
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: the row's chunks are in flight together
+                cols = k0 + tl.arange(0, BLOCK_K)
+                cmask = cols < K
+                w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                a = tl.load(a_row + cols, mask=cmask, other=0.0).to(tl.float32)
+                if FP8:
+                    if ROW_UNIFORM:  # the tile's rows share one row block: its scales fold into the activations
+                        s = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
+                        acc += tl.sum(w * (a * s)[None, :], axis=1)
+                    else:  # per-row block scales (rows off block boundaries)
+                        s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+                        acc += tl.sum(w * s * a[None, :], axis=1)
+                else:
+                    acc += tl.sum(w * a[None, :], axis=1)
+            total += tl.load(WTS + t * s_wt + j).to(tl.float32) * acc.to(act).to(tl.float32)  # the expert's output, rounded
+            e = e_next
         out = total.to(act).to(tl.float32) + tl.load(RES + t * s_rr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(Y + t * s_yr + rows, out.to(act), mask=rmask)
 
@@ -303,7 +287,7 @@ def gate_up_act(h: torch.Tensor, w13: torch.Tensor | BlockFp8, shared: torch.Ten
     a = torch.empty(t * slots, inter, dtype=h.dtype, device=h.device)
     if t == 0:
         return a
-    block_n = pick_block_n(inter, t * slots, forced=TUNE["up_block_n"], programs=TUNE["up_programs"], smallest=8)
+    block_n = TUNE["up_block_n_fp8" if fp8 else "up_block_n"]
     block_k = min(TUNE["up_block_k_fp8" if fp8 else "up_block_k"], triton.next_power_of_2(k))
     _gate_up_kernel[(t * slots, triton.cdiv(inter, block_n))](
         h, wt, scale, st, s_scale, ids, a, inter, k, h.stride(0), wt.stride(0), wt.stride(1), scale.stride(0) if fp8 else 0,
@@ -311,6 +295,18 @@ def gate_up_act(h: torch.Tensor, w13: torch.Tensor | BlockFp8, shared: torch.Ten
         X_DIV=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0 and inter % bn == 0, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=TUNE["up_num_warps"])
     return a
+
+
+def _down_tile(n: int, t: int, fp8: bool) -> tuple[int, int]:
+    """(output columns, K chunk) of a down program. Forced by TUNE where set; else dense 8 columns, and fp8 8 columns x
+    1024 while that makes at most _DOWN_PROGRAMS programs, 4 x 2048 beyond: the sweep's fastest on the two served
+    shapes (GLM-5.1, H 6144: 768 programs, 8 x 1024 31.2 us against 36.7; DeepSeek-V3, H 7168: 896 programs, 4 x 2048
+    39.0 us against 46.0). A rule fitted to those two points, not a model of the device; re-sweep for other shapes."""
+    forced = TUNE["down_block_n"]
+    if not fp8:
+        return forced or 8, TUNE["down_block_k"]
+    block_n = forced or (8 if -(-n // 8) * t <= _DOWN_PROGRAMS else 4)
+    return block_n, TUNE["down_block_k_fp8"] or (1024 if block_n >= 8 else 2048)
 
 
 def down_combine(a: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, ids: torch.Tensor, weights: torch.Tensor,
@@ -330,11 +326,11 @@ def down_combine(a: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Ten
     y = torch.empty(t, n, dtype=a.dtype, device=a.device)
     if t == 0:
         return y
-    block_n = TUNE["down_block_n"]
-    block_k = min(TUNE["down_block_k_fp8" if fp8 else "down_block_k"], triton.next_power_of_2(k))
+    block_n, block_k = _down_tile(n, t, fp8)
+    block_k = min(block_k, triton.next_power_of_2(k))
     _down_kernel[(t, triton.cdiv(n, block_n))](
         a, wt, scale, st, s_scale, ids, weights, residual, y, n, a.stride(0), wt.stride(0), wt.stride(1),
         scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, ids.stride(0), weights.stride(0), residual.stride(0), y.stride(0),
         K=k, SLOTS=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        UNROLL=bool(TUNE["down_unroll"]), num_warps=TUNE["down_num_warps"])
+        num_warps=TUNE["down_num_warps"])
     return y
