@@ -97,8 +97,8 @@ def attention(q: torch.Tensor, cache: torch.Tensor, shape: dict, w_uv: torch.Ten
     rank, scale = shape["rank"], (shape["nope"] + shape["rope"]) ** -0.5
     if sel is not None:
         part, lse = A.split_partials(q, cache, rank, scale, length, idx=sel[0], ok=sel[1])
-    else:
-        part, lse = A.split_partials(q, cache, rank, scale, length, lo=span[0], hi=span[1])
+    else:  # a DSA model's span takes DSA's tiles, as mla_fused does
+        part, lse = A.split_partials(q, cache, rank, scale, length, lo=span[0], hi=span[1], tune=A.TUNE_SPARSE if shape["idx_d"] else None)
     return M.merge_uv(part, lse, w_uv, q.dtype, cache.dtype)
 
 
@@ -185,7 +185,7 @@ def attention_sweep(cases: dict, shapes: dict, dev: torch.device, tiles: list, p
         cfg = {"block_h": bh, "block_n": bn, "num_warps": warps, "num_stages": stages, "programs": programs, "min_blocks": min_blocks}
         row = dict(cfg)
         for name, c in cases.items():
-            tune = A.TUNE_SPARSE if c["sel"] is not None else A.TUNE
+            tune = A.TUNE_SPARSE if shapes[name]["idx_d"] else A.TUNE  # DSA models' tiles, dense MLA's
             tune.update(cfg)
             try:
                 row[name] = round(time_attention(c, shapes[name], dev, reps), 2)
@@ -200,7 +200,7 @@ def attention_sweep(cases: dict, shapes: dict, dev: torch.device, tiles: list, p
 
 def pick(rows: list[dict], names: list[str]) -> dict | None:
     """The row with the least summed time over `names` (rows missing one are skipped)."""
-    ok = [r for r in rows if all(isinstance(r.get(n), float) for n in names)]
+    ok = [r for r in rows if names and all(isinstance(r.get(n), float) for n in names)]
     return min(ok, key=lambda r: sum(r[n] for n in names)) if ok else None
 
 
@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = attention_sweep(cases, case_shape, dev, TINY_TILES if args.tiny else ATTN_TILES, TINY_POLICIES if args.tiny else ATTN_POLICIES,
                                reps)
         report["attention_sweep"] = rows
-        dense_names = [n for n, c in cases.items() if c["span"] is not None]
-        sparse_names = [n for n, c in cases.items() if c["sel"] is not None and "sparse-all" not in n]
+        dense_names = [n for n in cases if not case_shape[n]["idx_d"]]  # DeepSeek-V3's dense MLA: TUNE
+        sparse_names = [n for n in cases if case_shape[n]["idx_d"] and "sparse-all" not in n]  # DSA as the step runs it: TUNE_SPARSE
         best_dense, best_sparse = pick(rows, dense_names), pick(rows, sparse_names)
         report["attention_best"] = {"dense": best_dense, "sparse": best_sparse}
         for prefix, best in (("TILEPD_MLA_", best_dense), ("TILEPD_MLA_SPARSE_", best_sparse)):
@@ -307,9 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     # prepare and merge_uv alone, GLM-5.1 first (the merge with as many splits as the picked policy gives at 1K)
-    splits = A.split_partials(cases[next(iter(cases))]["q"], cases[next(iter(cases))]["caches"][0], shape["rank"], 0.1,
-                              cases[next(iter(cases))]["length"], lo=torch.zeros(1, dtype=torch.long, device=dev),
-                              hi=torch.full((1,), cases[next(iter(cases))]["length"] - 1, device=dev))[0].shape[2]
+    first = cases[next(iter(cases))]  # the first shape's shortest window, read as a span (the step at 1K)
+    splits = A.split_partials(first["q"], first["caches"][0], shape["rank"], 0.1, first["length"],
+                              lo=torch.zeros(1, dtype=torch.long, device=dev), hi=torch.full((1,), first["length"] - 1, device=dev),
+                              tune=A.TUNE_SPARSE if shape["idx_d"] else None)[0].shape[2]
     report["merge_splits"] = splits
     a = inputs(shape, 1, splits, dev, dtype)
     cache, icache = a["cache"].clone(), a["icache"].clone()

@@ -201,7 +201,7 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     """x + attention(rms_norm(x)) for layer `p` (residual False: the attention output alone, which tensor parallelism
     all-reduces before its own add)."""
     from tilepd.engine.dsa import Selection
-    from tilepd.engine.mla_attention import split_partials
+    from tilepd.engine.mla_attention import TUNE_SPARSE, split_partials
     from tilepd.engine.mla_fused_triton import merge_uv, prepare
 
     s, w, layer = model.spec, model.w, model.fused[p]
@@ -237,7 +237,7 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
         # selection and the kernel reads rows by position (no index/ok loads in front of each row gather)
         if mask is None:
             raise ValueError("MLA fused attention: a dense layer needs its DenseSpan")
-        part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi)
+        part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi, tune=TUNE_SPARSE if fits else None)
     out = merge_uv(part, lse, w[p + "w_uv"], x.dtype, cache.dtype)
     wo = w[p + "wo"]
     return gemv(out, wo, wo.shape[-2], residual=x if residual else None)
