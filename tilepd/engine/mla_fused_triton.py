@@ -43,7 +43,9 @@ except Exception:  # pragma: no cover - CPU installs without Triton
 # pipelining of those loops (the next chunk's weights load while this one is summed). Defaults from
 # `python bench/mla_fused_gpu.py` on one H200 (2026-12-03, GLM-5.1 shapes, bf16): prepare 7.8 us (W_UK read floor
 # 3.1 us) with 64 columns a program against 8.2 with 128; merge + W_UV 6.6 us (W_UV floor 4.1 us) with 256-column
-# chunks against 11.3 with 128; deeper pipelining was slower for both.
+# chunks against 11.3 with 128; deeper pipelining was slower for both. prep_unroll / merge_unroll: the absorb's NOPE
+# loop / the merge's RANK loop unrolled (tl.static_range), so every weight tile of a program is loaded before the
+# first is summed (one memory round trip instead of 3 or 2); off until bench/mla_fused_gpu.py has measured them.
 TUNE: dict[str, int] = {
     "block_c": env_int("TILEPD_MLA_FUSED_BLOCK_C", 64),
     "block_d": env_int("TILEPD_MLA_FUSED_BLOCK_D", 64),
