@@ -127,7 +127,7 @@ _ENGINE = textwrap.dedent("""
     import sys
     import torch
     from tilepd.engine import KVState, SamplingParams, dsa_topk, fp8_triton, gemv_triton, layers, load_engine, mla_fused, moe, moe_fused
-    from tilepd.engine import moe_fused_triton, moe_triton
+    from tilepd.engine import mla_attention, moe_fused_triton, moe_triton
     torch.set_num_threads(1)
     # few programs a launch: the interpreter pays per program
     gemv_triton.TUNE["block_n"], fp8_triton.TUNE["block_n"], moe_triton.TUNE["block_n"] = 256, 128, 64
@@ -142,6 +142,12 @@ _ENGINE = textwrap.dedent("""
     spy(dsa_topk, "topk_select", "topk")
     spy(mla_fused, "attention_block", "attention")
     spy(moe_fused, "moe_block", "moe")
+    spans = {"n": 0}  # windows that fit index_topk: the fused path reads DSA's full selection as the dense span
+    real_split = mla_attention.split_partials
+    def split_spy(*a, **kw):
+        spans["n"] += kw.get("lo") is not None
+        return real_split(*a, **kw)
+    mla_attention.split_partials = split_spy
     # the speed path as compiled.accelerate turns it on for this family (its CUDA-only parts aside)
     layers.ATTENTION_IMPL["mla"] = mla_fused.FUSED_IMPL["attention"] = "triton"
     moe.EXPERT_IMPL["dense"] = moe.ROUTE_IMPL["router"] = moe.BLOCK_IMPL["moe"] = "triton"
@@ -161,6 +167,7 @@ _ENGINE = textwrap.dedent("""
             assert all(calls[k] > before[k] for k in calls), (name, mode, "a kernel path did not run", calls, before)
             assert got == ref["tokens"][1:], (name, mode, got, ref["tokens"][1:])
             print(name, mode, "ok", flush=True)
+    assert spans["n"] > 0, "no DSA window that fits index_topk went through the dense span"
     print("engine ok")
 """)
 
