@@ -220,12 +220,11 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
                              index, head_weights)
     if dsa is not None:
         if scoring:
-            from tilepd.engine.dsa_indexer import index_scores
-            from tilepd.engine.dsa_topk import topk_select
+            from tilepd.engine.dsa_indexer import index_topk
 
             nh, d = s.index_n_heads, s.index_head_dim
-            scores = index_scores(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope, s.indexer_rope_interleave)
-            dsa.selection = Selection(*topk_select(scores, dsa.valid, min(s.index_topk, dsa.valid.shape[1])))
+            dsa.selection = Selection(*index_topk(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope,
+                                                  s.indexer_rope_interleave, min(s.index_topk, dsa.valid.shape[1])))
         elif dsa.selection is None:  # the window fits index_topk: every causal slot is selected, in order
             length = dsa.valid.shape[1]
             dsa.selection = Selection(torch.arange(length, device=x.device).expand(t, length).contiguous(), dsa.valid.contiguous())
