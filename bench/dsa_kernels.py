@@ -98,7 +98,7 @@ def _same_set(scores: torch.Tensor, idx: torch.Tensor, k: int) -> bool:
 
 
 def _sweep(scores_fn, select_fn, key_bytes: int, read_gbps: float) -> list[dict]:
-    """us per call of the scores kernel over its tiles, and of the select's chunked path over the split's chunk."""
+    """us per call of the scores kernel (its histogram epilogue on) over its tiles, and of the select's chunked path over the split's chunk."""
     out = []
     saved_s, saved_t = dict(dsa_indexer.TUNE), dict(dsa_topk.TUNE)
     try:
@@ -190,6 +190,9 @@ def main() -> None:
         key_bytes = length * d * caches["kernels"].element_size()
         row["keys_read_floor_us"] = round(key_bytes / (result["read_GBps"] or 4.8e3) / 1e3, 2)
         row["scores_keys_pct_of_read_bw"] = round(100 * row["keys_read_floor_us"] / row["scores_kernel_us"], 1)
+        hist_buf = dsa_topk.new_hist(1, dev)
+        row["scores_kernel_with_hist_us"] = round(_graph_us(lambda: dsa_indexer.index_scores(q, cs, weights, caches["kernels"], valid, rope, True,
+                                                                                              hist=hist_buf)), 2)
         row["index_topk_us"] = round(_graph_us(lambda: dsa_indexer.index_topk(q, cs, weights, caches["kernels"], valid, rope, True, kk)), 2)
         row["index_topk_launches"] = _launches(lambda: dsa_indexer.index_topk(q, cs, weights, caches["kernels"], valid, rope, True, kk))
         # the fused path on poisoned outputs: its scores' histogram, its set against torch.topk over the same scores
@@ -205,7 +208,7 @@ def main() -> None:
         row["fused_ok_matches_valid"] = bool(torch.equal(fok, valid.gather(1, fidx)))
         row["split_candidates"] = int(hist[0, 513])
         if args.sweep and length >= 131072:
-            row["sweep"] = _sweep(lambda: dsa_indexer.index_scores(q, cs, weights, caches["kernels"], valid, rope, True),
+            row["sweep"] = _sweep(lambda: dsa_indexer.index_scores(q, cs, weights, caches["kernels"], valid, rope, True, hist=hist_buf),
                                   lambda: dsa_topk.topk_select(scores, valid, kk), key_bytes, result["read_GBps"])
         # checks
         idx, _ = dsa_topk.topk_select(scores, valid, kk)
