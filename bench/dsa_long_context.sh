@@ -26,7 +26,7 @@ step() {  # step NAME SECONDS CMD...: one bench under a time limit, its log besi
 
 "$py" -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 lengths="32768 131072 202752"
-step dsa-kernels 100 "$py" bench/dsa_kernels.py --lengths $lengths --sweep --out "$out/dsa-kernels_h200_$day.json"
+step dsa-kernels 95 "$py" bench/dsa_kernels.py --lengths $lengths --sweep --out "$out/dsa-kernels_h200_$day.json"
 if [ -n "$before" ]; then
   step dsa-kernels-before 45 bash -c "cd '$before' && '$py' bench/dsa_kernels.py --lengths $lengths --out '$out/dsa-kernels-before_h200_$day.json'"
 fi
@@ -37,7 +37,7 @@ if [ -n "$wheel" ]; then
   step deepgemm 30 "$py" bench/dsa_deepgemm_logits.py --wheel-dir /tmp/deepgemm --out "$out/dsa-deepgemm_h200_$day.json"
 fi
 if [ -n "$before" ]; then
-  step decode-speed-before 45 bash -c "cd '$before' && '$py' bench/decode_speed.py --model glm-5.1 --weights fp8 --no-hf --no-mtp \
+  step decode-speed-before 40 bash -c "cd '$before' && '$py' bench/decode_speed.py --model glm-5.1 --weights fp8 --no-hf --no-mtp \
     --variants speed-path --contexts 32768 131072 200000 --tokens 32 --json --out '$out/glm-5.1_fp8_78L_decode_speed_$day-before.json'"
 fi
 "$py" - "$out" <<'EOF'
