@@ -67,7 +67,7 @@ def select_topk(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, q_resid: to
                 kernels: bool = False) -> Selection:
     """Write the new tokens' indexer keys at `positions`, score the window [0, L) and keep the top index_topk.
 
-    kernels: through dsa_indexer.py and dsa_topk.py (the speed path: the GEMVs plus five Triton launches,
+    kernels: through dsa_indexer.py and dsa_topk.py (the speed path: the GEMVs plus six launches,
     no torch topk); otherwise the portable torch ops below, which are the kernels' reference."""
     if kernels:
         return _select_topk_kernels(w, p, x, q_resid, positions, cs, keys_cache, valid, spec)

@@ -175,7 +175,7 @@ def index_scores(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys:
 def index_topk(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
                rope: int, interleaved: bool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """index_scores then dsa_topk.topk_select's k best slots (idx [T, k] int64, ok [T, k] bool), the select's first
-    radix pass fused into the scores kernel: 4 launches (memset, scores, split, finish) whatever the window."""
+    radix pass fused into the scores kernel: 5 launches (memset, scores, split, refine, finish) whatever the window."""
     from tilepd.engine.dsa_topk import new_hist, topk_select
 
     hist = new_hist(q.shape[0], q.device)

@@ -14,9 +14,9 @@ for 4 bytes. Then every slot above the k-th key is written, and as many slots eq
   * long rows, or whenever the caller brings the top byte's histogram (dsa_indexer.index_scores adds it in its
     epilogue): a split launch over chunks of the row writes every slot above the k-th's top-byte bin (atomic
     counters place them), compacts the bin's slots (the candidates) into a scratch and adds their second byte's
-    histogram; then one program per row writes the candidates above the k-th's two top bytes, compacts the rest
-    and finishes as above (the two low bytes over them). With the scores' histogram fused: 2 launches plus the
-    memset, whatever L. Order and the choice among ties vary between runs there, the set's values do not.
+    histogram; a refine launch over the candidates writes those above the k-th's two top bytes and compacts those
+    equal to them (a 256th of the bin); then one program per row finishes as above over these (the two low bytes'
+    histograms, the writes). With the scores' histogram fused: 3 launches plus the memset, whatever L. Order and the choice among ties vary between runs there, the set's values do not.
 The output always holds exactly k slots (k <= L); ties at the k-th value may be other slots of equal value than
 torch.topk's. Static shapes, no host sync: CUDA-graph safe. The reference is torch.topk (dsa.select_topk).
 """
@@ -35,14 +35,16 @@ except Exception:  # pragma: no cover - CPU installs without Triton
 
 # Rows up to one_program_max scores (and no histogram brought): one program per row (block scores per iteration,
 # num_warps wide) reading the row twice. Otherwise the split runs over chunks of `chunk` scores (chunk_block per
-# iteration), then one program a row (block, num_warps) over the candidates. Why not one program at long rows:
+# iteration) and the refine over its candidates the same way, then one program a row (block, num_warps) over the
+# refined candidates. Why the refine: on the engine's scores one program walking the top byte's bin took 24-68 us a
+# layer at 32K-200K (H200, 2026-12-03; ~2.3 us of latency a step), the refine spreads that walk over the GPU. Why not one program at long rows:
 # Triton's tl.histogram costs ~100 instructions an element at 256 bins (warp ballots per bin), so one SM alone takes
 # ~13 us a pass at 32K; the split spreads the row's second pass over the GPU and leaves the finish only its bin.
 TUNE: dict[str, int] = {
     "one_program_max": env_int("TILEPD_DSA_TOPK_ONE_PROGRAM_MAX", 4096),
     "block": env_int("TILEPD_DSA_TOPK_BLOCK", 1024),
     "num_warps": env_int("TILEPD_DSA_TOPK_NUM_WARPS", 16),
-    "chunk": env_int("TILEPD_DSA_TOPK_CHUNK", 2048),
+    "chunk": env_int("TILEPD_DSA_TOPK_CHUNK", 1024),
     "chunk_block": env_int("TILEPD_DSA_TOPK_CHUNK_BLOCK", 1024),
     "chunk_warps": env_int("TILEPD_DSA_TOPK_CHUNK_WARPS", 8),
 }
@@ -214,46 +216,55 @@ if triton is not None:
         tl.atomic_add(hrow + 256 + bins, h, mask=h > 0)
 
     @triton.jit
-    def _topk_finish_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, s_vt, s_ht, s_it, s_ct,
-                            BLOCK: tl.constexpr):
-        """One program per row: the candidates above the k-th key's two top bytes written after the split's, the
-        rest of its bin compacted again, then _finish_candidates."""
-        t = tl.program_id(0)
-        hrow = HIST + t * s_ht
+    def _two_top_bytes(hrow, K):
+        """From a row's two histograms: the k-th key >> 16, the slots above it (written first) and how many are still
+        needed among the keys that share its two top bytes."""
         bins = tl.arange(0, 256)
-        j, n_out, _ = _find_bin(tl.load(hrow + bins), K, 256)
-        k_rem = K - n_out
+        j, n_above, _ = _find_bin(tl.load(hrow + bins), K, 256)
+        k_rem = K - n_above
         prefix = j - 128
         j, above, _ = _find_bin(tl.load(hrow + 256 + bins), k_rem, 256)
-        k_rem = k_rem - above
-        prefix = prefix * 256 + j  # the k-th key >> 16
-        n_cand = tl.load(hrow + 2 * 256 + 1)
-        vrow = VALID + t * s_vt
-        orow_i = IDX + t * s_it
-        orow_ok = OK + t * s_it
+        return prefix * 256 + j, n_above + above, k_rem - above
+
+    @triton.jit
+    def _topk_refine_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, s_vt, s_ht, s_it, s_ct,
+                            BLOCK: tl.constexpr):
+        """Over the split's candidates in parallel (programs past their count do nothing): write those above the k-th
+        key's two top bytes, compact those equal to them (usually a few hundred) for the finish."""
+        t = tl.program_id(1)
+        hrow = HIST + t * s_ht
+        start = tl.program_id(0) * CHUNK
+        end = tl.minimum(start + CHUNK, tl.load(hrow + 2 * 256 + 1))
+        prefix, _, _ = _two_top_bytes(hrow, K)
         offs = tl.arange(0, BLOCK)
-        n_in = tl.zeros([], tl.int32)
-        for n0 in range(0, n_cand, BLOCK):
+        for n0 in range(start, end, BLOCK):
             o = n0 + offs
-            m = o < n_cand
+            m = o < end
             key = tl.load(CAND_K + t * s_ct + o, mask=m, other=0)
             slot = tl.load(CAND_I + t * s_ct + o, mask=m, other=0)
             hi = key >> 16
             take = m & (hi > prefix)
-            pos = n_out + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(orow_i + pos, slot.to(tl.int64), mask=take)
-            tl.store(orow_ok + pos, tl.load(vrow + slot, mask=take, other=0), mask=take)
-            n_out += tl.sum(take.to(tl.int32), axis=0)
+            base = tl.atomic_add(hrow + 2 * 256, tl.sum(take.to(tl.int32), axis=0))  # after the split's writes
+            pos = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(IDX + t * s_it + pos, slot.to(tl.int64), mask=take)
+            tl.store(OK + t * s_it + pos, tl.load(VALID + t * s_vt + slot, mask=take, other=0), mask=take)
             keep = m & (hi == prefix)
-            cpos = n_in + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            cbase = tl.atomic_add(hrow + 2 * 256 + 2, tl.sum(keep.to(tl.int32), axis=0))
+            cpos = cbase + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             tl.store(CAND2_K + t * s_ct + cpos, key, mask=keep)
             tl.store(CAND2_I + t * s_ct + cpos, slot, mask=keep)
-            n_in += tl.sum(keep.to(tl.int32), axis=0)
-        tl.debug_barrier()  # the candidates written above are read back by other threads below
-        _finish_candidates(CAND2_K + t * s_ct, CAND2_I + t * s_ct, n_in, prefix, k_rem, n_out, vrow, orow_i, orow_ok, BLOCK)
+
+    @triton.jit
+    def _topk_finish_kernel(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, s_vt, s_ht, s_it, s_ct, BLOCK: tl.constexpr):
+        """One program per row over the refined candidates (the k-th key's two top bytes): _finish_candidates."""
+        t = tl.program_id(0)
+        hrow = HIST + t * s_ht
+        prefix, n_out, k_rem = _two_top_bytes(hrow, K)
+        _finish_candidates(CAND2_K + t * s_ct, CAND2_I + t * s_ct, tl.load(hrow + 2 * 256 + 2), prefix, k_rem, n_out,
+                           VALID + t * s_vt, IDX + t * s_it, OK + t * s_it, BLOCK)
 
 
-HIST_COLS = 2 * 256 + 2  # a row's scratch: the two top bytes' histograms, then [slots written by the split, candidates]
+HIST_COLS = 2 * 256 + 3  # a row's scratch: the two top bytes' histograms, then [slots written, candidates, refined candidates]
 
 
 def new_hist(rows: int, device: torch.device) -> torch.Tensor:
@@ -266,8 +277,8 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.T
     (int64, any order) and ok = valid.gather(1, idx) [T, k] (bool): dsa.Selection's fields.
 
     hist: new_hist(T)'s scratch with the scores' top-byte histogram already added (index_scores(..., hist=...)):
-    then the select is two launches whatever L (split, finish). Without it rows up to one_program_max take one
-    launch, longer ones three (the first byte's histogram with its memset before the two)."""
+    then the select is three launches whatever L (split, refine, finish). Without it rows up to one_program_max take
+    one launch, longer ones four (the first byte's histogram with its memset before the three)."""
     if triton is None:
         raise RuntimeError("DSA top-k kernel needs Triton, which is not importable here")
     t, length = scores.shape
@@ -302,6 +313,8 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.T
     _topk_split_kernel[grid](scores, valid_u8, hist, idx, ok_u8, cand[0], cand[1], length, k, chunk, scores.stride(0),
                              valid.stride(0), hist.stride(0), idx.stride(0), cand.stride(1),
                              BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
-    _topk_finish_kernel[(t,)](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, valid.stride(0), hist.stride(0),
-                              idx.stride(0), cand.stride(1), BLOCK=TUNE["block"], num_warps=TUNE["num_warps"])
+    _topk_refine_kernel[grid](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, chunk, valid.stride(0), hist.stride(0),
+                              idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
+    _topk_finish_kernel[(t,)](valid_u8, hist, idx, ok_u8, cand[2], cand[3], k, valid.stride(0), hist.stride(0), idx.stride(0),
+                              cand.stride(1), BLOCK=TUNE["block"], num_warps=TUNE["num_warps"])
     return idx, ok
