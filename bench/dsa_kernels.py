@@ -10,7 +10,7 @@ alone (torch.topk vs topk_select on the same scores). Checks on the GPU, each a 
   * the kernel path's scores against an fp32 evaluation of the reference formula, its key-cache row against
     the reference's, and the overlap of the two paths' selections (bf16 rounding may swap near-ties);
   * the MLA kernel's output does not depend on the order of the selected slots (a shuffled selection);
-  * the fused path (index_topk: the scores kernel adds the select's top-byte histogram, then split + finish), on
+  * the fused path (index_topk: the scores kernel adds the select's top-byte histogram, then split + refine + finish), on
     outputs allocated over NaN-filled blocks: the histogram equals torch's over the same scores, the scores equal
     the unfused kernel's, the set equals torch.topk's.
 Also per L: the scores kernel against its keys-read floor at the measured copy bandwidth, the fused index_topk's us
@@ -31,7 +31,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kit import GLM5_SMALL
+from kit import GLM5_SMALL, read_bandwidth
 from tilepd.engine import dsa_indexer, dsa_topk
 from tilepd.engine.dsa import _rope_head, select_topk
 from tilepd.engine.layers import length_mask
@@ -80,13 +80,12 @@ def _poison_free_blocks(numel: int, dtype: torch.dtype) -> None:
 
 
 def _read_bandwidth_gbps() -> float:
-    """Bytes read per second by a 2 GB device-to-device copy (the read half of the traffic), as bench/kit.py counts."""
+    """Read bandwidth as decode_speed.py's floor takes it (kit.read_bandwidth: the better of a read-only sum and a
+    copy counting both its reads and writes); 0 off CUDA."""
     if not torch.cuda.is_available():
         return 0.0
-    a = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100)
-    return a.numel() * 2 / ms / 1e6
+    bw = read_bandwidth(torch.device("cuda"), 2.0)
+    return max(bw["sum_read_GBps"], bw["copy_rw_GBps"])
 
 
 def _same_set(scores: torch.Tensor, idx: torch.Tensor, k: int) -> bool:
@@ -115,7 +114,7 @@ def _sweep(scores_fn, select_fn, key_bytes: int, read_gbps: float) -> list[dict]
         dsa_topk.TUNE["one_program_max"] = 0
         for chunk, block, warps in ((2048, 1024, 8), (1024, 1024, 8), (1024, 512, 4), (512, 512, 4)):
             dsa_topk.TUNE.update(chunk=chunk, chunk_block=block, chunk_warps=warps)
-            out.append({"kernel": "select (hist0, split, finish)", "chunk": chunk, "chunk_block": block, "chunk_warps": warps,
+            out.append({"kernel": "select (memset, hist0, split, refine, finish)", "chunk": chunk, "chunk_block": block, "chunk_warps": warps,
                         "us": round(_graph_us(select_fn), 2)})
     finally:
         dsa_indexer.TUNE.update(saved_s)
@@ -207,6 +206,7 @@ def main() -> None:
         row["fused_select_same_set"] = _same_set(fused_scores, fidx, kk)
         row["fused_ok_matches_valid"] = bool(torch.equal(fok, valid.gather(1, fidx)))
         row["split_candidates"] = int(hist[0, 513])
+        row["refined_candidates"] = int(hist[0, 514])
         if args.sweep and length >= 131072:
             row["sweep"] = _sweep(lambda: dsa_indexer.index_scores(q, cs, weights, caches["kernels"], valid, rope, True, hist=hist_buf),
                                   lambda: dsa_topk.topk_select(scores, valid, kk), key_bytes, result["read_GBps"])
