@@ -11,6 +11,7 @@ masked_fill, each writing a [T, H, L] or [T, L] intermediate. Here
     weights the heads (fp32 weights times n_heads^-0.5) and sums them in registers, writing -inf where `valid` is
     not set: [T, L] float32, what dsa_topk.topk_select reads. Optionally its epilogue adds the histogram of the
     scores' top radix byte (the select's first pass) to the row's, so the select starts at its second byte.
+  * index_topk: the scores with that histogram, then dsa_topk.topk_select from it (the speed path's call).
 RoPE layouts as dsa.py describes (GPT-J pairs when interleaved, NeoX half-split otherwise); cs [T, 2, rope] is
 the rope table's rows at the tokens' positions (cos, signed sin). Static shapes, no host sync.
 """
