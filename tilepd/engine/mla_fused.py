@@ -222,12 +222,11 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     fits = dsa is not None and dsa.valid.shape[1] <= s.index_topk and isinstance(mask, DenseSpan)
     if dsa is not None and not fits:
         if scoring:
-            from tilepd.engine.dsa_indexer import index_scores
-            from tilepd.engine.dsa_topk import topk_select
+            from tilepd.engine.dsa_indexer import index_topk
 
             nh, d = s.index_n_heads, s.index_head_dim
-            scores = index_scores(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope, s.indexer_rope_interleave)
-            dsa.selection = Selection(*topk_select(scores, dsa.valid, min(s.index_topk, dsa.valid.shape[1])))
+            dsa.selection = Selection(*index_topk(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope,
+                                                  s.indexer_rope_interleave, min(s.index_topk, dsa.valid.shape[1])))
         elif dsa.selection is None:  # the window fits index_topk but no span came: every causal slot, by index
             length = dsa.valid.shape[1]
             dsa.selection = Selection(torch.arange(length, device=x.device).expand(t, length).contiguous(), dsa.valid.contiguous())
