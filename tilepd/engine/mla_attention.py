@@ -47,13 +47,16 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # 2048 selected rows over 64 heads with 32-row blocks, 16 heads per program, 4 warps (16.7 against 22.4 us).
 # TUNE_SPARSE also serves a DSA model's window while it fits index_topk (mla_fused reads that full selection as a
 # span, SPARSE=False): the tiles of DSA's shapes (64 heads, at most index_topk rows), with or without indices.
+# min_blocks 1 (was 4) from `bench/mla_fused_gpu.py`'s sweep on one H200 (2026-12-03, bench/results/
+# mla-fused-gpu_h200_2026-12-03b.json): at short windows one iteration per program fills the 132 SMs (GLM-5.1 1K
+# 21.2 -> 13.7 us, DeepSeek-V3 1K 25.0 -> 15.0 us, 2048 of 32K selected 20.8 -> 15.9 us, split + merge timed together).
 TUNE: dict[str, int] = {
     "block_n": env_int("TILEPD_MLA_BLOCK_N", 64),
     "block_h": env_int("TILEPD_MLA_BLOCK_H", 32),
     "num_warps": env_int("TILEPD_MLA_NUM_WARPS", 4),
     "num_stages": env_int("TILEPD_MLA_NUM_STAGES", 2),
     "programs": env_int("TILEPD_MLA_PROGRAMS", 132),
-    "min_blocks": env_int("TILEPD_MLA_MIN_BLOCKS", 4),
+    "min_blocks": env_int("TILEPD_MLA_MIN_BLOCKS", 1),
 }
 TUNE_SPARSE: dict[str, int] = {
     "block_n": env_int("TILEPD_MLA_SPARSE_BLOCK_N", 32),
@@ -61,7 +64,7 @@ TUNE_SPARSE: dict[str, int] = {
     "num_warps": env_int("TILEPD_MLA_SPARSE_NUM_WARPS", 4),
     "num_stages": env_int("TILEPD_MLA_SPARSE_NUM_STAGES", 2),
     "programs": env_int("TILEPD_MLA_SPARSE_PROGRAMS", 132),
-    "min_blocks": env_int("TILEPD_MLA_SPARSE_MIN_BLOCKS", 4),
+    "min_blocks": env_int("TILEPD_MLA_SPARSE_MIN_BLOCKS", 1),
 }
 
 

@@ -45,18 +45,20 @@ except Exception:  # pragma: no cover - CPU installs without Triton
 # 3.1 us) with 64 columns a program against 8.2 with 128; merge + W_UV 6.6 us (W_UV floor 4.1 us) with 256-column
 # chunks against 11.3 with 128; deeper pipelining was slower for both. prep_unroll / merge_unroll: the absorb's NOPE
 # loop / the merge's RANK loop unrolled (tl.static_range), so every weight tile of a program is loaded before the
-# first is summed (one memory round trip instead of 3 or 2); off until bench/mla_fused_gpu.py has measured them.
+# first is summed (one memory round trip instead of 3 or 2). The same bench's sweep (2026-12-03, second run) picked
+# the merge unrolled with 128 output channels a program and 8 warps (7.3 -> 7.0 us with 32 splits); the absorb's
+# unroll did not win (7.65 vs 7.68 us), so it stays off.
 TUNE: dict[str, int] = {
     "block_c": env_int("TILEPD_MLA_FUSED_BLOCK_C", 64),
     "block_d": env_int("TILEPD_MLA_FUSED_BLOCK_D", 64),
     "prep_stages": env_int("TILEPD_MLA_FUSED_PREP_STAGES", 1),
     "prep_warps": env_int("TILEPD_MLA_FUSED_PREP_WARPS", 4),
     "prep_unroll": env_int("TILEPD_MLA_FUSED_PREP_UNROLL", 0),
-    "block_v": env_int("TILEPD_MLA_FUSED_BLOCK_V", 64),
+    "block_v": env_int("TILEPD_MLA_FUSED_BLOCK_V", 128),
     "chunk_c": env_int("TILEPD_MLA_FUSED_CHUNK_C", 256),
     "merge_stages": env_int("TILEPD_MLA_FUSED_MERGE_STAGES", 1),
-    "merge_warps": env_int("TILEPD_MLA_FUSED_MERGE_WARPS", 4),
-    "merge_unroll": env_int("TILEPD_MLA_FUSED_MERGE_UNROLL", 0),
+    "merge_warps": env_int("TILEPD_MLA_FUSED_MERGE_WARPS", 8),
+    "merge_unroll": env_int("TILEPD_MLA_FUSED_MERGE_UNROLL", 1),
 }
 
 
