@@ -144,7 +144,7 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
         with node.client() as c:
             # only the router's key may drain
             assert c.post("/admin/drain").status_code == 401 and c.post("/admin/drain", headers={"Authorization": "Bearer x"}).status_code == 401
-            assert c.get("/health").json() == {"status": "ok"}
+            assert c.get("/health").json()["status"] == "ok"
 
             # a request in flight: its decode call holds the slot and waits for the KV
             answer: dict = {}
@@ -163,7 +163,7 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
             started = json.loads(cli.stdout)
             assert started["draining"] and not started["idle"] and started["transfer_id"] == "tx-held"
             health = c.get("/health")
-            assert health.status_code == 503 and health.json() == {"status": "draining", "idle": False}
+            assert health.status_code == 503 and health.json() == {"status": "draining", "idle": False, "reason": None}
             assert c.get("/status").json()["draining"] is True
             # a new request: 503 draining before any KV; its admit is refused as busy; the held one is untouched
             refused = c.post("/v1/decode", headers=router, json=body("tx-new"))
@@ -183,7 +183,7 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
             assert done.draining and done.idle
             cli = _cli("drain", str(topo), "d0", "--json")
             assert cli.returncode == 0 and json.loads(cli.stdout)["idle"] is True, cli.stdout + cli.stderr
-            assert c.get("/health").json() == {"status": "draining", "idle": True}
+            assert c.get("/health").json() == {"status": "draining", "idle": True, "reason": None}
             assert "tilepd_decode_draining 1.0" in c.get("/metrics").text
 
             cli = _cli("undrain", str(topo), "d0", "--json")
@@ -217,7 +217,7 @@ def test_a_drained_node_restarts_drained_and_takes_only_a_canary(python_exe: str
     prompt = PROMPTS["multi_block"]
     try:
         with node.client() as c:
-            assert c.get("/health").json() == {"status": "draining", "idle": True}
+            assert c.get("/health").json() == {"status": "draining", "idle": True, "reason": None}
             plain = {"transfer_id": "tx-plain", "token": "tok", "first_token": 5, "prompt_tokens": len(prompt), "max_tokens": 8,
                      "ignore_eos": True, "stream": False}
             refused = c.post("/v1/decode", json=plain)
