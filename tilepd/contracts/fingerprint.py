@@ -228,7 +228,8 @@ def weights_digest(model_dir: Path, threads: int = 8) -> str:
 def checkpoint_identity(model_dir: Path, tokenizer_dir: Path | None = None) -> CheckpointIdentity:
     """The identity of an HF checkpoint directory (tokenizer files read from `tokenizer_dir` when given)."""
     model_dir = Path(model_dir)
-    return CheckpointIdentity(weights=weights_digest(model_dir), index=index_digest(model_dir), config=config_digest(model_dir),
+    config = config_digest(model_dir)  # first: a directory without config.json is no checkpoint at all
+    return CheckpointIdentity(weights=weights_digest(model_dir), index=index_digest(model_dir), config=config,
                               tokenizer=tokenizer_digest(tokenizer_dir or model_dir))
 
 
