@@ -90,6 +90,8 @@ def live_figures(service: Service, timeout_s: float = 2.0) -> dict[str, Any]:
                 "transfer_id": st.get("transfer_id"),
                 "tokens_per_s": last.get("tokens_per_s"),
                 "transfers_total": st.get("transfers_total"),
+                "fingerprint": st.get("fingerprint"),
+                "drain_reason": st.get("drain_reason"),
             }
         samples = parse_metrics(httpx.get(f"{url}/metrics", timeout=timeout_s).text)
         if service.role in ("prefill", "native_decode"):
