@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -31,7 +30,7 @@ from tilepd.runtime.faults import SCALE_WEIGHTS_ENV
 from tilepd.weights.convert import convert_weights
 
 from .conftest import Stack
-from .stack import MODEL_NAME, router_config, start_decode_node, wait_until
+from .stack import MODEL_NAME, start_decode_node, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
