@@ -139,6 +139,9 @@ def up(
             f"decode transfers {c.transfers_before} -> {c.transfers_after}: {c.text!r}",
             highlight=False,
         )
+        check = c.extra.get("verification")
+        if check:
+            console.print(f"canary verified on node {check.get('node')}: {(check.get('verdict') or {}).get('summary')}", highlight=False)
     if router is not None:
         console.print(f"[bold green]endpoint[/]: {probes.base_url(router)}/v1  (model {dep.topology.model.served_name!r})")
 
