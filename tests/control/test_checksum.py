@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tilepd.control.layout import CacheLayout, IndexerLayout
+from tilepd.control.cache_layout import CacheLayout, IndexerLayout
 from tilepd.control.sender import KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer

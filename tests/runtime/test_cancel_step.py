@@ -19,7 +19,7 @@ import uvicorn
 
 from tests.runtime.conftest import free_port, wire_payload
 from tests.runtime.hf_engine import HFEngine, KVState, SamplingParams, hf_prefill_kv
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.sender import KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
 from tilepd.engine.types import DecodeEngine

@@ -81,7 +81,7 @@ from tilepd.connector.cpu_attn import cpu_attn_isa, probe_block_perm
 from tilepd.connector.cpu_binding import restore_bound_cores
 from tilepd.connector.events import EventLog, ensure_logging
 from tilepd.connector.fingerprint import prefill_fingerprint
-from tilepd.connector.layout import (
+from tilepd.connector.paged_cache import (
     ModelCacheFacts,
     PagedCache,
     UnsupportedCacheLayout,
@@ -89,7 +89,7 @@ from tilepd.connector.layout import (
     facts_from_vllm_config,
     read_paged_cache,
 )
-from tilepd.connector.marker import decide_claim
+from tilepd.connector.claim import decide_claim
 from tilepd.connector.peer_workers import PeerWorkers
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
 from tilepd.connector.tracing import make_connector_tracing, traceparent_of

@@ -2,7 +2,7 @@
 
     {"tilepd": {"host": "10.0.0.5", "ctrl_port": 5556, "transfer_id": "tx-...", "token": "<hex>"}}
 
-What the connector decides about a marker (claim or refuse) is its own business: tilepd.connector.marker.
+What the connector decides about a marker (claim or refuse) is its own business: tilepd.connector.claim.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from typing import Any
 
 from tilepd import __version__
 from tilepd.contracts.fingerprint import Fingerprint, compare
-from tilepd.control.layout import LAYOUT_VERSION
+from tilepd.control.cache_layout import LAYOUT_VERSION
 from tilepd.control.messages import MIN_TILEPD_FOR_PROTOCOL, PROTOCOL_VERSION, ErrorCode, Hello, HelloOk, ProtocolError
 from tilepd.runbooks import see
 

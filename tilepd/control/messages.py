@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from tilepd.contracts.fingerprint import Fingerprint
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 
 # 3: hello and hello_ok carry each side's deployment fingerprint (tilepd.contracts.fingerprint); 2: the DSA indexer
 # segment and per-region checksums

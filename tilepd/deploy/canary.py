@@ -59,7 +59,7 @@ class CanarySpec(BaseModel):
 
 
 @dataclass
-class CanaryResult:
+class NodeCanaryResult:
     outcome: Literal["ok", "failed", "skipped"]
     reason: str
     transfer_id: str
@@ -105,17 +105,17 @@ def _cancel(node_base_url: str, transfer_id: str, secret: bytes | None) -> None:
         pass
 
 
-def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> CanaryResult:
+def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> NodeCanaryResult:
     """Send the canary; never raises for what the prefill or the node answers (the outcome says it)."""
     t0 = time.monotonic()
     tid = f"{CANARY_TRANSFER_PREFIX}{uuid.uuid4().hex}"
     token = transfer_token(secret, tid) if secret else uuid.uuid4().hex
     marker = TilepdMarker(host=spec.ctrl_host, ctrl_port=spec.ctrl_port, transfer_id=tid, token=token).as_params()
 
-    def result(outcome: Literal["ok", "failed", "skipped"], reason: str, **kw: Any) -> CanaryResult:
+    def result(outcome: Literal["ok", "failed", "skipped"], reason: str, **kw: Any) -> NodeCanaryResult:
         if outcome == "failed":  # the KV the prefill sent must not hold the node's slot until its orphan timeout
             _cancel(node_base_url, tid, secret)
-        return CanaryResult(outcome, reason, tid, seconds=round(time.monotonic() - t0, 3), **kw)
+        return NodeCanaryResult(outcome, reason, tid, seconds=round(time.monotonic() - t0, 3), **kw)
 
     tried: list[str] = []
     for url in spec.prefill_urls:

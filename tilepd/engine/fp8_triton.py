@@ -201,7 +201,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,
                block_n: int, block_k: int) -> torch.Tensor:
-    from tilepd.engine.fp8 import BlockFp8, dequantize
+    from tilepd.model_format.block_fp8 import BlockFp8, dequantize
 
     w = BlockFp8(weight, scale, (block_n, block_k))
     if ids is None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine import layers
+from tilepd.engine import norm_act
 
 try:
     import triton
@@ -138,9 +138,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
               residual: torch.Tensor | None) -> torch.Tensor:
     """The unfused ops the kernel replaces, in the decoders' own order and dtypes."""
     if prologue == "norm":
-        x = layers.rms_norm(x, norm_weight, eps)
+        x = norm_act.rms_norm(x, norm_weight, eps)
     elif prologue == "silu_mul":
-        x = layers.silu_mul(x)
+        x = norm_act.silu_mul(x)
     y = F.linear(x, weight)
     return y if residual is None else residual + y
 

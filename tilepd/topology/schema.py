@@ -39,7 +39,7 @@ class Ssh(_Model):
     key_file: str | None = Field(default=None, description="Absolute path of the private key on the operator's machine; default: the SSH agent / ~/.ssh.")
 
 
-class Deployment(_Model):
+class DeploymentSection(_Model):
     """Deployment-wide settings."""
 
     name: str = Field(pattern=NAME_PATTERN, description="Deployment name (lowercase letters, digits, '-'); names the deployment in units, inventory and status.")
@@ -204,7 +204,7 @@ class Speculative(_Model):
     decode: SpeculativeMethod | None = Field(default=None, description="MTP in the tilepd decode engine.")
 
 
-class ModelSpec(_Model):
+class ModelSection(_Model):
     """The model every role serves."""
 
     served_name: str = Field(min_length=1, description="Model name clients send (`--served-model-name`).")
@@ -232,7 +232,7 @@ class ModelSpec(_Model):
     )
 
 
-class Transport(_Model):
+class TransportSection(_Model):
     """How KV bytes move from prefill to decode."""
 
     name: Literal["nixl", "mooncake", "tcp"] = Field(description="`nixl` (UCX/RDMA), `mooncake` (transfer engine; needs an NVIDIA driver), or plain `tcp`.")
@@ -244,9 +244,9 @@ class Topology(_Model):
     """A whole deployment."""
 
     api_version: Literal["tilepd/v1"] = Field(alias="apiVersion", description="Schema version; `tilepd/v1`.")
-    deployment: Deployment = Field(description="Deployment-wide settings.")
-    model: ModelSpec = Field(description="The served model.")
-    transport: Transport = Field(description="KV transport.")
+    deployment: DeploymentSection = Field(description="Deployment-wide settings.")
+    model: ModelSection = Field(description="The served model.")
+    transport: TransportSection = Field(description="KV transport.")
     prefill: list[PrefillHost] = Field(min_length=1, description="Stock vLLM prefill instances (one per host).")
     decode: list[DecodeNode] = Field(min_length=1, description="tilepd low-latency decode nodes.")
     native_decode: list[NativeDecodeHost] = Field(

@@ -92,7 +92,7 @@ def node_fingerprint(weights_dir: Path, engine_dtype: str) -> Fingerprint:
     weights_dir = Path(weights_dir)
     m = read_manifest(weights_dir)
     if m is None:
-        from tilepd.weights.layout import LAYOUT_VERSION
+        from tilepd.weights.out_tensors import LAYOUT_VERSION
 
         return Fingerprint(role="decode", checkpoint=checkpoint_identity(weights_dir),
                            facts={"converter_version": "in-memory", "layout_version": str(LAYOUT_VERSION), "weights_dtype": engine_dtype})
