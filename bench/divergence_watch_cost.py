@@ -7,7 +7,8 @@ greedy request a copy of its token ids into a queue (measured in-process here, p
 sampled request is scored by the prefill pool (a pass over prompt + tokens with prompt logprobs) while the next
 requests run, which competes with their prefill and with the router's loop: that is what the three routers show
 end to end. Each round sends a block of the same greedy streamed request back to back through each router in turn
-(so a check overlaps that router's own next requests, as in service), then waits for the checks to end; per-round
+(so a check overlaps that router's own next requests, as in service), then waits for the checks to end (the order of
+the routers rotates per round); per-round
 differences of the block medians against the watch-off router (rounds are interleaved, so slow drifts in machine load
 cancel) give what the watch adds, and its share of the request's time. The watch's probes (one short request per node per `interval_s`, 60 s by
 default) are left out of the end-to-end run (interval 1 h) and costed from their own duration: the share of a node's
@@ -39,7 +40,7 @@ from tilepd.contracts.service_configs import DivergenceWatchConfig  # noqa: E402
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 250, 31, 64, 200, 11, 77]
 DEFAULT_RATE = DivergenceWatchConfig().sample_rate
 NO_PROBES_S = 3600.0  # the end-to-end run leaves probes out (costed apart)
-CHECKS_DRAIN_S = 1.0
+CHECKS_DRAIN_S = 0.5
 
 
 def streamed(client: httpx.Client, url: str, tokens: int) -> float:
@@ -51,6 +52,21 @@ def streamed(client: httpx.Client, url: str, tokens: int) -> float:
         for _ in resp.iter_bytes():
             pass
     return time.perf_counter() - t0
+
+
+def settle(client: httpx.Client, url: str, timeout_s: float = 30.0) -> None:
+    """Wait until the router's watch has nothing queued and its check count stood still for CHECKS_DRAIN_S."""
+    def done() -> int:
+        w = client.get(url + "/status", timeout=10).json()["divergence"]
+        return -1 if w["queued"] else sum(n["checks"] + n["errors"] for n in w["nodes"].values())
+
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        now = done()
+        if now >= 0 and now == last:
+            return
+        last = now
+        time.sleep(CHECKS_DRAIN_S)
 
 
 def offer_cost_us(rate: float, n: int = 200_000) -> float:
@@ -135,10 +151,12 @@ def main() -> None:
             for _ in range(args.warmup):
                 for url in routers.values():
                     streamed(client, url, args.tokens)
-            for _ in range(args.requests):
-                for name, url in routers.items():
+            names = list(routers)
+            for r in range(args.requests):
+                for name in names[r % len(names):] + names[:r % len(names)]:  # each router leads a third of the rounds
+                    url = routers[name]
                     runs[name].append(statistics.median(streamed(client, url, args.tokens) for _ in range(args.block)))
-                    time.sleep(CHECKS_DRAIN_S)  # the block's checks end before the next router's block
+                    settle(client, url)  # the block's checks end before the next router's block
             time.sleep(2.0)  # the last checks finish
             checks = {name: httpx.get(url + "/status", timeout=10).json()["divergence"] for name, url in routers.items()}
             probe_s = statistics.median(streamed(client, routers["off"], 16) for _ in range(5))  # what one probe holds a node for
