@@ -230,3 +230,21 @@ def test_a_drained_node_restarts_drained_and_takes_only_a_canary(python_exe: str
     finally:
         stop_node(node)
     assert "event=start_drained" in node.log.read_text()
+
+
+def test_a_drain_keeps_its_reason_across_a_restart(tmp_path: Path) -> None:
+    """The reason a drain gave (the router's divergence watch gives one) is in the drain file, so a node that starts
+    drained still says why (its /health, /status and `tilepd status`)."""
+    from types import SimpleNamespace
+
+    from tilepd.runtime.service import DecodeService, _reason_in
+
+    path = tmp_path / "run" / "decode-d0.drained"
+    svc = SimpleNamespace(slot=SimpleNamespace(draining=False), config=SimpleNamespace(drain_file=path, name="d0"), drain_reason=None)
+    DecodeService.set_draining(svc, True, "divergence watch: 2 checks in a row diverged")  # type: ignore[arg-type]
+    assert svc.slot.draining and svc.drain_reason == "divergence watch: 2 checks in a row diverged"
+    assert _reason_in(path) == svc.drain_reason
+    DecodeService.set_draining(svc, False)  # type: ignore[arg-type]
+    assert not path.exists() and svc.drain_reason is None
+    DecodeService.set_draining(svc, True)  # type: ignore[arg-type]
+    assert _reason_in(path) is None and path.read_text().startswith("drained at ")
