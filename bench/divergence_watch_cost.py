@@ -69,6 +69,15 @@ def settle(client: httpx.Client, url: str, timeout_s: float = 30.0) -> None:
         time.sleep(CHECKS_DRAIN_S)
 
 
+def scoring_time(client: httpx.Client, prefill_url: str, tokens: int) -> float:
+    """Seconds of one check's scoring pass on the prefill (prompt + `tokens` with prompt logprobs), alone."""
+    from tilepd.contracts.teacher_forced import scoring_request
+
+    t0 = time.perf_counter()
+    client.post(prefill_url + "/v1/completions", json=scoring_request(MODEL_NAME, PROMPT_IDS, list(range(100, 100 + tokens)))).raise_for_status()
+    return time.perf_counter() - t0
+
+
 def offer_cost_us(rate: float, n: int = 200_000) -> float:
     """Microseconds of router CPU per finished request for `DivergenceWatch.offer` at `rate` (its request-path part)."""
     import asyncio
@@ -160,6 +169,7 @@ def main() -> None:
             time.sleep(2.0)  # the last checks finish
             checks = {name: httpx.get(url + "/status", timeout=10).json()["divergence"] for name, url in routers.items()}
             probe_s = statistics.median(streamed(client, routers["off"], 16) for _ in range(5))  # what one probe holds a node for
+            score_s = statistics.median(scoring_time(client, prefill.url, args.tokens) for _ in range(10))  # one check's prefill pass
     finally:
         stop_all(servers)
 
@@ -176,6 +186,11 @@ def main() -> None:
             print(f"offer() on the request path at rate {rate:g}: {offer_cost_us(rate):.2f} us per request")
     print(f"a probe (16 tokens) holds a node {probe_s * 1e3:.1f} ms: {probe_s / DivergenceWatchConfig().interval_s:.4%} of its time "
           f"at the default interval {DivergenceWatchConfig().interval_s:g} s")
+    request_s = statistics.median(off)
+    bound = DEFAULT_RATE * score_s + offer_cost_us(DEFAULT_RATE) / 1e6
+    print(f"one check's scoring pass alone: {score_s * 1e3:.1f} ms; at the default rate a request pays at most "
+          f"{DEFAULT_RATE:g} x that + offer() = {bound * 1e3:.3f} ms = {bound / request_s:.3%} of its {request_s * 1e3:.0f} ms "
+          "(each check delaying one request by its whole pass)")
     print(json.dumps({"p50_ms": {k: statistics.median(v) * 1e3 for k, v in runs.items()}}))
 
 
