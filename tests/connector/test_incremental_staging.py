@@ -8,16 +8,11 @@ takes the staged job off the queue itself, as the sender would.
 
 from __future__ import annotations
 
-import queue
-import threading
-
 import torch
 
-from tilepd.connector.events import EventLog
-from tilepd.connector.paged_cache import ModelCacheFacts, read_paged_cache
-from tilepd.contracts.marker import TilepdMarker
-from tilepd.connector.staging import StagingPool
 from tilepd.connector.vllm_connector import SendSpec, TilePDConnector, TilePDConnectorMetadata
+
+from .worker_drive import bare_worker, send_spec
 
 BLOCK = 32
 LAYERS = 2
@@ -26,22 +21,10 @@ LAYERS = 2
 def _worker(num_slots: int) -> tuple[TilePDConnector, dict[str, torch.Tensor]]:
     flat = torch.randn(LAYERS, 12, 2, BLOCK, 64)  # LBHNC
     caches = {f"model.layers.{l}.self_attn.attn": flat[l] for l in range(LAYERS)}
-    pc = read_paged_cache(caches, ModelCacheFacts(False, "auto", BLOCK, head_size=32))
-    c = TilePDConnector.__new__(TilePDConnector)
-    c.events = EventLog("worker")
-    c._cache = pc
-    c._pool = StagingPool(pc.layout, max_seq_len=8 * BLOCK, num_slots=num_slots)
-    c._layer_index = {n: i for i, n in enumerate(pc.layer_names)}
-    c._step = None
-    c._inflight = {}
-    c._jobs = queue.Queue()
-    c._released, c._released_lock, c._staging_wait_s = [], threading.Lock(), 0.05
-    return c, caches
+    return bare_worker(caches, BLOCK, num_slots, 8 * BLOCK), caches
 
 
-def _spec(rid: str, blocks: list[int], start: int, end: int, seq_len: int) -> SendSpec:
-    m = TilepdMarker(host="127.0.0.1", ctrl_port=1, transfer_id=f"t-{rid}", token="x")
-    return SendSpec(rid, m, seq_len, blocks, start, end, end >= seq_len)
+_spec = send_spec
 
 
 def _step(c: TilePDConnector, *specs: SendSpec, drops: tuple[str, ...] = ()) -> None:

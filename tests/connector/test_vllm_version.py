@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(("version", "supported"), [
     ("0.32.0", True), ("0.32.7", True), ("0.32.0+cpu", True), ("v0.32.1", True), ("0.32", True),
-    ("0.31.0", True), ("0.31.2", True), ("0.30.0", False), ("0.33.0", False), ("0.33.0rc1", False), ("0.11.2.post2", False), ("1.0.0", False),
+    ("0.31.0", True), ("0.31.2", True), ("0.33.0", True), ("0.33.1", True), ("0.30.0", False), ("0.34.0", False), ("0.34.0rc1", False),
+    ("0.11.2.post2", False), ("1.0.0", False),
 ])
 def test_range(version: str, supported: bool) -> None:
     assert vv.is_supported(version) is supported
@@ -28,7 +29,9 @@ def test_range(version: str, supported: bool) -> None:
 
 
 def test_every_tested_release_is_in_the_range() -> None:
-    assert vv.TESTED and all(vv.is_supported(t) for t in vv.TESTED)
+    assert vv.TESTED and all(vv.is_supported(t) for t in vv.TESTED + vv.SOURCE_CHECKED)
+    assert not set(vv.TESTED) & set(vv.SOURCE_CHECKED)  # a release is either run or only read, and messages say which
+    assert "0.33.0 checked against its source only" in (vv.problem("vllm", "0.30.0") or "")
 
 
 def test_unreadable_version_is_named() -> None:
@@ -95,5 +98,5 @@ def test_connector_refuses_another_vllm_before_anything_else(monkeypatch: pytest
 
     monkeypatch.setattr(vllm, "__version__", "0.30.0")
     monkeypatch.delenv(vv.ALLOW_ENV, raising=False)
-    with pytest.raises(vv.UnsupportedVllmError, match=r"0\.30\.0.*>=0\.31\.0,<0\.33|>=0\.31\.0,<0\.33.*0\.30\.0"):
+    with pytest.raises(vv.UnsupportedVllmError, match=r"0\.30\.0.*>=0\.31\.0,<0\.34|>=0\.31\.0,<0\.34.*0\.30\.0"):
         TilePDConnector(vllm_config=None, role=None)  # refused before vLLM's base class reads the config

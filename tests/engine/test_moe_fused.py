@@ -2,7 +2,8 @@
 against the torch ops it replaces: the gate kernel (norm, float32 router GEMV, noaux_tc routing with the shared slot)
 with DeepSeek-V3's grouping and GLM-5's, T = 1 and 4, ties; the down kernel (silu-mul, grouped GEMV, weighted sum,
 residual) with dense and fp8 weights (scales per row block and per row); the whole block against rms_norm + moe_grouped
-+ the add; mlp_block through the switches; and a tiny DSA model decoding HF's greedy tokens through the fused path.
++ the add; mlp_block through the switches. HF's greedy tokens through the whole speed path (this block included) are
+test_dsa_kernels.py's engine test.
 
 The interpreter rounds float32 -> bf16 toward zero (the GPU rounds to nearest even), so bf16 cases compare within a few
 bf16 ulps; float32 cases compare to float32 accumulation order. bench/moe_fused_gpu.py checks the rounding on the GPU."""
@@ -26,7 +27,7 @@ _KERNELS = textwrap.dedent("""
     import torch.nn.functional as F
     from types import SimpleNamespace
     from tilepd.engine import layers, moe, moe_fused, moe_fused_triton as K
-    from tilepd.engine.fp8 import BlockFp8, dequantize, quantize
+    from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize
     g = torch.Generator().manual_seed(0)
     K.TUNE.update(gate_block_e=32, gate_block_k=16, down_block_n=8, down_block_k=16, down_block_k_fp8=16)
     cpu = torch.device("cpu")
@@ -163,49 +164,6 @@ def test_mlp_block_off_the_switch_is_the_unfused_ops() -> None:
     h = layers.rms_norm(x, w["l.mlp_norm"], 1e-6)
     assert torch.equal(moe.mlp_block(x, w, "l.", spec, True), x + moe.moe(h, w, "l.", spec))
     assert torch.equal(moe.mlp_block(x, w, "l.", spec, False), x + layers.swiglu(h, w["l.w13"], w["l.w2"]))
-
-
-_ENGINE = textwrap.dedent("""
-    import sys
-    import torch
-    from tilepd.engine import KVState, SamplingParams, load_engine, moe, moe_fused
-    torch.set_num_threads(1)
-    calls = []
-    block = moe_fused.moe_block
-    def counted(*a, **kw):  # a spy, not a stand-in: counts that the fused block ran
-        calls.append(a[0].shape[0])
-        return block(*a, **kw)
-    moe_fused.moe_block = counted
-    moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"] = "triton", "triton", "triton"
-    path, refs = sys.argv[1], torch.load(sys.argv[2])
-    for name, ref in refs.items():
-        state = KVState(ref["seq_len"], ref["layers"], ref["indexer"])
-        for spec_tokens, graph in ((0, False), (0, True), (None, False)):
-            eng = load_engine(path, device="cpu", max_seq_len=256, dtype="float32", use_cuda_graph=graph, num_speculative_tokens=spec_tokens)
-            if graph:
-                eng.graph_step.buckets = [96, 128, 256]
-            before = len(calls)
-            eng.inject(state)
-            tokens = eng.decode(ref["tokens"][0], len(ref["tokens"]) - 1, SamplingParams(ignore_eos=True), lambda t: None).tokens
-            assert len(calls) > before, (name, spec_tokens, graph)
-            assert tokens == ref["tokens"][1:], (name, spec_tokens, graph, tokens, ref["tokens"][1:])
-            print(name, "mtp" if spec_tokens is None else "graph" if graph else "eager", "ok", sorted(set(calls[before:])), flush=True)
-    assert max(calls) > 1, "the MTP verify step ran the block on several rows"
-    print("engine ok")
-""")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["glm5", "dsv32"])
-def test_tiny_dsa_model_decodes_hfs_tokens_through_the_fused_moe_block(model: str, dsa_ref, request: pytest.FixtureRequest, repo_root: Path,
-                                                                       tmp_path: Path) -> None:
-    """HF's prefill state (the long prompt, 5x index_topk), the eager step, the graph step's static body and the MTP
-    speculative path (verify rows T = 2): with the fused MoE block in every MoE layer the engine decodes HF's greedy tokens."""
-    ref = dsa_ref(model, "long")
-    refs = {f"{model}/long": {"seq_len": ref.state.seq_len, "layers": ref.state.layers, "indexer": ref.state.indexer, "tokens": ref.tokens}}
-    torch.save(refs, tmp_path / "refs.pt")
-    r = interpret(["-c", _ENGINE, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt")], repo_root, timeout=900)
-    assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 @pytest.mark.slow

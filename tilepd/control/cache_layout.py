@@ -103,6 +103,11 @@ class CacheLayout(BaseModel):
     rope_dim: int | None = None
     # layout v2: DSA models also ship each indexer layer's key cache (absent for every other model)
     indexer: IndexerLayout | None = None
+    # fp8_e4m3 caches only: the prefill's per-tensor KV scales per layer, as vLLM holds them after loading the
+    # checkpoint (an entry is fp8 * scale). attn: k_scales and v_scales; mla: k_scales, the latent's one scale.
+    # Absent: every scale is 1.0 (vLLM's default), and the hello is then exactly what a node before these fields reads.
+    k_scales: tuple[float, ...] | None = None
+    v_scales: tuple[float, ...] | None = None
 
     @model_validator(mode="after")
     def _check_kind_fields(self) -> "CacheLayout":
@@ -129,12 +134,37 @@ class CacheLayout(BaseModel):
                     f"mla layout: kv_lora_rank {self.kv_lora_rank} + rope_dim {self.rope_dim} "
                     f"!= entry_width {self.entry_width}"
                 )
+        self._check_scales()
         if self.indexer is not None:
             if self.kind != "mla":
                 raise ValueError("an indexer segment comes only with an MLA (DSA) layout")
             if self.indexer.layers[-1] >= self.num_layers:
                 raise ValueError(f"indexer layer {self.indexer.layers[-1]} is not below num_layers {self.num_layers}")
         return self
+
+    def _check_scales(self) -> None:
+        if self.k_scales is None and self.v_scales is None:
+            return
+        if self.dtype != "fp8_e4m3":
+            raise ValueError(f"k_scales/v_scales come only with dtype fp8_e4m3 (got dtype {self.dtype})")
+        if self.kind == "mla" and self.v_scales is not None:
+            raise ValueError("an mla layout has one latent scale per layer: k_scales only, no v_scales")
+        if self.kind == "attn" and (self.k_scales is None or self.v_scales is None):
+            raise ValueError("an attn layout with KV scales needs both k_scales and v_scales")
+        for name, scales in (("k_scales", self.k_scales), ("v_scales", self.v_scales)):
+            if scales is None:
+                continue
+            if len(scales) != self.num_layers:
+                raise ValueError(f"{name} has {len(scales)} entries for {self.num_layers} layers")
+            bad = [(i, s) for i, s in enumerate(scales) if not (math.isfinite(s) and s > 0)]
+            if bad:
+                raise ValueError(f"{name}[{bad[0][0]}] = {bad[0][1]}: a KV scale must be finite and > 0")
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """(k, v) scale of one layer's fp8 entries (mla: the latent's scale twice); (1.0, 1.0) without scales."""
+        k = self.k_scales[layer] if self.k_scales is not None else 1.0
+        v = self.v_scales[layer] if self.v_scales is not None else k if self.kind == "mla" else 1.0
+        return k, v
 
     @property
     def itemsize(self) -> int:
@@ -198,5 +228,5 @@ class CacheLayout(BaseModel):
         idx = f"/idx{len(ix.layers)}x{ix.head_dim}/bs{ix.block_size}/{ix.encoding}" if ix is not None else ""
         return (
             f"{self.kind}/v{self.layout_version}/L{self.num_layers}/bs{self.block_size}/H{self.num_heads}/"
-            f"C{self.entry_width}/{extra}/{self.dtype}/{self.order}{idx}"
+            f"C{self.entry_width}/{extra}/{self.dtype}/{self.order}{idx}{'/kv_scales' if self.k_scales is not None else ''}"
         )

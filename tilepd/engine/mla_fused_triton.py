@@ -33,6 +33,7 @@ from tilepd.engine.tuning import env_int
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -135,12 +136,7 @@ if triton is not None:
             if HAS_WEIGHTS:
                 hh = pid - N_ABSORB - 2
                 x_row = X + t * s_xt
-                sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-                for k0 in range(0, HIDDEN, BLOCK_K):
-                    kc = k0 + tl.arange(0, BLOCK_K)
-                    xs = tl.load(x_row + kc, mask=kc < HIDDEN, other=0.0).to(tl.float32)
-                    sq += xs * xs
-                rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / HIDDEN + x_eps)
+                rstd = row_rstd(x_row, HIDDEN, x_eps, BLOCK_K)
                 acc = tl.zeros([BLOCK_K], dtype=tl.float32)
                 for k0 in range(0, HIDDEN, BLOCK_K):
                     kc = k0 + tl.arange(0, BLOCK_K)

@@ -31,6 +31,7 @@ from tilepd.engine.tuning import env_int
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.triton_rows import row_rstd
 
     from tilepd.engine.route_triton import route_constants, route_row
 except Exception:  # pragma: no cover - CPU installs without Triton
@@ -68,12 +69,7 @@ if triton is not None:
         pid_e = tl.program_id(1)
         act = H.dtype.element_ty
         x_row = X + r * s_xr
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            sq += xs * xs
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+        rstd = row_rstd(x_row, K, eps, BLOCK_K)
         experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
         emask = experts < E
         w_rows = GATE + experts.to(tl.int64)[:, None] * s_ge

@@ -3,7 +3,9 @@
 The prefill side ships blocks as vLLM holds them; this is the one place the decode
 node reorders them: per layer, view the region as [blocks, H, bs, C] (BHNC) or
 [blocks, bs, H, C] (BNHC), make it token-major [seq_len, H, C], and cast to the
-engine's cache dtype. fp8_ds_mla tokens (512 fp8 + 4 fp32 scales + 64 bf16 rope)
+engine's cache dtype. Plain fp8 (fp8_e4m3) entries are multiplied by the layer's KV scales the
+prefill sent in its layout (vLLM stores value / scale; a checkpoint's scales are not 1.0 in
+general, so assuming 1.0 would decode from KV off by that factor). fp8_ds_mla tokens (512 fp8 + 4 fp32 scales + 64 bf16 rope)
 are dequantised here, and so are a DSA model's indexer keys (fp8 values + one fp32
 scale per 128): the engine's indexer reads dequantised keys, so its top-k sees
 exactly the values vLLM's prefill indexer scored (tests compare against HF run with
@@ -46,8 +48,11 @@ def layer_bytes(buf: torch.Tensor, layout: CacheLayout, max_seq_len: int, layer:
 
 
 def convert_layer(raw: torch.Tensor, layout: CacheLayout, seq_len: int, out_dtype: torch.dtype,
-                  device: torch.device | str | None = None) -> torch.Tensor:
-    """One layer's received bytes -> [seq_len, num_heads, width] in `out_dtype` on `device`."""
+                  device: torch.device | str | None = None, scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """One layer's received bytes -> [seq_len, num_heads, width] in `out_dtype` on `device`.
+
+    `scales`: the layer's (k, v) fp8 scales (`CacheLayout.layer_scales`); an MLA latent uses k for its whole entry.
+    """
     nb = layout.blocks_for(seq_len)
     if device is not None:
         raw = raw.to(device, non_blocking=True)
@@ -61,8 +66,15 @@ def convert_layer(raw: torch.Tensor, layout: CacheLayout, seq_len: int, out_dtyp
     else:
         x = x.view(nb, bs, h, c)
     x = x.reshape(nb * bs, h, c)[:seq_len]
-    if x.dtype == torch.float8_e4m3fn:  # vLLM's default k/v scale is 1.0
+    if x.dtype == torch.float8_e4m3fn:
         x = x.to(torch.float32)
+        k, v = scales
+        if layout.kind == "attn" and (k, v) != (1.0, 1.0):
+            hk = layout.head_size_k or 0
+            x[..., :hk] *= k
+            x[..., hk:] *= v
+        elif k != 1.0:
+            x *= k
     return x.to(out_dtype).contiguous()
 
 
@@ -76,22 +88,28 @@ def convert(buf: torch.Tensor, layout: CacheLayout, max_seq_len: int, seq_len: i
     nb = layout.blocks_for(seq_len)
     out = []
     for l in range(layout.num_layers):
-        parts = [convert_layer(layer_bytes(buf, layout, max_seq_len, l, nb, r), layout, seq_len, out_dtype, device)
-                 for r in range(tp_size)]
+        parts = [convert_layer(layer_bytes(buf, layout, max_seq_len, l, nb, r), layout, seq_len, out_dtype, device,
+                               layout.layer_scales(l)) for r in range(tp_size)]
         out.append(parts[0] if tp_size == 1 else torch.cat(parts, dim=1))
     return out
 
 
 def to_wire(layers: list[torch.Tensor], layout: CacheLayout) -> bytes:
-    """Inverse of `convert` for float wire dtypes: engine-layout [T, H, C] layers -> contiguous wire blocks.
+    """Inverse of `convert` for float and fp8_e4m3 wire dtypes: engine-layout [T, H, C] layers -> contiguous wire blocks.
 
     Used by tests and the bench to produce what a vLLM prefill would send.
     """
     out = []
-    for x in layers:
+    for l, x in enumerate(layers):
         t, h, c = x.shape
         nb = layout.blocks_for(t)
         pad = torch.zeros(nb * layout.block_size, h, c, dtype=WIRE_TORCH_DTYPE[layout.dtype])
+        k, v = layout.layer_scales(l)
+        if (k, v) != (1.0, 1.0):  # vLLM stores value / scale in an fp8 cache
+            x = x.to(torch.float32).clone()
+            hk = (layout.head_size_k or 0) if layout.kind == "attn" else c  # mla: k scales the whole entry
+            x[..., :hk] /= k
+            x[..., hk:] /= v
         pad[:t] = x.to(pad.dtype)
         blocks = pad.view(nb, layout.block_size, h, c)
         if layout.order == "BHNC":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 API_VERSION = "tilepd/v1"
 
@@ -58,6 +58,21 @@ class DeploymentSection(_Model):
         description="Default for hosts: `playbook` = the deploy step creates the venv of `python` and installs tilepd (and vLLM on prefill hosts); "
         "`operator` = `python` already exists with vLLM installed; the deploy step only adds tilepd to it.",
     )
+    service_user: str = Field(
+        default="tilepd",
+        pattern=r"^[a-z_][a-z0-9_-]{0,31}$",
+        description="systemd mode: the system user every unit runs as (`User=`, `Group=` its group of the same name). The playbooks create "
+        "both where missing (no login shell, no home) and give it `<base_dir>/data`, the one place its services write; it must be able to "
+        "read the interpreter, the model and the rendered configs (checked before anything starts). Not `root`. Process mode runs services "
+        "as the SSH user and ignores it.",
+    )
+
+    @field_validator("service_user")
+    @classmethod
+    def _not_root(cls, value: str) -> str:
+        if value == "root":
+            raise ValueError("the service user is what keeps the services from running as root; name a dedicated user (default tilepd)")
+        return value
 
 
 class HostBase(_Model):
