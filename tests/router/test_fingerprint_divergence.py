@@ -70,9 +70,12 @@ def test_a_node_of_another_checkpoint_is_skipped_for_the_native_pool(router_stac
                                                                      start_router_proc) -> None:  # noqa: ANN001
     assert _node_status(drifted.other_ep)["fingerprint"]["id"] == drifted.other_id != drifted.prefill_id
     srv, _ = start_router_proc(router_stack.config(native=True, queue_timeout_s=10.0, decode_nodes=(drifted.other_ep,)))
-    assert wait_until(lambda: httpx.get(srv.url + "/status", timeout=10).json()["nodes"][0]["fingerprint"] == drifted.other_id, 30)
-    body = {"model": MODEL_NAME, "prompt": "the fingerprint test", "max_tokens": 6, "temperature": 0}
-    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=300)
+    try:
+        assert wait_until(lambda: httpx.get(srv.url + "/status", timeout=10).json()["nodes"][0]["fingerprint"] == drifted.other_id, 30)
+        body = {"model": MODEL_NAME, "prompt": "the fingerprint test", "max_tokens": 6, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=300)
+    finally:  # the spare endpoints serve other modules' nodes next: no router of this module may poll them then
+        srv.stop()
     assert r.status_code == 200, r.text
     assert r.headers["x-tilepd-route"] == "native" and r.headers["x-tilepd-route-reason"] == "fingerprint_mismatch", dict(r.headers)
     assert r.json()["usage"]["completion_tokens"] == 6
@@ -163,5 +166,6 @@ def test_the_watch_drains_the_perturbed_node_and_keeps_the_sound_one(router_stac
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "after", "max_tokens": 4, "temperature": 0},
                        timeout=300)
         assert r.status_code == 200 and r.headers.get("x-tilepd-node") in (None, sound.name)
-    finally:
+    finally:  # the spare endpoints serve other modules' nodes next (test_drain_rolling): the watch must not probe them
+        srv.stop()
         httpx.post(_url(bad) + "/admin/undrain", timeout=10)
