@@ -15,6 +15,8 @@ RUNBOOKS: dict[str, str] = {
     "RB-accept-failing": "a decode node's port accepts no connection (out of fds or buffers)",
     "RB-api-key-rotation": "rotate the router's API key",
     "RB-decode-down": "a decode node is down or stuck busy",
+    "RB-divergence": "a decode node's tokens diverge from the prefill's (canary or divergence watch)",
+    "RB-fingerprint-mismatch": "the prefill serves another checkpoint than a decode node's weights",
     "RB-host-unreachable": "a host cannot be reached during `up`",
     "RB-kv-timeout": "KV transfers time out",
     "RB-native-fallback": "many low-latency requests fall back to the native pool",

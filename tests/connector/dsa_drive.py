@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tilepd.connector.vllm_connector import TilePDConnector
+from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.contracts.service_configs import ConnectorExtraConfig
 
 
@@ -31,11 +32,12 @@ def vllm_config_for(model_dir: Path | None, *, block_size: int, hf_config: Any =
     )
 
 
-def bare_connector(role: Any, config: ConnectorExtraConfig, vllm_config: Any) -> TilePDConnector:
-    """A connector of `role` (vLLM's KVConnectorRole) holding what KVConnectorBase_V1.__init__ would set."""
+def bare_connector(role: Any, config: ConnectorExtraConfig, vllm_config: Any, fingerprint: Fingerprint | None = None) -> TilePDConnector:
+    """A connector of `role` (vLLM's KVConnectorRole) holding what KVConnectorBase_V1.__init__ would set; `fingerprint`:
+    the prefill's (its hello carries it; without one the node does not compare)."""
     c = TilePDConnector.__new__(TilePDConnector)
     c._vllm_config, c._kv_cache_config, c._connector_metadata, c._kv_cache_manager = vllm_config, None, None, None
-    c._setup(config, role)
+    c._setup(config, role, fingerprint)
     return c
 
 

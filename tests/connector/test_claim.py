@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from tilepd.connector.events import EventLog, parse_event_lines
 from tilepd.connector.claim import decide_claim
+from tilepd.contracts.fingerprint import CheckpointIdentity, Fingerprint
+from tilepd.contracts.marker import FINGERPRINT_REFUSAL, NODE_FINGERPRINT_KEY
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 
 CFG = ConnectorExtraConfig(
@@ -39,6 +41,24 @@ def test_refusals_name_the_reason() -> None:
     assert not_obj.marker is None and not_obj.transfer_id is None
     too_long = decide_claim({"tilepd": GOOD}, 1001, CFG)
     assert too_long.marker is None and "1001 tokens exceeds max_seq_len 1000" in too_long.refused
+
+
+def _fingerprint(role: str, weights: str) -> Fingerprint:
+    return Fingerprint(role=role, checkpoint=CheckpointIdentity(weights=weights, config="c" * 64), facts={})  # type: ignore[arg-type]
+
+
+def test_a_node_the_router_says_holds_another_checkpoint_is_refused_naming_both() -> None:
+    own = _fingerprint("prefill", "a" * 64)
+    other = _fingerprint("decode", "b" * 64)
+    refused = decide_claim({"tilepd": GOOD, NODE_FINGERPRINT_KEY: other.model_dump()}, 10, CFG, own)
+    assert refused.marker is None and refused.refused.startswith(FINGERPRINT_REFUSAL) and refused.transfer_id == "tx-1"
+    assert own.id in refused.refused and other.id in refused.refused and "decode node d0" in refused.refused
+    assert "RB-fingerprint-mismatch" in refused.refused
+    same = decide_claim({"tilepd": GOOD, NODE_FINGERPRINT_KEY: own.model_copy(update={"role": "decode"}).model_dump()}, 10, CFG, own)
+    assert same.marker is not None
+    # a router that sends none (or one this release cannot read) leaves the check to the node's hello
+    assert decide_claim({"tilepd": GOOD}, 10, CFG, own).marker is not None
+    assert decide_claim({"tilepd": GOOD, NODE_FINGERPRINT_KEY: {"role": "decode", "odd": 1}}, 10, CFG, own).marker is not None
 
 
 def test_event_lines_round_trip(caplog) -> None:

@@ -15,7 +15,8 @@ import pytest
 
 from tilepd.control.framing import encode_frame, recv_frame, send_frame
 from tilepd.control.cache_layout import CacheLayout
-from tilepd.control.messages import PROTOCOL_VERSION, dump
+from tilepd.contracts.fingerprint import CheckpointIdentity, Fingerprint
+from tilepd.control.messages import MIN_TILEPD_FOR_PROTOCOL, PROTOCOL_VERSION, dump
 from tilepd.control.sender import KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer
@@ -127,6 +128,39 @@ def test_a_v2_hello_without_indexer_has_only_v1_keys() -> None:
     sender.close()
     assert set(hello) <= set(V1_HELLO) and set(hello["layout"]) <= V1_LAYOUT_KEYS
     assert hello["protocol"] == PROTOCOL_VERSION
+
+
+def _fingerprint(role: str, weights: str) -> Fingerprint:
+    return Fingerprint(role=role, checkpoint=CheckpointIdentity(weights=weights, config="c" * 64, tokenizer="t" * 64),  # type: ignore[arg-type]
+                       facts={"vllm_version": "0.32.0"} if role == "prefill" else {"converter_version": "2"})
+
+
+def test_a_prefill_of_another_checkpoint_is_refused_at_hello_before_any_byte_moves() -> None:
+    node_fp, prefill_fp = _fingerprint("decode", "b" * 64), _fingerprint("prefill", "a" * 64)
+    n = start_control_node(GEOM, MAX, name="d3", fingerprint=node_fp)
+    try:
+        staging, nb = _payload(LAYOUT, 40)
+        sender = KVSender(_config(n.port), LAYOUT, Buffer.from_array(staging), fingerprint=prefill_fp)
+        r = sender.send(("127.0.0.1", n.port), "t-fp", "tok", 40, nb, [l * nb * LAYOUT.block_bytes for l in range(LAYOUT.num_layers)])
+        sender.close()
+        assert not r.ok and r.code == "fingerprint_mismatch", r
+        assert prefill_fp.id in r.message and node_fp.id in r.message and "decode node d3" in r.message and "differ in weights" in r.message
+        assert "RB-fingerprint-mismatch" in r.message
+        assert n.slot.transfers_total == 0 and not n.buf.any()  # refused at the hello: no admit, no byte
+        # the same checkpoint pairs, and hello_ok carries the node's fingerprint
+        same = KVSender(_config(n.port), LAYOUT, Buffer.from_array(staging), fingerprint=node_fp.model_copy(update={"role": "prefill"}))
+        _send_and_check(n, same, staging, "t-same", 40, nb)
+        assert next(iter(same._channels.values())).hello_ok.fingerprint == node_fp
+        same.close()
+    finally:
+        close_control_node(n)
+
+
+def test_a_protocol_2_connector_is_told_to_upgrade_the_prefill_hosts(node) -> None:
+    reply = _call(node.port, _hello(protocol=2, tilepd_version="0.2.0"))
+    assert reply["type"] == "error" and reply["code"] == "version_mismatch", reply
+    assert "(tilepd 0.2.0) speaks control protocol 2" in reply["message"]
+    assert f"to tilepd >= {MIN_TILEPD_FOR_PROTOCOL} with control protocol {PROTOCOL_VERSION}" in reply["message"]
 
 
 def test_a_node_that_hangs_up_on_hello_gets_an_upgrade_hint() -> None:

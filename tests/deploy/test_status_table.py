@@ -107,3 +107,45 @@ def test_cli_status_of_the_default_at_80_columns(tmp_path: Path) -> None:
     rows = [line for line in lines if line.startswith("127.0.0.1 ")]
     assert sorted(line.split()[1] for line in rows) == ["decode-d0", "prefill-p0", "router"], r.stdout
     assert all("not deployed" in line for line in rows) and "degraded" in r.stdout
+
+
+def test_wide_status_shows_fingerprints_and_flags_another_checkpoint() -> None:
+    from tilepd.deploy.status import fingerprint_text, note_fingerprint_drift
+
+    def row(service: str, role: str, fp: dict | None) -> ServiceStatus:
+        return ServiceStatus(host="h", service=service, role=role, run="running", healthy=True, health="HTTP 200", fingerprint=fp)
+
+    same = {"id": "0f52b0ff6e77", "facts": {"vllm_version": "0.32.0"}}
+    rows = [row("prefill-p0", "prefill", same), row("decode-d0", "decode", {"id": "0f52b0ff6e77", "facts": {"converter_version": "2"}}),
+            row("decode-d1", "decode", {"id": "fa529d08f17d", "facts": {}}), row("native-n0", "native_decode", same),
+            row("router", "router", None), row("decode-d2", "decode", {"error": "FingerprintError: no config.json"})]
+    note_fingerprint_drift(rows)
+    assert [r.service for r in rows if r.drift] == ["decode-d1"]
+    assert rows[2].drift == ["fingerprint fa529d08f17d != prefill prefill-p0 0f52b0ff6e77"] and rows[2].runbook == "RB-fingerprint-mismatch"
+    assert not rows[2].ok and rows[1].ok
+    assert fingerprint_text(rows[0]) == "0f52b0ff6e77 (vllm_version 0.32.0)" and fingerprint_text(rows[4]) == ""
+    assert fingerprint_text(rows[5]).startswith("? FingerprintError")
+    out = io.StringIO()
+    Console(file=out, width=200).print(table(rows, wide=True))
+    assert "fingerprint" in out.getvalue() and "fa529d08f17d" in out.getvalue()
+
+
+def test_a_host_reads_each_service_fingerprint_from_its_spec(tiny_llama: Path, tmp_path: Path) -> None:
+    import json
+
+    from tilepd.contracts.fingerprint import checkpoint_identity
+    from tilepd.deploy.fingerprints import service_fingerprint
+
+    want = checkpoint_identity(tiny_llama).id
+    argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama), "--kv-cache-dtype", "fp8",
+            "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
+    prefill = service_fingerprint("prefill", argv, "0.32.0")
+    assert prefill is not None and prefill["id"] == want
+    assert prefill["facts"] == {"vllm_version": "0.32.0", "kv_cache_dtype": "fp8", "mtp": "mtp x1"}
+    cfg = tmp_path / "d0.json"
+    cfg.write_text(json.dumps({"weights_dir": str(tiny_llama), "kv_cache_dtype": "float32"}))
+    decode = service_fingerprint("decode", ["python", "-m", "tilepd.runtime", "--config", str(cfg)])
+    assert decode is not None and decode["id"] == want and decode["facts"]["converter_version"] == "in-memory"
+    missing = service_fingerprint("prefill", ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path / "gone")])
+    assert missing is not None and "no config.json" in missing["error"]
+    assert service_fingerprint("router", ["python", "-m", "tilepd.router"]) is None

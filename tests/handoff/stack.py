@@ -50,11 +50,12 @@ def decode_config(name: str, family: str, model_dir: Path, transport: str, workd
     )
 
 
-def start_decode(cfg: DecodeServerConfig, workdir: Path, python: str = sys.executable) -> DecodeNode:
+def start_decode(cfg: DecodeServerConfig, workdir: Path, python: str = sys.executable, env: dict[str, str] | None = None) -> DecodeNode:
+    """`env` adds to the node's environment (a test-only fault, tilepd.runtime.faults)."""
     path = workdir / f"{cfg.name}.json"
     path.write_text(cfg.model_dump_json())
     srv = start_process([python, "-m", "tilepd.runtime", "--config", str(path)], workdir / f"{cfg.name}.log",
-                        f"http://127.0.0.1:{cfg.http_port}/health", timeout=600)
+                        f"http://127.0.0.1:{cfg.http_port}/health", timeout=600, env=env)
     return DecodeNode(srv, cfg)
 
 

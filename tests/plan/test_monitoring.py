@@ -96,3 +96,26 @@ def test_render_writes_a_scrape_target_per_service(example: Path, tmp_path: Path
     roles = {job["job_name"] for job in prom["scrape_configs"]}
     assert {"tilepd-router", "tilepd-decode"} <= roles
     assert all(job["metrics_path"] == "/metrics" for job in prom["scrape_configs"])
+
+
+def test_alert_rules_use_exported_metrics_and_name_their_runbooks(tmp_path: Path) -> None:
+    from tilepd.runbooks import RUNBOOKS
+
+    plan = build_plan(load_topology(examples_dir() / "local.yaml"))
+    out = tmp_path / "r"
+    render_plan(plan, out)
+    prom = YAML(typ="safe", pure=True).load((out / "monitoring/prometheus.yml").read_text())
+    assert prom["rule_files"] == ["alerts.yml"]
+    rules = YAML(typ="safe", pure=True).load((out / "monitoring/alerts.yml").read_text())["groups"][0]["rules"]
+    exported = exported_names()
+    by_name = {r["alert"]: r for r in rules}
+    assert {"TilepdDecodeNodeDiverges", "TilepdFingerprintMismatch"} <= set(by_name)
+    for rule in rules:
+        expr = re.sub(r"\{[^}]*\}|\bby \([^)]*\)", "", rule["expr"])
+        names = set(re.findall(r"\btilepd_[a-z_]+\b", expr))
+        assert names and names <= exported, (rule["alert"], names - exported)
+        assert rule["labels"]["runbook"] in RUNBOOKS and rule["labels"]["runbook"] in rule["annotations"]["description"]
+        assert f'tilepd_deployment="{plan.deployment}"' in rule["expr"]
+    assert 'verdict="diverged"' in by_name["TilepdDecodeNodeDiverges"]["expr"]
+    titles = [p["title"] for p in grafana_dashboard(plan)["panels"]]
+    assert any("Divergence checks" in t for t in titles) and any("Worst gap" in t for t in titles)

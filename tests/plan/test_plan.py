@@ -92,6 +92,7 @@ def test_dsv32_multiconnector_and_native_pool() -> None:
 
 def test_cpu_nixl_connectors_use_host_buffers() -> None:
     text = BASE.replace("    gpus: 2\n    port: 8000\n", "    gpus: 0\n    port: 8000\n").replace("  tensor_parallel: {prefill: 2, decode: 2}\n", "  tensor_parallel: {prefill: 1, decode: 2}\n")
+    text = text.replace("    gpus: 2\n    port: 8100\n", "    gpus: 0\n    port: 8100\n")  # one vLLM build in both pools (rule vllm-release)
     plan = build_plan(load_topology_text(text, "t.yaml"))
     kvt = plan.service("prefill-p0").config
     assert kvt["kv_connector_extra_config"]["connectors"][1] == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}

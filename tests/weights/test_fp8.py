@@ -138,3 +138,23 @@ def test_other_quantisations_are_refused_by_name(tiny_llama: Path, tmp_path: Pat
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises((WeightsError, ValueError), match="quant_method"):
         convert_weights(d, tmp_path / "w", dtype="fp8", progress=False)
+
+
+def test_a_checkpoint_quantising_only_the_kv_cache_converts_as_its_plain_weights(tiny_llama: Path, tmp_path: Path) -> None:
+    """The prefill's fp8 KV scales (compressed-tensors kv_cache_scheme, per-layer k_scale/v_scale) reach the node in the
+    hello, not through its weights: the node converts the prefill's own checkpoint (one fingerprint) as plain weights.
+    A compressed-tensors config that also quantises weights is still refused."""
+    from safetensors.torch import load_file
+
+    from tests.kv_scale_checkpoint import KV_CACHE_ONLY, with_kv_scales
+
+    scaled = with_kv_scales(tiny_llama, tmp_path / "kv-fp8", (0.02, 0.04), (0.05, 0.08))
+    convert_weights(tiny_llama, tmp_path / "plain-w", dtype="fp32", progress=False)
+    convert_weights(scaled, tmp_path / "scaled-w", dtype="fp32", progress=False)
+    plain, got = load_file(str(tmp_path / "plain-w" / "rank0.safetensors")), load_file(str(tmp_path / "scaled-w" / "rank0.safetensors"))
+    assert plain.keys() == got.keys() and all(torch.equal(plain[k], got[k]) for k in plain)
+    cfg = json.loads((scaled / "config.json").read_text())
+    cfg["quantization_config"] = {**KV_CACHE_ONLY, "config_groups": {"group_0": {"targets": ["Linear"]}}}
+    (scaled / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises((WeightsError, ValueError), match="quant_method='compressed-tensors'"):
+        convert_weights(scaled, tmp_path / "refused-w", dtype="fp32", progress=False)

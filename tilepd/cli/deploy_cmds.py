@@ -139,6 +139,9 @@ def up(
             f"decode transfers {c.transfers_before} -> {c.transfers_after}: {c.text!r}",
             highlight=False,
         )
+        check = c.extra.get("verification")
+        if check:
+            console.print(f"canary verified on node {check.get('node')}: {(check.get('verdict') or {}).get('summary')}", highlight=False)
     if router is not None:
         console.print(f"[bold green]endpoint[/]: {probes.base_url(router)}/v1  (model {dep.topology.model.served_name!r})")
 
@@ -182,14 +185,15 @@ def status(
     topology: Optional[Path] = typer.Argument(None, help="Topology file; default: the embedded topology_examples/local.yaml."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     watch: Optional[float] = typer.Option(None, "--watch", help="Refresh every N seconds until interrupted."),
-    wide: bool = typer.Option(False, "--wide", help="Every column: role, pid, full health message, all live figures, drift."),
+    wide: bool = typer.Option(False, "--wide", help="Every column: role, pid, full health message, all live figures, each "
+                              "service's deployment fingerprint (its host reads the checkpoint), drift."),
 ) -> None:
     """One line per service: host, service, state, health, a live figure. Exit 0 all healthy, 7 degraded."""
     from tilepd.deploy import status as st
 
     dep = _load(topology)
     while True:
-        rows = st.collect(dep.plan, known_hosts=dep.known_hosts)
+        rows = st.collect(dep.plan, known_hosts=dep.known_hosts, fingerprints=wide)
         healthy = all(r.ok for r in rows)
         if as_json:
             typer.echo(json.dumps({"deployment": dep.plan.deployment, "healthy": healthy, "services": st.as_json(rows)}, indent=2))

@@ -4,8 +4,10 @@ Only the router (and the deploy canary) sets the marker (INTERFACES §3).
 
 A request without the key is none of the connector's business (strict no-op, so
 other connectors under MultiConnector see it untouched). A request with a bad
-marker, a decode node outside the allowlist, or a prompt longer than the decode
-node's max_seq_len is *refused*: vLLM still serves it, nothing is sent.
+marker, a decode node outside the allowlist, a prompt longer than the decode
+node's max_seq_len, or a node whose fingerprint (as the router sends it beside the
+marker) names another checkpoint than this prefill serves is *refused*: vLLM still
+serves it, nothing is sent, and the router reads why (`tilepd_handoff`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tilepd.contracts.marker import MARKER_KEY, TilepdMarker
+from tilepd.contracts.fingerprint import Fingerprint, compare
+from tilepd.contracts.marker import FINGERPRINT_REFUSAL, MARKER_KEY, NODE_FINGERPRINT_KEY, TilepdMarker
 from tilepd.contracts.service_configs import ConnectorExtraConfig
+from tilepd.runbooks import cite
 
 
 @dataclass(frozen=True)
@@ -26,8 +30,10 @@ class ClaimDecision:
     transfer_id: str | None = None
 
 
-def decide_claim(kv_transfer_params: Any, num_prompt_tokens: int, config: ConnectorExtraConfig) -> ClaimDecision | None:
-    """None: not ours (no marker). Otherwise claimed (marker set) or refused (reason set)."""
+def decide_claim(kv_transfer_params: Any, num_prompt_tokens: int, config: ConnectorExtraConfig,
+                 fingerprint: Fingerprint | None = None) -> ClaimDecision | None:
+    """None: not ours (no marker). Otherwise claimed (marker set) or refused (reason set). `fingerprint`: this
+    prefill's, compared with the node's when the router sent it."""
     if not isinstance(kv_transfer_params, dict) or MARKER_KEY not in kv_transfer_params:
         return None
     raw = kv_transfer_params[MARKER_KEY]
@@ -49,4 +55,19 @@ def decide_claim(kv_transfer_params: Any, num_prompt_tokens: int, config: Connec
         return ClaimDecision(
             None, f"prompt of {num_prompt_tokens} tokens exceeds max_seq_len {config.max_seq_len}", marker.transfer_id
         )
+    problem = _fingerprint_problem(kv_transfer_params.get(NODE_FINGERPRINT_KEY), fingerprint, marker, config)
+    if problem is not None:
+        return ClaimDecision(None, FINGERPRINT_REFUSAL + cite(problem, "RB-fingerprint-mismatch"), marker.transfer_id)
     return ClaimDecision(marker, None, marker.transfer_id)
+
+
+def _fingerprint_problem(raw: Any, own: Fingerprint | None, marker: TilepdMarker, config: ConnectorExtraConfig) -> str | None:
+    """Why the node the router named holds another checkpoint, or None (nothing sent: the node's hello decides)."""
+    if raw is None or own is None:
+        return None
+    try:
+        node = Fingerprint.model_validate(raw)
+    except ValidationError:
+        return None  # a router of another release: the node's own check at the hello still holds
+    name = next((e.name for e in config.decode_allowlist if (e.host, e.ctrl_port) == (marker.host, marker.ctrl_port)), marker.host)
+    return compare(own, node, name)

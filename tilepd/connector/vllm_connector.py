@@ -87,6 +87,7 @@ from tilepd.connector import vllm_version
 from tilepd.connector.cpu_attn import FP8_CACHE_DTYPES, cpu_attn_isa, probe_block_perm
 from tilepd.connector.cpu_binding import restore_bound_cores
 from tilepd.connector.events import EventLog, ensure_logging
+from tilepd.connector.fingerprint import prefill_fingerprint
 from tilepd.connector.paged_cache import (
     ModelCacheFacts,
     PagedCache,
@@ -100,6 +101,7 @@ from tilepd.connector.kv_scales import with_kv_scales
 from tilepd.connector.peer_workers import PeerWorkers
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
 from tilepd.connector.tracing import make_connector_tracing, traceparent_of
+from tilepd.contracts.fingerprint import Fingerprint, FingerprintError
 from tilepd.contracts.marker import RESULT_KEY, TilepdMarker
 from tilepd.contracts.service_configs import ConnectorExtraConfig
 
@@ -221,14 +223,22 @@ class TilePDConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         if not ktc.is_kv_producer or ktc.is_kv_consumer:
             raise ValueError(f"TilePDConnector is producer-only; set kv_role 'kv_producer' (got {ktc.kv_role!r})")
-        self._setup(parse_extra_config(ktc.kv_connector_extra_config), role)
+        try:
+            fingerprint = prefill_fingerprint(vllm_config)
+        except (FingerprintError, OSError) as exc:
+            raise ValueError(f"TilePDConnector: cannot identify the checkpoint this prefill serves: {exc}") from exc
+        self._setup(parse_extra_config(ktc.kv_connector_extra_config), role, fingerprint)
         # every tensor-parallel rank stages its own share: a slot is free again when each rank gave it back
         self._tp_size = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
 
-    def _setup(self, config: ConnectorExtraConfig, role: KVConnectorRole) -> None:
+    def _setup(self, config: ConnectorExtraConfig, role: KVConnectorRole, fingerprint: Fingerprint | None = None) -> None:
         """Everything but vLLM's base-class state (tests drive a connector built without a full VllmConfig)."""
         self.config = config
         self.events = EventLog("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+        # what this prefill serves: sent in every hello, compared with the node the router names at each claim
+        self._fingerprint = fingerprint
+        if fingerprint is not None:
+            self.events.event("fingerprint", None, id=fingerprint.id, fingerprint=fingerprint.describe())
         # scheduler side
         self._claims: dict[str, _Claim] = {}
         self._refused: dict[str, dict[str, Any]] = {}
@@ -286,7 +296,7 @@ class TilePDConnector(KVConnectorBase_V1):
 
     # ============================================================ scheduler side
     def on_new_request(self, request: "Request") -> None:
-        decision = decide_claim(request.kv_transfer_params, request.num_prompt_tokens, self.config)
+        decision = decide_claim(request.kv_transfer_params, request.num_prompt_tokens, self.config, self._fingerprint)
         if decision is None:
             return
         rid = request.request_id
@@ -425,7 +435,8 @@ class TilePDConnector(KVConnectorBase_V1):
         self._layer_index = {n: i for i, n in enumerate(cache.layer_names)}
         pin = cache.device.type == "cuda"
         self._pool = StagingPool(cache.layout, self.config.max_seq_len, self.config.staging_slots, pin_memory=pin)
-        self._sender = KVSender(self.config, cache.layout, Buffer.from_array(self._pool.buffer), sender_rank=rank, tp_size=tp)
+        self._sender = KVSender(self.config, cache.layout, Buffer.from_array(self._pool.buffer), sender_rank=rank, tp_size=tp,
+                                fingerprint=self._fingerprint)
         self._thread = threading.Thread(target=self._send_loop, name="tilepd-connector-sender", daemon=True)
         self._thread.start()
         self.events.event(

@@ -55,3 +55,11 @@ class DecodeBody(_Body):
 class CancelBody(_Body):
     model_config = ConfigDict(extra="forbid")
     transfer_id: str
+
+
+class DrainBody(_Body):
+    """Why a node is drained (optional): shown by its /health, /status and `tilepd status` until it is undrained. The
+    router's divergence watch (tilepd.router.divergence_watch) drains a node whose tokens left the prefill's."""
+
+    model_config = ConfigDict(extra="forbid")
+    reason: str | None = Field(default=None, max_length=500)

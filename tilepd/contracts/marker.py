@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 MARKER_KEY = "tilepd"
 # the key under which request_finished reports the hand-off (no clash with NixlConnector's keys)
 RESULT_KEY = "tilepd_handoff"
+# beside the marker (an older connector ignores it): the decode node's fingerprint as the router last read it
+# (its /capabilities); the connector refuses the claim when it names another checkpoint than the prefill serves
+NODE_FINGERPRINT_KEY = "tilepd_node_fingerprint"
+# how the reason of a claim refused for that starts (the router's route reason is `fingerprint_mismatch`)
+FINGERPRINT_REFUSAL = "fingerprint_mismatch: "
 
 
 class TilepdMarker(BaseModel):

@@ -118,6 +118,25 @@ class PromptRenderConfig(_Strict):
     memory_mb: int = Field(default=1024, ge=64)
 
 
+class DivergenceWatchConfig(_Strict):
+    """The router's live divergence watch (tilepd/router/divergence_watch.py): greedy low-latency requests, a
+    `sample_rate` share of them and a probe of each idle node every `interval_s`, scored by the prefill pool
+    (teacher-forced, tilepd.contracts.teacher_forced); a node with `diverged_checks` diverged checks in a row is
+    drained with the reason. The checks run off the request path."""
+
+    enabled: bool = True
+    sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+    interval_s: float = Field(default=60.0, gt=0)
+    margin_nats: float = Field(default=1.0, ge=0.0)
+    diverged_checks: int = Field(default=2, ge=1)
+    probe_tokens: int = Field(default=16, ge=2, le=256)
+    # a sampled request is scored over prompt + at most max_checked_tokens of its tokens, and only when that fits
+    # max_context_tokens (prompt logprobs cost the prefill a full pass over the prompt)
+    max_checked_tokens: int = Field(default=64, ge=1)
+    max_context_tokens: int = Field(default=4096, ge=2)
+    queue_size: int = Field(default=16, ge=1, le=1024)
+
+
 class RouterConfig(_Strict):
     """Read by `python -m tilepd.router --config FILE`."""
 
@@ -150,3 +169,4 @@ class RouterConfig(_Strict):
     # OpenTelemetry collector (OTLP/HTTP, e.g. http://collector:4318): one trace per request (tilepd/router/tracing.py); off when None
     otlp_endpoint: str | None = Field(default=None, min_length=1, max_length=500)
     prompt_render: PromptRenderConfig = PromptRenderConfig()
+    divergence_watch: DivergenceWatchConfig = DivergenceWatchConfig()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from tilepd import __version__
-from tilepd.control.cache_layout import LAYOUT_VERSION
 from typing import Any
 
+from tilepd import __version__
+from tilepd.contracts.fingerprint import Fingerprint, compare
+from tilepd.control.cache_layout import LAYOUT_VERSION
 from tilepd.control.messages import MIN_TILEPD_FOR_PROTOCOL, PROTOCOL_VERSION, ErrorCode, Hello, HelloOk, ProtocolError
 from tilepd.runbooks import see
 
@@ -42,8 +43,17 @@ def check_protocol(remote: int, *, local_side: str, remote_side: str, remote_ver
         )
 
 
-def check_hello(hello: Hello, *, transport: str, max_seq_len: int | None = None) -> None:
-    """Decode-node side: protocol, layout version and transport must match this node."""
+def check_fingerprint(prefill: Fingerprint | None, node: Fingerprint | None, node_name: str = "") -> None:
+    """Both sides: the prefill must serve the checkpoint the decode node's weights were converted from (a node that
+    reports no fingerprint, an in-process test node, is not compared)."""
+    problem = compare(prefill, node, node_name)
+    if problem is not None:
+        raise ProtocolError(ErrorCode.FINGERPRINT_MISMATCH, problem + see("RB-fingerprint-mismatch"))
+
+
+def check_hello(hello: Hello, *, transport: str, max_seq_len: int | None = None, fingerprint: Fingerprint | None = None,
+                node_name: str = "") -> None:
+    """Decode-node side: protocol, layout version, transport and the deployment fingerprint must match this node."""
     check_protocol(hello.protocol, local_side="decode node", remote_side="prefill connector", remote_version=hello.tilepd_version)
     if hello.layout.layout_version != LAYOUT_VERSION:
         raise ProtocolError(
@@ -59,12 +69,14 @@ def check_hello(hello: Hello, *, transport: str, max_seq_len: int | None = None)
             f"{transport!r}: set the same transport name for the prefill hosts' connector "
             f"(kv_connector_extra_config.transport.name) and the decode node (its config's transport.name)" + see("RB-protocol-mismatch"),
         )
+    check_fingerprint(hello.fingerprint, fingerprint, node_name)
     # max_seq_len is not compared here: decode nodes of one model may hold fewer tokens than the
     # connector allows; an admit whose seq_len does not fit is refused with too_long instead.
 
 
-def check_hello_ok(reply: HelloOk, *, transport: str) -> None:
-    """Connector side: the decode node must speak our protocol over our transport."""
+def check_hello_ok(reply: HelloOk, *, transport: str, fingerprint: Fingerprint | None = None) -> None:
+    """Connector side: the decode node must speak our protocol over our transport and hold our checkpoint (a node
+    checks that itself first; this is the check of a node that did not)."""
     check_protocol(reply.protocol, local_side="prefill connector", remote_side="decode node")
     if reply.transport.name != transport:
         raise ProtocolError(
@@ -72,3 +84,5 @@ def check_hello_ok(reply: HelloOk, *, transport: str) -> None:
             f"the decode node receives over {reply.transport.name!r} but this connector sends over {transport!r}: "
             "set the same transport name for the connector and the decode node" + see("RB-protocol-mismatch"),
         )
+    if fingerprint is not None:
+        check_fingerprint(fingerprint, reply.fingerprint, reply.node)

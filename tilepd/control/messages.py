@@ -12,11 +12,14 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.control.cache_layout import CacheLayout
 
-PROTOCOL_VERSION = 2
+# 3: hello and hello_ok carry each side's deployment fingerprint (tilepd.contracts.fingerprint); 2: the DSA indexer
+# segment and per-region checksums
+PROTOCOL_VERSION = 3
 # The oldest tilepd release that speaks PROTOCOL_VERSION (named in "upgrade ..." messages).
-MIN_TILEPD_FOR_PROTOCOL = "0.2.0"
+MIN_TILEPD_FOR_PROTOCOL = "0.3.0"
 
 
 class ErrorCode(str, Enum):
@@ -31,6 +34,7 @@ class ErrorCode(str, Enum):
     MALFORMED = "malformed"  # frame or message did not parse
     NOT_READY = "not_ready"  # admit before a successful hello
     KV_CHECKSUM_MISMATCH = "kv_checksum_mismatch"  # the bytes that landed are not the bytes the sender staged
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"  # the prefill serves another checkpoint than the node's weights
 
 
 RETRYABLE = frozenset({ErrorCode.BUSY})
@@ -63,6 +67,7 @@ class Hello(_Msg):
     sender_rank: int = Field(default=0, ge=0)
     tp_size: int = Field(default=1, ge=1)
     tilepd_version: str | None = None
+    fingerprint: Fingerprint | None = None  # the prefill's; a protocol-3 connector always sends it
 
 
 class Region(_Msg):
@@ -81,6 +86,7 @@ class HelloOk(_Msg):
     regions: list[Region]
     busy: bool
     node: str = ""
+    fingerprint: Fingerprint | None = None  # the decode node's
 
 
 class Error(_Msg):

@@ -43,6 +43,7 @@ import torch
 import xxhash
 
 from tilepd import __version__
+from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.control.checksum import region_digests
 from tilepd.control.compat import check_hello_ok
 from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame
@@ -126,8 +127,10 @@ class KVSender:
         tp_size: int = 1,
         transport: TransportSender | None = None,
         name: str | None = None,
+        fingerprint: Fingerprint | None = None,
     ):
         self.config = extra_config
+        self.fingerprint = fingerprint  # the prefill's (tilepd.contracts.fingerprint), in every hello
         self.layout = layout
         self.sender_rank = sender_rank
         self.tp_size = tp_size
@@ -156,6 +159,7 @@ class KVSender:
             sender_rank=self.sender_rank,
             tp_size=self.tp_size,
             tilepd_version=__version__,
+            fingerprint=self.fingerprint,
         )
 
     def is_allowed(self, host: str, ctrl_port: int) -> bool:
@@ -245,7 +249,7 @@ class KVSender:
                 raise ProtocolError(reply.code, reply.message)
             if not isinstance(reply, HelloOk):
                 raise ProtocolError(ErrorCode.MALFORMED, f"expected hello_ok, got {type(reply).__name__}")
-            check_hello_ok(reply, transport=self.transport.name)
+            check_hello_ok(reply, transport=self.transport.name, fingerprint=self.fingerprint)
             peer = self.transport.connect(reply.transport.metadata)
         except BaseException:
             sock.close()

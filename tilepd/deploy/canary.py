@@ -5,12 +5,14 @@ A decode node that `up` restarts is drained first (tilepd/deploy/proc.py) and, s
 state in its `drain_file`, starts again draining: healthy, but no lease. The supervisor on its host then sends the
 canary the way the router sends a request: a prefill (`max_tokens` 1) carrying the tilepd marker for this node, with
 a transfer id that starts with CANARY_TRANSFER_PREFIX (the only transfer a draining node takes) and its token minted
-from the deployment secret, then the decode of the next tokens on the node. Only when that answers the tokens asked
-for is the node undrained. Outcomes:
+from the deployment secret, then the decode of the next tokens on the node, greedy. The prefill then scores the
+node's tokens (teacher-forced verification, tilepd.contracts.teacher_forced): each must be the prefill's top-1 or
+within `margin_nats` of it. Only when both hold is the node undrained. Outcomes:
 
-- `ok`: the node decoded the tokens (and whether they equal the prefill's own greedy continuation is reported:
-  bf16 kernels may legitimately differ on near-ties, so it is not a pass criterion);
-- `failed`: the node refused or failed the decode: the node stays drained and `up` fails, naming RB-upgrade;
+- `ok`: the node decoded the tokens and the prefill agrees with every one (`verdict` says how closely);
+- `failed`: the node refused or failed the decode, or its tokens diverge from the prefill's (the first diverging
+  position and both logprobs in the reason, runbook RB-divergence), or the prefill could not score them: the node
+  stays drained and `up` fails;
 - `skipped`: no prefill answered, or the running prefill refused the hand-off (e.g. a change of the node's ports
   that the prefill learns only when it restarts, later in the same `up`): nothing about the node is known, and it
   rejoins as it would without a canary.
@@ -31,6 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tilepd.auth import CANARY_TRANSFER_PREFIX, node_auth_header, transfer_token, vllm_auth_header
 from tilepd.contracts.decode_http import CancelBody, DecodeBody
 from tilepd.contracts.marker import MARKER_KEY, RESULT_KEY, TilepdMarker
+from tilepd.contracts.teacher_forced import DEFAULT_MARGIN_NATS, ScoringError, Verdict, judge, scores_from_vllm, scoring_request
+from tilepd.runbooks import see
 from tilepd.router.logprobs import token_id  # the prefill runs with --return-tokens-as-token-ids (tilepd.plan.vllm_args)
 
 DEFAULT_PROMPT = tuple(range(100, 116))  # 16 ordinary token ids of any real vocabulary (not BOS/EOS/padding)
@@ -49,8 +53,9 @@ class CanarySpec(BaseModel):
     ctrl_host: str  # the node's control endpoint as the prefill's allowlist names it
     ctrl_port: int
     prompt_tokens: list[int] = Field(default_factory=lambda: list(DEFAULT_PROMPT), min_length=1)
-    max_tokens: int = Field(default=4, ge=2)
+    max_tokens: int = Field(default=16, ge=2)
     kv_timeout_s: float = Field(default=30.0, gt=0)
+    margin_nats: float = Field(default=DEFAULT_MARGIN_NATS, ge=0)
 
 
 @dataclass
@@ -59,7 +64,7 @@ class NodeCanaryResult:
     reason: str
     transfer_id: str
     tokens: list[int] = field(default_factory=list)
-    matches_prefill: bool | None = None
+    verdict: dict[str, Any] | None = None  # the teacher-forced verdict (tilepd.contracts.teacher_forced.Verdict.as_json)
     prefill_url: str | None = None
     seconds: float = 0.0
 
@@ -71,16 +76,24 @@ def _token_ids(body: dict[str, Any]) -> list[int]:
     return [token_id(t) for t in body["choices"][0]["logprobs"]["tokens"]]
 
 
-def _prefill(url: str, spec: CanarySpec, max_tokens: int, marker: dict[str, Any] | None, secret: bytes | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": spec.model, "prompt": spec.prompt_tokens, "max_tokens": max_tokens, "temperature": 0,
-                            "logprobs": 1, "ignore_eos": True, "stream": False}
-    if marker is not None:
-        body["kv_transfer_params"] = marker
+def _post(url: str, body: dict[str, Any], request_id: str, secret: bytes | None) -> dict[str, Any]:
     r = httpx.post(f"{url.rstrip('/')}/v1/completions", json=body, timeout=httpx.Timeout(PREFILL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-                   headers={"x-request-id": str((marker or {}).get(MARKER_KEY, {}).get("transfer_id", "canary-reference")),
-                            **vllm_auth_header(secret)})
+                   headers={"x-request-id": request_id, **vllm_auth_header(secret)})
     r.raise_for_status()
     return r.json()
+
+
+def _prefill(url: str, spec: CanarySpec, marker: dict[str, Any], secret: bytes | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": spec.model, "prompt": spec.prompt_tokens, "max_tokens": 1, "temperature": 0,
+                            "logprobs": 1, "ignore_eos": True, "stream": False, "kv_transfer_params": marker}
+    return _post(url, body, str(marker[MARKER_KEY]["transfer_id"]), secret)
+
+
+def verify_with_prefill(url: str, model: str, prompt: list[int], tokens: list[int], margin: float, secret: bytes | None,
+                        request_id: str) -> Verdict:
+    """Teacher-forced verification of `tokens` by the prefill at `url`; raises httpx.HTTPError or ScoringError."""
+    body = _post(url, scoring_request(model, prompt, tokens), request_id, secret)
+    return judge(scores_from_vllm(body, len(prompt), tokens), margin)
 
 
 def _cancel(node_base_url: str, transfer_id: str, secret: bytes | None) -> None:
@@ -107,7 +120,7 @@ def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> No
     tried: list[str] = []
     for url in spec.prefill_urls:
         try:
-            body = _prefill(url, spec, 1, marker, secret)
+            body = _prefill(url, spec, marker, secret)
         except httpx.HTTPStatusError as exc:
             tried.append(f"{url} answered {exc.response.status_code}: {exc.response.text[:200]}")
             continue
@@ -142,9 +155,13 @@ def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> No
     if len(tokens) != spec.max_tokens:
         return result("failed", f"the node decoded {len(tokens) - 1} tokens, {spec.max_tokens - 1} were asked for", tokens=tokens,
                       prefill_url=url)
-    try:  # the prefill's own greedy continuation, for the record
-        same: bool | None = _token_ids(_prefill(url, spec, spec.max_tokens, None, secret)) == tokens
-    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
-        same = None
-    return result("ok", f"{spec.max_tokens} tokens through prefill {url} and the node", tokens=tokens, matches_prefill=same,
-                  prefill_url=url)
+    try:
+        verdict = verify_with_prefill(url, spec.model, spec.prompt_tokens, tokens, spec.margin_nats, secret, f"{tid}-verify")
+    except (httpx.HTTPError, ScoringError) as exc:
+        return result("failed", f"the prefill {url} could not score the node's tokens (teacher-forced verification): "
+                      f"{type(exc).__name__}: {exc}", tokens=tokens, prefill_url=url)
+    if not verdict.ok:
+        return result("failed", f"the node's tokens diverge from the prefill's model: {verdict.describe()}" + see("RB-divergence"),
+                      tokens=tokens, verdict=verdict.as_json(), prefill_url=url)
+    return result("ok", f"{spec.max_tokens} tokens through prefill {url} and the node; {verdict.describe()}", tokens=tokens,
+                  verdict=verdict.as_json(), prefill_url=url)

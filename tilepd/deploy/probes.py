@@ -19,7 +19,9 @@ from urllib.parse import urlsplit
 import httpx
 
 from tilepd.plan import Plan, Service
+from tilepd.runbooks import see
 
+VERDICT_WAIT_S = 30.0  # how long `up`'s canary waits for the router's check of its request
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEnaIf]+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -90,6 +92,8 @@ def live_figures(service: Service, timeout_s: float = 2.0) -> dict[str, Any]:
                 "transfer_id": st.get("transfer_id"),
                 "tokens_per_s": last.get("tokens_per_s"),
                 "transfers_total": st.get("transfers_total"),
+                "fingerprint": st.get("fingerprint"),
+                "drain_reason": st.get("drain_reason"),
             }
         samples = parse_metrics(httpx.get(f"{url}/metrics", timeout=timeout_s).text)
         if service.role in ("prefill", "native_decode"):
@@ -176,7 +180,8 @@ def _canary_once(plan: Plan, served_model: str, *, timeout_s: float, max_tokens:
     if router is None or base_url(router) is None:
         return RouterCanaryResult(False, "no router in the plan", failed_service="router")
     before = _transfers(decodes)
-    headers = {"x-request-id": f"tilepd-canary-{int(time.time())}"}
+    # the router's divergence watch checks this request (x-tilepd-verify): its verdict is read back below
+    headers = {"x-request-id": f"tilepd-canary-{int(time.time())}", "x-tilepd-verify": "1"}
     key = _api_key(plan)
     if key:
         headers["Authorization"] = f"Bearer {key}"
@@ -211,4 +216,32 @@ def _canary_once(plan: Plan, served_model: str, *, timeout_s: float, max_tokens:
             text=text, completion_tokens=tokens, transfers_before=before, transfers_after=after, seconds=seconds,
             failed_service=decodes[0].name,
         )  # fmt: skip
-    return RouterCanaryResult(True, "ok", text=text, completion_tokens=tokens, transfers_before=before, transfers_after=after, seconds=seconds, extra={"route": route})
+    extra: dict[str, Any] = {"route": route}
+    watched = bool(((router.config or {}).get("divergence_watch") or {}).get("enabled", True))
+    if route == "low_latency" and watched:
+        check = _router_verdict(base_url(router) or "", {k: v for k, v in headers.items() if k == "Authorization"}, headers["x-request-id"])
+        extra["verification"] = check
+        verdict = (check or {}).get("verdict") or {}
+        if check is not None and verdict.get("checked") and not verdict.get("ok"):
+            node = str(check.get("node"))
+            return RouterCanaryResult(
+                False, f"decode node {node}'s tokens diverge from the prefill's model: {verdict.get('summary')}" + see("RB-divergence"),
+                text=text, completion_tokens=tokens, transfers_before=before, transfers_after=after, seconds=seconds,
+                failed_service=next((d.name for d in decodes if (d.config or {}).get("name") == node), None), extra=extra,
+            )  # fmt: skip
+    return RouterCanaryResult(True, "ok", text=text, completion_tokens=tokens, transfers_before=before, transfers_after=after, seconds=seconds, extra=extra)
+
+
+def _router_verdict(router_url: str, headers: dict[str, str], request_id: str, wait_s: float = VERDICT_WAIT_S) -> dict[str, Any] | None:
+    """The router's teacher-forced check of one request (its /status `divergence.recent`), None when it gave none in time."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            recent = httpx.get(f"{router_url}/status", headers=headers, timeout=5).json().get("divergence", {}).get("recent", [])
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        found = next((c for c in recent if c.get("request_id") == request_id), None)
+        if found is not None:
+            return found
+        time.sleep(0.5)
+    return None

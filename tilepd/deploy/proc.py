@@ -386,6 +386,17 @@ def status(spec: ServiceSpec) -> dict[str, Any]:
     }
 
 
+def fingerprint_of(spec: ServiceSpec) -> dict[str, Any] | None:
+    """The service's deployment fingerprint (tilepd.deploy.fingerprints), the vLLM release the one it runs."""
+    from tilepd.deploy.fingerprints import VLLM_ROLES, service_fingerprint
+
+    version = None
+    if spec.role in VLLM_ROLES:
+        recorded = (_read_state(spec) or {}).get("package_versions") or package_versions(spec)
+        version = next((v for k, v in recorded.items() if k.startswith("vllm") and v), None)
+    return service_fingerprint(spec.role, spec.argv, version)
+
+
 def start(spec: ServiceSpec, *, check: bool = False, force: bool = False) -> dict[str, Any]:
     """Start the service unless it already runs with the same config hash, secrets and tilepd version (then
     changed=False; `force` restarts it anyway). A running decode node is drained first and gated on health after.
@@ -678,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="report what would change, change nothing")
     parser.add_argument("--force", action="store_true", help="start: restart even when nothing changed (a decode node drains first)")
     parser.add_argument("--config-hash", help="with --check: the hash the new spec will have (the spec file may not be updated yet)")
+    parser.add_argument("--fingerprint", action="store_true", help="status: also the service's deployment fingerprint (reads its checkpoint)")
     args = parser.parse_args(argv)
     if args.verb == "version":
         print(json.dumps({"tilepd_version": __version__, "python": sys.executable, "changed": False}))
@@ -704,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
         result = wait_healthy(spec, check=args.check)
     else:
         result = status(spec)
+        if args.fingerprint:
+            result["fingerprint"] = fingerprint_of(spec)
     print(json.dumps(result))
     return 1 if result.get("failed") or (args.verb == "stop" and result.get("running")) else 0
 

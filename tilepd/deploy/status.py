@@ -36,6 +36,7 @@ class ServiceStatus:
     health: str = ""
     figures: dict[str, Any] = field(default_factory=dict)
     drift: list[str] = field(default_factory=list)
+    fingerprint: dict[str, Any] | None = None  # with fingerprints: tilepd.deploy.fingerprints.summary (or {"error": ...})
 
     @property
     def ok(self) -> bool:
@@ -50,19 +51,23 @@ class ServiceStatus:
             return "RB-host-unreachable"
         if any(d.startswith("tilepd ") for d in self.drift):
             return "RB-upgrade"  # the service runs another tilepd than the controller
+        if any(d.startswith("fingerprint ") for d in self.drift):
+            return "RB-fingerprint-mismatch"  # it serves another checkpoint than the first prefill
         if self.run in ("running", "stopped") and not self.ok and not self.drift and self.health != "draining":  # drained on purpose
             return {"decode": "RB-decode-down", "prefill": "RB-prefill-restarted"}.get(self.role)
         return None
 
 
-def _host_states(plan: Plan, host: HostPlan, services: list[Service], known_hosts: Path | None) -> dict[str, dict[str, Any]]:
-    """service name -> proc status JSON (or {"run": reason})."""
+def _host_states(plan: Plan, host: HostPlan, services: list[Service], known_hosts: Path | None,
+                 fingerprints: bool = False) -> dict[str, dict[str, Any]]:
+    """service name -> proc status JSON (or {"run": reason}); with `fingerprints`, each service's fingerprint too."""
     shell = HostShell(host, known_hosts=known_hosts)
     out: dict[str, dict[str, Any]] = {}
+    extra = ["--fingerprint"] if fingerprints else []
     try:
         for svc in services:
             try:
-                res = shell.run([svc.python, "-m", "tilepd.deploy.proc", "status", "--spec", spec_file(host, svc)])
+                res = shell.run([svc.python, "-m", "tilepd.deploy.proc", "status", "--spec", spec_file(host, svc), *extra])
             except HostUnreachable as e:
                 return {s.name: {"run": "unreachable", "reason": e.reason} for s in services}
             try:
@@ -83,10 +88,14 @@ def _one(plan: Plan, host: HostPlan, svc: Service, state: dict[str, Any]) -> Ser
     else:
         # crashed: the main process died and others of its group hold on (`tilepd up` ends them and restarts)
         run = "running" if state.get("running") else ("crashed (orphans)" if state.get("orphans") else "stopped")
-    st = ServiceStatus(host=host.name, service=svc.name, role=svc.role, run=run, pid=state.get("pid"), restarts=state.get("restarts"))
+    st = ServiceStatus(host=host.name, service=svc.name, role=svc.role, run=run, pid=state.get("pid"), restarts=state.get("restarts"),
+                       fingerprint=state.get("fingerprint"))
     st.healthy, st.health = probes.health(svc)
-    if st.healthy:
+    if st.healthy or st.health == "draining":
         st.figures = probes.live_figures(svc)
+        live = st.figures.get("fingerprint")
+        if isinstance(live, dict) and live.get("id"):  # what the running node reports wins over its manifest
+            st.fingerprint = live
     if run == "running":
         if state.get("config_hash") and state["config_hash"] != svc.config_hash:
             st.drift.append(f"config {str(state['config_hash'])[7:19]} != topology {svc.config_hash[7:19]}")
@@ -95,16 +104,33 @@ def _one(plan: Plan, host: HostPlan, svc: Service, state: dict[str, Any]) -> Ser
     return st
 
 
-def collect(plan: Plan, known_hosts: Path | None = None) -> list[ServiceStatus]:
-    """Status of every daemon in the plan (hosts read in parallel)."""
+def collect(plan: Plan, known_hosts: Path | None = None, fingerprints: bool = False) -> list[ServiceStatus]:
+    """Status of every daemon in the plan (hosts read in parallel); with `fingerprints`, each one's deployment
+    fingerprint (its host reads the checkpoint: seconds on a large one), and a drift entry for each that serves
+    another checkpoint than the first prefill."""
     work = [(h, [s for s in h.services if s.kind == "daemon"]) for h in plan.hosts]
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(work)))) as pool:
-        states = list(pool.map(lambda hw: _host_states(plan, hw[0], hw[1], known_hosts), work))
+        states = list(pool.map(lambda hw: _host_states(plan, hw[0], hw[1], known_hosts, fingerprints), work))
     rows = []
     for (host, services), host_states in zip(work, states):
         for svc in services:
             rows.append(_one(plan, host, svc, host_states.get(svc.name, {"run": "unknown"})))
+    if fingerprints:
+        note_fingerprint_drift(rows)
     return rows
+
+
+def note_fingerprint_drift(rows: list[ServiceStatus]) -> None:
+    """`fingerprint <id> != prefill <id>` on every prefill, decode or native row whose checkpoint is not the first
+    prefill's (decode-side facts differ by design: only the checkpoint's id is compared)."""
+    ref = next((r for r in rows if r.role == "prefill" and (r.fingerprint or {}).get("id")), None)
+    if ref is None or ref.fingerprint is None:
+        return
+    want = ref.fingerprint["id"]
+    for r in rows:
+        got = (r.fingerprint or {}).get("id")
+        if r.role in ("prefill", "decode", "native_decode") and got and got != want:
+            r.drift.append(f"fingerprint {got} != prefill {ref.service} {want}")
 
 
 def as_json(rows: list[ServiceStatus]) -> list[dict[str, Any]]:
@@ -133,6 +159,8 @@ def figures_text(st: ServiceStatus) -> str:
             parts.append(f"transfer {f['transfer_id']}")
         parts.append(f"last {tps:.1f} tok/s" if isinstance(tps, (int, float)) else "last -")
         parts.append(f"transfers {f.get('transfers_total')}")
+        if f.get("drain_reason"):
+            parts.append(f"drained: {f['drain_reason']}")
         return ", ".join(parts)
     if st.role in ("prefill", "native_decode"):
         return f"running {_num(f.get('running'))}, waiting {_num(f.get('waiting'))}"
@@ -140,6 +168,17 @@ def figures_text(st: ServiceStatus) -> str:
         routes = " ".join(f"{k}={v}" for k, v in (f.get("routes") or {}).items()) or "none"
         return f"in-flight {_num(f.get('in_flight'))}, queued {_num(f.get('queued'))}, routes {routes}, 429s {f.get('rejected_429', 0)}"
     return json.dumps(f)
+
+
+def fingerprint_text(st: ServiceStatus) -> str:
+    """`<id> (<fact> <value>, ...)`, `unknown`, the error, or '' for a role without one."""
+    fp = st.fingerprint
+    if not fp:
+        return ""
+    if "error" in fp:
+        return f"? {fp['error']}"
+    facts = ", ".join(f"{k} {v}" for k, v in sorted((fp.get("facts") or {}).items()))
+    return f"{fp.get('id')}" + (f" ({facts})" if facts else "")
 
 
 def _num(v: Any) -> str:
@@ -189,12 +228,13 @@ def table(rows: list[ServiceStatus], *, wide: bool = False) -> Table:
         t = Table(title="tilepd status", title_justify="left")
         for col in ("host", "service", "role"):
             t.add_column(col, no_wrap=True)
-        for col in ("run", "health", "live", "drift"):
+        for col in ("run", "health", "live", "fingerprint", "drift"):
             t.add_column(col, overflow="fold")
         for r in rows:
             run = (f"[green]running[/] ({r.pid})" if r.run == "running" else f"[red]{r.run}[/]") + escape(restarts_text(r))
             health = f"[green]{r.health}[/]" if r.healthy else f"[red]{r.health}[/]"
-            t.add_row(r.host, r.service, r.role, run, health, figures_text(r), "[yellow]" + "; ".join(r.drift) + "[/]" if r.drift else "")
+            t.add_row(r.host, r.service, r.role, run, health, figures_text(r), escape(fingerprint_text(r)),
+                      "[yellow]" + escape("; ".join(r.drift)) + "[/]" if r.drift else "")
         return t
     cells = [(r.host, r.service, state_text(r), health_text(r), short_figure(r)) for r in rows]
     t = Table(box=None, pad_edge=False, padding=(0, 1), title="tilepd status", title_justify="left", header_style="bold")

@@ -26,10 +26,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tilepd.engine import KVState
+
+if TYPE_CHECKING:
+    from tilepd.contracts.teacher_forced import PositionScore
 
 PROMPT = "Once upon a time there was a little engine that"
 KeyTransform = Callable[[torch.Tensor], torch.Tensor]
@@ -148,3 +152,24 @@ def hf_reference(model_dir: Path, family: str, new_tokens: int, prompt: str = PR
                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     return Reference(ids[0].tolist(), state, tokens, [lg[0].float() for lg in out.logits])
+
+
+def teacher_forced_scores(model_dir: Path, prompt_ids: list[int], tokens: list[int], *,
+                          indexer_transform: KeyTransform | None = None) -> list[PositionScore]:
+    """HF as the prefill of teacher-forced verification (tilepd.contracts.teacher_forced): one forward over prompt +
+    tokens, and each token's logprob and the top-1 of the logits before it. DSA models: the prompt's indexer keys go
+    through `indexer_transform`, as a prefill hands them over (see the module doc); the tokens' own are as computed."""
+    from transformers import AutoModelForCausalLM
+
+    from tilepd.contracts.teacher_forced import PositionScore
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([list(prompt_ids) + list(tokens)], dtype=torch.long)
+    with torch.no_grad(), indexer_key_transform(indexer_transform, first_n=len(prompt_ids)):
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    out = []
+    for i, token in enumerate(tokens):
+        row = logprobs[len(prompt_ids) + i - 1]
+        top = int(row.argmax())
+        out.append(PositionScore(i, int(token), float(row[token]), top, float(row[top])))
+    return out

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tilepd.deploy import host_keys
 from tilepd.deploy.remote import HostKeyChanged, HostShell, HostUnreachable
+from tilepd.doctor import checks_fleet as F
 from tilepd.doctor import checks_host as H
 from tilepd.doctor import checks_hw as W
 from tilepd.doctor import checks_live as L
@@ -68,6 +69,17 @@ def _host_key(shell: HostShell) -> Finding:
     return ok("ssh-host-key", shell.host.name, f"{shell.host_key_fingerprint}: {seen} in {shell.known_hosts}")
 
 
+def _fleet_facts(exp: HostExpect, topo: Topology, known_hosts: Path | None) -> F.HostFacts | None:
+    """What a host says for the checks across hosts (None: it stopped answering since its own checks)."""
+    shell = HostShell(exp.host, known_hosts=known_hosts)
+    try:
+        return F.gather(Probe(shell), exp, topo)
+    except (HostUnreachable, HostKeyChanged):
+        return None
+    finally:
+        shell.close()
+
+
 def run_doctor(topo: Topology, plan: Plan, *, hosts: list[str] | None = None, known_hosts: Path | None = None,
                live: bool = True, environ: dict[str, str] | None = None) -> list[Finding]:
     """Findings of every selected host (plan order), then the controller-side checks."""
@@ -75,6 +87,11 @@ def run_doctor(topo: Topology, plan: Plan, *, hosts: list[str] | None = None, kn
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(exps)))) as pool:
         per_host = list(pool.map(lambda e: check_host(e, topo, plan, known_hosts=known_hosts, live=live), exps))
     out = [f for fs in per_host for f in fs]
+    reachable = [e for e, fs in zip(exps, per_host) if not any(f.check in ("ssh", "ssh-host-key") and f.verdict == "fail" for f in fs)]
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(reachable)))) as pool:
+        facts = [f for f in pool.map(lambda e: _fleet_facts(e, topo, known_hosts), reachable) if f is not None]
+    out += F.evaluate_checkpoint_identity(facts)
+    out += F.evaluate_vllm_release(facts, native_pool=bool(topo.native_decode))
     selected = {e.host.name for e in exps}
     out += [f for f in H.evaluate_api_key(plan, os.environ if environ is None else environ) if f.host in selected]
     return out

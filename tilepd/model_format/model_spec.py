@@ -155,16 +155,26 @@ def _check_common(cfg: dict[str, Any], family: str) -> None:
     _check_quantization(cfg.get("quantization_config"))
 
 
+def quantizes_only_kv_cache(q: Any) -> bool:
+    """A compressed-tensors config with a `kv_cache_scheme` and no weight groups: vLLM's fp8 KV cache is scaled by the
+    checkpoint's per-layer `k_scale`/`v_scale`, the weights are plain. The decode node reads the weights as they are
+    and ignores those scales: its KV comes with them in the connector's hello (INTERFACES §2, k_scales/v_scales)."""
+    return (isinstance(q, dict) and q.get("quant_method") == "compressed-tensors" and isinstance(q.get("kv_cache_scheme"), dict)
+            and not q.get("config_groups"))
+
+
 def _check_quantization(q: Any) -> None:
-    """Only block-scaled fp8 checkpoints (DeepSeek / GLM style: e4m3, one scale per 128x128 block) load."""
-    if not q:
+    """Only block-scaled fp8 checkpoints (DeepSeek / GLM style: e4m3, one scale per 128x128 block) load, and plain
+    ones whose quantisation is only the prefill's KV cache (quantizes_only_kv_cache)."""
+    if not q or quantizes_only_kv_cache(q):
         return
     if not isinstance(q, dict):
         raise _refuse("quantization_config", q, "expected an object")
     method = q.get("quant_method")
     if method != "fp8":
         raise _refuse("quantization_config.quant_method", method,
-                      "only block-scaled fp8 ('fp8', weight_block_size [128, 128]) checkpoints are supported")
+                      "only block-scaled fp8 ('fp8', weight_block_size [128, 128]) checkpoints are supported, or "
+                      "compressed-tensors quantising only the KV cache (kv_cache_scheme, no config_groups)")
     block = q.get("weight_block_size")
     if list(block or []) != [128, 128]:
         raise _refuse("quantization_config.weight_block_size", block, "only fp8 with one scale per [128, 128] block is supported")

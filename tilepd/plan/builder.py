@@ -25,6 +25,7 @@ from tilepd.contracts.service_configs import (
     ConnectorExtraConfig,
     DecodeEndpoint,
     DecodeServerConfig,
+    DivergenceWatchConfig,
     NativePoolConfig,
     RouterConfig,
     RoutingConfig,
@@ -350,6 +351,7 @@ class _Planner:
             secret_file=self.secret(r, "deployment", DEPLOYMENT_SECRET_ENV),
             tool_call_parser=tool_call_parser(t),
             otlp_endpoint=r.otlp_endpoint,
+            divergence_watch=DivergenceWatchConfig(**r.divergence_watch.model_dump()),
         )
         config_file = f"{self.base_of(r)}/config/router.json"
         self.add(

@@ -1,8 +1,8 @@
-"""Monitoring files of a render: a Prometheus scrape config and a Grafana dashboard.
+"""Monitoring files of a render: a Prometheus scrape config, its alert rules and a Grafana dashboard.
 
 `tilepd render` writes them under `monitoring/` (not copied to any host): the operator points
-their own Prometheus at `prometheus.yml` (or pastes its `scrape_configs`) and imports the
-dashboard. Every target comes from the plan (each daemon's health URL gives host:port), so
+their own Prometheus at `prometheus.yml` (or pastes its `scrape_configs`; `alerts.yml` beside it
+holds the rules it loads) and imports the dashboard. Every target comes from the plan (each daemon's health URL gives host:port), so
 a topology change re-renders them. Panels use only metrics the router
 (tilepd/router/metrics.py) and the decode node (tilepd/runtime/metrics.py, http_api.py) export;
 a test checks each panel's metric names against those live registries.
@@ -42,11 +42,37 @@ def prometheus_config(plan: Plan) -> dict[str, Any]:
         raise ValueError(f"services of {plan.deployment} mix URL schemes {sorted(scheme)}; one scrape config per scheme is not rendered")
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": "15s"},
+        "rule_files": [ALERTS_FILE],
         "scrape_configs": [
             {"job_name": job, "metrics_path": "/metrics", "scheme": next(iter(scheme)), "static_configs": static}
             for job, static in scrape_targets(plan).items()
         ],
     }
+
+
+ALERTS_FILE = "alerts.yml"  # beside prometheus.yml; Prometheus resolves rule_files relative to its config file
+ALERT_WINDOW = "[10m]"
+
+
+def alert_rules(plan: Plan) -> dict[str, Any]:
+    """The alert rules of the plan's deployment: each names the runbook of its failure mode."""
+    dep = f'tilepd_deployment="{plan.deployment}"'
+    rules = [
+        {"alert": "TilepdDecodeNodeDiverges",
+         "expr": f'sum by (node) (increase(tilepd_router_divergence_checks_total{{{dep}, verdict="diverged"}}{ALERT_WINDOW})) > 0',
+         "labels": {"severity": "critical", "runbook": "RB-divergence"},
+         "annotations": {"summary": "decode node {{ $labels.node }} decodes tokens the prefill's model would not choose",
+                         "description": "The router's divergence watch scored {{ $value }} check(s) of the node's greedy tokens outside the "
+                                        "margin of the prefill's top-1 in 10 minutes (teacher-forced); after `diverged_checks` in a row "
+                                        "it drains the node. `tilepd runbook RB-divergence`."}},
+        {"alert": "TilepdFingerprintMismatch",
+         "expr": f'sum (increase(tilepd_router_routes_total{{{dep}, route="native", reason="fingerprint_mismatch"}}{ALERT_WINDOW})) > 0',
+         "labels": {"severity": "warning", "runbook": "RB-fingerprint-mismatch"},
+         "annotations": {"summary": "the prefill serves another checkpoint than a decode node's weights",
+                         "description": "{{ $value }} low-latency request(s) went to the native pool in 10 minutes because the prefill "
+                                        "refused to hand the KV to a node of another checkpoint. `tilepd runbook RB-fingerprint-mismatch`."}},
+    ]
+    return {"groups": [{"name": f"tilepd-{plan.deployment}", "rules": rules}]}
 
 
 def _q(expr: str, legend: str) -> dict[str, str]:
@@ -89,6 +115,10 @@ PANELS: list[tuple[str, str, list[dict[str, str]]]] = [
     ("Decode-node errors seen by the router", "reqps",
      [_q(f"sum by (node, code) (rate(tilepd_router_decode_errors_total{SEL}{RATE}))", "{{node}} {{code}}")]),
     ("Breaker transitions", "short", [_q(f"sum by (node, state) (increase(tilepd_router_breaker_transitions_total{SEL}{RATE}))", "{{node}} {{state}}")]),
+    ("Divergence checks by node and verdict (teacher-forced, RB-divergence)", "short",
+     [_q(f"sum by (node, verdict) (increase(tilepd_router_divergence_checks_total{SEL}[5m]))", "{{node}} {{verdict}}")]),
+    ("Worst gap below the prefill's top-1 in a node's last check (nats)", "short",
+     [_q(f"max by (node) (tilepd_router_divergence_worst_gap_nats{SEL})", "{{node}}")]),
     ("# Decode nodes", "", []),
     ("Busy", "short", [_q(f"tilepd_decode_busy{SEL}", "{{tilepd_service}}")]),
     ("Draining", "short", [_q(f"tilepd_decode_draining{SEL}", "{{tilepd_service}}")]),

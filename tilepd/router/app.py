@@ -23,6 +23,8 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from tilepd.auth import load_secret, vllm_auth_header
+from tilepd.contracts.fingerprint import Fingerprint
+from tilepd.contracts.marker import FINGERPRINT_REFUSAL
 from tilepd.contracts.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.backends import DecodeNodeError, cancel_decode
@@ -30,7 +32,8 @@ from tilepd.router.call import Call
 from tilepd.router.errors import PassThroughError, RouterError, invalid, unsupported
 from tilepd.router.gate import gate
 from tilepd.router.health import probe_all, probe_forever
-from tilepd.router.leases import LeaseTimeout, NodePool, NoNodeInRotation
+from tilepd.router.divergence_watch import DivergenceWatch
+from tilepd.router.leases import LeaseTimeout, NodePool, NodeState, NoNodeInRotation
 from tilepd.router.limits import BodySizeLimit
 from tilepd.router.logprobs import LogprobsRenderer
 from tilepd.router.structured import structured_plan
@@ -85,6 +88,7 @@ def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
 def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
     """The ASGI app; tokenizer loading happens here so a bad tokenizer_dir fails at startup."""
     state = build_state(config, keys)
+    state.watch = DivergenceWatch(state, config.divergence_watch)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -93,11 +97,14 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
         log.info("event=started nodes_in_rotation=%d/%d native_pool=%s auth=%s", len(state.pool.in_rotation()),
                  len(state.pool.nodes), config.native_pool is not None, "open" if keys.open else "bearer")
         prober = asyncio.get_running_loop().create_task(probe_forever(state, config.health_interval_s))
+        watcher = asyncio.get_running_loop().create_task(state.watch.run()) if config.divergence_watch.enabled else None
         try:
             yield
         finally:
             prober.cancel()
             lag_watch.cancel()
+            if watcher is not None:
+                watcher.cancel()
             await _shutdown(state)
 
     app = FastAPI(title="tilepd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -126,8 +133,9 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
         keys.check(request.headers.get("authorization"))
         return {"queue_depth": state.pool.queue_depth, "nodes": [
             {"name": n.name, "url": n.base_url, "in_rotation": n.in_rotation, "leased": n.leased, "transfer_id": n.transfer_id,
-             "consecutive_failures": n.consecutive_failures, "last_error": n.last_error, "leases_total": n.leases_total}
-            for n in state.pool.nodes]}
+             "consecutive_failures": n.consecutive_failures, "last_error": n.last_error, "leases_total": n.leases_total,
+             "draining": n.draining, "fingerprint": _fingerprint_id(n)}
+            for n in state.pool.nodes], "divergence": state.watch.status()}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -169,6 +177,15 @@ async def _admit(call: Call) -> None:
     if call.endpoint == "chat":  # before any pool: the native vLLM would render a client's template too
         refuse_client_template(call.body, state.config.prompt_render.allowed_template_kwargs)
     call.route = choose_route(state.config, call.req.model, request.headers)
+
+
+def _fingerprint_id(node: NodeState) -> str | None:
+    """The short id of the fingerprint a node last reported (its /capabilities), None before it did."""
+    raw = (node.capabilities or {}).get("fingerprint")
+    try:
+        return Fingerprint.model_validate(raw).id if raw else None
+    except ValueError:
+        return None
 
 
 def _fall_back(call: Call, fb: _Fallback) -> None:
@@ -344,7 +361,7 @@ async def _serve_low_latency(call: Call) -> Response:
     try:
         first = await events.__anext__()  # prefill done: errors here still get a proper HTTP status
     except HandoffRefused as exc:  # before any byte went out: the native pool takes it, else the client gets the reason
-        raise _Fallback("handoff_refused", exc) from None
+        raise _Fallback("fingerprint_mismatch" if exc.reason.startswith(FINGERPRINT_REFUSAL) else "handoff_refused", exc) from None
     except (RouterError, PassThroughError) as exc:
         call.refused(exc, "prefill_failed", f"route={call.route.pool} node={lease.node.name} status={exc.status}", headers)
         raise

@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from tilepd.router.divergence_watch import asked_to_verify
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.lowlatency import Finished, LowLatencyRun
 from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
@@ -113,6 +114,8 @@ class Call:
         self.count(status)
         if fin is not None:
             self.state.metrics.completion_tokens.inc(fin.completion_tokens)
+            if outcome == "ok" and self.state.watch is not None:  # its greedy tokens may be checked (divergence_watch.py)
+                self.state.watch.offer(run, asked_to_verify(self.request.headers))
         tl = self.timeline  # the run's (LowLatencyRun records into the call's timeline)
         tl.attrs["outcome"] = outcome
         self.close_timeline(status, t_end)

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 
+from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.router.leases import NodeState
 from tilepd.router.state import RouterState
 from tilepd.router.upstream import UpstreamError, UpstreamResponse
@@ -47,6 +48,18 @@ def note_draining(state: RouterState, node: NodeState, draining: bool, why: str)
         log.warning("event=%s node=%s why=%s", "node_draining" if draining else "node_undrained", node.name, why)
 
 
+def _restarted_onto_other_weights(resp: UpstreamResponse, node: NodeState) -> bool:
+    """The node's /health names another fingerprint than its cached /capabilities (a restart within one check)."""
+    if resp.status != 200:
+        return False
+    try:
+        seen = resp.json().get("fingerprint")
+        known = (node.capabilities or {}).get("fingerprint")
+        return seen is not None and (known is None or Fingerprint.model_validate(known).id != seen)
+    except (ValueError, AttributeError):
+        return False
+
+
 async def probe_node(state: RouterState, node: NodeState) -> None:
     client = state.client
     draining, timed_out, started = False, False, time.monotonic()
@@ -55,7 +68,7 @@ async def probe_node(state: RouterState, node: NodeState) -> None:
         draining = says_draining(resp)
         healthy = resp.status == 200 or draining
         why = f"/health answered {resp.status}"
-        if healthy and (node.capabilities is None or not node.in_rotation):
+        if healthy and (node.capabilities is None or not node.in_rotation or _restarted_onto_other_weights(resp, node)):
             caps = await client.request("GET", f"{node.base_url}/capabilities", timeout_s=state.config.health_timeout_s)
             if caps.status != 200:
                 raise ValueError(f"/capabilities answered {caps.status}")

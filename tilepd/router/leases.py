@@ -213,6 +213,14 @@ class NodePool:
                 break
         raise LeaseTimeout(f"no decode node came back into rotation within {timeout_s:g}s")
 
+    def try_lease(self, node: NodeState) -> Lease | None:
+        """Lease this very node now if it is free and no request waits for one, else None: background work (the
+        divergence watch's probes) never holds a request up."""
+        if self.queue_depth or node not in self._free or node.leased or not node.in_rotation or node.draining:
+            return None
+        self._free.remove(node)
+        return self._lease(node, self.clock())
+
     def _lease(self, node: NodeState, start: float) -> Lease:
         self._set_leased(node, True)  # already, when a release handed it over (_offer)
         node.leases_total += 1

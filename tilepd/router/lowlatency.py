@@ -63,7 +63,7 @@ from typing import Any
 
 from tilepd.auth import transfer_token
 from tilepd.contracts.decode_http import DecodeBody
-from tilepd.contracts.marker import TilepdMarker
+from tilepd.contracts.marker import NODE_FINGERPRINT_KEY, TilepdMarker
 from tilepd.router.backends import (
     DecodeNodeError,
     ReadWatch,
@@ -253,6 +253,9 @@ class NodeAttempt(ReadWatch):
         """vLLM's `kv_transfer_params`: the connector's marker, and (tracing on) the request span for its hand-off spans."""
         ep = self.lease.node.endpoint
         params = TilepdMarker(host=ep.host, ctrl_port=ep.ctrl_port, transfer_id=self.transfer_id, token=self.token).as_params()
+        fingerprint = (self.lease.node.capabilities or {}).get("fingerprint")
+        if fingerprint:  # the connector refuses the claim when the node holds another checkpoint than the prefill serves
+            params[NODE_FINGERPRINT_KEY] = fingerprint
         if "traceparent" in self.trace_headers:
             params["tilepd_traceparent"] = self.trace_headers["traceparent"]  # beside the marker: an older connector ignores it
         return params
@@ -427,6 +430,7 @@ class LowLatencyRun:
         self.prompt_tokens = 0
         self.failovers = 0
         self.user: str | None = None  # the client's end-user id, for the log line
+        self.tokens: list[int] = []  # every token the request produced (the first from the prefill), for the divergence watch
 
     def _attempt(self, lease: Lease, context_len: int) -> NodeAttempt:
         att = NodeAttempt(self.state, lease, self.request_id, context_len)
@@ -472,6 +476,7 @@ class LowLatencyRun:
                     t_prefill = time.perf_counter()
                     tl.mark("first_token", t_prefill)
                     text = _TextState(self.plan, self.state)
+                    self.tokens = text.tokens
                 out = text.consume(first, att.first_logprob)
                 if text.finish_reason is None and finish == "stop":
                     text.finish_reason = "stop"  # vLLM knows a stop token the router's list missed

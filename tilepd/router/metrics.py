@@ -86,6 +86,11 @@ class RouterMetrics:
         self.failovers = Counter("tilepd_router_failovers", "Requests moved to another node after a decode-node fault, by cause", ["cause"], registry=r)
         self.decode_errors = Counter("tilepd_router_decode_errors", "Decode node errors by node and code", ["node", "code"], registry=r)
         self.breaker = Counter("tilepd_router_breaker_transitions", "Decode nodes leaving (open) or rejoining (closed) rotation", ["node", "state"], registry=r)
+        # the divergence watch (divergence_watch.py): teacher-forced checks of nodes' tokens by the prefill pool
+        self.divergence_checks = Counter("tilepd_router_divergence_checks", "Teacher-forced checks of a node's tokens by the prefill, "
+                                         "by node and verdict (agree, diverged, error)", ["node", "verdict"], registry=r)
+        self.divergence_worst_gap = Gauge("tilepd_router_divergence_worst_gap_nats", "How far below the prefill's top-1 the least "
+                                          "likely token of the node's last check was (nats; 0: every token the top-1)", ["node"], registry=r)
         Gauge("tilepd_router_queue_depth", "Requests waiting for a decode node", registry=r).set_function(lambda: pool.queue_depth)
         Gauge("tilepd_router_nodes_in_rotation", "Decode nodes that can be leased", registry=r).set_function(lambda: len(pool.in_rotation()))
         Gauge("tilepd_router_nodes_leased", "Decode nodes held by a request", registry=r).set_function(pool.leased_count)

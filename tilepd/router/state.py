@@ -31,6 +31,7 @@ class RouterState:
     tracing: Any = None  # tilepd.router.tracing.Tracing when an OTLP collector is configured
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     loop_lag: LoopLag = field(default_factory=LoopLag)  # the router's own hold-ups: a timeout across one says nothing
+    watch: Any = None  # tilepd.router.divergence_watch.DivergenceWatch (set by the app)
     _prefill_cycle: Any = None
     _native_prefill_cycle: Any = None
     _native_decode_cycle: Any = None

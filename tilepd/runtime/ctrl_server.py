@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.control.checksum import first_mismatch, region_digests
 from tilepd.control.compat import check_hello, check_raw_hello
 from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame
@@ -56,7 +57,9 @@ HELLO_TIMEOUT_S = 10.0  # from accept to a whole hello frame
 FRAME_TIMEOUT_S = 10.0  # from a frame's first byte to its last
 MAX_CONNECTIONS = 256  # control connections served at once (prefill ranks x instances need a few dozen)
 DATA_DRAIN_TIMEOUT_S = 30.0  # after done: how long bytes the sender reported may take to land
-_MISMATCH = frozenset({ErrorCode.VERSION_MISMATCH, ErrorCode.LAYOUT_MISMATCH, ErrorCode.TRANSPORT_MISMATCH})
+# refusals of a hello that mean the two ends disagree, and the runbook of each
+_RUNBOOK_OF = {ErrorCode.VERSION_MISMATCH: "RB-protocol-mismatch", ErrorCode.LAYOUT_MISMATCH: "RB-protocol-mismatch",
+               ErrorCode.TRANSPORT_MISMATCH: "RB-protocol-mismatch", ErrorCode.FINGERPRINT_MISMATCH: "RB-fingerprint-mismatch"}
 
 
 class _Deadline:
@@ -86,8 +89,9 @@ def _read_frame(sock: socket.socket, first_byte_s: float, frame_s: float, deadli
 
 def _refusal(exc: ProtocolError) -> tuple[str, str]:
     """(message, log field) of a refused hello: a prefill/decode mismatch names its runbook in both."""
-    if exc.code in _MISMATCH:
-        return cite(exc.message, "RB-protocol-mismatch"), " runbook=RB-protocol-mismatch"
+    book = _RUNBOOK_OF.get(exc.code)
+    if book is not None:
+        return cite(exc.message, book), f" runbook={book}"
     return exc.message, ""
 
 
@@ -104,11 +108,13 @@ class ControlServer:
         port: int = 0,
         allowed_senders: Sequence[str] = (),
         recv_bytes: torch.Tensor | None = None,
+        fingerprint: Fingerprint | None = None,
     ):
         self.slot, self.receiver = slot, receiver
         self.max_seq_len = max_seq_len
         self.check_layout = check_layout
         self.node_name = node_name
+        self.fingerprint = fingerprint  # what this node's weights were converted from; every hello must match it
         self.allowed = set(allowed_senders)
         # the receive buffer as flat uint8: each rank's checksums are verified over it at its `done`
         self.recv_bytes = recv_bytes
@@ -246,7 +252,8 @@ class ControlServer:
     # -- messages ---------------------------------------------------------------------
     def _hello(self, msg: Hello, peer: str, conn_id: int) -> tuple[dict, Hello | None]:
         try:
-            check_hello(msg, transport=self.receiver.name, max_seq_len=self.max_seq_len)
+            check_hello(msg, transport=self.receiver.name, max_seq_len=self.max_seq_len, fingerprint=self.fingerprint,
+                        node_name=self.node_name)
             if msg.sender_rank >= msg.tp_size:
                 raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"sender_rank {msg.sender_rank} is not below tp_size {msg.tp_size}")
             self.check_layout(msg.layout, msg.tp_size)
@@ -262,10 +269,10 @@ class ControlServer:
         if lay.indexer is not None:
             ib, istride = base + lay.indexer_base(self.max_seq_len), lay.indexer.region_stride(self.max_seq_len)
             regions += [Region(segment="indexer", layer=l, offset=ib + j * istride, length=istride) for j, l in enumerate(lay.indexer.layers)]
-        log.info("event=hello peer=%s conn=%d rank=%d layout=%s transport=%s", peer, conn_id, msg.sender_rank,
-                 msg.layout.layout_id, msg.transport.name)
+        log.info("event=hello peer=%s conn=%d rank=%d layout=%s transport=%s fingerprint=%s", peer, conn_id, msg.sender_rank,
+                 msg.layout.layout_id, msg.transport.name, msg.fingerprint.id if msg.fingerprint is not None else "-")
         reply = HelloOk(protocol=PROTOCOL_VERSION, transport=TransportInfo(name=self.receiver.name, metadata=self.receiver.describe()),
-                        regions=regions, busy=self.slot.busy, node=self.node_name)
+                        regions=regions, busy=self.slot.busy, node=self.node_name, fingerprint=self.fingerprint)
         return dump(reply), msg
 
     def _admit(self, msg: Admit, hello: Hello, peer: str, conn_id: int) -> dict:

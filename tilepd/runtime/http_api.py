@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
 from tilepd.auth import bearer_ok
-from tilepd.contracts.decode_http import CancelBody, DecodeBody
+from tilepd.contracts.decode_http import CancelBody, DecodeBody, DrainBody
 from tilepd.runtime.decode_call import serve_decode
 from tilepd.runtime.http_errors import error_response, unauthorized
 from tilepd.runtime.service import DecodeService
@@ -43,7 +43,8 @@ MUTATING_PATHS = frozenset({"/v1/decode", "/v1/cancel"}) | ADMIN_PATHS
 def drain_state(svc: DecodeService) -> dict[str, Any]:
     """What `tilepd drain` waits on: draining, and idle once the slot is free (final while draining)."""
     snap = svc.slot.snapshot()
-    return {"draining": svc.slot.draining, "idle": not snap["busy"], "state": snap["state"], "transfer_id": snap["transfer_id"]}
+    return {"draining": svc.slot.draining, "idle": not snap["busy"], "state": snap["state"], "transfer_id": snap["transfer_id"],
+            "reason": svc.drain_reason}
 
 
 def _register_drain_gauge(svc: DecodeService) -> None:
@@ -94,8 +95,9 @@ def _health(svc: DecodeService) -> JSONResponse:
         return JSONResponse({"status": "unhealthy", "reason": "; ".join(down),
                              "listeners": {k: v or "ok" for k, v in listeners.items()}}, status_code=503)
     if svc.slot.draining:  # 503: pollers take it out of rotation; the body says it is alive
-        return JSONResponse({"status": "draining", "idle": not svc.slot.busy}, status_code=503)
-    return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "draining", "idle": not svc.slot.busy, "reason": svc.drain_reason}, status_code=503)
+    # the fingerprint's id: a poller sees a restart onto other weights at its next check (the router re-reads /capabilities)
+    return JSONResponse({"status": "ok", "fingerprint": svc.fingerprint.id if svc.fingerprint is not None else None})
 
 
 def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
@@ -116,13 +118,14 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
 
     @app.get("/status")
     async def status() -> dict:
-        return {**svc.status(), "draining": svc.slot.draining}
+        return {**svc.status(), "draining": svc.slot.draining, "drain_reason": svc.drain_reason}
 
     @app.post("/admin/drain")
-    async def drain() -> dict:
-        svc.set_draining(True)
+    async def drain(body: DrainBody | None = None) -> dict:
+        svc.set_draining(True, body.reason if body is not None else None)
         state = drain_state(svc)
-        log.warning("event=drain idle=%s state=%s transfer_id=%s", state["idle"], state["state"], state["transfer_id"])
+        log.warning("event=drain idle=%s state=%s transfer_id=%s reason=%r", state["idle"], state["state"], state["transfer_id"],
+                    state["reason"])
         return state
 
     @app.post("/admin/undrain")

@@ -14,9 +14,12 @@ import torch
 
 from tilepd.auth import load_secret, transfer_token_ok
 from tilepd.otel import require_otel
+from tilepd.contracts.fingerprint import FingerprintError
 from tilepd.contracts.service_configs import DecodeServerConfig
 from tilepd.engine.types import DecodeEngine
+from tilepd.runtime.faults import perturb_weights
 from tilepd.runtime.geometry import CacheGeometry, geometry_from_spec
+from tilepd.weights.manifest import node_fingerprint
 
 log = logging.getLogger("tilepd.runtime")
 
@@ -119,8 +122,16 @@ def serve(config: DecodeServerConfig) -> None:
         worker.shutdown(wait=False)
         raise EngineLoadError(f"cannot load the {config.family} engine from {config.weights_dir}: {type(exc).__name__}: {exc}") from exc
     log.info("event=engine_loaded node=%s seconds=%.1f", config.name, time.perf_counter() - t0)
+    perturb_weights(engine)  # test only: nothing in a deployment sets its variable (tilepd.runtime.faults)
     try:
-        svc = DecodeService(config, engine, engine_geometry(engine), worker=worker)
+        fingerprint = node_fingerprint(config.weights_dir, str(getattr(engine, "cache_dtype", "")).removeprefix("torch."))
+    except (FingerprintError, OSError) as exc:
+        worker.shutdown(wait=False)
+        close_engine(engine)
+        raise EngineLoadError(f"cannot identify the checkpoint of {config.weights_dir}: {exc}") from exc
+    log.info("event=fingerprint node=%s id=%s %s", config.name, fingerprint.id, fingerprint.describe())
+    try:
+        svc = DecodeService(config, engine, engine_geometry(engine), worker=worker, fingerprint=fingerprint)
         if secret is not None:  # an admit must carry a token minted from the secret too (the connector relays the router's)
             svc.ctrl.token_ok = lambda transfer_id, token: transfer_token_ok(secret, transfer_id, token)
         log.info("event=engine_warm node=%s seconds=%.2f", config.name, svc.warm_up())

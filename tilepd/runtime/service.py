@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from tilepd import __version__
+from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION
 from tilepd.contracts.service_configs import DecodeServerConfig
@@ -39,6 +40,17 @@ def _engine_types() -> tuple[Any, Any]:
     from tilepd.engine import KVState, SamplingParams
 
     return KVState, SamplingParams
+
+
+_REASON = "reason: "  # the drain file's line that keeps a drain's reason across a restart
+
+
+def _reason_in(drain_file: Any) -> str | None:
+    try:
+        lines = drain_file.read_text().splitlines()
+    except OSError:
+        return None
+    return next((line[len(_REASON):] for line in lines if line.startswith(_REASON)), None)
 
 
 @dataclass
@@ -64,8 +76,9 @@ class DecodeOutcome:
 class DecodeService:
     def __init__(self, config: DecodeServerConfig, engine: DecodeEngine, geometry: CacheGeometry, *,
                  receiver: TransportReceiver | None = None, kv_types: tuple[Any, Any] | None = None,
-                 worker: ThreadPoolExecutor | None = None):
+                 worker: ThreadPoolExecutor | None = None, fingerprint: Fingerprint | None = None):
         self.config = config
+        self.fingerprint = fingerprint  # what its weights were converted from (None: not compared, in-process tests)
         self.engine = engine
         self.geometry = geometry
         self.kv_types = kv_types
@@ -87,7 +100,7 @@ class DecodeService:
         self.ctrl = ControlServer(
             slot=self.slot, receiver=self.receiver, max_seq_len=config.max_seq_len, check_layout=self._check_layout,
             node_name=config.name, bind_host=config.bind_host, port=config.ctrl_port, allowed_senders=config.allowed_senders,
-            recv_bytes=self.recv_buf,
+            recv_bytes=self.recv_buf, fingerprint=fingerprint,
         )
         self.metrics = DecodeMetrics(self.slot, lambda: self.ctrl.frames_rejected)
         self.worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -98,6 +111,7 @@ class DecodeService:
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="slot-reaper", daemon=True)
         self.ready = False
+        self.drain_reason: str | None = None  # why it was drained, when the drain said (tilepd.contracts.decode_http.DrainBody)
         self.token_delay_s = slow_token_delay()  # 0.0 outside the tests that inject a slow device
         self.http_listener: Any = None  # tilepd.runtime.http_server.HttpListener, set by the server that serves HTTP
 
@@ -128,7 +142,8 @@ class DecodeService:
         drain_file = self.config.drain_file
         if drain_file is not None and drain_file.exists():  # drained before it stopped: it stays out until undrained
             self.slot.draining = True
-            log.warning("event=start_drained node=%s drain_file=%s", self.config.name, drain_file)
+            self.drain_reason = _reason_in(drain_file)
+            log.warning("event=start_drained node=%s drain_file=%s reason=%r", self.config.name, drain_file, self.drain_reason)
         self.ctrl.start()
         self._reaper.start()
         self.ready = True
@@ -136,17 +151,18 @@ class DecodeService:
                  self.receiver.name, self.capacity)
         return self
 
-    def set_draining(self, draining: bool) -> None:
-        """Drain or undrain, and keep the state in `drain_file` for the next start (a failed write is logged: the
-        state in memory still changes)."""
+    def set_draining(self, draining: bool, reason: str | None = None) -> None:
+        """Drain (with why, when given) or undrain, and keep the state in `drain_file` for the next start (a failed
+        write is logged: the state in memory still changes)."""
         self.slot.draining = draining
+        self.drain_reason = reason if draining else None
         path = self.config.drain_file
         if path is None:
             return
         try:
             if draining:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(f"drained at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+                path.write_text(f"drained at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n" + (f"{_REASON}{reason}\n" if reason else ""))
             else:
                 path.unlink(missing_ok=True)
         except OSError as exc:
@@ -180,6 +196,7 @@ class DecodeService:
             "transport": self.receiver.name,
             "tp_size": self.config.tp_size,
             "tilepd_version": __version__,
+            "fingerprint": self.fingerprint.model_dump() if self.fingerprint is not None else None,
         }
 
     def _grammar_compiler(self) -> Any:
@@ -231,7 +248,15 @@ class DecodeService:
 
     def status(self) -> dict[str, Any]:
         snap = self.slot.snapshot()
-        return {**snap, "last": self.last, "transfers_total": self.slot.transfers_total, "bytes_total": self.slot.bytes_total}
+        return {**snap, "last": self.last, "transfers_total": self.slot.transfers_total, "bytes_total": self.slot.bytes_total,
+                "fingerprint": self.fingerprint_summary()}
+
+    def fingerprint_summary(self) -> dict[str, Any] | None:
+        """The fingerprint as status shows it: its id, the checkpoint's parts and the node's facts."""
+        fp = self.fingerprint
+        if fp is None:
+            return None
+        return {"id": fp.id, **({"checkpoint": fp.checkpoint.parts()} if fp.checkpoint is not None else {}), "facts": dict(fp.facts)}
 
     # -- the decode itself (runs on the engine worker thread) ---------------------------
     def run_decode(self, transfer: Transfer, job: DecodeJob) -> DecodeOutcome:

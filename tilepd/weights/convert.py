@@ -22,6 +22,7 @@ from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, FP8
 from tilepd.weights import fp8_build
 from tilepd.weights.build import build_chunks, cast_chunk, out_shape
 from tilepd.weights.out_tensors import LAYOUT_VERSION, OutTensor, expected_shape, family_layout
+from tilepd.contracts.fingerprint import checkpoint_identity
 from tilepd.weights.manifest import CONVERTER_VERSION, FORMAT, MANIFEST, source_entry, source_files, write_manifest_atomically
 from tilepd.weights.safetensors_writer import StreamingSafetensorsWriter
 from tilepd.weights.skip import resolve_options, try_skip
@@ -95,6 +96,7 @@ def convert_weights(
         fp8 = dtype == "fp8"
         entries, blocks = _entries(layout, ck, spec, tp, DTYPES[dtype], fp8)
         sources = [source_entry(p, model_dir) for p in source_files(model_dir)]
+        identity = checkpoint_identity(model_dir)  # what a prefill serving this checkpoint computes (contracts.fingerprint)
         written = _write_ranks(layout, ck, spec, tp, DTYPES[dtype], blocks, entries, out_dir, progress)
     for name in COPIED_FILES:
         if (model_dir / name).is_file():
@@ -121,6 +123,7 @@ def convert_weights(
                                **({"block": list(blocks[name])} if name in blocks else {})} for name, dt, shape in entries},
         },
         "sources": sources,
+        "source_identity": identity.model_dump(),
         "files": files,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tilepd.contracts.fingerprint import CheckpointIdentity, Fingerprint, checkpoint_identity
+
 MANIFEST = "manifest.json"
 FORMAT = "tilepd-weights"
 CONVERTER_VERSION = "2"  # 2: fp8 tensors carry block scales (1 had one scale per tensor)
@@ -82,3 +84,23 @@ def is_up_to_date(manifest: dict[str, Any] | None, model_dir: Path, out_dir: Pat
             rec["mtime_ns"] = st.st_mtime_ns
             refreshed = True
     return True, (manifest if refreshed else None)
+
+
+def node_fingerprint(weights_dir: Path, engine_dtype: str) -> Fingerprint:
+    """A decode node's fingerprint (tilepd.contracts.fingerprint): the source identity its manifest recorded, with the
+    converter's facts; an HF checkpoint the node converts in memory at load is identified directly."""
+    weights_dir = Path(weights_dir)
+    m = read_manifest(weights_dir)
+    if m is None:
+        from tilepd.weights.out_tensors import LAYOUT_VERSION
+
+        return Fingerprint(role="decode", checkpoint=checkpoint_identity(weights_dir),
+                           facts={"converter_version": "in-memory", "layout_version": str(LAYOUT_VERSION), "weights_dtype": engine_dtype})
+    recorded = m.get("source_identity")
+    try:
+        identity = CheckpointIdentity.model_validate(recorded) if recorded else None
+    except ValueError:
+        identity = None
+    facts = {"converter_version": str(m.get("converter_version")), "layout_version": str(m.get("layout_version")),
+             "weights_dtype": str(m.get("weight_format") or m.get("dtype"))}
+    return Fingerprint(role="decode", checkpoint=identity, facts=facts)

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tilepd.contracts.fingerprint import refreshed_identity
 from tilepd.weights.errors import WeightsError
 from tilepd.weights.manifest import is_up_to_date, read_manifest, write_manifest_atomically
 
@@ -45,8 +46,16 @@ def resolve_options(model_dir: Path, family: str | None, dtype: str, tp: int) ->
 
 
 def try_skip(model_dir: Path, out_dir: Path, options: dict[str, Any]) -> bool:
-    """True when out_dir already holds this conversion (the manifest is refreshed if only mtimes moved)."""
-    skip, refreshed = is_up_to_date(read_manifest(out_dir), Path(model_dir), Path(out_dir), options)
-    if skip and refreshed is not None:
-        write_manifest_atomically(out_dir, refreshed)
-    return skip
+    """True when out_dir already holds this conversion (the manifest is refreshed if only mtimes moved). The source's
+    identity (contracts.fingerprint) is refreshed too: the tokenizer files are no source of the conversion, and a
+    manifest of an older converter gains its identity here instead of a whole re-conversion."""
+    manifest = read_manifest(out_dir)
+    skip, refreshed = is_up_to_date(manifest, Path(model_dir), Path(out_dir), options)
+    if not skip:
+        return False
+    current = refreshed or manifest
+    assert current is not None
+    identity = refreshed_identity(current.get("source_identity"), Path(model_dir)).model_dump()
+    if refreshed is not None or identity != current.get("source_identity"):
+        write_manifest_atomically(out_dir, {**current, "source_identity": identity})
+    return True

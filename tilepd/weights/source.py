@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 
+from tilepd.model_format.model_spec import quantizes_only_kv_cache  # noqa: E402
 from tilepd.weights.errors import WeightsError  # noqa: E402  (re-exported: callers import it from here)
 
 
@@ -118,7 +119,7 @@ class Checkpoint:
         """(block_n, block_k) of a block-scaled fp8 checkpoint (config.json quantization_config), else None.
         Any other quantisation is refused by name: tilepd would otherwise read its packed bytes as weights."""
         q = self.config().get("quantization_config")
-        if q is None:
+        if q is None or quantizes_only_kv_cache(q):
             return None
         where = f"{self.dir / 'config.json'}: quantization_config"
         if q.get("quant_method") != "fp8":
