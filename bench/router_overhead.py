@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.router.stack import MODEL_NAME, router_config, start_decode_node, start_prefill, start_router, stop_all  # noqa: E402
-from tilepd.contracts.decode_http import DecodeBody  # noqa: E402
+from tilepd.contracts.decode_http import NODE_API_VERSION, DecodeBody, ReserveBody  # noqa: E402
 from tilepd.contracts.marker import TilepdMarker  # noqa: E402
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 250, 31, 64, 200, 11, 77]
@@ -84,9 +84,12 @@ def pin_process_group(pgid: int, cpus: set[int]) -> int:
 
 
 def direct_request(client: httpx.Client, prefill_url: str, node: Any, tokens: int) -> float:
-    """What the router does, done by hand: prefill with the marker, then stream /v1/decode; seconds taken."""
+    """What the router does, done by hand: reserve the node, prefill with the marker, then stream /v1/decode; seconds taken."""
     tid, token = f"tx-{uuid.uuid4().hex}", secrets.token_hex(16)
     t0 = time.perf_counter()
+    held = client.post(f"http://{node.host}:{node.http_port}/v1/reserve", json=ReserveBody(
+        transfer_id=tid, token=token, holder="bench", node_api=NODE_API_VERSION).as_json())
+    held.raise_for_status()
     marker = TilepdMarker(host=node.host, ctrl_port=node.ctrl_port, transfer_id=tid, token=token).as_params()
     r = client.post(prefill_url + "/v1/completions", json={
         "model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": 1, "stream": False, "logprobs": 1, "temperature": 0,
@@ -94,7 +97,7 @@ def direct_request(client: httpx.Client, prefill_url: str, node: Any, tokens: in
     r.raise_for_status()
     out = r.json()
     first = int(out["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
-    body = DecodeBody(transfer_id=tid, token=token, first_token=first, prompt_tokens=out["usage"]["prompt_tokens"],
+    body = DecodeBody(transfer_id=tid, token=token, fence=held.json()["fence"], first_token=first, prompt_tokens=out["usage"]["prompt_tokens"],
                       max_tokens=tokens - 1, temperature=0, ignore_eos=True, stream=True).as_json()
     got = 1
     with client.stream("POST", f"http://{node.host}:{node.http_port}/v1/decode", json=body) as resp:

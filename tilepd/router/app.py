@@ -40,6 +40,7 @@ from tilepd.router.metrics import RouterMetrics
 from tilepd.router.native import serve_native
 from tilepd.router.prompts import PromptRenderer, refuse_client_template
 from tilepd.router.reasons import bounded_reason
+from tilepd.router.reservations import lease_node, router_identity
 from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
 from tilepd.router.responses import DONE, EventStreamResponse, ResponseWriter, error_chunk
 from tilepd.router.routing import Route, choose_route, served_models
@@ -79,7 +80,7 @@ def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
     return RouterState(config=config, client=client, renderer=renderer, pool=pool,
                        metrics=RouterMetrics(pool, config.breaker_failures), keys=keys,
                        node_secret=secret,
-                       tracing=make_tracing(config.otlp_endpoint))
+                       tracing=make_tracing(config.otlp_endpoint), identity=router_identity(config))
 
 
 def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
@@ -124,9 +125,10 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
     @app.get("/status")
     async def status(request: Request) -> dict[str, Any]:
         keys.check(request.headers.get("authorization"))
-        return {"queue_depth": state.pool.queue_depth, "nodes": [
+        return {"router": state.identity, "queue_depth": state.pool.queue_depth, "nodes": [
             {"name": n.name, "url": n.base_url, "in_rotation": n.in_rotation, "leased": n.leased, "transfer_id": n.transfer_id,
-             "consecutive_failures": n.consecutive_failures, "last_error": n.last_error, "leases_total": n.leases_total}
+             "held_by": n.held_by, "consecutive_failures": n.consecutive_failures, "last_error": n.last_error,
+             "leases_total": n.leases_total}
             for n in state.pool.nodes]}
 
     @app.get("/v1/models")
@@ -322,7 +324,7 @@ async def _serve_low_latency(call: Call) -> Response:
         tools = None  # rendered with the tools, answered as text: vLLM parses nothing under "none"
     tl.upto("admission")
     try:
-        lease = await state.pool.acquire(state.config.queue_timeout_s)
+        lease = await lease_node(state, state.config.queue_timeout_s)
     except LeaseTimeout as exc:
         tl.upto("queue_wait")
         raise _Fallback("busy", RouterError(429, f"{exc}; retry later", type="rate_limit_error", code="decode_pool_busy",
@@ -504,7 +506,9 @@ async def _serve_native(call: Call) -> Response:
 
 
 async def _shutdown(state: RouterState) -> None:
-    """Cancel decodes still running on leased nodes, then close the upstream client."""
+    """Cancel decodes still running on leased nodes (their reservations end with them), then close the upstream client."""
+    for watch in state.slot_watches.values():
+        watch.cancel()
     leased = [n for n in state.pool.nodes if n.leased and n.transfer_id]
     await asyncio.gather(*(cancel_decode(state.client, n.base_url, n.transfer_id or "", headers=state.node_headers) for n in leased), return_exceptions=True)
     pending = list(state.background)

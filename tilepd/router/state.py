@@ -31,6 +31,9 @@ class RouterState:
     tracing: Any = None  # tilepd.router.tracing.Tracing when an OTLP collector is configured
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     loop_lag: LoopLag = field(default_factory=LoopLag)  # the router's own hold-ups: a timeout across one says nothing
+    identity: str = "router"  # who holds a node's slot, as the node tells another router (reservations.router_identity)
+    # node name -> the long-poll waiting for that node's slot to be free while another router holds it (reservations.py)
+    slot_watches: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     _prefill_cycle: Any = None
     _native_prefill_cycle: Any = None
     _native_decode_cycle: Any = None
