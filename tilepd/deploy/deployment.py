@@ -83,7 +83,7 @@ def resolve_limit(dep: Deployment, limit: str | None) -> str | None:
 
 
 def _entry_address(topo: Topology, name: str) -> str | None:
-    entries = [*topo.prefill, *topo.decode, *topo.native_decode, topo.router]
+    entries = [*topo.prefill, *topo.decode, *topo.native_decode, *topo.all_routers, *([topo.balancer] if topo.balancer else [])]
     for e in entries:
         if e.name == name:
             return e.address

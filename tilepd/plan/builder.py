@@ -31,7 +31,7 @@ from tilepd.contracts.service_configs import (
 )
 from tilepd.topology.families import canonical_family
 from tilepd.topology.rules import CURRENT_PYTHON, is_cpu, is_loopback
-from tilepd.topology.schema import DecodeNode, HostBase, Topology
+from tilepd.topology.schema import DecodeNode, HostBase, Router, Topology
 
 RDMA_TRANSPORTS = frozenset({"nixl", "mooncake"})
 HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0}
@@ -81,7 +81,7 @@ class _Planner:
                     by_host[e.address].append(CpuVllm(f"{prefix}-{e.name}", tp, dict(e.env)))
         out: dict[tuple[str, str], dict[str, str]] = {}
         for address, services in by_host.items():
-            others = any(d.address == address for d in t.decode) or t.router.address == address
+            others = any(d.address == address for d in t.decode) or any(r.address == address for r in t.all_routers)
             for name, cores in split_cores(local_cores, services, other_services=others).items():
                 out[(address, name)] = {"VLLM_CPU_OMP_THREADS_BIND": cores}
         return out
@@ -228,10 +228,11 @@ class _Planner:
             recv_buffer=node.recv_buffer or ("dram" if cpu else "vram"),
             num_speculative_tokens=m.speculative.decode.num_speculative_tokens if m.speculative.decode else 0,
             kv_timeout_s=node.kv_timeout_s,
+            reservation_lease_s=node.reservation_lease_s,
             cuda_graphs=node.cuda_graphs and not cpu,
             allowed_senders=tuple(sorted({p.address for p in self.topo.prefill})),
             secret_file=self.secret(node, "deployment", DEPLOYMENT_SECRET_ENV),
-            otlp_endpoint=self.topo.router.otlp_endpoint,
+            otlp_endpoint=self.topo.all_routers[0].otlp_endpoint,  # rule routers-agree: every router names the same
             drain_file=f"{self.base_of(node)}/run/{name}.drained",
         )
         config_file = f"{self.base_of(node)}/config/{name}.json"
@@ -261,7 +262,7 @@ class _Planner:
                 transport=self.transport_config(p),
                 model_family=self.family,
                 max_seq_len=t.model.max_seq_len,
-                otlp_endpoint=t.router.otlp_endpoint,
+                otlp_endpoint=t.all_routers[0].otlp_endpoint,
             )
             kvt = vllm_args.prefill_kv_transfer_config(extra, self.native, cpu=p.gpus == 0)
             env = {**self.base_env(p), **self.cpu_binds.get((p.address, f"prefill-{p.name}"), {}),
@@ -308,15 +309,21 @@ class _Planner:
                 config=kvt,
             )
 
-    def router(self) -> None:
+    def routers(self) -> None:
+        """One service per router: `router` for the single `router:` form, `router-<name>` for each of `routers:`."""
         t = self.topo
-        r = t.router
+        for r in t.all_routers:
+            self.router(r, "router" if t.router is not None else f"router-{r.name}")
+
+    def router(self, r: Router, name: str) -> None:
+        t = self.topo
         self.note_host(r, "router")
         prefill_urls = tuple(f"http://{p.address}:{p.port}" for p in t.prefill)
         native = None
         if self.native:
             native = NativePoolConfig(prefill_urls=prefill_urls, decode_urls=tuple(f"http://{n.address}:{n.port}" for n in t.native_decode))
         cfg = RouterConfig(
+            name=r.name,
             bind_host=self.bind(r),
             port=r.port,
             served_model_name=t.model.served_name,
@@ -339,11 +346,11 @@ class _Planner:
             tool_call_parser=tool_call_parser(t),
             otlp_endpoint=r.otlp_endpoint,
         )
-        config_file = f"{self.base_of(r)}/config/router.json"
+        config_file = f"{self.base_of(r)}/config/{name}.json"
         self.add(
             r.address,
             r,
-            name="router",
+            name=name,
             role="router",
             argv=[self.python(r), "-m", "tilepd.router", "--config", config_file],
             env={"PYTHONUNBUFFERED": "1"},
@@ -401,7 +408,7 @@ def build_plan(topo: Topology, current_python: str | None = None, local_cores: S
         p.decode(node)
     p.native_decode()
     p.prefill()
-    p.router()
+    p.routers()
     p.tiny_models()
     return Plan(
         deployment=topo.deployment.name,
