@@ -74,7 +74,7 @@ def test_decode_per_token_time() -> None:
     from tilepd.runtime.metrics import DecodeMetrics
 
     class _Slot:
-        transfers_total = bytes_total = 0
+        transfers_total = bytes_total = reservations_expired = 0
         busy = False
 
     d = DecodeMetrics(_Slot(), lambda: 0)  # type: ignore[arg-type]

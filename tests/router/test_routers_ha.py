@@ -25,6 +25,8 @@ from tilepd.connector.launch import Server
 from tilepd.contracts.decode_http import NODE_API_VERSION
 from tilepd.contracts.service_configs import DecodeEndpoint
 
+from tests.slot_log import check_one_at_a_time, slot_events
+
 from .conftest import Stack
 from .held_relay import HeldRelay
 from .stack import MODEL_NAME, router_config, start_decode_node, stop_all, wait_until
@@ -34,8 +36,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 LEASE_S = 3.0
 CLIENTS_PER_ROUTER = 3
 ROUNDS = 2
-_EVENT = re.compile(r"event=(reserved|freed) transfer_id=(\S+) (?:holder=(.*?) fence=|reason=(\S+))")
-_DECODED = re.compile(r"event=decode_start transfer_id=(\S+)")
 
 
 @pytest.fixture(scope="module")
@@ -73,32 +73,6 @@ def _node_url(ep: DecodeEndpoint) -> str:
     return f"http://127.0.0.1:{ep.http_port}"
 
 
-def _slot_events(log: str) -> list[tuple[str, str, str]]:
-    """(reserved|freed, transfer id, holder or reason), in the node's order."""
-    return [(m[1], m[2], m[3] if m[1] == "reserved" else m[4]) for m in _EVENT.finditer(log)]
-
-
-def _check_one_at_a_time(log: str) -> set[str]:
-    """The node's reservations never overlap and each decode ran inside its own; returns the holders seen."""
-    held: str | None = None
-    holders: set[str] = set()
-    inside: dict[str, bool] = {}
-    for line in log.splitlines():
-        m = _EVENT.search(line)
-        if m is not None and m[1] == "reserved":
-            assert held is None, f"reservation {m[2]} granted while {held} still held the slot"
-            held = m[2]
-            holders.add(str(m[3]).split(" (")[0])
-        elif m is not None:
-            assert held == m[2], f"freed {m[2]} while {held} held the slot"
-            held = None
-        d = _DECODED.search(line)
-        if d is not None:
-            inside[d[1]] = held == d[1]
-    assert inside and all(inside.values()), f"decodes outside their own reservation: {[t for t, ok in inside.items() if not ok]}"
-    return holders
-
-
 def _metric(router: str, name: str, **labels: str) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in httpx.get(router + "/metrics", timeout=5).text.splitlines():
@@ -130,7 +104,7 @@ def test_two_routers_share_two_nodes_and_no_node_holds_two_requests(routers: lis
     assert results == [200] * (len(routers) * CLIENTS_PER_ROUTER * ROUNDS), results
     holders: set[str] = set()
     for srv, ep in nodes:
-        holders |= _check_one_at_a_time(srv.log_text())
+        holders |= check_one_at_a_time(srv.log_text())
         assert not httpx.get(_node_url(ep) + "/status", timeout=5).json()["busy"]
     assert {"router-a", "router-b"} <= holders, holders
 
@@ -211,7 +185,7 @@ def test_a_killed_router_leaves_its_node_at_the_lease_deadline(router_stack: Sta
     expired = [line for line in log.splitlines() if "event=reservation_expired" in line and "holder=router-c" in line]
     assert len(expired) == 1, log[-3000:]
     print(f"node {name} freed {freed_after_s:.1f}s after router-c's SIGKILL (lease {LEASE_S:g}s): {expired[0]}")
-    _check_one_at_a_time(log)
+    check_one_at_a_time(log)
 
 
 def _swallow(call) -> None:  # noqa: ANN001 - the killed router's client sees its connection end
@@ -232,5 +206,5 @@ def _kill_group(srv: Server) -> None:
 
 def test_the_nodes_logs_name_each_reservation_holder(nodes: list[tuple[Server, DecodeEndpoint]]) -> None:
     """What an operator greps for: who held the slot, by name, host, port and pid."""
-    events = [e for srv, _ in nodes for e in _slot_events(srv.log_text()) if e[0] == "reserved"]
+    events = [e for srv, _ in nodes for e in slot_events(srv.log_text()) if e[0] == "reserved"]
     assert events and all(re.fullmatch(r"\S+ \(\S+:\d+, pid \d+\)|test-holder", h) for _, _, h in events), events[:5]

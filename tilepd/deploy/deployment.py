@@ -21,7 +21,7 @@ from tilepd.plan import Plan, build_plan
 from tilepd.plan.render import render_plan
 from tilepd.topology import Topology, load_topology
 
-ROLES = ("decode", "native_decode", "prefill", "router", "weights")
+ROLES = ("decode", "native_decode", "prefill", "router", "balancer", "weights")
 
 
 def state_home() -> Path:

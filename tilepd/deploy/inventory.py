@@ -16,10 +16,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tilepd.deploy.balancer import BalancerSpec
 from tilepd.deploy.canary import CanarySpec
 from tilepd.deploy.proc import ServiceSpec
 from tilepd.plan import HostPlan, Plan, Service
 from tilepd.plan.ansible_yaml import ansible_yaml
+from tilepd.plan.haproxy import FALL, RISE
 from tilepd.plan.systemd import env_file_text
 from tilepd.plan.vllm_args import SECRET_FILE_ENV
 from tilepd.topology import Topology, canonical_family
@@ -54,6 +56,16 @@ def canary_spec(plan: Plan, service: Service) -> CanarySpec | None:
                       ctrl_port=int(cfg["ctrl_port"]), kv_timeout_s=float(cfg.get("kv_timeout_s", 30.0)))
 
 
+def balancer_spec(plan: Plan, service: Service) -> BalancerSpec | None:
+    """A router's place behind the balancer (its rolling restart drains it there); None without a balancer."""
+    b = plan.balancer
+    server = next((x.name for x in b.backends if x.service == service.name), None) if b is not None else None
+    if b is None or service.role != "router" or server is None:
+        return None
+    return BalancerSpec(stats_url=b.stats_url, backend=b.backend, server=server, check_interval_s=b.check_interval_s,
+                        checks_to_mark=max(FALL, RISE), drain_timeout_s=b.drain_timeout_s)
+
+
 def service_spec(plan: Plan, service: Service) -> ServiceSpec:
     return ServiceSpec(
         name=service.name,
@@ -72,6 +84,7 @@ def service_spec(plan: Plan, service: Service) -> ServiceSpec:
         unit=service.unit,
         unit_path=Path(SYSTEMD_DIR) / service.unit,
         canary=canary_spec(plan, service),
+        balancer=balancer_spec(plan, service),
     )
 
 
@@ -138,6 +151,8 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
         "tilepd_secret_files": [s.model_dump() for s in host.secrets],
         "tilepd_deployment_secret_file": next((s.path for s in host.secrets if s.name == "deployment"), ""),
         "tilepd_deploy_services": services,
+        # the balancer's HAProxy binary (its play installs Debian's package when it is missing)
+        "tilepd_haproxy": next((s.argv[0] for s in host.services if s.role == "balancer"), ""),
         "tilepd_model": {
             "hf_path": m.hf_path,
             "weights_path": m.weights_path,

@@ -80,4 +80,6 @@ def host_expectations(topo: Topology, plan: Plan) -> list[HostExpect]:
             exp.gpus.append(GpuNeed(d.name, d.gpu.count, d.gpu.type, VLLM_DEFAULT_GPU_UTIL))
     for r in topo.all_routers:
         at(r).hf_needed = True
+    if topo.balancer is not None and not topo.balancer.external:
+        at(topo.balancer)
     return list(by_addr.values())

@@ -19,7 +19,20 @@ from pydantic_core import to_json
 from tilepd import __version__
 from tilepd.plan import vllm_args
 from tilepd.plan.cpu_cores import CpuVllm, split_cores
-from tilepd.plan.model import HOST_ROLES, STAGES, Health, HostPlan, Plan, PythonEnv, SecretFile, Service, SshTarget
+from tilepd.plan.haproxy import HEALTH_PATH, STATS_PATH, haproxy_cfg
+from tilepd.plan.model import (
+    HOST_ROLES,
+    STAGES,
+    BalancerBackend,
+    BalancerPlan,
+    Health,
+    HostPlan,
+    Plan,
+    PythonEnv,
+    SecretFile,
+    Service,
+    SshTarget,
+)
 from tilepd.contracts.service_configs import (
     ConnectorExtraConfig,
     DecodeEndpoint,
@@ -34,7 +47,8 @@ from tilepd.topology.rules import CURRENT_PYTHON, is_cpu, is_loopback
 from tilepd.topology.schema import DecodeNode, HostBase, Router, Topology
 
 RDMA_TRANSPORTS = frozenset({"nixl", "mooncake"})
-HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0}
+HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0, "balancer": 60.0}
+BALANCER_BACKEND = "routers"  # HAProxy's backend of the routers
 
 
 
@@ -360,6 +374,42 @@ class _Planner:
             config=cfg.model_dump(mode="json"),
         )
 
+    def balancer_plan(self) -> BalancerPlan | None:
+        t = self.topo
+        b = t.balancer
+        if b is None:
+            return None
+        names = [("router" if t.router is not None else f"router-{r.name}", r) for r in t.all_routers]
+        return BalancerPlan(
+            name=b.name, address=b.address, port=b.port, external=b.external,
+            stats_port=None if b.external else b.stats_port,
+            stats_url=None if b.external else f"http://{b.address}:{b.stats_port}{STATS_PATH}", backend=BALANCER_BACKEND,
+            check_interval_s=b.check_interval_s, drain_timeout_s=b.drain_timeout_s,
+            request_timeout_s=max(r.request_timeout_s for r in t.all_routers),
+            backends=[BalancerBackend(name=r.name, service=name, address=r.address, port=r.port) for name, r in names],
+        )
+
+    def balancer(self, plan: BalancerPlan | None) -> None:
+        """HAProxy in front of the routers, started after them (an external balancer gets no service)."""
+        b = self.topo.balancer
+        if b is None or plan is None or plan.external:
+            return
+        self.note_host(b, "balancer")
+        config_file = f"{self.base_of(b)}/config/balancer.cfg"
+        ports = {"http": b.port, "stats": b.stats_port}
+        self.add(
+            b.address,
+            b,
+            name="balancer",
+            role="balancer",
+            argv=[b.haproxy, "-db", "-f", config_file],
+            env={},
+            health=Health(url=f"http://{b.address}:{b.port}{HEALTH_PATH}", timeout_s=HEALTH_TIMEOUT_S["balancer"]),
+            ports=ports,
+            config_file=config_file,
+            config={"text": haproxy_cfg(plan, self.topo.deployment.name, self.bind(b))},
+        )
+
     def hosts(self) -> list[HostPlan]:
         out = []
         for address in sorted(self.services):
@@ -409,6 +459,8 @@ def build_plan(topo: Topology, current_python: str | None = None, local_cores: S
     p.native_decode()
     p.prefill()
     p.routers()
+    balancer = p.balancer_plan()
+    p.balancer(balancer)
     p.tiny_models()
     return Plan(
         deployment=topo.deployment.name,
@@ -419,4 +471,5 @@ def build_plan(topo: Topology, current_python: str | None = None, local_cores: S
         transport=topo.transport.name,
         rdma=topo.transport.name in RDMA_TRANSPORTS,
         hosts=p.hosts(),
+        balancer=balancer,
     )

@@ -86,7 +86,7 @@ def sandbox(service: Service) -> list[str]:
     lines.append("ProtectHome=read-only")
     if not any(_under(p, _TMP_DIRS) for p in paths):
         lines.append("PrivateTmp=yes")
-    if service.role == "router":
+    if service.role in ("router", "balancer"):
         lines += ["PrivateDevices=yes", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK"]
     low = sorted(p for p in service.ports.values() if 0 < p < 1024)
     # no capability at all, but the one to bind a port below 1024 where the topology names one

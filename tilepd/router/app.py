@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from tilepd.auth import load_secret, vllm_auth_header
+from tilepd.auth import bearer_ok, load_secret, vllm_auth_header
 from tilepd.contracts.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
 from tilepd.router.backends import DecodeNodeError, cancel_decode
@@ -31,6 +31,7 @@ from tilepd.router.errors import PassThroughError, RouterError, invalid, unsuppo
 from tilepd.router.gate import gate
 from tilepd.router.health import probe_all, probe_forever
 from tilepd.router.leases import LeaseTimeout, NodePool, NoNodeInRotation
+from tilepd.router.drain import InFlight
 from tilepd.router.limits import BodySizeLimit
 from tilepd.router.logprobs import LogprobsRenderer
 from tilepd.router.structured import structured_plan
@@ -104,6 +105,7 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
     app = FastAPI(title="tilepd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = state
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(InFlight, counter=state.drain)  # outermost: a request counts from its first byte to its last
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> Response:
@@ -114,9 +116,21 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
         return Response(exc.body, status_code=exc.status, media_type=exc.content_type, headers=exc.headers)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "nodes_in_rotation": len(state.pool.in_rotation()), "nodes": len(state.pool.nodes),
-                "native_pool": config.native_pool is not None}
+    async def health() -> Any:
+        body = {"status": "draining" if state.drain.draining else "ok", "nodes_in_rotation": len(state.pool.in_rotation()),
+                "nodes": len(state.pool.nodes), "native_pool": config.native_pool is not None, "in_flight": state.drain.in_flight}
+        # 503 while draining: the balancer's checks take this router out (drain.py)
+        return JSONResponse(body, status_code=503) if state.drain.draining else body
+
+    @app.post("/admin/drain")
+    async def drain(request: Request) -> dict[str, Any]:
+        _admin(state, request)
+        return state.drain.set(True)
+
+    @app.post("/admin/undrain")
+    async def undrain(request: Request) -> dict[str, Any]:
+        _admin(state, request)
+        return state.drain.set(False)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -145,6 +159,14 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
         return await _handle(state, request, "chat")
 
     return app
+
+
+def _admin(state: RouterState, request: Request) -> None:
+    """Only a holder of the deployment secret drains a router (the key of a decode node's admin calls; open in a dev
+    run without a secret)."""
+    if state.node_secret is not None and not bearer_ok(state.node_secret, request.headers.get("authorization")):
+        raise RouterError(401, "missing or invalid deployment key (the router's admin calls take the decode nodes' key)",
+                          type="authentication_error", code="unauthorized")
 
 
 async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
