@@ -74,3 +74,18 @@ def test_an_external_balancer_gets_its_backend_list_and_no_service(tmp_path: Pat
     assert tmp_path / "out" / "balancer" / "haproxy.cfg" in written
     spec = service_spec(plan, plan.service("router-r0"))
     assert spec.balancer is not None and spec.balancer.stats_url is None  # a restart waits its checks' pace instead
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None or not Path("/usr/sbin/haproxy").exists(),
+                    reason="systemd-analyze (Debian package systemd) or haproxy not installed")
+def test_the_balancers_systemd_unit_passes_verify_and_is_sandboxed(tmp_path: Path) -> None:
+    path = _ha(tmp_path)
+    path.write_text(path.read_text().replace("services: process", "services: systemd"))
+    plan = build_plan(load_topology(path))
+    render_plan(plan, tmp_path / "out")
+    unit = tmp_path / "out" / "hosts" / "127.0.0.1" / "units" / "tilepd-balancer.service"
+    text = unit.read_text()
+    assert f"ExecStart=/usr/sbin/haproxy -db -f {tmp_path}/base/config/balancer.cfg" in text and "Type=simple" in text
+    assert "Restart=on-failure" in text and "PrivateDevices=yes" in text and "\nCapabilityBoundingSet=\n" in text
+    r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
