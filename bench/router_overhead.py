@@ -129,8 +129,8 @@ def router_request(client: httpx.Client, router_url: str, tokens: int) -> float:
     return elapsed
 
 
-def start_balancer(router_port: int, work: Path) -> Any:
-    """HAProxy with the configuration tilepd renders, in front of the one router."""
+def start_balancer(router_port: int, work: Path) -> tuple[Any, str]:
+    """HAProxy with the configuration tilepd renders, in front of the one router: the server and its OpenAI base URL."""
     from tilepd.plan.haproxy import haproxy_cfg
     from tilepd.plan.model import BalancerBackend, BalancerPlan
 
@@ -140,8 +140,9 @@ def start_balancer(router_port: int, work: Path) -> Any:
                         backends=[BalancerBackend(name="r0", service="router", address="127.0.0.1", port=router_port)])
     cfg = work / "balancer.cfg"
     cfg.write_text(haproxy_cfg(plan, "bench", "127.0.0.1"))
-    return start_process(["/usr/sbin/haproxy", "-db", "-f", str(cfg)], work / "balancer.log", f"http://127.0.0.1:{port}/balancer/health",
-                         timeout=30)
+    srv = start_process(["/usr/sbin/haproxy", "-db", "-f", str(cfg)], work / "balancer.log", f"http://127.0.0.1:{port}/balancer/health",
+                        timeout=30)
+    return srv, f"http://127.0.0.1:{port}"
 
 
 def relay_cost_per_token(model_dir: Path, n: int = 20000) -> float:
@@ -206,7 +207,7 @@ def main() -> None:
         cfg = router_config(model, prefill_url, [node])
         router = start_router(cfg, work)
         servers.append(router)
-        balancer = start_balancer(cfg.port, work) if args.balancer else None
+        balancer, balancer_url = start_balancer(cfg.port, work) if args.balancer else (None, "")
         if balancer is not None:
             servers.append(balancer)
         if other_cpus:
@@ -228,14 +229,14 @@ def main() -> None:
                 direct_request(client, prefill_url, node, long_)
                 router_request(client, router.url, long_)
                 if balancer is not None:
-                    router_request(client, balancer.url, long_)
+                    router_request(client, balancer_url, long_)
             runs: dict[tuple[str, int], list[float]] = {(w, n): [] for w in paths for n in (short, long_)}
             for _ in range(args.requests):  # interleaved: every path sees the same machine load
                 for n in (short, long_):
                     runs["direct", n].append(direct_request(client, prefill_url, node, n))
                     runs["router", n].append(router_request(client, router.url, n))
                     if balancer is not None:
-                        runs["balancer", n].append(router_request(client, balancer.url, n))
+                        runs["balancer", n].append(router_request(client, balancer_url, n))
         relay_s = relay_cost_per_token(model)
     finally:
         stop_all(servers)

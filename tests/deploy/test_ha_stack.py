@@ -36,6 +36,8 @@ from tilepd.deploy.proc import _proc_stat
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.faults]
 
+REPO = Path(__file__).resolve().parents[2]
+
 CLIENTS = 40  # 2 routers x 20 clients, all through the balancer (least connections spreads them)
 LOAD_S = 120.0
 KILL_LOAD_S = 45.0
@@ -74,6 +76,8 @@ def ha_topology(root: Path) -> dict:
     for r in t["routers"]:
         r["port"] = topo.free_port()
     t["balancer"]["port"], t["balancer"]["stats_port"] = topo.free_port(), topo.free_port()
+    for entry in (*t["prefill"], *t["decode"], *t["routers"]):  # the services run this checkout's tilepd
+        entry.setdefault("env", {})["PYTHONPATH"] = str(REPO)
     return t
 
 
