@@ -28,15 +28,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_speed import CONFIGS, random_state, sync  # noqa: E402
+from kit import CONFIGS, random_state, sync
 
-from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
-from tilepd.engine.engine import Engine, build_model  # noqa: E402
-from tilepd.engine.grammar import Constraint, GrammarCompiler  # noqa: E402
-from tilepd.engine.spec import spec_from_hf_config  # noqa: E402
-from tilepd.engine.types import SamplingParams  # noqa: E402
+from tilepd.dev.synthetic import random_runtime_weights
+from tilepd.engine.engine import Engine, build_model
+from tilepd.engine.grammar import Constraint, GrammarCompiler
+from tilepd.model_format.model_spec import spec_from_hf_config
+from tilepd.engine.types import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},

@@ -43,10 +43,11 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tilepd (and tests) first
 
-from tilepd.router.timeline import parse_server_timing  # noqa: E402
+from tilepd.router.timeline import parse_server_timing
+
+REPO = Path(__file__).resolve().parents[1]
 
 MODEL = "tiny-llama"
 PROMPT = "Please tell me a short story about a cat and a mouse."

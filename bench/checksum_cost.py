@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from tilepd.control.checksum import region_digests
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.sender import KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.dev.synthetic import llama_tensor_shapes, make_synthetic_llama  # noqa: E402
+from tilepd.dev.synthetic import llama_tensor_shapes, make_synthetic_llama
 
 
 def _child_peak_rss(argv: list[str]) -> tuple[int, float]:

@@ -26,9 +26,11 @@ CUDA graph; attention through torch SDPA), `graph[triton]` / `graph[bmm]` (same,
 split-KV Triton kernel / as two batched GEMVs), `speed-path` (what `load_engine(device="cuda")` uses:
 compiled.accelerate = torch.compile'd layers around the Triton attention, in the graph),
 `compile+graph` (per-layer torch.compile including SDPA attention, then the graph; skipped with --no-compile),
-`speed-path[no-mla]` / `speed-path[no-mla-fused]` / `speed-path[no-moe-gemv]` / `speed-path[no-moe-route]` (DeepSeek family: the
-speed path without the MLA kernel / without the fused attention half-layer, mla_fused.py / without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py / with the torch router
-instead of the fused one, route_triton.py), `speed-path[no-fused-gemv]`
+`speed-path[no-mla]` / `speed-path[no-mla-fused]` / `speed-path[no-moe-gemv]` / `speed-path[no-moe-route]` /
+`speed-path[no-moe-fused]` (DeepSeek family: the speed path without the MLA kernel / without the fused attention
+half-layer, mla_fused.py / without the grouped expert GEMV that reads bf16 experts in place, moe_triton.py / with the
+torch router instead of the fused one, route_triton.py / with the MoE layers' norm, MoE and residual add as
+moe_grouped's ~10 launches instead of moe_fused.py's 3), `speed-path[no-fused-gemv]`
 (Llama family: without the GEMVs that fuse the norms, SiLU-mul and residual adds, gemv_triton.py),
 `eager` (no graph, fewer tokens), and HF transformers `generate` (eager, batch 1, fewer tokens).
 DeepSeek-family models also run `speed-path[no-mla]` (the speed path with MLA attention on the reference
@@ -51,7 +53,6 @@ import json
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,65 +60,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.dev.synthetic import random_runtime_weights  # noqa: E402
-from tilepd.engine.fp8 import BlockFp8  # noqa: E402
-from tilepd.engine import layers, moe  # noqa: E402
-from tilepd.engine.compiled import accelerate  # noqa: E402
-from tilepd.engine.engine import Engine, build_model  # noqa: E402
-from tilepd.engine.spec import ModelSpec, spec_from_hf_config  # noqa: E402
-from tilepd.engine.types import KVState, SamplingParams  # noqa: E402
+from kit import CONFIGS, build_weights, emit_report, graph_time_us, model_spec, random_state, read_bandwidth, step_read_bytes, sync, time_engine
+from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.engine import layers, moe
+from tilepd.engine.compiled import accelerate
+from tilepd.engine.engine import Engine, build_model
+from tilepd.model_format.model_spec import ModelSpec
+from tilepd.engine.types import KVState, SamplingParams
 
-LLAMA3_8B = {
-    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-}
-DSV3_SMALL = {  # DeepSeek-V3 per-layer shapes; 2 layers (1 dense, 1 MoE) + 1 MTP layer to fit one GPU
-    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 2, "num_nextn_predict_layers": 1, "num_attention_heads": 128,
-    "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-    "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
-    "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096},
-    "max_position_embeddings": 163840, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
-}
-# GLM-5.1's config.json (huggingface.co/zai-org/GLM-5.1, as tilepd/topology/known_models.py transcribes it; copied
-# here so the GPU run needs no topology deps): per-layer shapes + the DSA indexer; 2 layers (1 dense, 1 MoE) + MTP.
-GLM5_SMALL = {
-    "model_type": "glm_moe_dsa", "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192,
-    "v_head_dim": 256, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "moe_layer_freq": 1,
-    "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 202752,
-    "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}, "rope_interleave": True,
-    "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "attention_bias": False, "index_head_dim": 128, "index_n_heads": 32,
-    "index_topk": 2048, "indexer_rope_interleave": True, "bos_token_id": 0, "eos_token_id": 1,
-}
-# The served models at their real depth (tilepd/topology/known_models.py transcribes each config.json; copied here so
-# the GPU run needs no topology deps): GLM-5.1 78 layers (3 dense, DSA), DeepSeek-V3 61 (3 dense), DeepSeek-V3.2 61
-# (DeepSeek-V3's shapes plus the lightning indexer: 64 heads of 128, top-2048). The bench builds layers 0..3 and the
-# MTP layer; layers 4.. alias layer 3 (deepen), so a full-depth step fits one GPU and still reads every layer from HBM.
-GLM51 = {**GLM5_SMALL, "num_hidden_layers": 78, "first_k_dense_replace": 3}
-DSV3 = {**DSV3_SMALL, "num_hidden_layers": 61, "first_k_dense_replace": 3}
-DSV32 = {**DSV3, "model_type": "deepseek_v32", "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048}
-TINY_LLAMA = {**LLAMA3_8B, "bos_token_id": 0, "eos_token_id": 1, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
-TINY_DSV3 = {**DSV3_SMALL, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-             "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
-             "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
-             "topk_group": 2}
-TINY_GLM5 = {**GLM5_SMALL, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-             "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
-             "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8, "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
-TINY_DEEP = {"num_hidden_layers": 6, "first_k_dense_replace": 2}  # tiny stand-ins of the deep models: 2 dense, 4 MoE (3 aliased)
-CONFIGS = {"llama3-8b": (LLAMA3_8B, TINY_LLAMA), "dsv3-small": (DSV3_SMALL, TINY_DSV3), "glm5-small": (GLM5_SMALL, TINY_GLM5),
-           "glm-5.1": (GLM51, {**TINY_GLM5, **TINY_DEEP}), "deepseek-v3": (DSV3, {**TINY_DSV3, **TINY_DEEP}),
-           "deepseek-v3.2": (DSV32, {**TINY_DSV3, **TINY_DEEP, "model_type": "deepseek_v32", "index_head_dim": 32, "index_n_heads": 4,
-                                     "index_topk": 16})}
 # built at full size, 2 layers; the rest at their config's depth (--layers changes it)
 SMALL_MODELS = ("dsv3-small", "glm5-small")
 
@@ -137,112 +87,14 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def read_bandwidth(device: torch.device, gib: float) -> dict:
-    """Best of several passes of a read-only reduction (sum) and a device-to-device copy over `gib` GiB."""
-    n = int(gib * (1 << 30)) // 2
-    x = torch.ones(n, dtype=torch.bfloat16, device=device)
-    y = torch.empty_like(x)
-    out = {}
-    for name, fn, factor in (("sum_read", lambda: x.sum(dtype=torch.float32), 1), ("copy_rw", lambda: y.copy_(x), 2)):
-        fn()
-        sync(device)
-        best = float("inf")
-        for _ in range(10 if device.type == "cuda" else 2):
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            best = min(best, time.perf_counter() - t0)
-        out[name + "_GBps"] = factor * x.numel() * 2 / best / 1e9
-    del x, y
-    return out
-
-
-def quantize_weights(spec: ModelSpec, weights: dict) -> None:
-    """Replace every tensor `convert-weights --dtype fp8` would store as block-scaled fp8 (stores_fp8) by its
-    e4m3 quantisation with 128x128 block scales, in place (stacked experts one at a time: bounded memory)."""
-    from tilepd.engine.fp8 import quantize
-    from tilepd.weights.fp8_build import stores_fp8
-    from tilepd.weights.layout import family_layout
-
-    for t in family_layout(spec, set()):
-        if t.name not in weights or not stores_fp8(t, lambda p: False, True, False):
-            continue
-        w = weights[t.name]
-        if t.stacked:
-            parts = [quantize(w[e]) for e in range(w.shape[0])]
-            weights[t.name] = BlockFp8(torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts]), parts[0].block)
-            del parts
-        else:
-            weights[t.name] = quantize(w)
-        del w
-
-
-def step_read_bytes(spec: ModelSpec, weights: dict, context: int) -> tuple[float, float]:
-    """(weight bytes one decode step reads, KV bytes at `context`). Embedding: one row; MoE: the routed
-    experts a token uses (num_experts_per_tok of n_routed_experts) plus everything else once; fp8 weights:
-    values + block scales. DSA: per layer the min(index_topk, context) selected latent rows plus, for
-    layers with their own indexer, the indexer keys of the whole context (what the step really reads); while the
-    context fits index_topk every causal row is selected, so the indexer's query and head-weight projections and
-    its keys are not needed (only the new key is computed and written)."""
-    total = 0.0
-    short = spec.is_dsa and context <= spec.index_topk
-    for name, w in weights.items():
-        b = w.nbytes() if isinstance(w, BlockFp8) else w.numel() * w.element_size()
-        if short and name.endswith(("idx_wq_b", "idx_weights_proj")):
-            continue
-        if name == "embed":
-            b = w.shape[1] * w.element_size()
-        elif name.endswith(("experts_w13", "experts_w2")):
-            b *= spec.num_experts_per_tok / spec.n_routed_experts
-        elif name.startswith("mtp."):
-            continue  # the plain decode step does not run the MTP layer
-        total += b
-    itemsize = weights["embed"].element_size()
-    if spec.is_dsa:
-        rows = min(spec.index_topk, context)
-        kv = sum(rows * spec.cache_entry_width + (context * spec.index_head_dim if spec.has_indexer(i) and not short else 0)
-                 for i in range(spec.num_layers))
-        return total, float(kv * itemsize)
-    kv = spec.num_layers * context * spec.cache_heads * spec.cache_entry_width * itemsize
-    return total, float(kv)
-
-
-def random_state(spec: ModelSpec, context: int, device: torch.device, dtype: torch.dtype) -> KVState:
-    gen = torch.Generator(device=device).manual_seed(1)
-    layers = [torch.randn(context, spec.cache_heads, spec.cache_entry_width, generator=gen, device=device, dtype=dtype) * 0.5
-              for _ in range(spec.num_layers)]
-    indexer = None
-    if spec.is_dsa:
-        indexer = [torch.randn(context, spec.index_head_dim, generator=gen, device=device, dtype=dtype) if spec.has_indexer(i) else None
-                   for i in range(spec.num_layers)]
-    return KVState(context, layers, indexer)
-
-
-def time_engine(engine: Engine, spec: ModelSpec, context: int, tokens: int, device: torch.device, dtype: torch.dtype) -> tuple[float, list[int]]:
-    """(ms/token, tokens) of a greedy decode after one warm-up decode (which captures the graphs)."""
-    state = random_state(spec, context, device, dtype)
-    params = SamplingParams(ignore_eos=True)
-    for timed in (False, True):
-        engine.inject(state)
-        sync(device)
-        res = engine.decode(3, tokens if timed else min(tokens, 8), params, lambda t: None)
-        if timed:
-            return res.timings["decode_ms"] / len(res.tokens), res.tokens
-    raise AssertionError
-
-
 def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -> list[Row]:
     rows: list[Row] = []
     max_ctx = max(args.contexts)
     windows = sorted({c + args.tokens + 16 for c in args.contexts})
     variants = ["speed-path", "speed-path[no-fused-gemv]", "graph", "graph[triton]"] + ([] if args.no_compile else ["compile+graph"]) + ["eager"]
     if spec.family == "deepseek_v3":  # no compiled path; the MLA kernel, the expert GEMV and the router kernel on/off side by side
-        variants = ["speed-path", "speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "graph", "eager"]
+        variants = ["speed-path", "speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "speed-path[no-moe-fused]", "graph",
+                    "eager"]
     if device.type != "cuda":
         variants = ["static", "static[bmm]", "eager"]  # the graph's body without capture; eager
     if args.variants:
@@ -253,18 +105,19 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
         moe.ROUTE_IMPL["router"] = "torch"
+        moe.BLOCK_IMPL["moe"] = "torch"
         layers.GEMV_IMPL["dense"] = "torch"
         path = None
         try:
             model = build_model(spec, weights, max_ctx + args.tokens + 16, device, dtype)
             if variant == "speed-path":  # exactly what load_engine(device="cuda") turns on
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode)
-            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "speed-path[no-fused-gemv]",
-                             "speed-path[no-mla-fused]"):
+            elif variant in ("speed-path[no-mla]", "speed-path[no-moe-gemv]", "speed-path[no-moe-route]", "speed-path[no-moe-fused]",
+                             "speed-path[no-fused-gemv]", "speed-path[no-mla-fused]"):
                 path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode,  # the same without one part
                                   mla_attention=variant != "speed-path[no-mla]", moe_gemv=variant != "speed-path[no-moe-gemv]",
-                                  moe_route=variant != "speed-path[no-moe-route]", fused_gemv=variant != "speed-path[no-fused-gemv]",
-                                  mla_fused=variant != "speed-path[no-mla-fused]")
+                                  moe_route=variant != "speed-path[no-moe-route]", moe_fused=variant != "speed-path[no-moe-fused]",
+                                  fused_gemv=variant != "speed-path[no-fused-gemv]", mla_fused=variant != "speed-path[no-mla-fused]")
             elif variant.startswith("compile"):
                 if not hasattr(model, "compile"):
                     raise RuntimeError(f"no compiled path for family {spec.family}")
@@ -301,6 +154,7 @@ def run_engine_variants(args, spec: ModelSpec, weights, device, dtype, floors) -
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
         moe.ROUTE_IMPL["router"] = "torch"
+        moe.BLOCK_IMPL["moe"] = "torch"
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -391,7 +245,7 @@ def _decode_after_warmup(engine: Engine, state: KVState, tokens: int, device: to
 
 
 def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: float) -> list[Row]:
-    """DeepSeek-family MTP through the static verify+draft step (speculative.SpecStep; CUDA graphs on CUDA, the
+    """DeepSeek-family MTP through the static verify+draft step (mtp.MtpStep; CUDA graphs on CUDA, the
     speed path's kernels), per context and per k in --spec-tokens:
 
     `mtp-spec(k)`: this model's own (random-weight) MTP drafts, acceptance as it comes (~0: the cost per step).
@@ -399,7 +253,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
     layer still runs): tokens/s at full acceptance vs no-MTP, the step and the k+1-token verify forward against
     a plain step and a 1-token forward (each forward alone timed inside a graph), tokens/s for acceptance
     lengths 1..k+1 from the measured step time, and the byte floors of the verify and draft parts."""
-    from tilepd.engine.speculative import spec_step
+    from tilepd.engine.mtp import mtp_step
 
     rows: list[Row] = []
     max_ctx = max(args.contexts)
@@ -409,6 +263,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
         layers.ATTENTION_IMPL["mla"] = "reference"
         moe.EXPERT_IMPL["dense"] = "gather"
         moe.ROUTE_IMPL["router"] = "torch"
+        moe.BLOCK_IMPL["moe"] = "torch"
         model = build_model(spec, weights, max_seq, device, dtype)
         path = accelerate(model, compile_layers=not args.no_compile, compile_mode=args.compile_mode) if device.type == "cuda" else None
         engine = Engine(model, spec, device, max_seq, use_cuda_graph=True, num_speculative_tokens=max(ks))
@@ -428,7 +283,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
             def fwd_ms(t: int) -> float:
                 ids = torch.full((t,), 3, dtype=torch.long, device=device)
                 pos = torch.arange(c, c + t, device=device)
-                return _graph_time_us(lambda: model.forward(ids, pos, window), device, reps=5) / 1e3
+                return graph_time_us(lambda: model.forward(ids, pos, window), device, reps=5) / 1e3
 
             def draft_ms(k: int) -> float:
                 """The draft part alone: the MTP layer on k+1 catch-up rows (head on one), then k-1 single-row steps."""
@@ -443,7 +298,7 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
                     for j in range(1, k):
                         _, h = model.mtp_forward(ids[:1], h, pos[:1] + j, window)
 
-                return _graph_time_us(chain, device, reps=5) / 1e3
+                return graph_time_us(chain, device, reps=5) / 1e3
 
             plain_fwd = fwd_ms(1)
         except Exception as e:
@@ -455,12 +310,12 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
                 name = f"mtp-{'forced' if forced else 'spec'}(k={k})"
                 try:
                     engine.num_speculative_tokens = k
-                    engine._spec_step = None  # free the previous k's graphs before capturing this one's
-                    step = spec_step(engine)
+                    engine._mtp_step = None  # free the previous k's graphs before capturing this one's
+                    step = mtp_step(engine)
                     if forced:
                         step.set_oracle([0] * c + [3] + base.tokens, force=True)
                     res = _decode_after_warmup(engine, state, args.tokens, device)
-                    st = dict(engine.last_spec_stats)
+                    st = dict(engine.last_mtp_stats)
                     ms = res.timings["decode_ms"] / len(res.tokens)
                     step_ms = res.timings["decode_ms"] / st["target_steps"]
                     parts = mtp_step_read_bytes(spec, weights, c, k)
@@ -493,45 +348,8 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
     layers.ATTENTION_IMPL["mla"] = "reference"
     moe.EXPERT_IMPL["dense"] = "gather"
     moe.ROUTE_IMPL["router"] = "torch"
+    moe.BLOCK_IMPL["moe"] = "torch"
     return rows
-
-
-def deepen(weights: dict, n: int, first: int = 1) -> None:
-    """Layers first+1..n-1 alias layer `first`'s tensors (the first MoE layer; --layers): the real model's depth,
-    hence its ratio of MTP draft to target cost, on one GPU. Each layer still reads its weights from HBM (a layer's
-    hundreds of MB dwarf the L2) and has its own caches, so the step's time is a full-depth step's."""
-    src = [name for name in weights if name.startswith(f"layers.{first}.")]
-    for i in range(first + 1, n):
-        for name in src:
-            weights[f"layers.{i}." + name.removeprefix(f"layers.{first}.")] = weights[name]
-
-
-def model_spec(model: str, tiny: bool, layers: int | None) -> tuple[dict, ModelSpec, ModelSpec]:
-    """(config, spec of the model as run, spec of the part built): DeepSeek-family models run at `layers` (default:
-    the config's depth; the -small shapes keep their 2) and are built up to their first MoE layer, the rest aliased."""
-    cfg = CONFIGS[model][1 if tiny else 0]
-    if layers is not None:
-        if cfg["model_type"] == "llama":
-            raise SystemExit(f"--layers is for the DeepSeek-family shapes ({', '.join(m for m in CONFIGS if m != 'llama3-8b')}), not {model}")
-        if layers < 1:
-            raise SystemExit(f"--layers {layers}: expected at least 1")
-        cfg = {**cfg, "num_hidden_layers": layers}
-    spec = spec_from_hf_config(cfg)
-    if spec.family != "deepseek_v3":
-        return cfg, spec, spec
-    n_built = min(spec.num_layers, spec.first_k_dense_replace + 1)
-    built = spec if n_built == spec.num_layers else spec_from_hf_config({**cfg, "num_hidden_layers": n_built})
-    return cfg, spec, built
-
-
-def build_weights(spec: ModelSpec, built: ModelSpec, device: torch.device, dtype: torch.dtype, fmt: str) -> dict:
-    """Random weights of `built` (fp8: block-scaled as convert-weights stores them), deepened to spec's depth."""
-    weights = random_runtime_weights(built, device, dtype)
-    if fmt == "fp8":
-        quantize_weights(built, weights)
-    if built.num_layers < spec.num_layers:
-        deepen(weights, spec.num_layers, first=built.num_layers - 1)
-    return weights
 
 
 def run_hf(args, cfg: dict, device, dtype, floors) -> list[Row]:
@@ -573,37 +391,6 @@ def run_hf(args, cfg: dict, device, dtype, floors) -> list[Row]:
 # --sweep: (block_n, block_h, num_warps) tiles x target program counts; num_stages stays TUNE's (env override).
 SWEEP_TILES = [(bn, bh, nw) for bn in (32, 64) for bh in (16, 32, 64) for nw in (4, 8)]
 SWEEP_PROGRAMS = (132, 264, 528)
-
-
-def _graph_time_us(fn, device: torch.device, reps: int = 20) -> float:
-    """us per call of `fn`, as inside the decode step's CUDA graph: `reps` calls captured in one graph, best
-    of 5 replays (no launch overhead). Without CUDA: a plain loop."""
-    fn()
-    sync(device)
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    sync(device)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        graph.replay()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    del graph
-    return best / reps * 1e6
 
 
 def _sweep_cases(tiny: bool) -> list[dict]:
@@ -664,7 +451,7 @@ def run_sweep(device: torch.device, tiny: bool, as_json: bool, out: Path | None)
                         tune.update(block_n=cfg[0], block_h=cfg[1], num_warps=cfg[2], programs=cfg[3])
                 fn = reference if cfg is None else kernel
                 row["max_err"] = float((fn().float() - want).abs().max())
-                row["us"] = _graph_time_us(fn, device)
+                row["us"] = graph_time_us(fn, device)
                 row["GBps"] = nbytes / (row["us"] * 1e-6) / 1e9
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -729,7 +516,7 @@ def _sweep_experts(device: torch.device, dtype: torch.dtype, tiny: bool) -> list
                 moe_triton.TUNE.update(block_k=cfg[0], num_warps=cfg[1], programs=cfg[2])
             fn = reference if cfg is None else kernel
             row["max_err"] = float((fn().float() - want).abs().max())
-            row["us"] = _graph_time_us(fn, device)
+            row["us"] = graph_time_us(fn, device)
             row["GBps"] = nbytes / (row["us"] * 1e-6) / 1e9
         except Exception as ex:
             row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
@@ -773,7 +560,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-tokens", type=int, default=None, help="tokens for HF generate (default 32)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-mla-fused], speed-path[no-moe-gemv], speed-path[no-moe-route], speed-path[no-fused-gemv], graph, graph[triton], graph[bmm], "
+                    help="engine variants to run (speed-path, speed-path[no-mla], speed-path[no-mla-fused], speed-path[no-moe-gemv], speed-path[no-moe-route], speed-path[no-moe-fused], speed-path[no-fused-gemv], graph, graph[triton], graph[bmm], "
                          "compile+graph, compile(no-attn)+graph, "
                          "compile(no-attn)+graph[triton], eager; on CPU 'static' = graph body)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
@@ -849,16 +636,6 @@ def main(argv: list[str] | None = None) -> dict:
     report["seconds"] = time.perf_counter() - t0
     emit_report(report, args, _print_table)
     return report
-
-
-def emit_report(report: dict, args: argparse.Namespace, print_table: Callable[[dict], None]) -> None:
-    """A bench's report to `--out` (JSON file), and to stdout as JSON (`--json`) or as its table for people."""
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_table(report)
 
 
 def _tokens_agree(rows: list[Row]) -> None:

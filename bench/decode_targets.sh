@@ -26,7 +26,7 @@ step() {  # step NAME CMD...: run one bench, its log beside its JSON
 
 case "$part" in
   speed)
-    step parity "$py" bench/mla_gpu_parity.py --tokens 48
+    step parity "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_mla_gpu_parity.py
     for w in bf16 fp8; do
       step "dsv3-small_$w" "$py" bench/decode_speed.py --model dsv3-small --weights "$w" --contexts 1024 8192 32768 \
         --tokens 128 --no-hf --variants speed-path --json --out "$out/dsv3-small_${w}_targets_$day.json"

@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8_gpu_parity import _graph_time  # noqa: E402 - this folder is the script's: one CUDA-graph timer
-from sweep_check import config_ok  # noqa: E402
-from tilepd.engine import gemv_triton  # noqa: E402
+from kit import graph_replay_ms
+from sweep_check import config_ok
+from tilepd.engine import gemv_triton
 
 # (name, N, K, prologue, residual): Llama-3-8B's batch-1 GEMVs with what the speed path fuses into each
 SHAPES = [("qkv", 6144, 4096, "norm", False), ("o", 4096, 4096, "none", True), ("gate_up", 28672, 4096, "norm", False),
@@ -53,7 +53,7 @@ def main() -> None:
     def timed(cfg: dict[str, int], ws, x, nw, res, prologue) -> float:
         gemv_triton.TUNE.update(cfg)
         try:
-            return _graph_time(lambda: [gemv_triton.launch(x, w, nw, 1e-5, prologue, res) for w in ws], 20, batches=3) / len(ws)
+            return graph_replay_ms(lambda: [gemv_triton.launch(x, w, nw, 1e-5, prologue, res) for w in ws], 20, batches=3) / len(ws)
         finally:
             gemv_triton.TUNE.clear()
             gemv_triton.TUNE.update(default)
@@ -67,7 +67,7 @@ def main() -> None:
         ref = gemv_triton.reference(x.float(), ws[0].float(), None if nw is None else nw.float(), 1e-5, prologue,
                                     None if res is None else res.float())
         xin = x[:, :k] if prologue == "silu_mul" else x
-        ms_cublas = _graph_time(lambda: [torch.nn.functional.linear(xin, w) for w in ws], 20, batches=3) / len(ws)
+        ms_cublas = graph_replay_ms(lambda: [torch.nn.functional.linear(xin, w) for w in ws], 20, batches=3) / len(ws)
         rows = []
         for cfg in configs():
             key = json.dumps(cfg, sort_keys=True)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.doctor import parsers as P  # noqa: E402
-from tilepd.doctor.checks_hw import NVIDIA_SMI  # noqa: E402
+from tilepd.doctor import parsers as P
+from tilepd.doctor.checks_hw import NVIDIA_SMI
 
 # name -> (command, version command, parser: text -> parsed (falsy = not understood))
 TOOLS = {

@@ -25,15 +25,14 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_speed import GLM5_SMALL  # noqa: E402
-from tilepd.engine import dsa_indexer, dsa_topk  # noqa: E402
-from tilepd.engine.dsa import _rope_head, select_topk  # noqa: E402
-from tilepd.engine.layers import length_mask  # noqa: E402
-from tilepd.engine.mla_attention import mla_sparse_attention  # noqa: E402
-from tilepd.engine.rope import apply_rope_interleaved, rope_table  # noqa: E402
-from tilepd.engine.spec import spec_from_hf_config  # noqa: E402
+from kit import GLM5_SMALL
+from tilepd.engine import dsa_indexer, dsa_topk
+from tilepd.engine.dsa import _rope_head, select_topk
+from tilepd.engine.layers import length_mask
+from tilepd.engine.mla_attention import mla_sparse_attention
+from tilepd.engine.rope import apply_rope_interleaved, rope_table
+from tilepd.model_format.model_spec import spec_from_hf_config
 
 LENGTHS = (1024, 32768, 131072, 202752)
 

@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8_gpu_parity import _graph_time  # noqa: E402 - this folder is the script's: one CUDA-graph timer for both
-from sweep_check import config_ok  # noqa: E402
-from tilepd.engine import fp8_triton  # noqa: E402
-from tilepd.engine.fp8 import dequantize, quantize  # noqa: E402
+from kit import graph_replay_ms
+from sweep_check import config_ok
+from tilepd.engine import fp8_triton
+from tilepd.model_format.block_fp8 import dequantize, quantize
 
 # (name, N, K): batch-1 GEMVs of one layer
 SHAPES = [
@@ -43,7 +43,7 @@ L2_BYTES = 256 << 20  # distinct weight bytes per timed graph: well past the H20
 
 
 def graph_ms(fn, iters: int = 20) -> float:
-    return _graph_time(fn, iters, batches=3)
+    return graph_replay_ms(fn, iters, batches=3)
 
 
 def configs_first_pass() -> list[dict[str, int]]:

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tilepd (and tests) first
 
-from tests.handoff.stack import (  # noqa: E402
+from tests.handoff.stack import (
     complete,
     connector_config,
     decode,
@@ -43,7 +42,9 @@ from tests.handoff.stack import (  # noqa: E402
     start_decode,
     start_prefill,
 )
-from tilepd.connector.launch import Server, kv_transfer_config  # noqa: E402
+from tilepd.connector.launch import Server, kv_transfer_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _long_context_llama(work: Path, max_len: int) -> Path:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.topology.gpus import GIB  # noqa: E402
-from tilepd.topology.known_models import KNOWN_MODELS  # noqa: E402
+from tilepd.topology.gpus import GIB
+from tilepd.topology.known_models import KNOWN_MODELS
 
 _DSV3 = {k: v for k, v in KNOWN_MODELS["deepseek-ai/DeepSeek-V3"].config.items() if k != "quantization_config"}
 _TINY_DSV3 = {**_DSV3, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 2,
@@ -57,7 +57,7 @@ def measure(cfg: dict, max_seq_len: int, device: str, out: mp.Queue) -> None:
 
     from tilepd.dev.synthetic import random_runtime_weights
     from tilepd.engine.engine import build_model, engine_for
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
     from tilepd.engine.types import KVState, SamplingParams
     from tilepd.topology.memory_fit import DecodeSetting, decode_parts, decode_policy, weight_bytes as estimate_weights
 

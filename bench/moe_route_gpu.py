@@ -22,12 +22,11 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode_speed import _graph_time_us  # noqa: E402
-from tilepd.engine import moe  # noqa: E402
-from tilepd.engine.fp8 import BlockFp8, quantize  # noqa: E402
+from kit import graph_time_us
+from tilepd.engine import moe
+from tilepd.model_format.block_fp8 import BlockFp8, quantize
 
 ROUTERS = {"deepseek-v3": dict(h=7168, e=256, n_group=8, topk_group=4, k=8), "glm-5.1": dict(h=6144, e=256, n_group=1, topk_group=1, k=8)}
 TINY = {"deepseek-v3": dict(h=32, e=16, n_group=4, topk_group=2, k=3), "glm-5.1": dict(h=32, e=16, n_group=1, topk_group=1, k=3)}
@@ -72,7 +71,7 @@ def check_router(dev: torch.device, dtype: torch.dtype, shapes: dict, trials: in
             def reference() -> None:
                 moe.route_torch(x, gate, bias, spec)
 
-            us_k, us_r = _graph_time_us(kernel, dev), _graph_time_us(reference, dev)
+            us_k, us_r = graph_time_us(kernel, dev), graph_time_us(reference, dev)
             moe.ROUTE_IMPL["router"] = "torch"
             row = {"case": f"router {name} T={t}", "trials": trials, "id_mismatches": bad, "max_weight_diff": worst,
                    "kernel_us": us_k, "torch_us": us_r}
@@ -124,7 +123,7 @@ def check_layer(dev: torch.device, dtype: torch.dtype, tiny: bool) -> list[dict]
             assert moe._grouped_shared(x, w, "l.", spec), "the grouped form must apply here"
             a, b = grouped().float(), previous().float()
             row = {"case": f"moe layer glm-5.1 {fmt} T={t}", "rel_max_diff": float((a - b).abs().max() / b.abs().max()),
-                   "grouped_us": _graph_time_us(grouped, dev), "previous_us": _graph_time_us(previous, dev)}
+                   "grouped_us": graph_time_us(grouped, dev), "previous_us": graph_time_us(previous, dev)}
             moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "gather", "torch"
             rows.append(row)
             print(row, flush=True)

@@ -43,11 +43,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.connector.launch import Server, free_port, start_vllm  # noqa: E402
-from tilepd.plan.cpu_cores import CpuVllm, split_cores  # noqa: E402
-from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig  # noqa: E402
-from tilepd.plan.vllm_args import nixl_config, prefill_kv_transfer_config  # noqa: E402
-from tilepd.router.native import DO_REMOTE_DECODE  # noqa: E402
+from tilepd.connector.launch import Server, free_port, start_vllm
+from tilepd.plan.cpu_cores import CpuVllm, split_cores
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tilepd.plan.vllm_args import nixl_config, prefill_kv_transfer_config
+from tilepd.router.native import DO_REMOTE_DECODE
 
 NAME = "tiny-llama"
 MAX_LEN = 1024

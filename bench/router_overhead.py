@@ -37,13 +37,14 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tilepd (and tests) first
 
-from tests.router.stack import MODEL_NAME, router_config, start_decode_node, start_prefill, start_router, stop_all  # noqa: E402
-from tilepd.connector.launch import free_port, start_process  # noqa: E402
-from tilepd.contracts.decode_http import NODE_API_VERSION, DecodeBody, ReserveBody  # noqa: E402
-from tilepd.contracts.marker import TilepdMarker  # noqa: E402
+from tests.router.stack import MODEL_NAME, router_config, start_decode_node, start_prefill, start_router, stop_all
+from tilepd.connector.launch import free_port, start_process
+from tilepd.contracts.decode_http import NODE_API_VERSION, DecodeBody, ReserveBody
+from tilepd.contracts.marker import TilepdMarker
+
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 250, 31, 64, 200, 11, 77]
 

@@ -48,12 +48,12 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tilepd (and tests) first
+
+from kit import LLAMA3_8B, emit_report
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 NEEDED = ("fastapi", "uvicorn", "httpx", "prometheus_client", "xxhash", "numpy")
-
-from decode_speed import LLAMA3_8B, emit_report  # noqa: E402 - the same shapes decode_speed.py measures (bench/ is sys.path[0])
 
 TINY_LLAMA = {**LLAMA3_8B, "bos_token_id": 0, "eos_token_id": 1, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
@@ -80,9 +80,9 @@ def write_runtime_weights(cfg: dict[str, Any], out_dir: Path, device: torch.devi
     runtime format: rank0.safetensors in the layout's order + manifest.json (what load_engine reads).
     Returns (out_dir, GB written)."""
     from tilepd.dev.synthetic import random_runtime_weights
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
     from tilepd.weights.convert import rank_file
-    from tilepd.weights.layout import LAYOUT_VERSION, family_layout
+    from tilepd.weights.out_tensors import LAYOUT_VERSION, family_layout
     from tilepd.weights.manifest import CONVERTER_VERSION, FORMAT, write_manifest_atomically
     from tilepd.weights.safetensors_writer import StreamingSafetensorsWriter
 
@@ -175,7 +175,7 @@ class Node:
         thread, its token callback only taking the time: convert + inject + decode, as run_decode does,
         minus serving."""
         from tilepd.engine.types import KVState, SamplingParams
-        from tilepd.runtime.convert import convert
+        from tilepd.runtime.kv_convert import convert
 
         svc, cuda = self.svc, self.svc.device.type == "cuda"
 
@@ -207,7 +207,7 @@ def client_main(conn: Any, layout_json: str, max_seq_len: int, max_context: int,
     import numpy as np
 
     from tilepd.auth import node_auth_header, transfer_token
-    from tilepd.control.layout import CacheLayout
+    from tilepd.control.cache_layout import CacheLayout
     from tilepd.control.sender import KVSender
     from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
     from tilepd.transport import Buffer
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = TINY_LLAMA if args.tiny else LLAMA3_8B
     max_seq_len = max(args.contexts) + args.tokens + 64
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
 
     spec = spec_from_hf_config(cfg)
     wire_dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = args.workdir or pick_workdir(int(2 * 8.1e9) if not args.tiny else 1 << 20)
     node = proc = None
     try:
-        from tilepd.control.layout import CacheLayout
+        from tilepd.control.cache_layout import CacheLayout
 
         layout = CacheLayout(kind="attn", num_layers=spec.num_layers, block_size=BLOCK_SIZE, num_heads=spec.num_kv_heads,
                              entry_width=2 * spec.head_dim, dtype=wire_dtype, order="BHNC", head_size_k=spec.head_dim,

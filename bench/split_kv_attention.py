@@ -12,8 +12,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.engine import layers  # noqa: E402
-from tilepd.engine.attention import split_kv_attention  # noqa: E402
+from tilepd.engine import layers
+from tilepd.engine.attention import split_kv_attention
 
 
 def main() -> None:

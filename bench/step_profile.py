@@ -3,7 +3,7 @@
     python bench/step_profile.py --model llama3-8b --context 1024            # the speed path
     python bench/step_profile.py --model llama3-8b --variants "speed-path[no-fused-gemv]"
     python bench/step_profile.py --model glm-5.1 --weights fp8 --context 1024 \\
-        --variants "speed-path[no-moe-route]" speed-path --out glm51_fp8_profile.json   # 78 layers, router kernel off/on
+        --variants "speed-path[no-moe-fused]" speed-path --out glm51_fp8_profile.json   # 78 layers, fused MoE block off/on
 
 Builds the model as bench/decode_speed.py does (random weights on the device; DeepSeek family at the named model's
 depth, --layers to change it, layers past the first MoE layer aliasing its weights), decodes once to capture the
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GEMV_NAME_MARKS = ("gemv", "gemm", "xmma", "cutlass", "cublas")
-VARIANTS = ["speed-path", "speed-path[no-fused-gemv]", "speed-path[no-moe-route]", "speed-path[no-moe-gemv]", "speed-path[no-mla]",
-            "speed-path[no-mla-fused]"]
+VARIANTS = ["speed-path", "speed-path[no-fused-gemv]", "speed-path[no-moe-fused]", "speed-path[no-moe-route]", "speed-path[no-moe-gemv]",
+            "speed-path[no-mla]", "speed-path[no-mla-fused]"]
 
 
 def is_gemv_kernel(name: str) -> bool:
@@ -87,7 +87,7 @@ def profile_line(p: dict) -> str:
 
 
 def main() -> None:
-    from decode_speed import CONFIGS, build_weights, model_spec, random_state, read_bandwidth, step_read_bytes
+    from kit import CONFIGS, build_weights, model_spec, random_state, read_bandwidth, step_read_bytes
     from tilepd.engine import layers, moe
     from tilepd.engine.compiled import accelerate
     from tilepd.engine.engine import Engine, build_model
@@ -118,11 +118,11 @@ def main() -> None:
           f"{kvb / 1e9:.3f} GB KV at {bw / 1e9:.0f} GB/s)", flush=True)
     for variant in args.variants:
         layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], layers.GEMV_IMPL["dense"] = "sdpa", "reference", "torch"
-        moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "gather", "torch"
+        moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"] = "gather", "torch", "torch"
         model = build_model(spec, weights, window, dev, dtype)
         off = variant.removeprefix("speed-path").strip("[]")
         path = accelerate(model, fused_gemv=off != "no-fused-gemv", moe_route=off != "no-moe-route", moe_gemv=off != "no-moe-gemv",
-                          mla_attention=off != "no-mla", mla_fused=off != "no-mla-fused")
+                          moe_fused=off != "no-moe-fused", mla_attention=off != "no-mla", mla_fused=off != "no-mla-fused")
         engine = Engine(model, spec, dev, window, use_cuda_graph=True, num_speculative_tokens=0)
         engine.graph_step.buckets = [window]
         engine.graph_step.fallbacks = list(path.fallbacks)
@@ -144,7 +144,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"] = "sdpa", "reference"
-    moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], layers.GEMV_IMPL["dense"] = "gather", "torch", "torch"
+    moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"], layers.GEMV_IMPL["dense"] = "gather", "torch", "torch", "torch"
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
 

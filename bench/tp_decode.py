@@ -32,9 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_speed import DSV3_SMALL, LLAMA3_8B, TINY_DSV3, TINY_LLAMA, read_bandwidth, step_read_bytes  # noqa: E402
+from kit import DSV3_SMALL, LLAMA3_8B, TINY_DSV3, TINY_LLAMA, read_bandwidth, step_read_bytes
 
 LLAMA70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
             "num_key_value_heads": 8, "head_dim": 128}
@@ -55,7 +54,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     """One rank: random shard, TP model, warm-up decode, timed decode; rank 0 writes the gathered figures."""
     from tilepd.dev.synthetic import random_runtime_weights
     from tilepd.engine.engine import engine_for
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
     from tilepd.engine.tp import TPGroup, build_tp_model
     from tilepd.engine.types import KVState, SamplingParams
 

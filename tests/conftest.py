@@ -49,3 +49,19 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def _cuda_missing() -> str | None:
+    """Why the `gpu` tests cannot run here, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "needs torch with a CUDA device (torch is not installed)"
+    return None if torch.cuda.is_available() else "needs a CUDA device (marker gpu; run on the GPU machine: pytest -m gpu)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    why = _cuda_missing() if gpu else None
+    for item in gpu if why else ():
+        item.add_marker(pytest.mark.skip(reason=why))

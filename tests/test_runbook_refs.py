@@ -156,7 +156,7 @@ def test_status_names_runbooks_for_orphans_drift_unreachable_and_down_nodes() ->
 def test_bad_weights_manifest_names_its_runbook(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from tilepd.weights.errors import WeightsError
-    from tilepd.weights.loader import load_weights
+    from tilepd.engine.weights_loader import load_weights
 
     (tmp_path / "manifest.json").write_text("[]")
     with pytest.raises(WeightsError) as exc:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.reserved import reserve_and_attach
-from tilepd.control.layout import CacheLayout, IndexerLayout
+from tilepd.control.cache_layout import CacheLayout, IndexerLayout
 from tilepd.control.sender import KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from tilepd.control.framing import MAX_FRAME_BYTES, FrameError, PeerClosed, encode_frame, recv_frame
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import ErrorCode, ProtocolError, parse_message
 
 ATTN = dict(kind="attn", num_layers=2, block_size=16, num_heads=2, entry_width=64, dtype="float32", head_size_k=32, head_size_v=32)

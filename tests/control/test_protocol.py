@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tilepd.control.framing import encode_frame, recv_frame, send_frame
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION, dump
 from tilepd.control.sender import KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig

@@ -7,9 +7,13 @@ systemd-nspawn boot a container. The host's sshd is a unit of that systemd, so a
 `tilepd status`) reach it by SSH, and `services: systemd` deploys real units into it.
 
 What the booted systemd may touch is fenced in (systemd_boot.sh): tmpfs /tmp, /var/tmp, /run,
-/etc/systemd/system and journal; only the units written here (the distribution's *.wants
+/etc/systemd/system and journal; a copy of /etc (the deploy creates the service user in the host's
+passwd and group, never the machine's); only the units written here (the distribution's *.wants
 directories and generators are hidden, the dangerous rest masked); read-only /sys and /proc/sys;
 a cgroup2 tree rooted at a cgroup made for this host (`tilepd-lab-<tag>`), no other hierarchy.
+The host's /root is a tmpfs any user may enter holding only the interpreter's trees (read-only):
+this machine keeps its venv and Python under /root (mode 700), where the deployment's service user
+could not run them; a real host keeps them in /opt or /usr (home_trees).
 The lab root (a pytest tmp dir under the machine's /tmp) is moved into the private /tmp at the
 same path, so topology paths under it mean the same file inside and out.
 
@@ -26,6 +30,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +74,15 @@ MASKED = (
 )  # fmt: skip
 # what the host does want from the distribution: journald (the units log there; `tilepd logs` reads it)
 WANTED_SOCKETS = ("systemd-journald.socket", "systemd-journald-dev-log.socket")
+
+
+def home_trees() -> list[str]:
+    """The interpreter's trees (its venv and the Python that venv was made from) where they lie under /root, which the
+    machine keeps mode 700: the host's /root shows them, read-only, to every user (systemd_boot.sh), as a real host
+    keeps its interpreters where the service user may run them. Nothing else of the machine's /root is there."""
+    trees = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)})
+    under_root = [t for t in trees if Path(t).is_relative_to("/root") and t != "/root"]
+    return [t for t in under_root if not any(t != o and Path(t).is_relative_to(o) for o in under_root)]
 
 
 def _masked_checkout() -> list[str]:
@@ -195,7 +209,7 @@ class SystemdLab(LabNetwork):
         log = open(self.root / host.name / "boot.log", "ab")
         with log:
             proc = subprocess.Popen(
-                ["bash", str(BOOT), "outer", str(cgroup), host.netns, str(self.root), str(units), *_masked_checkout()],
+                ["bash", str(BOOT), "outer", str(cgroup), host.netns, str(self.root), str(units), ":".join(home_trees()), *_masked_checkout()],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         self._boots[host.name] = proc

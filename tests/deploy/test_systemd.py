@@ -8,6 +8,7 @@ Restart=on-failure counted in `tilepd status`, down."""
 
 from __future__ import annotations
 
+import pwd
 import shutil
 import subprocess
 from pathlib import Path
@@ -59,13 +60,21 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     for unit in units:  # the sandbox (issue 26): every unit hardened, daemons read-only but their base dir
         text = unit.read_text()
         assert "NoNewPrivileges=yes" in text and "ProtectKernelModules=yes" in text and "RestrictSUIDSGID=yes" in text, text
+        assert "\nUser=tilepd\nGroup=tilepd\n" in text, text  # the service user (deployment.service_user's default), never root
         if "Type=oneshot" not in text:
             cwd = text.split("WorkingDirectory=", 1)[1].split("\n", 1)[0]
-            assert "ProtectSystem=strict" in text and f"ReadWritePaths={cwd}" in text and "ProtectHome=read-only" in text, text
+            # writes only to its data dir (the service user's), HOME and caches there
+            assert "ProtectSystem=strict" in text and f"\nReadWritePaths={cwd}/data\n" in text and "ProtectHome=read-only" in text, text
+            assert f"Environment=HOME={cwd}/data XDG_CACHE_HOME={cwd}/data/cache " in text, text
+            # the service user's copy of the deployment secret (`up` writes it), shown at the secret's own path (the file
+            # stays the SSH user's, 0600)
+            assert f"\nBindReadOnlyPaths={cwd}/data/secrets/deployment:{cwd}/secrets/deployment\n" in text, text
             assert "\nCapabilityBoundingSet=\n" in text, text  # no capability: no port below 1024 in these topologies
             assert "PrivateTmp=yes" not in text  # these test topologies live under /tmp: a private one would hide them
-    exposure = {u.name: _exposure(u) for u in units if "Type=oneshot" not in u.read_text()}
-    assert exposure and all(e <= 6.0 for e in exposure.values()), exposure  # 9.6 UNSAFE each before the sandbox
+            assert f"\nEnvironment=TMPDIR={cwd}/data\n" in text, text  # the machine's /tmp is read-only to it
+    exposure = {u: _exposure(u) for u in units if "Type=oneshot" not in u.read_text()}
+    # 9.6 UNSAFE each before the sandbox; 5.3 (decode, prefill) and 4.6 (router) with it but as root
+    assert exposure and all(e <= 5.0 for e in exposure.values()), {str(u.relative_to(tmp_path)): e for u, e in exposure.items()}
     assert all("LimitMEMLOCK=infinity" in u.read_text() for u in nixl)
 
 
@@ -93,17 +102,42 @@ def test_the_sandbox_fits_where_the_service_lives() -> None:
     decode = sandbox(svc("decode", "/srv/tilepd", {"http": 8000}))
     assert "CapabilityBoundingSet=" in decode and "PrivateDevices=yes" not in decode  # GPUs and RDMA devices stay visible
     assert "PrivateTmp=yes" not in sandbox(svc("decode", "/tmp/t", {"http": 8000}))
+    assert not any(line.startswith("Environment=TMPDIR") for line in decode)  # a private /tmp is writable
+
+
+def test_each_secret_is_shown_at_its_own_path_from_the_service_users_copy() -> None:
+    """The deployment secret and an operator's key file elsewhere (a space and a % in its name) each get a copy in the
+    data dir, bound read-only over the original path, quoted and %-escaped as systemd reads them back."""
+    from tilepd.plan.model import Service
+    from tilepd.plan.systemd import sandbox, secret_copies
+
+    base = "/srv/tilepd"
+    router = Service(name="router", role="router", kind="daemon", stage=4, creates=None, argv=[f"{base}/venv/bin/python"], env={}, cwd=base,
+                     health=None, ports={"http": 8080}, python=f"{base}/venv/bin/python", log_file="/l", pid_file="/p", unit="tilepd-router.service",
+                     config_file=None, config={"secret_file": f"{base}/secrets/deployment", "api_key_file": "/etc/keys/router 100%.key"},
+                     config_hash="sha256:0")
+    assert secret_copies(router) == [(f"{base}/secrets/deployment", f"{base}/data/secrets/deployment"),
+                                     ("/etc/keys/router 100%.key", f"{base}/data/secrets/etc_keys_router_100_.key")]
+    binds = [line for line in sandbox(router) if line.startswith("BindReadOnlyPaths=")]
+    assert binds == [f"BindReadOnlyPaths={base}/data/secrets/deployment:{base}/secrets/deployment",
+                     f'BindReadOnlyPaths={base}/data/secrets/etc_keys_router_100_.key:"/etc/keys/router 100%%.key"'], binds
 
 
 @pytest.mark.slow
 def test_systemd_playbook_path_in_check_mode_touches_nothing(tmp_path: Path) -> None:
+    """`up --check` in systemd mode runs the service user's check for real (as `nobody` while the user does not exist):
+    pytest's tmp dirs are mode 0700, so it stops there, naming the folder, before any unit, user or file is made."""
     data = _systemd(topo.local_topology(tmp_path, name="t-sd-check"))
     file = topo.write(data, tmp_path / "sd.yaml")
     r = tilepd(tmp_path / "home", "up", str(file), "--check", "--only", "router")
-    assert r.rc == 0, r
-    assert r.changed() >= 1, r
+    assert r.rc != 0, r
+    blocked = [str(p) for p in (tmp_path, *tmp_path.parents) if p.stat().st_mode & 0o001 == 0]  # folders others may not enter
+    assert blocked and any(f"service user tilepd may not enter folder {b} (mode " in r.out for b in blocked), r
+    assert "checked as nobody: tilepd does not exist yet" in r.out, r
     assert not Path("/etc/systemd/system/tilepd-router.service").exists()
     assert not Path(data["deployment"]["base_dir"]).exists()
+    with pytest.raises(KeyError):
+        pwd.getpwnam("tilepd")
 
 
 def test_status_reports_systemds_restart_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

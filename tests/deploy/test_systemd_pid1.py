@@ -7,8 +7,10 @@ topology's decode node d0 and the router run there as units; its prefill names 1
 host that is never booted, and every run is `--limit 10.78.0.11` (vLLM would take minutes of
 this 2-core box; the unit path is the same for it).
 
-Shown: the health gate passes and the units are active; a second `up` changes nothing (same
-MainPID, no restart); SIGKILL of the decode node's main process is undone by systemd
+Shown: `up` refuses, before anything starts, while the service user cannot enter the lab's folder
+(pytest makes it mode 0700), naming it; then the health gate passes, the units are active and every
+process of them runs as the service user `up` created (in the host's own /etc); a second `up`
+changes nothing (same MainPID, no restart); SIGKILL of the decode node's main process is undone by systemd
 (Restart=on-failure) and `tilepd status` counts the restart; a decode node whose loop is wedged is
 restarted by systemd's watchdog (WatchdogSec, its sd_notify pings stop); `down` stops, disables and removes
 the units; the host powers off and nothing of it is left.
@@ -17,6 +19,7 @@ the units; the host powers off and nothing of it is left.
 from __future__ import annotations
 
 import json
+import pwd
 import subprocess
 import time
 from collections.abc import Iterator
@@ -35,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 HOST, UNBOOTED = "10.78.0.11", "10.78.0.12"
 DECODE_UNIT, ROUTER_UNIT = "tilepd-decode-d0.service", "tilepd-router.service"
+SERVICE_USER = "tilepd"  # deployment.service_user's default
 UNITS = (DECODE_UNIT, ROUTER_UNIT)
 
 
@@ -45,6 +49,8 @@ class Deployed:
     root: Path
     file: Path
     first: Run
+    refused: Run | None = None  # the `up` before the lab's folder was opened to the service user
+    after_refusal: dict[str, str] | None = None  # unit -> its file and state right after that `up`
     down: Run | None = None
 
     def run(self, *args: str) -> Run:
@@ -90,10 +96,17 @@ def sd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
         print(f"boot + ssh: {time.monotonic() - t0:.1f}s")
         file = topo.write(_topology(root, lab.client_key), root / "sd.yaml")
         d = Deployed(lab, lab.hosts[0], root, file, Run([], 0, "", ""))
+        assert root.stat().st_mode & 0o777 == 0o700  # pytest's: no one but root may enter
+        t0 = time.monotonic()
+        d.refused = d.up()
+        print(f"refused up: {time.monotonic() - t0:.1f}s")
+        d.after_refusal = {u: f"{d.host_path(f'/etc/systemd/system/{u}').exists()} {lab.show(lab.hosts[0], u, 'ActiveState')['ActiveState']}"
+                           for u in UNITS}
+        root.chmod(0o755)  # as a real host keeps /srv/tilepd: the service user may enter, the files say what it may read
         t0 = time.monotonic()
         d.first = d.up()
         print(f"first up: {time.monotonic() - t0:.1f}s")
-        assert d.first.rc == 0, d.first
+        assert d.first.rc == 0, str(d.first)
         yield d
     finally:
         try:
@@ -122,6 +135,44 @@ def _health_gates(d: Deployed) -> dict[str, bool]:
     return gates
 
 
+def test_up_refuses_what_the_service_user_cannot_read_before_anything_starts(sd: Deployed) -> None:
+    refused = sd.refused
+    assert refused is not None and refused.rc != 0, refused
+    assert f"service user {SERVICE_USER} may not enter folder {sd.root} (mode 0700, owner root:root), so it cannot use" in refused.out, refused
+    for named in ("decode-d0 weights_dir", "router tokenizer_dir", "decode-d0 working directory", "router data dir"):
+        assert named in refused.out, refused
+    assert "interpreter)" not in refused.out, refused  # the host's /root shows the interpreter to every user
+    assert "health gate" not in refused.out and "unit files" not in refused.out, refused  # stopped in the first play
+    assert sd.after_refusal == {unit: "False inactive" for unit in UNITS}  # no unit file, nothing started
+    # the user was created before the check, in the host's own /etc, not the machine's
+    with pytest.raises(KeyError):
+        pwd.getpwnam(SERVICE_USER)
+
+
+def test_every_process_of_the_units_runs_as_the_service_user(sd: Deployed) -> None:
+    """Issue 26's done-when: a systemd-mode stack's services run as the service user (never root), which `up` created
+    as a system user without a login shell; it owns the data dir and nothing else `up` wrote."""
+    entry = sd.lab.run_in(sd.host, "getent", "passwd", SERVICE_USER).stdout.strip().split(":")
+    assert len(entry) == 7, entry
+    uid, gid, shell = int(entry[2]), int(entry[3]), entry[6]
+    assert 0 < uid < 1000 and shell == "/usr/sbin/nologin", entry  # a system user, no login
+    for unit in UNITS:
+        props = sd.lab.show(sd.host, unit, "User", "Group", "ControlGroup")
+        assert (props["User"], props["Group"]) == (SERVICE_USER, SERVICE_USER), props
+        pids = sd.lab.run_in(sd.host, "cat", f"/sys/fs/cgroup{props['ControlGroup']}/cgroup.procs").stdout.split()
+        assert pids, (unit, props)
+        for pid in pids:  # the main process and every child (the decode node's TP workers would be there too)
+            status = sd.lab.run_in(sd.host, "cat", f"/proc/{pid}/status").stdout
+            ids = {line.split(":")[0]: [int(x) for x in line.split()[1:]] for line in status.splitlines() if line.startswith(("Uid:", "Gid:"))}
+            assert ids == {"Uid": [uid] * 4, "Gid": [gid] * 4}, (unit, pid, status)
+    data = sd.host_path(f"{sd.root}/hosts/sd/data").stat()
+    assert (data.st_uid, data.st_gid, data.st_mode & 0o777) == (uid, gid, 0o750)
+    secret = sd.host_path(f"{sd.root}/hosts/sd/secrets/deployment").stat()  # the SSH user's; systemd hands the service a copy
+    assert (secret.st_uid, secret.st_mode & 0o777) == (0, 0o600)
+    config = sd.host_path(f"{sd.root}/hosts/sd/config/router.json").stat()
+    assert config.st_uid == 0
+
+
 def test_up_passes_the_health_gate_with_active_units(sd: Deployed) -> None:
     assert sd.first.changed() > 0, sd.first
     assert _health_gates(sd) == {"health gate: decode decode-d0": True, "health gate: router router": True}
@@ -130,7 +181,7 @@ def test_up_passes_the_health_gate_with_active_units(sd: Deployed) -> None:
         assert (props["ActiveState"], props["SubState"], props["UnitFileState"]) == ("active", "running", "enabled"), (unit, props)
         assert props["NRestarts"] == "0" and int(props["MainPID"]) > 0
         text = sd.host_path(f"/etc/systemd/system/{unit}").read_text()
-        assert "Restart=on-failure" in text and "KillMode=control-group" in text
+        assert "Restart=on-failure" in text and "KillMode=control-group" in text and f"\nUser={SERVICE_USER}\n" in text
     assert not Path(f"/etc/systemd/system/{DECODE_UNIT}").exists()  # the machine's own /etc is untouched
     assert sd.lab.systemctl(sd.host, "is-system-running", check=False).stdout.strip() == "running"
     rows = sd.status()

@@ -53,7 +53,7 @@ def test_served_models_run_at_their_real_depth_with_the_first_moe_layer_aliased(
     is layers 0..3, the deeper layers alias layer 3's tensors and still count in the floor."""
     import torch
 
-    from decode_speed import build_weights, model_spec, step_read_bytes
+    from kit import build_weights, model_spec, step_read_bytes
 
     for model, depth, dsa in (("glm-5.1", 78, True), ("deepseek-v3", 61, False), ("deepseek-v3.2", 61, True), ("dsv3-small", 2, False)):
         _, spec, built = model_spec(model, tiny=False, layers=None)

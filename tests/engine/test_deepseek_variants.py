@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tilepd.dev.hf_reference import native_state
+from tilepd.dev.hf_reference import engine_layout_state
 from tilepd.engine import SamplingParams, load_engine
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -45,8 +45,8 @@ def test_deepseek_variant_matches_hf(variant: str, tmp_path: Path) -> None:
     prompt = torch.randint(2, BASE["vocab_size"], (1, 70), generator=torch.Generator().manual_seed(1))  # past yarn's original length
     steps = 24
     with torch.no_grad():
-        state = native_state(model(prompt, use_cache=True).past_key_values, "deepseek_v3", prompt.shape[1],
-                             rope_interleave=cfg.rope_interleave)
+        state = engine_layout_state(model(prompt, use_cache=True).past_key_values, "deepseek_v3", prompt.shape[1],
+                                    rope_interleave=cfg.rope_interleave)
         out = model.generate(prompt, max_new_tokens=steps + 1, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     ref = out.sequences[0, prompt.shape[1]:].tolist()

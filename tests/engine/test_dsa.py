@@ -50,7 +50,7 @@ def test_speculative_mtp_path_gives_the_same_tokens(model: str, dsa_ref, request
     assert eng.num_speculative_tokens == 1 and "mtp.0." in eng.model.index_caches
     eng.inject(ref.state)
     assert eng.decode(ref.tokens[0], DSA_STEPS, GREEDY, lambda t: None).tokens == ref.tokens[1:]
-    assert eng.last_spec_stats["drafted"] > 0
+    assert eng.last_mtp_stats["drafted"] > 0
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -126,30 +126,41 @@ def test_topk_select_refuses_bad_input_by_name() -> None:
 _ENGINE = textwrap.dedent("""
     import sys
     import torch
-    from tilepd.engine import KVState, SamplingParams, dsa_topk, layers, load_engine
+    from tilepd.engine import KVState, SamplingParams, dsa_topk, fp8_triton, gemv_triton, layers, load_engine, mla_fused, moe, moe_fused
+    from tilepd.engine import moe_fused_triton, moe_triton
     torch.set_num_threads(1)
-    calls = []
-    select = dsa_topk.topk_select
-    def counted(*a, **kw):  # a spy, not a stand-in: counts that the kernel path ran
-        calls.append(1)
-        return select(*a, **kw)
-    dsa_topk.topk_select = counted
+    # few programs a launch: the interpreter pays per program
+    gemv_triton.TUNE["block_n"], fp8_triton.TUNE["block_n"], moe_triton.TUNE["block_n"] = 256, 128, 64
+    moe_fused_triton.TUNE.update(gate_block_e=16, down_block_n=64)
+    calls = {"topk": 0, "attention": 0, "moe": 0}
+    def spy(module, name, key):  # a spy, not a stand-in: counts that the kernel path ran
+        real = getattr(module, name)
+        def counted(*a, **kw):
+            calls[key] += 1
+            return real(*a, **kw)
+        setattr(module, name, counted)
+    spy(dsa_topk, "topk_select", "topk")
+    spy(mla_fused, "attention_block", "attention")
+    spy(moe_fused, "moe_block", "moe")
+    # the speed path as compiled.accelerate turns it on for this family (its CUDA-only parts aside)
+    layers.ATTENTION_IMPL["mla"] = mla_fused.FUSED_IMPL["attention"] = "triton"
+    moe.EXPERT_IMPL["dense"] = moe.ROUTE_IMPL["router"] = moe.BLOCK_IMPL["moe"] = "triton"
+    modes = {"eager": (0, False), "graph": (0, True), "mtp": (None, False)}
     path, refs = sys.argv[1], torch.load(sys.argv[2])
     for name, ref in refs.items():
         state = KVState(ref["seq_len"], ref["layers"], ref["indexer"])
-        for spec_tokens, graph in ((0, False), (0, True), (None, False)):
+        for mode in ref["modes"]:
+            spec_tokens, graph = modes[mode]
             eng = load_engine(path, device="cpu", max_seq_len=256, dtype="float32", use_cuda_graph=graph, num_speculative_tokens=spec_tokens)
             if graph:
                 eng.graph_step.buckets = [8, 16, 24, 96, 128, 256]  # windows below, at and above index_topk (16)
-            runs = {}
-            for impl in ("reference", "triton"):
-                layers.ATTENTION_IMPL["mla"] = impl
-                before = len(calls)
-                eng.inject(state)
-                runs[impl] = eng.decode(ref["tokens"][0], len(ref["tokens"]) - 1, SamplingParams(ignore_eos=True), lambda t: None).tokens
-                assert (len(calls) > before) == (impl == "triton"), (name, impl, len(calls) - before)
-            assert runs["triton"] == runs["reference"] == ref["tokens"][1:], (name, spec_tokens, graph, runs, ref["tokens"][1:])
-            print(name, "mtp" if spec_tokens is None else "graph" if graph else "eager", "ok", flush=True)
+            mla_fused.prepare_model(eng.model)
+            before = dict(calls)
+            eng.inject(state)
+            got = eng.decode(ref["tokens"][0], len(ref["tokens"]) - 1, SamplingParams(ignore_eos=True), lambda t: None).tokens
+            assert all(calls[k] > before[k] for k in calls), (name, mode, "a kernel path did not run", calls, before)
+            assert got == ref["tokens"][1:], (name, mode, got, ref["tokens"][1:])
+            print(name, mode, "ok", flush=True)
     print("engine ok")
 """)
 
@@ -158,13 +169,15 @@ _ENGINE = textwrap.dedent("""
 @pytest.mark.parametrize("model", ["glm5", "dsv32"])
 def test_tiny_dsa_model_decodes_hfs_tokens_through_the_kernels(model: str, dsa_ref, request: pytest.FixtureRequest, repo_root: Path,
                                                                 tmp_path: Path) -> None:
-    """HF's prefill state (short prompt below index_topk, long one 5x above it), eager step, the graph step's
-    static body across windows, and the MTP speculative path: the kernel path under the interpreter decodes
-    HF's greedy tokens, as the reference path does."""
+    """HF's prefill state (a short prompt below index_topk, a long one 5x above it; both decodes outgrow it): the speed
+    path's kernels under the interpreter (the DSA indexer and top-k, the MLA kernel, the fused attention half-layer,
+    the fused MoE block) decode HF's greedy tokens, through the graph step's static body across windows (short prompt),
+    the eager step and the MTP speculative step (long prompt). The reference path's parity with HF is test_dsa.py's."""
     refs = {}
-    for prompt in ("short", "long"):
+    for prompt, modes in (("short", ["graph"]), ("long", ["eager", "mtp"])):
         ref = dsa_ref(model, prompt)
-        refs[f"{model}/{prompt}"] = {"seq_len": ref.state.seq_len, "layers": ref.state.layers, "indexer": ref.state.indexer, "tokens": ref.tokens}
+        refs[f"{model}/{prompt}"] = {"seq_len": ref.state.seq_len, "layers": ref.state.layers, "indexer": ref.state.indexer,
+                                     "tokens": ref.tokens[:13], "modes": modes}
     torch.save(refs, tmp_path / "refs.pt")
     r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"))
     assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -17,15 +17,16 @@ import torch
 from tilepd.dev.fp8_checkpoint import write_fp8_checkpoint
 from tilepd.engine import KVState, SamplingParams, load_engine
 from tilepd.engine.engine import Engine, build_model
-from tilepd.engine.fp8 import FP8, BlockFp8, fp8_expert_linear, fp8_linear, quantize
+from tilepd.model_format.block_fp8 import FP8, BlockFp8, quantize
+from tilepd.engine.fp8 import fp8_expert_linear, fp8_linear
 from tilepd.engine.layers import linear
 from tilepd.engine.moe import moe
 from tilepd.weights import convert_weights
-from tilepd.weights.loader import load_weights
+from tilepd.engine.weights_loader import load_weights
 
 
 def ref_dequant(w: BlockFp8) -> torch.Tensor:
-    """Independent of tilepd.engine.fp8.dequantize: each element indexes its block's scale."""
+    """Independent of tilepd.model_format.block_fp8.dequantize: each element indexes its block's scale."""
     n, k = w.weight.shape[-2:]
     r = torch.arange(n) // w.block[0]
     c = torch.arange(k) // w.block[1]
@@ -81,13 +82,13 @@ def test_quantize_block_scales_are_amax_over_448() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here (the kernel is checked by bench/fp8_gpu_parity.py)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here (the kernel is checked on CUDA by tests/engine/test_fp8_gpu_parity.py, marker gpu)")
 def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
     """The CUDA kernel's code, run by Triton's CPU interpreter on the same cases as the reference."""
     script = textwrap.dedent("""
         import torch
         from tilepd.engine import fp8_triton
-        from tilepd.engine.fp8 import BlockFp8, FP8, dequantize
+        from tilepd.model_format.block_fp8 import BlockFp8, FP8, dequantize
         g = torch.Generator().manual_seed(0)
         def rnd(shape, block):
             n, k = shape[-2:]

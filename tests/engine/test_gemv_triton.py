@@ -40,7 +40,7 @@ KERNEL_CASES = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here (the kernel is checked by bench/mla_gpu_parity.py)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here (the kernel is checked on CUDA by tests/engine/test_mla_gpu_parity.py, marker gpu)")
 def test_dense_gemv_kernel_under_interpreter(repo_root: Path) -> None:
     """The CUDA kernel's code, run by Triton's CPU interpreter, equals the unfused ops it replaces."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root)}

@@ -9,7 +9,7 @@ import torch
 
 from tilepd.engine import SamplingParams, load_engine
 
-from tilepd.dev.hf_reference import native_state
+from tilepd.dev.hf_reference import engine_layout_state
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, eos_token_id=1, bos_token_id=0)
@@ -43,7 +43,7 @@ def test_variant_matches_hf(variant: str, tmp_path: Path) -> None:
     prompt = torch.randint(2, COMMON["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(1))
     steps = 32
     with torch.no_grad():
-        state = native_state(model(prompt, use_cache=True).past_key_values, "llama", prompt.shape[1])
+        state = engine_layout_state(model(prompt, use_cache=True).past_key_values, "llama", prompt.shape[1])
         out = model.generate(prompt, max_new_tokens=steps + 1, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     ref = out.sequences[0, prompt.shape[1]:].tolist()

@@ -87,7 +87,7 @@ _ENGINE = textwrap.dedent("""
     import sys
     import torch
     from tilepd.engine import KVState, SamplingParams, layers, load_engine, moe
-    from tilepd.engine.deepseek_v3 import DenseSpan
+    from tilepd.engine.mla_fused import DenseSpan
     torch.set_num_threads(1)
     for path in sys.argv[1:]:
         eng = load_engine(path, device="cpu", max_seq_len=128, dtype="float32", use_cuda_graph=True, num_speculative_tokens=0)
@@ -124,24 +124,34 @@ def test_engine_decodes_the_same_tokens_through_the_kernel(tiny_deepseek: Path, 
 
 
 def test_accelerate_turns_the_kernels_on_and_undoes_them_first(tiny_deepseek: Path) -> None:
-    """compiled.accelerate on a DeepSeek-family model switches MLA attention and the routed experts to the
-    kernels; a capture failure undoes the expert GEMV, then the MLA kernel, before the generic attention."""
-    from tilepd.engine import layers, load_engine, moe
+    """compiled.accelerate on a DeepSeek-family model switches MLA attention, the fused attention half-layer and the
+    routed experts to the kernels (and concatenates the attention's projections for it); a capture failure undoes the
+    fused MoE block, the router, the expert GEMV, the fused attention, then the MLA kernel, before the generic attention."""
+    from tilepd.engine import layers, load_engine, mla_fused, moe
     from tilepd.engine.compiled import accelerate
 
-    before = (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"])
+    before = (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"],
+              mla_fused.FUSED_IMPL["attention"])
     try:
         eng = load_engine(tiny_deepseek, device="cpu", max_seq_len=64, dtype="float32", num_speculative_tokens=0)
         path = accelerate(eng.model, compile_layers=False)
-        assert path.name == "triton-attn+mla-kernel+moe-gemv+moe-route+graph"
-        assert (layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"]) == ("triton", "triton", "triton")
-        assert [undo() for undo in path.fallbacks] == ["MoE router back to torch", "routed experts back to gather", "MLA attention back to reference",
+        assert path.name == "triton-attn+mla-kernel+mla-fused+moe-gemv+moe-route+moe-fused+graph"
+        assert (layers.ATTENTION_IMPL["mla"], mla_fused.FUSED_IMPL["attention"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"],
+                moe.BLOCK_IMPL["moe"]) == ("triton",) * 5
+        assert set(eng.model.fused) == {f"layers.{i}." for i in range(eng.config.num_layers)} | {"mtp.0."}, "every layer's projections joined"
+        assert [undo() for undo in path.fallbacks] == ["fused MoE block back to torch", "MoE router back to torch", "routed experts back to gather",
+                                                       "fused MLA attention back to torch", "MLA attention back to reference",
                                                        "attention back to sdpa"]
-        assert (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"]) == (
-            "sdpa", "reference", "gather", "torch")
+        assert (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"],
+                moe.BLOCK_IMPL["moe"], mla_fused.FUSED_IMPL["attention"]) == ("sdpa", "reference", "gather", "torch", "torch", "torch")
         assert accelerate(eng.model, compile_layers=False, mla_attention=False, moe_gemv=False, moe_route=False).name == "triton-attn+graph"
+        assert moe.BLOCK_IMPL["moe"] == "torch", "the fused block stands on the expert GEMV and the router kernel"
+        assert mla_fused.FUSED_IMPL["attention"] == "torch", "the fused attention stands on the MLA kernel"
+        assert accelerate(eng.model, compile_layers=False, moe_fused=False, mla_fused=False).name == \
+            "triton-attn+mla-kernel+moe-gemv+moe-route+graph"
     finally:
-        layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = before
+        (layers.ATTENTION_IMPL["default"], layers.ATTENTION_IMPL["mla"], moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"],
+         mla_fused.FUSED_IMPL["attention"]) = before
 
 
 cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")

@@ -1,11 +1,11 @@
 """The fused MLA attention half-layer (mla_fused.py, mla_fused_triton.py) under Triton's CPU interpreter.
 
 Kernels: `prepare` (W_UK absorb + q RoPE, the latent's norm + RoPE into the cache, the indexer key into its cache)
-and `merge_uv` (split-KV merge + W_UV) against the model's own ops (their references), fp32 and bf16, both RoPE
+with the indexer's head weights, and `merge_uv` (split-KV merge + W_UV) against the model's own ops (their references), fp32 and bf16, both RoPE
 layouts, T > 1, a strided kv view (the GEMV output's column slice), heads whose splits saw nothing.
-Engine: the tiny DSA models decode HF's greedy tokens through the fused path (eager, the graph step's static body
-across windows below and above index_topk, MTP), and an fp8 checkpoint (block scales off the rows' block grid, and
-on it) decodes the same tokens through the fused path as through the model's reference ops on the same weights."""
+Engine: an fp8 checkpoint (block scales off the rows' block grid) decodes the same tokens through the fused path as
+through the model's reference ops on the same weights, and the joined projections keep their values on and off the
+grid. HF's greedy tokens through the whole speed path (this half-layer included) are test_dsa_kernels.py's engine test."""
 
 from __future__ import annotations
 
@@ -42,17 +42,26 @@ _KERNELS = textwrap.dedent("""
                 kvn = (1 + 0.1 * torch.randn(rank, generator=g)).to(dtype)
                 cache = torch.randn(slots, 1, rank + rope, generator=g).to(dtype)
                 ref_cache = cache.clone()
-                index = ref_index = None
+                index = ref_index = head_weights = None
                 if with_index:
+                    x = torch.randn(t, 1100, generator=g).to(dtype)  # past one 1024-wide chunk, off the chunk
+                    xn = (1 + 0.1 * torch.randn(1100, generator=g)).to(dtype)
+                    head_weights = (x, xn, 1e-5, torch.randn(5, 1100, generator=g))  # fp32, as HF keeps weights_proj
                     d = 128
                     kx = torch.randn(t, d, generator=g).to(dtype)
                     kn, kb = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype), (0.1 * torch.randn(d, generator=g)).to(dtype)
                     ic = torch.randn(slots, d, generator=g).to(dtype)
                     ric = ic.clone()
                     index, ref_index = (kx, kn, kb, cs, ic, interleaved), (kx, kn, kb, cs, ric, interleaved)
-                got = M.prepare(q, kv, w_uk, kvn, 1e-6, cs, positions, cache, rank, rope, interleaved, index)
-                want = M.prepare_reference(q, kv, w_uk, kvn, 1e-6, cs, positions, ref_cache, rank, rope, interleaved, ref_index)
-                pairs = [("q", got, want), ("cache", cache, ref_cache)] + ([("index cache", ic, ric)] if with_index else [])
+                got, got_w = M.prepare(q, kv, w_uk, kvn, 1e-6, cs, positions, cache, rank, rope, interleaved, index, head_weights)
+                want, want_w = M.prepare_reference(q, kv, w_uk, kvn, 1e-6, cs, positions, ref_cache, rank, rope, interleaved, ref_index,
+                                                   head_weights)
+                pairs = [("q", got, want), ("cache", cache, ref_cache)]
+                if with_index:
+                    assert got_w.dtype == torch.float32 and got_w.shape == (t, 5)
+                    pairs += [("index cache", ic, ric), ("head weights", got_w, want_w)]
+                else:
+                    assert got_w is None and want_w is None
                 for name, a, b in pairs:
                     err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
                     assert err < tol, (name, dtype, interleaved, t, h, err)
@@ -74,42 +83,11 @@ _KERNELS = textwrap.dedent("""
 # Few programs per launch: the interpreter pays per program, not per element.
 _FAST_TILES = "from tilepd.engine import fp8_triton, gemv_triton\ngemv_triton.TUNE['block_n'] = 256\nfp8_triton.TUNE['block_n'] = 128\n"
 
-_ENGINE = _FAST_TILES + textwrap.dedent("""
-    import sys
-    import torch
-    from tilepd.engine import KVState, SamplingParams, layers, load_engine, mla_fused
-    torch.set_num_threads(1)
-    calls = []
-    block = mla_fused.attention_block
-    def counted(*a, **kw):  # a spy, not a stand-in: counts that the fused path ran
-        calls.append(1)
-        return block(*a, **kw)
-    mla_fused.attention_block = counted
-    layers.ATTENTION_IMPL["mla"] = "triton"
-    mla_fused.FUSED_IMPL["attention"] = "triton"
-    path, refs, modes = sys.argv[1], torch.load(sys.argv[2]), sys.argv[3].split(",")
-    table = {"eager": (0, False), "graph": (0, True), "mtp": (None, False)}
-    for name, ref in refs.items():
-        state = KVState(ref["seq_len"], ref["layers"], ref["indexer"])
-        for spec_tokens, graph in (table[m] for m in modes):
-            eng = load_engine(path, device="cpu", max_seq_len=128, dtype="float32", use_cuda_graph=graph, num_speculative_tokens=spec_tokens)
-            if graph:
-                eng.graph_step.buckets = [8, 16, 24, 96, 128]  # windows below, at and above index_topk (16)
-            mla_fused.prepare_model(eng.model)
-            before = len(calls)
-            eng.inject(state)
-            got = eng.decode(ref["tokens"][0], len(ref["tokens"]) - 1, SamplingParams(ignore_eos=True), lambda t: None).tokens
-            assert len(calls) > before, (name, "the fused path did not run")
-            assert got == ref["tokens"][1:], (name, spec_tokens, graph, got, ref["tokens"][1:])
-            print(name, "mtp" if spec_tokens is None else "graph" if graph else "eager", "ok", flush=True)
-    print("engine ok")
-""")
-
 _FP8 = _FAST_TILES + textwrap.dedent("""
     import sys
     import torch
     from tilepd.engine import KVState, SamplingParams, layers, load_engine, mla_fused
-    from tilepd.engine.fp8 import BlockFp8
+    from tilepd.model_format.block_fp8 import BlockFp8
     torch.set_num_threads(1)
     eng = load_engine(sys.argv[1], device="cpu", max_seq_len=64, dtype="float32", num_speculative_tokens=0)
     s = eng.config
@@ -126,7 +104,7 @@ _FP8 = _FAST_TILES + textwrap.dedent("""
                 blocks = {g_.weight.block for f in eng.model.fused.values() for g_ in f.a_groups if isinstance(g_.weight, BlockFp8)}
                 print("G1 blocks", sorted(blocks), flush=True)
             eng.inject(state)
-            runs[impl] = eng.decode(3, 12, SamplingParams(ignore_eos=True), lambda t: None).tokens
+            runs[impl] = eng.decode(3, 8, SamplingParams(ignore_eos=True), lambda t: None).tokens
         assert runs["fused"] == runs["reference"] and len(set(runs["fused"])) > 2, (seq, runs)
         print("fp8", seq, "ok", flush=True)
     print("fp8 ok")
@@ -145,33 +123,34 @@ def test_kernels_match_the_model_ops_under_interpreter(repo_root: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,modes", [("glm5", "eager,graph"), ("dsv32", "eager,mtp")])
-def test_tiny_dsa_model_decodes_hfs_tokens_through_the_fused_attention(model: str, modes: str, dsa_ref, request: pytest.FixtureRequest,
-                                                                       repo_root: Path, tmp_path: Path) -> None:
-    """glm5 (GPT-J RoPE, "shared" layers reusing the last selection) eager and through the graph step's static body across
-    windows below and above index_topk; dsv32 (NeoX RoPE in the indexer, its own rope table) eager and with MTP (T = 2)."""
-    refs = {}
-    for prompt in ("short", "long"):
-        ref = dsa_ref(model, prompt)
-        refs[f"{model}/{prompt}"] = {"seq_len": ref.state.seq_len, "layers": ref.state.layers, "indexer": ref.state.indexer,
-                                     "tokens": ref.tokens[:13]}
-    torch.save(refs, tmp_path / "refs.pt")
-    r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"), modes, timeout=1500)
-    assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("block", [(128, 128), (32, 32)], ids=["rows-off-the-block-grid", "rows-on-the-block-grid"])
-def test_fp8_glm5_decodes_the_same_through_the_fused_attention(block: tuple[int, int], tiny_glm5: Path, repo_root: Path,
-                                                               tmp_path: Path) -> None:
-    """(128, 128): G1's parts (q_a 64 rows, the indexer key 128, kv_a 576) are off the 128-row grid, so their concatenation
-    keeps one scale per row; (32, 32): on it, so the checkpoint's block scales are concatenated as they are."""
+def test_fp8_glm5_decodes_the_same_through_the_fused_attention(tiny_glm5: Path, repo_root: Path, tmp_path: Path) -> None:
+    """The tiny model's G1 parts (q_a 64 rows, the indexer key 128, kv_a 576) are off the 128-row block grid, so their
+    concatenation keeps one scale per row; the fused path decodes the tokens the reference ops decode on the same weights."""
     from tilepd.dev.fp8_checkpoint import write_fp8_checkpoint
     from tilepd.weights.convert import convert_weights
 
-    src = write_fp8_checkpoint(tiny_glm5, tmp_path / "hf-fp8", block=block)
+    src = write_fp8_checkpoint(tiny_glm5, tmp_path / "hf-fp8")
     convert_weights(src, tmp_path / "w", dtype="fp8", progress=False)
     r = _interpret(_FP8, repo_root, str(tmp_path / "w"))
     assert r.returncode == 0 and "fp8 ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
-    want_block = "(1, 128)" if block == (128, 128) else "(32, 32)"
-    assert f"G1 blocks [{want_block}]" in r.stdout, r.stdout[-2000:]
+    assert "G1 blocks [(1, 128)]" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("rows", [(256, 128, 384), (64, 128, 576)], ids=["on-the-block-grid", "off-the-block-grid"])
+def test_concatenated_fp8_parts_keep_their_values_and_the_entries_become_views(rows: tuple[int, ...]) -> None:
+    """_concat on block-scaled parts: the joined weight dequantises to the parts stacked; on the 128-row grid the block
+    scales are joined as they are, off it each row keeps its own scale (block_n 1); each part's new entry is a view."""
+    from tilepd.engine import mla_fused
+    from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize
+
+    g = torch.Generator().manual_seed(0)
+    parts = [(f"p{i}", quantize(torch.randn(n, 256, generator=g))) for i, n in enumerate(rows)]
+    group, views = mla_fused._concat(parts)
+    assert isinstance(group.weight, BlockFp8)
+    assert group.weight.block == ((128, 128) if rows[0] % 128 == 0 else (1, 128))
+    assert torch.equal(dequantize(group.weight), torch.cat([dequantize(w) for _, w in parts]))
+    for name, w in parts:
+        a, b = group.parts[name]
+        assert b - a == w.shape[0] and torch.equal(dequantize(views[name]), dequantize(w))
+        assert views[name].weight.untyped_storage().data_ptr() == group.weight.weight.untyped_storage().data_ptr()
+    assert group.rows_for({"p0"}) == rows[0] and group.rows_for({"p0", "p2"}) == sum(rows)

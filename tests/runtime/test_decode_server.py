@@ -18,7 +18,7 @@ from tests.reserved import reserve_http
 from tests.runtime.hf_engine import hf_greedy, hf_prefill_kv
 from tests.runtime.conftest import start_node, stop_node, wire_payload
 from tilepd.control.messages import PROTOCOL_VERSION
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.sender import KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.transport import Buffer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import ProtocolError
 from tilepd.runtime.geometry import CacheGeometry, check_layout, geometry_from_spec, recv_buffer_bytes
 
@@ -69,7 +69,7 @@ def test_dsa_geometry_follows_vllms_indexer_schedule() -> None:
 
 
 def test_dsa_indexer_segment_is_checked_by_name() -> None:
-    from tilepd.control.layout import IndexerLayout
+    from tilepd.control.cache_layout import IndexerLayout
 
     g = CacheGeometry("deepseek_v3", "mla", 3, 1, 576, kv_lora_rank=512, rope_dim=64, num_mtp_layers=1, index_head_dim=128,
                       indexer_layers=(0, 1, 3))

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tilepd.cli.app import app
-from tilepd.engine.spec import spec_from_hf_config
+from tilepd.model_format.model_spec import spec_from_hf_config
 from tilepd.resources import examples_dir
 from tilepd.topology import TopologyError, load_topology_text
 from tilepd.topology.gpus import GIB, MIB, known_gpu

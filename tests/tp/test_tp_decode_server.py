@@ -18,7 +18,7 @@ import torch
 from tests.runtime.conftest import free_port, wire_payload
 from tests.reserved import reserve_http
 from tests.runtime.hf_engine import hf_prefill_kv
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.sender import KVSender
 from tilepd.engine import KVState, SamplingParams, load_engine
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig

@@ -162,8 +162,8 @@ def test_tp_shards_split_fused_tensors_per_part(tiny_llama: Path, tmp_path: Path
 
 
 def test_fp8_weights_dequantise_close(tiny_deepseek: Path, tmp_path: Path) -> None:
-    from tilepd.engine.fp8 import BlockFp8, dequantize
-    from tilepd.weights.loader import load_weights
+    from tilepd.model_format.block_fp8 import BlockFp8, dequantize
+    from tilepd.engine.weights_loader import load_weights
 
     convert_weights(tiny_deepseek, tmp_path / "fp8", dtype="fp8", progress=False)
     f = SafetensorsFile(tmp_path / "fp8" / "rank0.safetensors")

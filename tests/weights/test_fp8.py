@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tilepd.dev.fp8_checkpoint import is_quantised, write_fp8_checkpoint
-from tilepd.engine.fp8 import FP8, BlockFp8, quantize
+from tilepd.model_format.block_fp8 import FP8, BlockFp8, quantize
 from tilepd.weights import WeightsError, convert_weights
 from tilepd.weights import fp8_build
-from tilepd.weights.layout import OutTensor
-from tilepd.weights.loader import load_weights
+from tilepd.weights.out_tensors import OutTensor
+from tilepd.engine.weights_loader import load_weights
 from tilepd.weights.source import Checkpoint, SafetensorsFile
 
 
@@ -106,20 +106,20 @@ def test_tp_shards_keep_block_scales_or_refuse_clearly(tmp_path: Path) -> None:
     full = {k: _dequant(v) for k, v in src.items()}
     shape_of = lambda n: tuple(src[n].weight.shape)  # noqa: E731
     fused = OutTensor("ab", (("a", "b"),), shard_dim=0, quantizable=True)
-    block, scale_shape = fp8_build.plan(fused, shape_of, 2, (128, 128))
+    block, scale_shape = fp8_build.block_and_scale_shape(fused, shape_of, 2, (128, 128))
     assert block == (1, 128) and scale_shape == (224, 4)  # b's 96-row shards start mid-block: per-row scales
     for rank in range(2):
         (w,) = fp8_build.build(fused, src.__getitem__, block, rank, 2)
         want = torch.cat([full["a"].chunk(2)[rank], full["b"].chunk(2)[rank]])
         assert tuple(w.scale.shape) == scale_shape and torch.equal(_dequant(w), want)
     row = OutTensor("o", (("o",),), shard_dim=1, quantizable=True)
-    block, scale_shape = fp8_build.plan(row, shape_of, 2, (128, 128))
+    block, scale_shape = fp8_build.block_and_scale_shape(row, shape_of, 2, (128, 128))
     assert block == (128, 128) and scale_shape == (2, 2)
     for rank in range(2):
         (w,) = fp8_build.build(row, src.__getitem__, block, rank, 2)
         assert torch.equal(_dequant(w), full["o"].chunk(2, dim=1)[rank])
     with pytest.raises(WeightsError, match=r"o: 512 input columns split 8 ways do not start on fp8 block boundaries"):
-        fp8_build.plan(row, shape_of, 8, (128, 128))
+        fp8_build.block_and_scale_shape(row, shape_of, 8, (128, 128))
 
 
 def test_fp8_weights_on_a_device_without_fp8_are_refused(tiny_llama: Path, tmp_path: Path) -> None:

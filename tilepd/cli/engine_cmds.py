@@ -65,7 +65,7 @@ def convert_weights_cmd(
             if model_dir or out:
                 _fail(ExitCode.USAGE, "give either a TOPOLOGY file or --model-dir/--out, not both")
             if not local:
-                from tilepd.deploy.convert import convert_on_nodes
+                from tilepd.deploy.convert_on_nodes import convert_on_nodes
 
                 raise typer.Exit(convert_on_nodes(topology, limit=limit, check=check))
             results = _convert_topology(topology, as_json, force)

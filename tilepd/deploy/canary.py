@@ -57,7 +57,7 @@ class CanarySpec(BaseModel):
 
 
 @dataclass
-class CanaryResult:
+class NodeCanaryResult:
     outcome: Literal["ok", "failed", "skipped"]
     reason: str
     transfer_id: str
@@ -119,14 +119,14 @@ def _renew_until(stop: threading.Event, node_base_url: str, tid: str, fence: int
             pass
 
 
-def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> CanaryResult:
+def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> NodeCanaryResult:
     """Send the canary; never raises for what the prefill or the node answers (the outcome says it)."""
     t0 = time.monotonic()
     tid = f"{CANARY_TRANSFER_PREFIX}{uuid.uuid4().hex}"
     token = transfer_token(secret, tid) if secret else uuid.uuid4().hex
     granted = _reserve(node_base_url, tid, token, secret)
     if isinstance(granted, str):
-        return CanaryResult("failed", granted, tid, seconds=round(time.monotonic() - t0, 3))
+        return NodeCanaryResult("failed", granted, tid, seconds=round(time.monotonic() - t0, 3))
     fence, lease_s = granted
     stop = threading.Event()
     renewer = threading.Thread(target=_renew_until, args=(stop, node_base_url, tid, fence, lease_s, secret), daemon=True,
@@ -138,14 +138,14 @@ def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> Ca
         stop.set()
 
 
-def _send(spec: CanarySpec, node_base_url: str, secret: bytes | None, tid: str, token: str, fence: int, t0: float) -> CanaryResult:
+def _send(spec: CanarySpec, node_base_url: str, secret: bytes | None, tid: str, token: str, fence: int, t0: float) -> NodeCanaryResult:
     """The canary's prefill and decode on its reservation."""
     marker = TilepdMarker(host=spec.ctrl_host, ctrl_port=spec.ctrl_port, transfer_id=tid, token=token).as_params()
 
-    def result(outcome: Literal["ok", "failed", "skipped"], reason: str, **kw: Any) -> CanaryResult:
+    def result(outcome: Literal["ok", "failed", "skipped"], reason: str, **kw: Any) -> NodeCanaryResult:
         if outcome != "ok":  # the reservation (and any KV the prefill sent) must not hold the node's slot until it expires
             _cancel(node_base_url, tid, secret)
-        return CanaryResult(outcome, reason, tid, seconds=round(time.monotonic() - t0, 3), **kw)
+        return NodeCanaryResult(outcome, reason, tid, seconds=round(time.monotonic() - t0, 3), **kw)
 
     tried: list[str] = []
     for url in spec.prefill_urls:

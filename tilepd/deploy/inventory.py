@@ -22,8 +22,8 @@ from tilepd.deploy.proc import ServiceSpec
 from tilepd.plan import HostPlan, Plan, Service
 from tilepd.plan.ansible_yaml import ansible_yaml
 from tilepd.plan.haproxy import FALL, RISE
-from tilepd.plan.systemd import env_file_text
-from tilepd.plan.vllm_args import SECRET_FILE_ENV
+from tilepd.deploy.service_user import Manifest, access_needs
+from tilepd.plan.systemd import data_dir, env_file_text, secret_copies, secret_paths
 from tilepd.topology import Topology, canonical_family
 
 SYSTEMD_DIR = "/etc/systemd/system"
@@ -37,9 +37,7 @@ def spec_file(host: HostPlan, service: Service) -> str:
 
 def secret_files(service: Service) -> list[Path]:
     """Files a service reads a secret from at start (the supervisor restarts it when one changes)."""
-    cfg = service.config or {}
-    vllm = service.env.get(SECRET_FILE_ENV)  # a vLLM's API key derives from it (tilepd.connector.vllm_auth)
-    return [Path(p) for p in (cfg.get("secret_file"), cfg.get("api_key_file"), vllm) if p]
+    return [Path(p) for p in secret_paths(service)]
 
 
 # distributions (besides tilepd) whose upgrade on a host restarts the service there on the next `up`
@@ -153,6 +151,12 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
         "tilepd_deploy_services": services,
         # the balancer's HAProxy binary (its play installs Debian's package when it is missing)
         "tilepd_haproxy": next((s.argv[0] for s in host.services if s.role == "balancer"), ""),
+        # systemd mode (roles/service_user): the user the units run as, the one folder it owns, what it must be able to use
+        "tilepd_service_user": plan.service_user,
+        "tilepd_data_dir": data_dir(host.base_dir),
+        "tilepd_service_user_access": Manifest(user=plan.service_user, needs=access_needs(host)).model_dump(mode="json"),
+        "tilepd_secret_copies": [{"src": src, "dest": dest} for src, dest in dict.fromkeys(
+            pair for svc in host.services if svc.kind == "daemon" for pair in secret_copies(svc))],
         "tilepd_model": {
             "hf_path": m.hf_path,
             "weights_path": m.weights_path,

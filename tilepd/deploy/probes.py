@@ -123,7 +123,7 @@ def live_figures(service: Service, timeout_s: float = 2.0) -> dict[str, Any]:
 
 
 @dataclass
-class CanaryResult:
+class RouterCanaryResult:
     ok: bool
     message: str
     text: str = ""
@@ -162,7 +162,7 @@ def _transfers(decodes: list[Service]) -> int:
     return total
 
 
-def canary(plan: Plan, served_model: str, *, timeout_s: float = 120.0, max_tokens: int = 8, attempts: int = 3) -> CanaryResult:
+def canary(plan: Plan, served_model: str, *, timeout_s: float = 120.0, max_tokens: int = 8, attempts: int = 3) -> RouterCanaryResult:
     """One chat request through the router; it must return tokens and move a decode node's transfer counter.
 
     A cold vLLM can take long over its first request (lazy warm-up), long enough for the
@@ -178,13 +178,13 @@ def canary(plan: Plan, served_model: str, *, timeout_s: float = 120.0, max_token
     return result
 
 
-def _canary_once(plan: Plan, served_model: str, *, timeout_s: float, max_tokens: int) -> CanaryResult:
+def _canary_once(plan: Plan, served_model: str, *, timeout_s: float, max_tokens: int) -> RouterCanaryResult:
     services = [s for h in plan.hosts for s in h.services]
     # through the balancer when tilepd runs one (the operator's endpoint), else the (first) router
     router = next((s for s in services if s.role == "balancer"), None) or next((s for s in services if s.role == "router"), None)
     decodes = [s for s in services if s.role == "decode"]
     if router is None or base_url(router) is None:
-        return CanaryResult(False, "no router in the plan", failed_service="router")
+        return RouterCanaryResult(False, "no router in the plan", failed_service="router")
     before = _transfers(decodes)
     headers = {"x-request-id": f"tilepd-canary-{int(time.time())}"}
     key = _api_key(plan)
@@ -200,10 +200,10 @@ def _canary_once(plan: Plan, served_model: str, *, timeout_s: float, max_tokens:
     try:
         r = httpx.post(f"{base_url(router)}/v1/chat/completions", json=body, headers=headers, timeout=timeout_s)
     except httpx.HTTPError as e:
-        return CanaryResult(False, f"router did not answer the canary: {type(e).__name__}: {e}", failed_service=router.name, extra={"retryable": True})
+        return RouterCanaryResult(False, f"router did not answer the canary: {type(e).__name__}: {e}", failed_service=router.name, extra={"retryable": True})
     seconds = time.monotonic() - t0
     if r.status_code != 200:
-        return CanaryResult(
+        return RouterCanaryResult(
             False, f"router answered HTTP {r.status_code}: {r.text[:500]}", failed_service=router.name, seconds=seconds,
             extra={"retryable": r.status_code >= 500 or r.status_code == 429},
         )  # fmt: skip
@@ -213,12 +213,12 @@ def _canary_once(plan: Plan, served_model: str, *, timeout_s: float, max_tokens:
     after = _transfers(decodes)
     route = r.headers.get("x-tilepd-route")
     if tokens <= 0:
-        return CanaryResult(False, f"canary produced no tokens: {data}", failed_service=router.name, seconds=seconds)
+        return RouterCanaryResult(False, f"canary produced no tokens: {data}", failed_service=router.name, seconds=seconds)
     if decodes and after <= before:
-        return CanaryResult(
+        return RouterCanaryResult(
             False,
             f"canary answered (route {route}) but no decode node's transfers_total moved ({before} -> {after}): the KV handoff did not happen",
             text=text, completion_tokens=tokens, transfers_before=before, transfers_after=after, seconds=seconds,
             failed_service=decodes[0].name,
         )  # fmt: skip
-    return CanaryResult(True, "ok", text=text, completion_tokens=tokens, transfers_before=before, transfers_after=after, seconds=seconds, extra={"route": route})
+    return RouterCanaryResult(True, "ok", text=text, completion_tokens=tokens, transfers_before=before, transfers_after=after, seconds=seconds, extra={"route": route})

@@ -35,7 +35,7 @@ def write_fp8_checkpoint(src: Path, out: Path, block: tuple[int, int] = (128, 12
     import torch
     from safetensors.torch import save_file
 
-    from tilepd.engine.fp8 import quantize
+    from tilepd.model_format.block_fp8 import quantize
     from tilepd.weights.source import Checkpoint
 
     src, out = Path(src), Path(out)

@@ -1,4 +1,4 @@
-"""HF transformers as a reference for the engine: prefix KV in tilepd's native layout, greedy tokens and per-step logits.
+"""HF transformers as a reference for the engine: prefix KV in the engine layout, greedy tokens and per-step logits.
 
 Sparse-attention (DSA) models (glm_moe_dsa, deepseek_v32): the prefix state also carries the lightning
 indexer's keys, `KVState.indexer[l]` = [seq_len, index_head_dim] for every layer with an indexer (None for
@@ -100,9 +100,9 @@ def indexer_key_transform(fn: KeyTransform | None, first_n: int | None = None) -
             c.update_indexer = orig
 
 
-def native_state(past, family: str, seq_len: int, rope_interleave: bool = True, *, indexer_rope_dim: int = 0,
-                 indexer_rope_interleave: bool = False) -> KVState:
-    """HF cache -> KVState in the engine's native layout (DeepSeek k_pe re-interleaved when the model's
+def engine_layout_state(past, family: str, seq_len: int, rope_interleave: bool = True, *, indexer_rope_dim: int = 0,
+                        indexer_rope_interleave: bool = False) -> KVState:
+    """HF cache -> KVState in the engine layout (DeepSeek k_pe re-interleaved when the model's
     RoPE is interleaved, as vLLM stores it; DSA indexer keys when the cache has them, see the module doc)."""
     layers = []
     indexer: list[torch.Tensor | None] = []
@@ -126,7 +126,7 @@ def native_state(past, family: str, seq_len: int, rope_interleave: bool = True, 
 
 def hf_reference(model_dir: Path, family: str, new_tokens: int, prompt: str = PROMPT, *, prompt_ids: list[int] | None = None,
                  indexer_transform: KeyTransform | None = None) -> Reference:
-    """Greedy reference: HF's prefill state (native layout), first token + `new_tokens` more, and their logits.
+    """Greedy reference: HF's prefill state (engine layout), first token + `new_tokens` more, and their logits.
     prompt_ids (token ids) overrides prompt; indexer_transform: see the module doc (DSA models only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,9 +141,9 @@ def hf_reference(model_dir: Path, family: str, new_tokens: int, prompt: str = PR
         raise ValueError(f"{model_dir}: indexer_transform given but {cfg.model_type} has no sparse-attention indexer")
     with torch.no_grad(), indexer_key_transform(indexer_transform, first_n=ids.shape[1]):
         pre = model(ids, use_cache=True)
-        state = native_state(pre.past_key_values, family, ids.shape[1], rope_interleave=getattr(cfg, "rope_interleave", True),
-                             indexer_rope_dim=getattr(cfg, "qk_rope_head_dim", 0),
-                             indexer_rope_interleave=bool(getattr(cfg, "indexer_rope_interleave", False)))
+        state = engine_layout_state(pre.past_key_values, family, ids.shape[1], rope_interleave=getattr(cfg, "rope_interleave", True),
+                                    indexer_rope_dim=getattr(cfg, "qk_rope_head_dim", 0),
+                                    indexer_rope_interleave=bool(getattr(cfg, "indexer_rope_interleave", False)))
         out = model.generate(ids, max_new_tokens=new_tokens + 1, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     tokens = out.sequences[0, ids.shape[1]:].tolist()

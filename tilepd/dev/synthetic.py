@@ -75,7 +75,7 @@ def make_synthetic_llama(out_dir: Path, *, hidden: int = 1024, layers: int = 4, 
 
 def hf_tensor_shapes(spec) -> dict[str, tuple[int, ...]]:
     """HF checkpoint tensor names and shapes a ModelSpec implies (llama or deepseek_v3, incl. MTP layers)."""
-    from tilepd.weights.layout import family_layout
+    from tilepd.weights.out_tensors import family_layout
 
     s = spec
     h = s.hidden_size
@@ -144,7 +144,7 @@ def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed:
 
     Each HF-named source tensor is drawn by random_source, and only one layer's sources exist at a time."""
     from tilepd.weights.build import build_chunks, cast_chunk
-    from tilepd.weights.layout import family_layout
+    from tilepd.weights.out_tensors import family_layout
 
     get = random_source(hf_tensor_shapes(spec), device, dtype, seed)
 
@@ -157,7 +157,7 @@ def random_runtime_weights(spec, device: torch.device, dtype: torch.dtype, seed:
 
 
 def random_kv_state(spec, seq_len: int, num_layers: int | None = None, seed: int = 0):
-    """A prefix in the native layout (INTERFACES §1) with values of the scale real caches have."""
+    """A prefix in the engine layout (INTERFACES §1) with values of the scale real caches have."""
     from tilepd.engine.types import KVState
 
     g = torch.Generator().manual_seed(seed)

@@ -95,7 +95,7 @@ def run_python(probe: Probe, exp: HostExpect) -> list[Finding]:
     return out
 
 
-def _conflicts(listener: P.Listener, binds: set[str]) -> bool:
+def _conflicts(listener: P.ListeningSocket, binds: set[str]) -> bool:
     if listener.address in P.WILDCARDS or any(b in P.WILDCARDS for b in binds):
         return True
     return listener.address in binds

@@ -155,7 +155,7 @@ def ucx_info_devices(text: str) -> list[UcxTransport]:
 
 
 @dataclass(frozen=True)
-class Listener:
+class ListeningSocket:
     address: str  # `0.0.0.0`, `::`, `*`, `127.0.0.1`, ...
     port: int
     pid: int | None
@@ -165,7 +165,7 @@ class Listener:
 WILDCARDS = frozenset({"0.0.0.0", "::", "*", "[::]"})
 
 
-def ss_listeners(text: str) -> list[Listener]:
+def ss_listeners(text: str) -> list[ListeningSocket]:
     """`ss -ltnpH` (or without -H/-p): `LISTEN recv-q send-q LOCAL:PORT PEER:PORT [users:(("name",pid=N,fd=M))]`."""
     out = []
     for line in text.splitlines():
@@ -180,7 +180,7 @@ def ss_listeners(text: str) -> list[Listener]:
             host = host[len("::ffff:"):]
         users = " ".join(parts[5:])
         m = re.search(r'\("([^"]*)",pid=(\d+)', users)
-        out.append(Listener(host or "*", int(port), int(m.group(2)) if m else None, m.group(1) if m else None))
+        out.append(ListeningSocket(host or "*", int(port), int(m.group(2)) if m else None, m.group(1) if m else None))
     return out
 
 

@@ -1,7 +1,7 @@
 """tilepd's batch-1 decode engine (INTERFACES §1): load_engine, KVState, SamplingParams, DecodeResult.
 
-Names are resolved lazily so that torch-free users (the CLI's skip path, config readers) can import
-`tilepd.engine.spec` without paying for torch.
+Names are resolved lazily: importing the package loads no torch until a name is used. The model's shapes
+(`ModelSpec`, `spec_from_hf_config`) are not the engine's: they live in `tilepd.model_format.model_spec`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from typing import Any
 
 _EXPORTS = {
     "CAPABILITIES": "tilepd.engine.engine", "Engine": "tilepd.engine.engine", "load_engine": "tilepd.engine.engine",
-    "ModelSpec": "tilepd.engine.spec", "spec_from_hf_config": "tilepd.engine.spec", "spec_from_model_dir": "tilepd.engine.spec",
-    "UnsupportedModelError": "tilepd.engine.spec",
     "TPEngine": "tilepd.engine.tp_engine", "launch_tp_engine": "tilepd.engine.tp_engine",
     "DecodeResult": "tilepd.engine.types", "KVState": "tilepd.engine.types", "SamplingParams": "tilepd.engine.types",
 }

@@ -6,7 +6,8 @@
 DeepSeek-family latent attention (dense and DSA) through the MLA kernel (mla_attention.py),
 routed experts with dense weights through the grouped GEMV that reads them in place (moe_triton.py), the MoE
 router after its gate GEMV as one kernel (route_triton.py; with the expert GEMV also on, the shared expert runs as one
-more row of the routed experts' launches, moe.moe_grouped), and the per-layer element-wise work fused by torch.compile, with the cache-reading
+more row of the routed experts' launches, moe.moe_grouped; with both on, a MoE layer's norm, MoE and residual add run as
+3 launches, moe_fused.py), and the per-layer element-wise work fused by torch.compile, with the cache-reading
 attention left outside the compiled code (so one compilation serves every cache-window bucket and the
 cache is never copied). Compilation and Triton builds only happen at the first graph capture; if that
 fails, GraphStep applies the returned fallbacks one at a time (first drop torch.compile, then the
@@ -44,6 +45,17 @@ class SpeedPath:
         return "+".join(self.parts) or "plain"
 
 
+def reference_path() -> None:
+    """Every speed-path switch back to the portable ops: the tables are module state, shared by a bench's variants and
+    by tests that build several engines in one process."""
+    from tilepd.engine import mla_fused
+
+    layers.ATTENTION_IMPL.update(default="sdpa", mla="reference")
+    layers.GEMV_IMPL["dense"] = "torch"
+    moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"], moe.BLOCK_IMPL["moe"] = "gather", "torch", "torch"
+    mla_fused.FUSED_IMPL["attention"] = "torch"
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -70,7 +82,8 @@ def _switch_on(path: SpeedPath, table: dict[str, str], key: str, part: str, what
 
 
 def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = True, mla_attention: bool = True,
-               moe_gemv: bool = True, moe_route: bool = True, fused_gemv: bool = True, mla_fused: bool = True,
+               moe_gemv: bool = True, moe_route: bool = True, moe_fused: bool = True, fused_gemv: bool = True,
+               mla_fused: bool = True,
                compile_mode: str | None = None) -> SpeedPath:
     """Turn on the speed path for `model` (CUDA only; call before the first graph capture); `compile_mode` None compiles
     with SPEED_COMPILE_OPTIONS."""
@@ -93,6 +106,8 @@ def accelerate(model, *, compile_layers: bool = True, triton_attention: bool = T
         _switch_on(path, moe.EXPERT_IMPL, "dense", "moe-gemv", "routed experts")
     if moe_route and triton and experts:
         _switch_on(path, moe.ROUTE_IMPL, "router", "moe-route", "MoE router")
+    if moe_fused and moe_gemv and moe_route and triton and experts:  # the fused block stands on both; undone before them
+        _switch_on(path, moe.BLOCK_IMPL, "moe", "moe-fused", "fused MoE block")
     if fused_gemv and triton and family == "llama":
         _switch_on(path, layers.GEMV_IMPL, "dense", "fused-gemv", "dense GEMVs", first=True)  # undone before the attention kernel
     if compile_layers and hasattr(model, "compile"):

@@ -19,26 +19,17 @@ the top-k as a radix select).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tilepd.engine.dsa import DSAStep, select_topk, sparse_mla_attention
 from tilepd.engine import mla_fused
-from tilepd.engine.layers import ATTENTION_IMPL, linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
-from tilepd.engine.moe import moe
+from tilepd.engine.mla_fused import DenseSpan
+from tilepd.engine.layers import ATTENTION_IMPL, linear, attention_bias, cached_attention, length_mask, rms_norm
+from tilepd.engine.moe import mlp_block
 from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table, yarn_softmax_scale
-from tilepd.engine.spec import ModelSpec
-
-
-@dataclass
-class DenseSpan:
-    """Dense MLA mask for the kernel: token t sees slots lo[t]..hi[t] (device tensors) of a window of `length`."""
-
-    lo: torch.Tensor
-    hi: torch.Tensor
-    length: int
+from tilepd.model_format.model_spec import ModelSpec
 
 
 class DeepseekV3Model:
@@ -151,8 +142,7 @@ class DeepseekV3Model:
                dsa: DSAStep | None = None) -> torch.Tensor:
         s, w = self.spec, self.w
         x = self._attention_residual(p, cache, x, positions, cs, mask, dsa)
-        h = rms_norm(x, w[p + "mlp_norm"], s.rms_norm_eps)
-        return x + (moe(h, w, p, s) if is_moe else swiglu(h, w[p + "w13"], w[p + "w2"]))
+        return mlp_block(x, w, p, s, is_moe)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Main model on T tokens. Returns (logits [T, V] float32, final-normed hidden [T, h])."""

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tilepd.engine.layers import linear
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

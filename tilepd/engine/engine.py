@@ -4,7 +4,7 @@ One request at a time: `inject` copies the received prefix into the static cache
 first token at position seq_len and streams generated tokens until EOS / a stop id / max_tokens / the
 end of the cache / cancel (checked before every step). Each step is `model.forward` on one token plus
 the on-device sampler; on CUDA the step is a captured graph (cuda_graph.py) and only the token id is
-read back. DeepSeek-V3 checkpoints with an MTP layer decode greedily through speculative.py (the verify +
+read back. DeepSeek-V3 checkpoints with an MTP layer decode greedily through mtp.py (the verify +
 draft step, also one captured graph per window on CUDA).
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from tilepd.engine.logprobs import TOP_LOGPROBS_MAX, TokenLogprobs, token_logprobs
 from tilepd.engine.sampling import SamplerState, greedy
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 from tilepd.engine.types import DecodeResult, FinishReason, InProcessEngine, KVState, SamplingParams
 
 CAPABILITIES: dict[str, Any] = {
@@ -80,8 +80,8 @@ class Engine(InProcessEngine):
 
             self.graph_step = GraphStep(model, self.sampler, self.io, max_seq_len)
         self.num_speculative_tokens = num_speculative_tokens if getattr(model, "has_mtp", False) else 0
-        self.last_spec_stats: dict[str, float] = {}
-        self._spec_step = None  # speculative.SpecStep, built on the first speculative request
+        self.last_mtp_stats: dict[str, float] = {}
+        self._mtp_step = None  # mtp.MtpStep, built on the first speculative request
         self.speed_path = "graph" if self.graph_step is not None and device.type == "cuda" else "eager"
 
     @property
@@ -99,9 +99,9 @@ class Engine(InProcessEngine):
             return 0
         n = self.graph_step.warmup(True, max_windows)
         if self.num_speculative_tokens > 0:
-            from tilepd.engine.speculative import spec_step
+            from tilepd.engine.mtp import mtp_step
 
-            n += spec_step(self).warmup(max_windows)
+            n += mtp_step(self).warmup(max_windows)
         return n
 
     def reset(self) -> None:
@@ -110,7 +110,7 @@ class Engine(InProcessEngine):
 
     @torch.no_grad()
     def inject(self, state: KVState) -> None:
-        """Copy a prefix in the native layout into positions [0, state.seq_len) of every layer's cache.
+        """Copy a prefix in the engine layout into positions [0, state.seq_len) of every layer's cache.
 
         deepseek_v3 with MTP: a state may carry num_layers + num_mtp_layers tensors (a prefill that ran
         the draft layer); then the MTP layer sees the whole prefix, else only what it decoded itself.
@@ -186,9 +186,9 @@ class Engine(InProcessEngine):
         if logprobs is not None or grammar is not None:
             return self._decode_with_logits(first_token, max_tokens, sampling, stops, on_token, cancel, logprobs, on_logprobs, grammar)
         if use_greedy and self.num_speculative_tokens > 0:
-            from tilepd.engine.speculative import speculative_decode
+            from tilepd.engine.mtp import mtp_decode
 
-            return speculative_decode(self, first_token, max_tokens, stops, on_token, cancel)
+            return mtp_decode(self, first_token, max_tokens, stops, on_token, cancel)
         if not use_greedy:
             self.sampler.configure(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
         step = self.graph_step or self.eager_step
@@ -305,7 +305,7 @@ def load_engine(weights_dir, device: str = "cpu", max_seq_len: int = 4096, dtype
     speed_path: on CUDA with graphs, compiled.accelerate (Triton split-KV attention + torch.compile'd
     layers, each undone by itself if it fails at the first capture); engine.speed_path names what is on.
     """
-    from tilepd.weights.loader import load_weights
+    from tilepd.engine.weights_loader import load_weights
 
     dev = torch.device(device)
     if dev.type == "cpu" and cpu_threads > 0:

@@ -24,6 +24,7 @@ from tilepd.engine.tuning import pick_block_n
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -49,12 +50,7 @@ if triton is not None:
         act = Y.dtype.element_ty
         x_row = X + (r // X_DIV) * s_xr
         if NORM:  # rms_norm(x) * NW in the prologue: the row's mean square first (x is a few KB, from L2)
-            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                xs = tl.load(x_row + kc, mask=kc < K, other=0.0).to(tl.float32)
-                sq += xs * xs
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+            rstd = row_rstd(x_row, K, eps, BLOCK_K)
         w_base = W
         s_base = S
         if HAS_IDS:
@@ -201,7 +197,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,
                block_n: int, block_k: int) -> torch.Tensor:
-    from tilepd.engine.fp8 import BlockFp8, dequantize
+    from tilepd.model_format.block_fp8 import BlockFp8, dequantize
 
     w = BlockFp8(weight, scale, (block_n, block_k))
     if ids is None:

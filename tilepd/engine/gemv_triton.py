@@ -25,11 +25,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine import layers
+from tilepd.engine import norm_act
 
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -76,12 +77,7 @@ if triton is not None:
         x_row = X + r * s_xr
         act = Y.dtype.element_ty
         if PROLOGUE == 1:  # rms_norm: the row's mean square first
-            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                xs = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-                sq += xs * xs
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+            rstd = row_rstd(x_row, K, eps, BLOCK_K)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -138,9 +134,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor |
               residual: torch.Tensor | None) -> torch.Tensor:
     """The unfused ops the kernel replaces, in the decoders' own order and dtypes."""
     if prologue == "norm":
-        x = layers.rms_norm(x, norm_weight, eps)
+        x = norm_act.rms_norm(x, norm_weight, eps)
     elif prologue == "silu_mul":
-        x = layers.silu_mul(x)
+        x = norm_act.silu_mul(x)
     y = F.linear(x, weight)
     return y if residual is None else residual + y
 

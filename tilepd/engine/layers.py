@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.fp8 import BlockFp8, fp8_linear
+from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.engine.fp8 import fp8_linear
+from tilepd.engine.norm_act import rms_norm, silu_mul
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | BlockFp8, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -14,11 +16,6 @@ def linear(x: torch.Tensor, w: torch.Tensor | BlockFp8, bias: torch.Tensor | Non
     if isinstance(w, BlockFp8):
         return fp8_linear(x, w, bias)
     return F.linear(x, w, bias)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (statistics accumulated in float32); one fused kernel where torch has one (CUDA, torch >= 2.8)."""
-    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 # "torch": the ops as written (cuBLAS GEMVs, element-wise kernels around them); "triton": batch-1 GEMVs of dense
@@ -55,12 +52,6 @@ def silu_mul_linear_add(residual: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
     if _fused_gemv(gu, w2):
         return torch.ops.tilepd.dense_gemv(gu, w2, None, 0.0, "silu_mul", residual)
     return residual + linear(silu_mul(gu), w2)
-
-
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gu = [gate | up] along the last dim."""
-    g, u = gu.chunk(2, dim=-1)
-    return F.silu(g) * u
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor | BlockFp8, w2: torch.Tensor | BlockFp8) -> torch.Tensor:

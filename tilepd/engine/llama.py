@@ -2,7 +2,7 @@
 
 Weights come in tilepd's converted layout: fused `wqkv` (q, k, v rows) and `w13` (gate, up rows), so
 each layer runs two fused GEMVs plus `wo` and `w2`. The cache of layer i is [max_seq_len, Hkv, 2*D]
-(K then V per head), exactly the native KVState layout, so inject is one copy per layer.
+(K then V per head), exactly KVState's engine layout, so inject is one copy per layer.
 
 A layer is two pure functions around the cache write (`attn_in`, `attn_out_mlp`): every layer calls
 the same two, so `torch.compile` (optional, GPU) compiles each once and fuses the small element-wise
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tilepd.engine.layers import linear, linear_add, attention_bias, cached_attention, length_mask, norm_linear, rms_norm, silu_mul_linear_add
 from tilepd.engine.rope import apply_rope_neox, rope_table
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 
 
 def attn_in(x: torch.Tensor, norm_w: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, q_norm: torch.Tensor | None,

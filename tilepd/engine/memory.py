@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from tilepd.engine.fp8 import BlockFp8
+from tilepd.model_format.block_fp8 import BlockFp8
 
 log = logging.getLogger(__name__)
 GIB = 1024**3

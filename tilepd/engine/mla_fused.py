@@ -1,4 +1,4 @@
-"""The DeepSeek-family attention half-layer on the speed path in 5-6 launches (8 with DSA's scoring).
+"""The DeepSeek-family attention half-layer on the speed path in 5-6 launches (7 + the top-k's with DSA's scoring).
 
 x -> x + wo(W_UV(attention(q, cache))), with the norms, RoPE, the cache writes, W_UK and W_UV folded into the
 launches that read the weights anyway:
@@ -10,7 +10,8 @@ launches that read the weights anyway:
      and only the wq_b prefix is computed;
   3. prepare (mla_fused_triton): q_lat = q_nope . W_UK with RoPE(q_pe) behind it, the latent's norm + RoPE(k_pe)
      into the cache, the indexer key into its cache;
-  4. DSA past index_topk only: the indexer's head weights, scores (dsa_indexer) and top-k (dsa_topk);
+  4. DSA past index_topk only: the indexer's scores (dsa_indexer) and top-k (dsa_topk); its head weights are one
+     more role of prepare;
   5. split-KV MLA attention (mla_attention's split kernel, dense span or DSA selection);
   6. merge + W_UV in one launch (mla_fused_triton.merge_uv);
   7. wo with the residual add in its epilogue.
@@ -25,16 +26,37 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from tilepd.engine.fp8 import BlockFp8
-from tilepd.engine.layers import linear, rms_norm
+from tilepd.engine.dsa import DSAStep
+from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.model_format.model_spec import ModelSpec
 
-if TYPE_CHECKING:
-    from tilepd.engine.deepseek_v3 import DeepseekV3Model, DenseSpan
-    from tilepd.engine.dsa import DSAStep
+
+@dataclass
+class DenseSpan:
+    """Dense MLA mask for the kernel: token t sees slots lo[t]..hi[t] (device tensors) of a window of `length`."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    length: int
+
+
+class MlaModel(Protocol):
+    """What the fused block reads of a DeepSeek-family model (deepseek_v3.DeepseekV3Model and its TP subclass)."""
+
+    spec: ModelSpec
+    w: dict
+    fused: dict
+    mtp_caches: list[torch.Tensor]
+    index_caches: dict[str, torch.Tensor]
+    rope: torch.Tensor
+    index_rope: torch.Tensor
+    scale: float
+
+    def _mla_kernel(self, x: torch.Tensor) -> bool: ...
 
 # "torch": the model's own ops (deepseek_v3._attention); "triton": this module (CUDA, or CPU under TRITON_INTERPRET=1),
 # set by compiled.accelerate(mla_fused=True).
@@ -115,7 +137,7 @@ def _groups(w: dict, p: str, names: tuple[str, ...], built: dict) -> list[Group]
     return groups
 
 
-def prepare_model(model: "DeepseekV3Model") -> None:
+def prepare_model(model: MlaModel) -> None:
     """Concatenate each layer's projections for G1 and G2 (main layers and MTP layers). Call outside any graph capture."""
     s, w = model.spec, model.w
     prefixes = [f"layers.{i}." for i in range(s.num_layers)] + [f"mtp.{k}." for k in range(len(model.mtp_caches))]
@@ -134,7 +156,7 @@ def _kernels_available() -> bool:
     return mla_fused_triton.available() and fp8_triton.available() and gemv_triton.available()
 
 
-def applies(model: "DeepseekV3Model", p: str, x: torch.Tensor) -> bool:
+def applies(model: MlaModel, p: str, x: torch.Tensor) -> bool:
     """This step's layer `p` runs here: switch on, the MLA kernel path in use, few enough rows, weights prepared."""
     if FUSED_IMPL["attention"] != "triton" or x.shape[0] > MAX_TOKENS or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
@@ -173,8 +195,8 @@ def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torc
     return out
 
 
-def attention_block(model: "DeepseekV3Model", p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-                    cs: torch.Tensor, mask: "DenseSpan | None", dsa: "DSAStep | None", residual: bool = True) -> torch.Tensor:
+def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                    cs: torch.Tensor, mask: DenseSpan | None, dsa: DSAStep | None, residual: bool = True) -> torch.Tensor:
     """x + attention(rms_norm(x)) for layer `p` (residual False: the attention output alone, which tensor parallelism
     all-reduces before its own add)."""
     from tilepd.engine.dsa import Selection
@@ -193,15 +215,15 @@ def attention_block(model: "DeepseekV3Model", p: str, cache: torch.Tensor, x: to
     if keys is not None:
         idx_cs = cs if model.index_rope is model.rope else model.index_rope.index_select(0, positions)
         index = (a["idx_wk"], w[p + "idx_k_norm"], w[p + "idx_k_norm_bias"], idx_cs, keys, s.indexer_rope_interleave)
-    q_cat = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions,
-                    cache, r, rope, s.rope_interleave, index)
+    head_weights = (x, w[p + "attn_norm"], eps, w[p + "idx_weights_proj"]) if scoring else None
+    q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
+                             index, head_weights)
     if dsa is not None:
         if scoring:
             from tilepd.engine.dsa_indexer import index_scores
             from tilepd.engine.dsa_topk import topk_select
 
             nh, d = s.index_n_heads, s.index_head_dim
-            weights = linear(rms_norm(x, w[p + "attn_norm"], eps).float(), w[p + "idx_weights_proj"])  # fp32 as HF
             scores = index_scores(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope, s.indexer_rope_interleave)
             dsa.selection = Selection(*topk_select(scores, dsa.valid, min(s.index_topk, dsa.valid.shape[1])))
         elif dsa.selection is None:  # the window fits index_topk: every causal slot is selected, in order

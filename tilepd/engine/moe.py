@@ -8,7 +8,9 @@ its gate GEMV is one Triton kernel on the speed path (ROUTE_IMPL["router"] == "t
 is the portable path and the kernel's test oracle. With both kernels on and one shared expert of a routed expert's
 shape (DeepSeek-V3, GLM-5), moe_grouped runs the layer in 8 launches instead of ~30: the shared expert is one more
 row (id -1) of the grouped gate-up and down GEMVs (bf16: moe_triton; fp8: fp8_triton), each token's activation is
-read in place by its k+1 rows, and the weighted sum is one batched product.
+read in place by its k+1 rows, and the weighted sum is one batched product. mlp_block is a DeepSeek-family layer's
+whole MLP half (norm, MoE or dense MLP, residual add); with BLOCK_IMPL "triton" too, a MoE layer's half is 3 launches
+(moe_fused.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine.fp8 import BlockFp8, fp8_expert_linear
-from tilepd.engine.layers import silu_mul, swiglu
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.engine.fp8 import fp8_expert_linear
+from tilepd.engine.layers import rms_norm, silu_mul, swiglu
+from tilepd.model_format.model_spec import ModelSpec
 
 
 # "torch": route_torch (portable reference); "triton": route_triton.route_logits after the gate GEMV (CUDA, or CPU
@@ -159,3 +162,28 @@ def moe(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> torch.Tensor:
     if p + "shared_w13" in w:
         out = out + swiglu(x, w[p + "shared_w13"], w[p + "shared_w2"])
     return out
+
+
+# "torch": the MLP half of a DeepSeek-family layer as separate ops (rms_norm, moe, the add); "triton": the MoE layers'
+# half in 3 launches (moe_fused.py), set by compiled.accelerate(moe_fused=True). It stands on the grouped path's two
+# switches (EXPERT_IMPL and ROUTE_IMPL "triton"): with either off the half runs as before.
+BLOCK_IMPL = {"moe": "torch"}
+
+
+def _use_fused_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
+    if BLOCK_IMPL["moe"] != "triton" or EXPERT_IMPL["dense"] != "triton" or ROUTE_IMPL["router"] != "triton":
+        return False
+    from tilepd.engine import moe_fused
+
+    return moe_fused.applies(x, w, p, spec)
+
+
+def mlp_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec, is_moe: bool) -> torch.Tensor:
+    """x + MLP(rms_norm(x, mlp_norm)) of layer `p` (x: the residual stream [T, H]): MoE layers in 3 launches on the speed
+    path (moe_fused.moe_block), else the norm, moe() or the dense SwiGLU, and the add, in that order."""
+    if is_moe and _use_fused_block(x, w, p, spec):
+        from tilepd.engine.moe_fused import moe_block
+
+        return moe_block(x, w, p, spec)
+    h = rms_norm(x, w[p + "mlp_norm"], spec.rms_norm_eps)
+    return x + (moe(h, w, p, spec) if is_moe else swiglu(h, w[p + "w13"], w[p + "w2"]))

@@ -15,7 +15,8 @@ for GLM-5's single group (the group stage is compiled out when every group is ke
 topk(sorted=False) order is unspecified; moe() sums over them, so only the set and the weights matter).
 NaN logits are not handled (the reference is undefined there too).
 
-Device tensors only (no host sync), static shapes: it sits inside the decode step's CUDA graph. Under
+The per-token routing is a device function (route_row), which moe_fused_triton.py's gate kernel also calls after its
+router GEMV. Device tensors only (no host sync), static shapes: it sits inside the decode step's CUDA graph. Under
 TRITON_INTERPRET=1 it also runs on CPU tensors, which is how tests/engine/test_moe_route.py checks it
 against moe.route().
 """
@@ -55,19 +56,19 @@ if triton is not None:
         return 0xFFFF - (k & 0xFFFF)
 
     @triton.jit
-    def _route_kernel(LOGITS, BIAS, IDS, WEIGHTS, s_lt, s_it, s_wt, scale,
-                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                      N_SLOTS: tl.constexpr):
-        t = tl.program_id(0)
+    def route_row(row, BIAS, ids_out, wts_out, scale,  # noqa: ANN201 - a Triton device function, no Python return
+                  N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                  G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
+                  N_SLOTS: tl.constexpr):
+        """One token's routing: gate logits at `row` -> N_SLOTS ids at `ids_out`, weights at `wts_out` (in its dtype).
+        The logits are read past L1 (.cg): moe_fused_triton's gate kernel routes logits other programs just wrote."""
         g = tl.arange(0, G_PAD)
         j = tl.arange(0, GS_PAD)
         valid = (g[:, None] < N_GROUP) & (j[None, :] < GROUP_SIZE)
         e = g[:, None] * GROUP_SIZE + j[None, :]  # expert index, [G_PAD, GS_PAD]
         neg = float("-inf")
         none = -9200000000000000000  # below every _key of a float (the key of -inf is about -9.187e18)
-        row = LOGITS + t * s_lt
-        scores = tl.sigmoid(tl.load(row + e, mask=valid, other=0.0).to(tl.float32))
+        scores = tl.sigmoid(tl.load(row + e, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32))
         choice = tl.where(valid, scores + tl.load(BIAS + e, mask=valid, other=0.0).to(tl.float32), neg)
         allowed = valid
         if TOPK_GROUP < N_GROUP:
@@ -92,7 +93,7 @@ if triton is not None:
             ekey = tl.where(e == pick, none, ekey)
             ids = tl.where(kk == i, pick, ids)
         kmask = kk < TOP_K
-        wts = tl.where(kmask, tl.sigmoid(tl.load(row + ids, mask=kmask, other=0.0).to(tl.float32)), 0.0)  # the chosen scores
+        wts = tl.where(kmask, tl.sigmoid(tl.load(row + ids, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)), 0.0)  # the chosen scores
         if NORMALISE:
             wts = wts / (tl.sum(wts, axis=0) + 1e-20)
         wts = wts * scale
@@ -100,8 +101,36 @@ if triton is not None:
             ids = tl.where(kk == TOP_K, -1, ids)
             wts = tl.where(kk == TOP_K, 1.0, wts)
         smask = kk < N_SLOTS
-        tl.store(IDS + t * s_it + kk, ids, mask=smask)
-        tl.store(WEIGHTS + t * s_wt + kk, wts.to(WEIGHTS.dtype.element_ty), mask=smask)
+        tl.store(ids_out + kk, ids, mask=smask)
+        tl.store(wts_out + kk, wts.to(wts_out.dtype.element_ty), mask=smask)
+
+    @triton.jit
+    def _route_kernel(LOGITS, BIAS, IDS, WEIGHTS, s_lt, s_it, s_wt, scale,
+                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
+                      N_SLOTS: tl.constexpr):
+        t = tl.program_id(0)
+        route_row(LOGITS + t * s_lt, BIAS, IDS + t * s_it, WEIGHTS + t * s_wt, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
+                  G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
+
+def route_constants(n_exp: int, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, shared_slot: bool) -> dict:
+    """The routing's compile-time constants (route_row's) for n_exp experts, after refusing by name what it cannot route."""
+    if n_group < 1 or n_exp % n_group:
+        raise ValueError(f"MoE routing: n_group={n_group} does not divide n_routed_experts={n_exp}")
+    group_size = n_exp // n_group
+    if group_size < 2:
+        raise ValueError(f"MoE routing: groups of {group_size} expert(s) (n_group={n_group}); the group score sums each group's top 2")
+    if n_exp > 0xFFFF:
+        raise ValueError(f"MoE routing: {n_exp} experts; the kernel's packed keys hold indices below 65535")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"MoE routing: topk_group={topk_group} must be in 1..n_group={n_group}")
+    if not 1 <= top_k <= topk_group * group_size:
+        raise ValueError(f"MoE routing: num_experts_per_tok={top_k} must be in 1..{topk_group * group_size} "
+                         f"(the experts of topk_group={topk_group} groups of {group_size})")
+    slots = top_k + int(shared_slot)
+    return dict(N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, TOP_K=top_k, G_PAD=max(2, triton.next_power_of_2(n_group)),
+                GS_PAD=triton.next_power_of_2(group_size), K_PAD=max(2, triton.next_power_of_2(slots)), NORMALISE=bool(norm_topk_prob),
+                SHARED_SLOT=bool(shared_slot), N_SLOTS=slots)
 
 
 def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
@@ -116,28 +145,14 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
     if logits.dim() != 2 or bias.dim() != 1 or bias.shape[0] != logits.shape[1]:
         raise ValueError(f"MoE routing: logits {list(logits.shape)} and bias {list(bias.shape)} do not fit (logits [T, E], bias [E])")
     t, n_exp = logits.shape
-    if n_group < 1 or n_exp % n_group:
-        raise ValueError(f"MoE routing: n_group={n_group} does not divide n_routed_experts={n_exp}")
-    group_size = n_exp // n_group
-    if group_size < 2:
-        raise ValueError(f"MoE routing: groups of {group_size} expert(s) (n_group={n_group}); the group score sums each group's top 2")
-    if n_exp > 0xFFFF:
-        raise ValueError(f"MoE routing: {n_exp} experts; the kernel's packed keys hold indices below 65535")
-    if not 1 <= topk_group <= n_group:
-        raise ValueError(f"MoE routing: topk_group={topk_group} must be in 1..n_group={n_group}")
-    if not 1 <= top_k <= topk_group * group_size:
-        raise ValueError(f"MoE routing: num_experts_per_tok={top_k} must be in 1..{topk_group * group_size} "
-                         f"(the experts of topk_group={topk_group} groups of {group_size})")
+    consts = route_constants(n_exp, n_group, topk_group, top_k, norm_topk_prob, shared_slot)
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     bias = bias.contiguous()
-    slots = top_k + int(shared_slot)
+    slots = consts["N_SLOTS"]
     ids = torch.empty(t, slots, dtype=torch.int64, device=logits.device)
     weights = torch.empty(t, slots, dtype=weights_dtype, device=logits.device)
     if t == 0:
         return ids, weights
     _route_kernel[(t,)](logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(routed_scaling_factor),
-                        N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, TOP_K=top_k,
-                        G_PAD=max(2, triton.next_power_of_2(n_group)), GS_PAD=triton.next_power_of_2(group_size),
-                        K_PAD=max(2, triton.next_power_of_2(slots)), NORMALISE=bool(norm_topk_prob), SHARED_SLOT=bool(shared_slot), N_SLOTS=slots,
-                        num_warps=1)  # one warp: every reduction is warp shuffles, no shared-memory round trip
+                        **consts, num_warps=1)  # one warp: every reduction is warp shuffles, no shared-memory round trip
     return ids, weights

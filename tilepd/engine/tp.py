@@ -1,6 +1,6 @@
 """Tensor-parallel execution of one rank: the process group, vocab-parallel embedding/head, and TP models.
 
-Megatron-style split, matching the shards `convert-weights --tp N` writes (tilepd/weights/layout.py):
+Megatron-style split, matching the shards `convert-weights --tp N` writes (tilepd/weights/out_tensors.py):
 
 - attention: the fused QKV (llama) / q_b and W_UK/W_UV (MLA) are column-parallel by head, so each rank
   runs its own heads over its own cache; o_proj is row-parallel and followed by one all-reduce.
@@ -37,7 +37,7 @@ from tilepd.engine import mla_fused
 from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.llama import LlamaModel
 from tilepd.engine.moe import moe
-from tilepd.engine.spec import ModelSpec
+from tilepd.model_format.model_spec import ModelSpec
 
 
 @dataclass

@@ -76,7 +76,7 @@ def load_rank_engine(weights_dir: Path, tp: TPGroup, device: str = "cpu", max_se
     brought up eagerly first, as capture requires) and takes load_engine's speed path (compiled.accelerate)."""
     from tilepd.engine.engine import _DTYPES, engine_for
     from tilepd.engine.tp import build_tp_model
-    from tilepd.weights.loader import load_weights
+    from tilepd.engine.weights_loader import load_weights
 
     dev = rank_device(device, tp.rank)
     if dev.type == "cuda":
@@ -340,7 +340,7 @@ def worker_argv(rank: int, size: int, port: int, options: dict[str, Any]) -> lis
 def launch_tp_engine(weights_dir: Path, tp_size: int, device: str = "cpu", max_seq_len: int = 4096, dtype: str | None = None, *,
                      use_cuda_graph: bool | None = None, num_speculative_tokens: int | None = None, cpu_threads: int = 1) -> TPEngine:
     """Start ranks 1..tp_size-1 as worker processes, become rank 0, load every rank's shard."""
-    from tilepd.weights.loader import read_spec
+    from tilepd.engine.weights_loader import read_spec
 
     if tp_size < 2:
         raise ValueError("launch_tp_engine needs tp_size >= 2 (use load_engine for one rank)")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from tilepd.engine.spec import ModelSpec
+    from tilepd.model_format.model_spec import ModelSpec
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -43,7 +43,7 @@ class SamplingParams:
 
 @dataclass
 class KVState:
-    """Prefix cache in the engine's native layout: one tensor per layer, positions [0, seq_len).
+    """Prefix cache in the engine layout: one tensor per layer, positions [0, seq_len).
 
     llama: [seq_len, num_kv_heads, 2 * head_dim] (K then V); deepseek_v3: [seq_len, 1, kv_lora_rank + rope_dim]
     (normalised latent, then the roped key part, interleaved pairs as vLLM stores it).

@@ -33,6 +33,7 @@ from tilepd.plan.model import (
     Service,
     SshTarget,
 )
+from tilepd.plan.systemd import data_dir
 from tilepd.contracts.service_configs import (
     ConnectorExtraConfig,
     DecodeEndpoint,
@@ -104,6 +105,12 @@ class _Planner:
 
     def base_of(self, entry: HostBase) -> str:
         return (entry.base_dir or self.topo.deployment.base_dir).rstrip("/") or "/"
+
+    def writable_dir(self, entry: HostBase) -> str:
+        """Where a service writes its own state: in systemd mode the service user's data dir (the only place its unit
+        may write), in process mode run/ beside the pid files (the SSH user owns the whole base dir)."""
+        base = self.base_of(entry)
+        return data_dir(base) if self.topo.deployment.services == "systemd" else f"{base}/run"
 
     def python(self, entry: HostBase) -> str:
         chosen = entry.python or self.topo.deployment.python
@@ -186,9 +193,14 @@ class _Planner:
                 unit=f"tilepd-{name}.service",
                 config_file=config_file,
                 config=config,
-                config_hash=sha256_json({"argv": argv, "env": env, "cwd": cwd, "config": config}),
+                config_hash=sha256_json({"argv": argv, "env": env, "cwd": cwd, "config": config, **self.runs_as()}),
             )
         )
+
+    def runs_as(self) -> dict[str, str]:
+        """The user a systemd unit runs as, hashed with its config: a new service_user restarts the units (process
+        mode: {}, its hashes unchanged)."""
+        return {"user": self.topo.deployment.service_user} if self.topo.deployment.services == "systemd" else {}
 
     def secret(self, entry: HostBase, name: str, source_env: str) -> str:
         """Where `name` lives on this entry's host (the deploy step writes it there, 0600)."""
@@ -247,7 +259,7 @@ class _Planner:
             allowed_senders=tuple(sorted({p.address for p in self.topo.prefill})),
             secret_file=self.secret(node, "deployment", DEPLOYMENT_SECRET_ENV),
             otlp_endpoint=self.topo.all_routers[0].otlp_endpoint,  # rule routers-agree: every router names the same
-            drain_file=f"{self.base_of(node)}/run/{name}.drained",
+            drain_file=f"{self.writable_dir(node)}/{name}.drained",
         )
         config_file = f"{self.base_of(node)}/config/{name}.json"
         ports = {"http": node.http_port, "ctrl": node.ctrl_port}
@@ -467,6 +479,7 @@ def build_plan(topo: Topology, current_python: str | None = None, local_cores: S
         topology_hash=topology_hash(topo),
         tilepd_version=__version__,
         services_mode=topo.deployment.services,
+        service_user=topo.deployment.service_user,
         base_dir=p.base,
         transport=topo.transport.name,
         rdma=topo.transport.name in RDMA_TRANSPORTS,

@@ -119,6 +119,7 @@ class Plan(_Data):
     topology_hash: str
     tilepd_version: str
     services_mode: Literal["systemd", "process"]
+    service_user: str  # systemd mode: every unit's User= and Group= (process mode runs services as the SSH user)
     base_dir: str
     transport: Literal["nixl", "mooncake", "tcp"]
     rdma: bool

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from tilepd.plan.model import Plan, Service
+from tilepd.plan.vllm_args import SECRET_FILE_ENV
 
 _SAFE_WORD = re.compile(r"^[A-Za-z0-9_@+=:,./-]+$")
 # A decode node tells systemd when it serves (READY=1) and pings from its serving loop's tick (WATCHDOG=1,
@@ -28,6 +29,15 @@ def quote_exec_arg(arg: str) -> str:
     return '"' + _escape_specials(escaped) + '"'
 
 
+def quote_path(word: str) -> str:
+    """One path or assignment in a setting that expands %-specifiers but not $VARIABLES (`ReadWritePaths=`,
+    `BindReadOnlyPaths=`, `Environment=`): quoted when it needs it (a colon too: it separates a bind's source and
+    destination), % doubled."""
+    if word and _SAFE_WORD.match(word) and ":" not in word:
+        return word.replace("%", "%%")
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%") + '"'
+
+
 def exec_start(argv: list[str]) -> str:
     return " ".join(quote_exec_arg(a) for a in argv)
 
@@ -41,6 +51,38 @@ def env_file_text(env: dict[str, str]) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def data_dir(base_dir: str) -> str:
+    """The one folder a unit's service writes (caches, a decode node's drain state): in systemd mode the playbooks give
+    it to the service user; the rest of the base dir (configs, env and spec files, secrets) stays the SSH user's."""
+    return f"{base_dir.rstrip('/')}/data"
+
+
+def secret_paths(service: Service) -> list[str]:
+    """Files a service reads a secret from at start: its config's `secret_file` and `api_key_file`, a vLLM's
+    TILEPD_VLLM_SECRET_FILE (its API key derives from it, tilepd.connector.vllm_auth)."""
+    cfg = service.config or {}
+    found = (cfg.get("secret_file"), cfg.get("api_key_file"), service.env.get(SECRET_FILE_ENV))
+    return list(dict.fromkeys(str(p) for p in found if p))
+
+
+def secret_copy(base_dir: str, path: str) -> str:
+    """Where the service user's copy of the secret file `path` lives on its host: `<data>/secrets/<name>` (the name
+    under `<base_dir>/secrets/`, or the whole path made one word for a file elsewhere, e.g. the router's api_key.file)."""
+    secrets = f"{base_dir.rstrip('/')}/secrets/"
+    name = path[len(secrets):] if path.startswith(secrets) else path.lstrip("/")
+    return f"{data_dir(base_dir)}/secrets/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+
+
+def secret_copies(service: Service) -> list[tuple[str, str]]:
+    """(secret file, the service user's copy) for each secret the service reads. `up` writes the copy (owned by the
+    service user, 0600) whenever the secret changes, and the unit shows it at the secret's own path
+    (`BindReadOnlyPaths=`), so the service reads the path its config names while the file itself stays 0600 and the
+    SSH user's (`up` keeps and rotates it without privileges, `tilepd drain` reads it over SSH). Not
+    `LoadCredential=`, nor a copy made by the unit's `ExecStartPre=+`: under systemd 252 a bind whose source does not
+    exist yet fails the unit at NAMESPACE, and a credential does not exist yet then (docs/RELIABILITY.md, "Security")."""
+    return [(path, secret_copy(service.cwd, path)) for path in secret_paths(service)]
+
+
 _TMP_DIRS = ("/tmp", "/var/tmp")
 # every unit: no privilege gain, no writes to kernel knobs, modules, cgroups, clock or hostname, no SUID/SGID files
 HARDENING = ["NoNewPrivileges=yes", "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
@@ -52,40 +94,46 @@ def _under(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
 
-def _paths(service: Service) -> list[str]:
-    """The absolute paths a service names (its interpreter, base dir, argv, env, config): what its sandbox must show."""
-    out = [service.python, service.cwd, *(a for a in service.argv if a.startswith("/"))]
-    out += [v for v in service.env.values() if v.startswith("/")]
-    stack: list = [service.config or {}]
+def service_paths(service: Service) -> list[tuple[str, str]]:
+    """(absolute path, where the service names it) for its interpreter, base dir, argv, env and config: what its
+    sandbox must show and its user must be able to use."""
+    out = [(service.python, "interpreter"), (service.cwd, "working directory")]
+    out += [(a, "argv") for a in service.argv[1:] if a.startswith("/")]
+    out += [(v, k) for k, v in service.env.items() if v.startswith("/")]
+    stack: list[tuple[str, object]] = [("config", service.config or {})]
     while stack:
-        item = stack.pop()
+        key, item = stack.pop()
         if isinstance(item, dict):
-            stack += list(item.values())
+            stack += [(str(k), v) for k, v in item.items()]
         elif isinstance(item, list):
-            stack += item
+            stack += [(key, v) for v in item]
         elif isinstance(item, str) and item.startswith("/"):
-            out.append(item)
+            out.append((item, key))
     return out
 
 
 def sandbox(service: Service) -> list[str]:
-    """The sandbox of a daemon: the whole file system read-only but its base dir (`ProtectSystem=strict`, home
+    """The sandbox of a daemon: the whole file system read-only but its data dir (`ProtectSystem=strict`, home
     directories too: `ProtectHome=read-only`, not `yes`, because a venv's interpreter is often a symlink into a
-    pyenv or conda under a home, which the plan cannot see from here), and a private /tmp unless the service's own
-    paths (interpreter, weights, base dir) live there. Oneshots (weights download and conversion) write where the
-    topology says and get only the common hardening."""
+    pyenv or conda under a home, which the plan cannot see from here), its secrets as copies it owns, and a private
+    /tmp unless the service's own paths (interpreter, weights, base dir) live there (then TMPDIR is its data dir).
+    Oneshots (weights download and conversion) write where the topology says and get only the common hardening."""
     if service.kind == "oneshot":
         return []
-    paths = _paths(service)
-    base = service.cwd
-    lines = ["ProtectSystem=strict", f"ReadWritePaths={quote_exec_arg(base)}",
-             # caches (vLLM's compile cache, Hugging Face, Triton) in the base dir, the one place it may write; the
-             # EnvironmentFile (the topology's env) is read after these and wins
-             "Environment=" + " ".join(quote_exec_arg(f"{k}={base}/{v}") for k, v in
-                                       (("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config"), ("TRITON_CACHE_DIR", "cache/triton")))]
+    paths = [p for p, _ in service_paths(service)]
+    data = data_dir(service.cwd)
+    lines = ["ProtectSystem=strict", f"ReadWritePaths={quote_path(data)}",
+             # HOME and the caches (vLLM's compile cache, Hugging Face, Triton) in the data dir, the one place it may
+             # write; the EnvironmentFile (the topology's env) is read after these and wins
+             "Environment=" + " ".join(quote_path(f"{k}={v}") for k, v in
+                                       (("HOME", data), ("XDG_CACHE_HOME", f"{data}/cache"), ("XDG_CONFIG_HOME", f"{data}/config"),
+                                        ("TRITON_CACHE_DIR", f"{data}/cache/triton")))]
     lines.append("ProtectHome=read-only")
+    lines += [f"BindReadOnlyPaths={quote_path(copy)}:{quote_path(path)}" for path, copy in secret_copies(service)]
     if not any(_under(p, _TMP_DIRS) for p in paths):
         lines.append("PrivateTmp=yes")
+    else:  # /tmp stays the machine's and read-only (ProtectSystem=strict): temp files go to the data dir
+        lines.append(f"Environment={quote_path(f'TMPDIR={data}')}")
     if service.role in ("router", "balancer"):
         lines += ["PrivateDevices=yes", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK"]
     low = sorted(p for p in service.ports.values() if 0 < p < 1024)
@@ -97,7 +145,7 @@ def sandbox(service: Service) -> list[str]:
 
 
 def unit_text(plan: Plan, service: Service, env_file: str) -> str:
-    """The unit for `service`: restart on failure (daemons), raised limits, output to journald."""
+    """The unit for `service`: as the service user, restart on failure (daemons), raised limits, output to journald."""
     oneshot = service.kind == "oneshot"
     unit = [
         "[Unit]",
@@ -118,6 +166,9 @@ def unit_text(plan: Plan, service: Service, env_file: str) -> str:
     if notify:
         svc += ["NotifyAccess=main", f"WatchdogSec={DECODE_WATCHDOG_S}", f"TimeoutStartSec={DECODE_START_TIMEOUT_S}"]
     svc += [
+        # the dedicated user the playbooks create (deployment.service_user), never root; its group of the same name
+        f"User={plan.service_user}",
+        f"Group={plan.service_user}",
         f"WorkingDirectory={service.cwd}",
         f"EnvironmentFile={env_file}",
         f"ExecStart={exec_start(service.argv)}",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tilepd.contracts.decode_http import CancelBody
+from tilepd.contracts.marker import handoff_result
 from tilepd.router.errors import PassThroughError, RouterError
 from tilepd.router.health import says_draining
 from tilepd.router.logprobs import token_id
@@ -63,9 +64,8 @@ async def prefill_first_token(client: Upstream, url: str, body: dict[str, Any], 
     try:
         data = resp.json()
         choice = data["choices"][0]
-        handoff = (data.get("kv_transfer_params") or {}).get("tilepd_handoff")
         return PrefillResult(token_id(choice["logprobs"]["tokens"][0]), int(data["usage"]["prompt_tokens"]), choice.get("finish_reason") or "length",
-                             choice, handoff if isinstance(handoff, dict) else None)
+                             choice, handoff_result(data))
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise RouterError(502, f"prefill {url} answered without a first token id: {exc}", type="prefill_error", code="prefill_bad_response") from exc
 

@@ -23,7 +23,7 @@ import torch
 from tilepd.control.checksum import first_mismatch, region_digests
 from tilepd.control.compat import check_hello, check_raw_hello
 from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import (
     PROTOCOL_VERSION,
     RETRYABLE,

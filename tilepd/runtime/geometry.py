@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from tilepd.control.layout import FP8_DS_MLA_ENTRY_BYTES, ITEMSIZE, CacheLayout, indexer_token_bytes
+from tilepd.control.cache_layout import FP8_DS_MLA_ENTRY_BYTES, ITEMSIZE, CacheLayout, indexer_token_bytes
 from tilepd.control.messages import ErrorCode, ProtocolError
 
 # vLLM block sizes top out at 256 tokens; regions round max_seq_len up to a block
@@ -103,7 +103,7 @@ def indexer_layers(spec: Any, num_layers: int, num_mtp_layers: int) -> tuple[int
     if given is not None:
         return tuple(int(i) for i in given)
     has = getattr(spec, "has_indexer", None)
-    if callable(has):  # tilepd.engine.spec.ModelSpec knows it per layer (main, then MTP)
+    if callable(has):  # tilepd.model_format.model_spec.ModelSpec knows it per layer (main, then MTP)
         return tuple(l for l in range(num_layers + num_mtp_layers) if has(l))
     types = _get(spec, "indexer_types")
     pattern = _get(spec, "index_topk_pattern")

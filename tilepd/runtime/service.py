@@ -17,12 +17,12 @@ from typing import Any, Callable
 import torch
 
 from tilepd import __version__
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION
 from tilepd.contracts.decode_http import NODE_API_VERSION
 from tilepd.contracts.service_configs import DecodeServerConfig
 from tilepd.engine.types import DecodeEngine
-from tilepd.runtime.convert import convert, convert_indexer
+from tilepd.runtime.kv_convert import convert, convert_indexer
 from tilepd.runtime.ctrl_server import ControlServer
 from tilepd.runtime.faults import slow_token_delay, slowed
 from tilepd.runtime.geometry import CacheGeometry, check_layout, recv_buffer_bytes

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tilepd.control.layout import CacheLayout
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import ErrorCode, ProtocolError
 from tilepd.contracts.service_configs import TransportConfig
 from tilepd.runtime.ctrl_server import ControlServer

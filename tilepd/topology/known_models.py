@@ -62,7 +62,7 @@ _LLAMA3_70B: dict[str, Any] = {**_LLAMA3_8B, "hidden_size": 8192, "intermediate_
 _MODELS: tuple[KnownModel, ...] = (
     KnownModel("zai-org/GLM-5.1", _GLM51, "huggingface.co/zai-org/GLM-5.1 config.json"),
     # The FP8 release: the same config plus block-scaled e4m3 weights (one fp32 scale per 128x128 block, the
-    # DeepSeek format issue 11 describes); tilepd.engine.spec accepts only this quantization.
+    # DeepSeek format issue 11 describes); tilepd.model_format.model_spec accepts only this quantization.
     KnownModel("zai-org/GLM-5.1-FP8", {**_GLM51, "quantization_config": _FP8_BLOCK}, "huggingface.co/zai-org/GLM-5.1-FP8 config.json"),
     KnownModel("deepseek-ai/DeepSeek-V3.2", _DEEPSEEK_V32, "huggingface.co/deepseek-ai/DeepSeek-V3.2 config.json"),
     KnownModel("deepseek-ai/DeepSeek-V3", _DEEPSEEK_V3, "huggingface.co/deepseek-ai/DeepSeek-V3 config.json"),

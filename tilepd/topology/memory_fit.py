@@ -1,7 +1,7 @@
 """Rule `memory-fit`: what each GPU of the deployment must hold, against what it has, before anything launches.
 
 Per decode GPU (the tilepd engine): its shard of the converted weights at `model.weights_dtype` (counted
-tensor by tensor from the engine's own weight layout, tilepd/weights/layout.py, so MoE experts, MLA and the
+tensor by tensor from the engine's own weight layout, tilepd/weights/out_tensors.py, so MoE experts, MLA and the
 DSA indexer are what the engine loads), the MTP layers, the static caches for one request of `max_seq_len`
 (MLA's latent and the indexer keys are replicated on every rank), the KV receive buffer on GPU 0 when it
 lives in VRAM, and a workspace allowance. Per vLLM GPU (prefill, native decode): its shard of the weights
@@ -18,12 +18,12 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from tilepd.control.layout import FP8_DS_MLA_ENTRY_BYTES
-from tilepd.engine.spec import ModelSpec, spec_from_hf_config
+from tilepd.control.cache_layout import FP8_DS_MLA_ENTRY_BYTES
+from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.topology.gpus import GIB, known_gpu, known_gpu_names
 from tilepd.topology.hf_config import ConfigFileError, HfConfig, model_config
 from tilepd.topology.schema import DecodeNode, Topology, VllmHostBase
-from tilepd.weights.layout import OutTensor, expected_shape, family_layout
+from tilepd.weights.out_tensors import OutTensor, expected_shape, family_layout
 
 Loc = tuple[str | int, ...]
 
@@ -162,7 +162,7 @@ def layout_shapes(spec: ModelSpec) -> list[tuple[OutTensor, tuple[int, ...]]]:
     for t in family_layout(spec, set()):
         shape = expected_shape(t.name, spec)
         if shape is None:
-            raise ValueError(f"runtime tensor {t.name} has no known shape (tilepd/weights/layout.py expected_shape)")
+            raise ValueError(f"runtime tensor {t.name} has no known shape (tilepd/weights/out_tensors.py expected_shape)")
         out.append((t, shape))
     _SHAPES.clear()
     _SHAPES[id(spec)] = (spec, out)
@@ -386,11 +386,11 @@ def _vllm_rows(topo: Topology, spec: ModelSpec, fp8_checkpoint: bool, report: Me
                 report.problems.append((loc + ("gpu_type",), f"GPU type {e.gpu_type!r} is not in tilepd's table ({', '.join(known_gpu_names())}); "
                                         f"state its memory per GPU as {role}[{i}].gpu_memory_gib"))
             online = _online_fp8(e)
-            spec_on = m.speculative.prefill is not None
+            mtp_on = m.speculative.prefill is not None
             kv_dt = m.kv_cache_dtype.prefill
 
-            def parts_at(n: int, tp: int = tp, online: bool = online, spec_on: bool = spec_on, kv_dt: str = kv_dt) -> dict[str, int]:
-                return vllm_parts(spec, tp, n, kv_dt, fp8_checkpoint, online, spec_on)
+            def parts_at(n: int, tp: int = tp, online: bool = online, mtp_on: bool = mtp_on, kv_dt: str = kv_dt) -> dict[str, int]:
+                return vllm_parts(spec, tp, n, kv_dt, fp8_checkpoint, online, mtp_on)
 
             parts = parts_at(m.max_seq_len)
             dtype = "fp8 checkpoint" if fp8_checkpoint else ("bf16 checkpoint, --quantization fp8" if online else "bf16 checkpoint")
@@ -402,7 +402,7 @@ def _vllm_rows(topo: Topology, spec: ModelSpec, fp8_checkpoint: bool, report: Me
                 fixes = []
                 if not fp8_checkpoint and not online:
                     fixes.append(f"an fp8 checkpoint at model.hf_path, or `--quantization fp8` in {role}[{i}].extra_args "
-                                 f"({gib(sum(vllm_parts(spec, tp, m.max_seq_len, kv_dt, False, True, spec_on).values()))} per GPU)")
+                                 f"({gib(sum(vllm_parts(spec, tp, m.max_seq_len, kv_dt, False, True, mtp_on).values()))} per GPU)")
                 bigger = tp * 2
                 while bigger <= MAX_TP_TRIED and sum(parts_at(m.max_seq_len, tp=bigger).values()) > cap.bytes:
                     bigger *= 2

@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 from pydantic_core import to_json
 
 from tilepd.contracts.service_configs import DecodeEndpoint
-from tilepd.engine.spec import spec_from_hf_config
+from tilepd.model_format.model_spec import spec_from_hf_config
 from tilepd.topology.families import MTP_FAMILIES, canonical_family, known_families
 from tilepd.topology.hf_config import ConfigFileError, read_config_file
 from tilepd.topology.memory_fit import memory_report

@@ -39,7 +39,7 @@ class Ssh(_Model):
     key_file: str | None = Field(default=None, description="Absolute path of the private key on the operator's machine; default: the SSH agent / ~/.ssh.")
 
 
-class Deployment(_Model):
+class DeploymentSection(_Model):
     """Deployment-wide settings."""
 
     name: str = Field(pattern=NAME_PATTERN, description="Deployment name (lowercase letters, digits, '-'); names the deployment in units, inventory and status.")
@@ -58,6 +58,21 @@ class Deployment(_Model):
         description="Default for hosts: `playbook` = the deploy step creates the venv of `python` and installs tilepd (and vLLM on prefill hosts); "
         "`operator` = `python` already exists with vLLM installed; the deploy step only adds tilepd to it.",
     )
+    service_user: str = Field(
+        default="tilepd",
+        pattern=r"^[a-z_][a-z0-9_-]{0,31}$",
+        description="systemd mode: the system user every unit runs as (`User=`, `Group=` its group of the same name). The playbooks create "
+        "both where missing (no login shell, no home) and give it `<base_dir>/data`, the one place its services write; it must be able to "
+        "read the interpreter, the model and the rendered configs (checked before anything starts). Not `root`. Process mode runs services "
+        "as the SSH user and ignores it.",
+    )
+
+    @field_validator("service_user")
+    @classmethod
+    def _not_root(cls, value: str) -> str:
+        if value == "root":
+            raise ValueError("the service user is what keeps the services from running as root; name a dedicated user (default tilepd)")
+        return value
 
 
 class HostBase(_Model):
@@ -212,7 +227,7 @@ class Speculative(_Model):
     decode: SpeculativeMethod | None = Field(default=None, description="MTP in the tilepd decode engine.")
 
 
-class ModelSpec(_Model):
+class ModelSection(_Model):
     """The model every role serves."""
 
     served_name: str = Field(min_length=1, description="Model name clients send (`--served-model-name`).")
@@ -240,7 +255,7 @@ class ModelSpec(_Model):
     )
 
 
-class Transport(_Model):
+class TransportSection(_Model):
     """How KV bytes move from prefill to decode."""
 
     name: Literal["nixl", "mooncake", "tcp"] = Field(description="`nixl` (UCX/RDMA), `mooncake` (transfer engine; needs an NVIDIA driver), or plain `tcp`.")
@@ -252,9 +267,9 @@ class Topology(_Model):
     """A whole deployment."""
 
     api_version: Literal["tilepd/v1"] = Field(alias="apiVersion", description="Schema version; `tilepd/v1`.")
-    deployment: Deployment = Field(description="Deployment-wide settings.")
-    model: ModelSpec = Field(description="The served model.")
-    transport: Transport = Field(description="KV transport.")
+    deployment: DeploymentSection = Field(description="Deployment-wide settings.")
+    model: ModelSection = Field(description="The served model.")
+    transport: TransportSection = Field(description="KV transport.")
     prefill: list[PrefillHost] = Field(min_length=1, description="Stock vLLM prefill instances (one per host).")
     decode: list[DecodeNode] = Field(min_length=1, description="tilepd low-latency decode nodes.")
     native_decode: list[NativeDecodeHost] = Field(

@@ -1,4 +1,4 @@
-"""tilepd.weights: HF checkpoint -> tilepd runtime weights (convert-weights), and the loader the engine uses.
+"""tilepd.weights: HF checkpoint -> tilepd runtime weights (convert-weights): the tensors, their fp8 blocks, the manifest.
 
 Lazy exports: the manifest check behind a skipped re-run must not import torch.
 """

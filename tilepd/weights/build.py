@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tilepd.engine.spec import ModelSpec
-from tilepd.weights.layout import OutTensor
+from tilepd.model_format.model_spec import ModelSpec
+from tilepd.weights.out_tensors import OutTensor
 from tilepd.weights.source import WeightsError
 
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from tilepd.engine.spec import ModelSpec, spec_from_hf_config
-from tilepd.engine.fp8 import DEFAULT_BLOCK, FP8
+from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, FP8
 from tilepd.weights import fp8_build
 from tilepd.weights.build import build_chunks, cast_chunk, out_shape
-from tilepd.weights.layout import LAYOUT_VERSION, OutTensor, expected_shape, family_layout
+from tilepd.weights.out_tensors import LAYOUT_VERSION, OutTensor, expected_shape, family_layout
 from tilepd.weights.manifest import CONVERTER_VERSION, FORMAT, MANIFEST, source_entry, source_files, write_manifest_atomically
 from tilepd.weights.safetensors_writer import StreamingSafetensorsWriter
 from tilepd.weights.skip import resolve_options, try_skip
@@ -51,7 +51,7 @@ Entry = tuple[str, torch.dtype, tuple[int, ...]]
 def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, dtype: torch.dtype,
              fp8: bool) -> tuple[list[Entry], dict[str, tuple[int, int]]]:
     """(safetensors entries of one rank, block of each fp8 tensor). An fp8 tensor `x` is stored as `x`
-    (float8_e4m3fn) and `x.scale` (float32 block scales, fp8_build.plan)."""
+    (float8_e4m3fn) and `x.scale` (float32 block scales, fp8_build.block_and_scale_shape)."""
     entries: list[Entry] = []
     blocks: dict[str, tuple[int, int]] = {}
     source_block = ck.fp8_block()
@@ -65,7 +65,7 @@ def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, 
             )
         shape = out_shape(t, ck.shape, spec, tp)
         if fp8_build.stores_fp8(t, ck.is_fp8, fp8, source_block is not None):
-            block, scale_shape = fp8_build.plan(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
+            block, scale_shape = fp8_build.block_and_scale_shape(t, ck.shape, tp, source_block or DEFAULT_BLOCK)
             blocks[t.name] = block
             entries += [(t.name, FP8, shape), (t.name + ".scale", torch.float32, scale_shape)]
         else:

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tilepd.engine.fp8 import DEFAULT_BLOCK, FP8, BlockFp8, quantize
+from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, FP8, BlockFp8, quantize
 from tilepd.weights.errors import WeightsError
-from tilepd.weights.layout import OutTensor
+from tilepd.weights.out_tensors import OutTensor
 
 ShapeOf = Callable[[str], tuple[int, ...]]
 
@@ -58,7 +58,7 @@ def _row_block(t: OutTensor, shape_of: ShapeOf, tp: int, bn: int) -> int:
     return bn
 
 
-def plan(t: OutTensor, shape_of: ShapeOf, tp: int, source_block: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, ...]]:
+def block_and_scale_shape(t: OutTensor, shape_of: ShapeOf, tp: int, source_block: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, ...]]:
     """(block of the runtime tensor, shape of its scale tensor) for one rank, from source shapes only."""
     bn, bk = source_block
     cols = shape_of(t.sources[0])[1]
@@ -82,7 +82,7 @@ def _shard(w: BlockFp8, dim: int | None, rank: int, tp: int) -> BlockFp8:
     lo, hi = rank * size, (rank + 1) * size
     b = w.block[dim]
     if lo % b:
-        raise WeightsError(f"fp8 shard at {lo} along dim {dim} does not start on a block boundary ({b})")  # plan() prevents this
+        raise WeightsError(f"fp8 shard at {lo} along dim {dim} does not start on a block boundary ({b})")  # block_and_scale_shape() prevents this
     weight = w.weight.narrow(dim, lo, size)
     scale = w.scale.narrow(dim, lo // b, -(-hi // b) - lo // b)
     return BlockFp8(weight.contiguous(), scale.contiguous(), w.block)

@@ -18,7 +18,7 @@ DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
 
 def read_spec(model_dir: Path):
     """ModelSpec of an HF checkpoint's config.json, with file-named errors."""
-    from tilepd.engine.spec import spec_from_hf_config
+    from tilepd.model_format.model_spec import spec_from_hf_config
 
     cfg_path = Path(model_dir) / "config.json"
     if not cfg_path.is_file():
