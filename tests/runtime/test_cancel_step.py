@@ -9,43 +9,25 @@ may be produced (the step that was already running).
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
-import torch
-import uvicorn
 
-from tests.runtime.conftest import free_port, wire_payload
-from tests.runtime.hf_engine import HFEngine, KVState, SamplingParams, hf_prefill_kv
-from tilepd.control.layout import CacheLayout
+from tests.runtime.conftest import wire_payload
+from tests.runtime.hf_engine import hf_prefill_kv
+from tests.runtime.inprocess_node import inprocess_node
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.sender import KVSender
-from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.engine.types import DecodeEngine
-from tilepd.runtime.geometry import geometry_from_spec
-from tilepd.runtime.http_api import build_app
-from tilepd.runtime.service import DecodeService
 from tilepd.transport import Buffer
 
 
 @pytest.fixture(scope="module")
 def slow_node(tiny_llama):
-    eng = HFEngine(tiny_llama, step_delay_s=0.05)
-    assert isinstance(eng, DecodeEngine)
-    cfg = DecodeServerConfig(name="slow", served_model_name="tiny", family="llama", weights_dir=tiny_llama, max_seq_len=512,
-                             device="cpu", bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=free_port(), ctrl_port=0,
-                             transport=TransportConfig(name="tcp"), kv_timeout_s=5)
-    svc = DecodeService(cfg, eng, geometry_from_spec(eng.config, torch.float32), kv_types=(KVState, SamplingParams)).start()
-    server = uvicorn.Server(uvicorn.Config(build_app(svc), host="127.0.0.1", port=cfg.http_port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield svc, eng, f"http://127.0.0.1:{cfg.http_port}"
-    server.should_exit = True
-    th.join(10)
-    svc.close()
+    with inprocess_node(tiny_llama, step_delay_s=0.05, name="slow") as node:
+        assert isinstance(node[1], DecodeEngine)
+        yield node
 
 
 def test_cancel_within_one_step(slow_node) -> None:
