@@ -7,13 +7,16 @@ routers, HAProxy, two CPU decode nodes, vLLM prefill, tcp) on this machine, driv
 - SIGKILL of one router under that load: only the requests in flight on it end (their connections close), the node
   it held is free within the lease, every request sent after the kill is served through the other router;
 - `tilepd up --force --only router` under steady traffic restarts both routers (drained at the balancer, one at a
-  time) with no failed request.
+  time) with no failed request;
+- `tilepd capacity` on the stack just brought up fits a 512-token prompt's prefill within 2x of one measured by
+  vLLM's own histograms (it runs first, before any load).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import statistics
 import threading
@@ -29,6 +32,7 @@ import pytest
 from tests.deploy import topo
 from tests.deploy.cli import processes_mentioning, tilepd
 from tests.deploy.stack import missing_stack_piece
+from tests.prefill_timing import measured_prefill_s
 from tests.slot_log import check_one_at_a_time
 from tests.waiting import wait_until
 from tilepd.auth import vllm_auth_header
@@ -53,6 +57,7 @@ class Stack:
     home: Path
     data: dict
     base: Path
+    secret: bytes = b""
     reference: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -100,7 +105,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         doctor = tilepd(s.home, "doctor", str(s.file), "--json")
         verdicts = {f["check"]: f["verdict"] for f in doctor.json()["findings"]}
         assert [verdicts.get(c) for c in ("haproxy-binary", "haproxy-config", "balancer-routers")] == ["ok"] * 3, doctor
-        secret = (s.base / "secrets" / "deployment").read_text().strip().encode()
+        s.secret = secret = (s.base / "secrets" / "deployment").read_text().strip().encode()
         prefill = f"http://127.0.0.1:{data['prefill'][0]['port']}"
         for prompt in PROMPTS:  # vLLM alone: the same prompt, greedy, no tilepd marker
             r = httpx.post(prefill + "/v1/completions", headers=vllm_auth_header(secret), timeout=300, json={
@@ -164,6 +169,20 @@ def _router_counts(stack: Stack) -> dict[str, int]:
         out[r["name"]] = int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                                  if line.startswith("tilepd_router_responses_total{")))
     return out
+
+
+def test_ha_stack_capacity_fits_the_512_token_prefill_within_2x(stack: Stack) -> None:
+    fitted = tilepd(stack.home, "capacity", str(stack.file), "--rps", "1", "--output-tokens", "8", "--ms-per-token", "5",
+                    "--prompt-tokens", "512", "--sim-requests", "2000", "--json")
+    assert fitted.rc == 0, str(fitted)
+    fit = fitted.json()["prefill"]
+    url = f"http://127.0.0.1:{stack.data['prefill'][0]['port']}"
+    headers = vllm_auth_header(stack.secret)
+    rng = random.Random(28)
+    measured = statistics.median(measured_prefill_s(url, stack.data["model"]["served_name"], 512, rng, headers) for _ in range(3))
+    print(f"tilepd capacity after up: 512-token prefill fitted {fit['seconds'] * 1e3:.1f} ms ({fit['fixed_s'] * 1e3:.1f} ms + "
+          f"{fit['per_token_s'] * 1e3:.4f} ms/token on {fit['requests']} requests), measured {measured * 1e3:.1f} ms (median of 3)")
+    assert measured / 2 <= fit["seconds"] <= measured * 2
 
 
 def test_ha_stack_two_routers_twenty_clients_each_for_two_minutes(stack: Stack) -> None:

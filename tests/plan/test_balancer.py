@@ -78,7 +78,7 @@ def test_an_external_balancer_gets_its_backend_list_and_no_service(tmp_path: Pat
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None or not Path("/usr/sbin/haproxy").exists(),
                     reason="systemd-analyze (Debian package systemd) or haproxy not installed")
-def test_the_balancers_systemd_unit_passes_verify_and_is_sandboxed(tmp_path: Path) -> None:
+def test_the_balancers_systemd_unit_passes_verify_runs_as_the_service_user_and_is_sandboxed(tmp_path: Path) -> None:
     path = _ha(tmp_path)
     path.write_text(path.read_text().replace("services: process", "services: systemd"))
     plan = build_plan(load_topology(path))
@@ -87,5 +87,6 @@ def test_the_balancers_systemd_unit_passes_verify_and_is_sandboxed(tmp_path: Pat
     text = unit.read_text()
     assert f"ExecStart=/usr/sbin/haproxy -db -f {tmp_path}/base/config/balancer.cfg" in text and "Type=simple" in text
     assert "Restart=on-failure" in text and "PrivateDevices=yes" in text and "\nCapabilityBoundingSet=\n" in text
+    assert "\nUser=tilepd\nGroup=tilepd\n" in text, text  # the service user, as every unit (HAProxy switches to no user itself)
     r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -12,11 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tilepd.capacity.prefill_fit import one_request
-from tilepd.capacity.sources import scrape
+from tests.prefill_timing import measured_prefill_s
 
 from .conftest import Stack
 from .stack import MODEL_NAME
@@ -24,17 +22,6 @@ from .stack import MODEL_NAME
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 PROMPT_TOKENS = 512
-
-
-def _measured_prefill_s(url: str, rng: random.Random) -> float:
-    """One 512-token prompt's prefill, the difference of the host's histograms across it."""
-    before = scrape(url + "/metrics")
-    ids = [rng.randrange(100, 300) for _ in range(PROMPT_TOKENS)]
-    httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0},
-               timeout=300).raise_for_status()
-    sample = one_request(before, scrape(url + "/metrics"))
-    assert sample is not None and sample.tokens == PROMPT_TOKENS, sample
-    return sample.seconds
 
 
 def test_the_fitted_prefill_of_512_tokens_is_within_2x_of_the_measured_one(router_stack: Stack, repo_root: Path,
@@ -45,7 +32,7 @@ def test_the_fitted_prefill_of_512_tokens_is_within_2x_of_the_measured_one(route
     topo.write_text(text.replace("~/.local/state/tilepd/local", str(tmp_path / "base"))
                     .replace("port: 18100", f"port: {url.rsplit(':', 1)[1]}"))
     rng = random.Random(28)
-    measured = statistics.median(_measured_prefill_s(url, rng) for _ in range(3))
+    measured = statistics.median(measured_prefill_s(url, MODEL_NAME, PROMPT_TOKENS, rng) for _ in range(3))
     env = {**os.environ, "PYTHONPATH": str(repo_root), "TILEPD_DEPLOYMENT_SECRET": "s" * 64}  # the test's vLLM takes any key
     r = subprocess.run([sys.executable, "-m", "tilepd", "capacity", str(topo), "--rps", "1", "--output-tokens", "8", "--ms-per-token", "5",
                         "--prompt-tokens", str(PROMPT_TOKENS), "--sim-requests", "2000", "--json"],
