@@ -14,9 +14,14 @@ expert; GLM-5.1 one group, DeepSeek-V3 8 groups best 4), bf16 and block-scaled f
    routed alike (relative to the MoE output's max abs).
 2. launches per block: one block captured in a CUDA graph, replays under torch.profiler, kernels counted per replay.
 3. time per block inside a CUDA graph (bench/kit.py's graph_time_us: 20 blocks in one graph, best of 5
-   replays), fused vs today's, T = 1 and 4, with each fused kernel alone; bytes the block must read and GB/s.
-4. --sweep (default on, --no-sweep skips): the gate and down kernels' tile settings at T = 1 with fp8 experts, each kernel timed alone,
-   so the defaults in moe_fused_triton.TUNE can follow the device.
+   replays), fused vs today's, T = 1 and 4, with each fused kernel alone (and the plain grouped gate-up GEMV of the
+   unfused path, without silu-mul, for comparison); bytes each must read, GB/s and % of the device's read bandwidth
+   (kit.read_bandwidth, measured first).
+4. --sweep (default on, --no-sweep skips): the gate, gate-up and down kernels' tile settings at T = 1 (gate: fp8 cases
+   only, it reads the same bytes in both), each kernel timed alone, so the defaults in moe_fused_triton.TUNE can follow
+   the device; each kernel's fastest setting per case is reported as "best".
+
+The last lines printed are a short table (case, us and % of read bandwidth per kernel).
 """
 
 from __future__ import annotations
@@ -35,16 +40,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kit import CONFIGS, graph_time_us
+from kit import CONFIGS, graph_time_us, read_bandwidth
 from tilepd.engine import layers, moe, moe_fused, moe_fused_triton
 from tilepd.engine.cuda_graph import capture_graph
 from tilepd.model_format.block_fp8 import BlockFp8, quantize
 from tilepd.engine.route_triton import route_logits
 
 MODELS = ("glm-5.1", "deepseek-v3")
-GATE_SWEEP = [(1, 2048, 4), (2, 2048, 8), (2, 4096, 8), (4, 1024, 8), (4, 2048, 8)]  # (block_e, block_k, warps)
+GATE_SWEEP = [(1, 8192, 4), (1, 8192, 8), (2, 8192, 8), (2, 8192, 16), (4, 8192, 16), (2, 2048, 8)]  # (block_e, block_k, warps)
+UP_SWEEP = [(8, 1024, 4), (8, 512, 4), (16, 512, 4), (16, 1024, 8), (8, 2048, 8)]  # (block_n, block_k, warps)
+DOWN_SWEEP = [(4, 2048, 2), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8), (16, 1024, 8)]  # (block_n, block_k, warps)
 NEAR_TIE = 1e-3
-DOWN_SWEEP = [(8, 4), (8, 8), (16, 4), (16, 8), (32, 8)]  # (block_n, warps)
 
 
 def layer_spec(model: str, tiny: bool) -> SimpleNamespace:
@@ -74,12 +80,20 @@ def layer_weights(s: SimpleNamespace, fmt: str, dev: torch.device, dtype: torch.
     return w
 
 
+def _nb(t) -> int:  # noqa: ANN001 - a tensor or BlockFp8
+    return t.nbytes() if isinstance(t, BlockFp8) else t.numel() * t.element_size()
+
+
+def kernel_bytes(w: dict, s: SimpleNamespace) -> dict:
+    """What one token's block must read, per kernel: the router gate; the k routed and the shared expert's gate-up
+    weights (+ scales); their down weights (+ scales). Activations are a few KB and left out."""
+    k = s.num_experts_per_tok
+    return {"gate": _nb(w["l.gate"]), "gate_up": int(k * _nb(w["l.experts_w13"]) / s.experts + _nb(w["l.shared_w13"])),
+            "down": int(k * _nb(w["l.experts_w2"]) / s.experts + _nb(w["l.shared_w2"]))}
+
+
 def block_bytes(w: dict, s: SimpleNamespace) -> int:
-    """What one token's block must read: the gate, the k routed experts' and the shared expert's weights (+ scales)."""
-    def nb(t):  # noqa: ANN001, ANN202 - a tensor or BlockFp8
-        return t.nbytes() if isinstance(t, BlockFp8) else t.numel() * t.element_size()
-    per_expert = (nb(w["l.experts_w13"]) + nb(w["l.experts_w2"])) / s.experts
-    return int(nb(w["l.gate"]) + s.num_experts_per_tok * per_expert + nb(w["l.shared_w13"]) + nb(w["l.shared_w2"]))
+    return sum(kernel_bytes(w, s).values())
 
 
 def today(x: torch.Tensor, w: dict, s: SimpleNamespace) -> torch.Tensor:
@@ -134,7 +148,8 @@ def _time_us(fn, dev: torch.device) -> float:  # noqa: ANN001 - a callable
 
 
 def kernel_calls(x: torch.Tensor, w: dict, s: SimpleNamespace) -> dict:
-    """The fused block's three launches as separate calls on one batch (each reads the previous one's outputs)."""
+    """The fused block's three launches as separate calls on one batch (each reads the previous one's outputs), and the
+    unfused path's grouped gate-up GEMV (no silu-mul) on the same rows for comparison."""
     from tilepd.engine import fp8_triton
     from tilepd.engine.moe_triton import expert_gemv
 
@@ -143,30 +158,60 @@ def kernel_calls(x: torch.Tensor, w: dict, s: SimpleNamespace) -> dict:
     h, ids, weights, _ = moe_fused_triton.gate_route(*args)
     w13, s13 = w["l.experts_w13"], w["l.shared_w13"]
     if isinstance(w13, BlockFp8):
-        def gate_up() -> torch.Tensor:
+        def grouped() -> torch.Tensor:
             return fp8_triton.launch(h, w13.weight, w13.scale, ids.view(-1), None, w13.block[0], w13.block[1], shared=(s13.weight, s13.scale), x_div=k + 1)
     else:
-        def gate_up() -> torch.Tensor:
+        def grouped() -> torch.Tensor:
             return expert_gemv(h, w13, ids.view(-1), shared=s13, x_div=k + 1)
-    gu = gate_up()
-    return {"gate": lambda: moe_fused_triton.gate_route(*args), "gate_up": gate_up,
-            "down": lambda: moe_fused_triton.down_combine(gu, w["l.experts_w2"], w["l.shared_w2"], ids, weights, x)}
+    a = moe_fused_triton.gate_up_act(h, w13, s13, ids)
+    return {"gate": lambda: moe_fused_triton.gate_route(*args), "gate_up": lambda: moe_fused_triton.gate_up_act(h, w13, s13, ids),
+            "down": lambda: moe_fused_triton.down_combine(a, w["l.experts_w2"], w["l.shared_w2"], ids, weights, x), "gate_up_grouped": grouped}
 
 
-def sweep(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device) -> dict:
-    """The gate's and the down kernel's tile settings, each kernel alone (us); TUNE is restored after."""
+def _best(times: dict) -> str:
+    return min(times, key=times.get) if times else ""
+
+
+def sweep(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device, gate: bool) -> dict:
+    """The gate's (when `gate`), the gate-up's and the down kernel's tile settings, each kernel alone (us); TUNE is
+    restored after."""
     saved = dict(moe_fused_triton.TUNE)
-    out: dict[str, dict] = {"gate": {}, "down": {}}
+    out: dict[str, dict] = {"gate": {}, "gate_up": {}, "down": {}}
     try:
-        for be, bk, nw in GATE_SWEEP:
+        for be, bk, nw in GATE_SWEEP if gate else []:
             moe_fused_triton.TUNE.update(saved, gate_block_e=be, gate_block_k=bk, gate_num_warps=nw)
             out["gate"][f"block_e={be},block_k={bk},warps={nw}"] = _time_us(kernel_calls(x, w, s)["gate"], dev)
-        for bn, nw in DOWN_SWEEP:
-            moe_fused_triton.TUNE.update(saved, down_block_n=bn, down_num_warps=nw)
-            out["down"][f"block_n={bn},warps={nw}"] = _time_us(kernel_calls(x, w, s)["down"], dev)
+        for bn, bk, nw in UP_SWEEP:
+            moe_fused_triton.TUNE.update(saved, up_block_n=bn, up_block_n_fp8=bn, up_block_k=bk, up_block_k_fp8=bk, up_num_warps=nw)
+            out["gate_up"][f"block_n={bn},block_k={bk},warps={nw}"] = _time_us(kernel_calls(x, w, s)["gate_up"], dev)
+        for bn, bk, nw in DOWN_SWEEP:
+            moe_fused_triton.TUNE.update(saved, down_block_n=bn, down_block_k=bk, down_block_k_fp8=bk, down_num_warps=nw)
+            out["down"][f"block_n={bn},block_k={bk},warps={nw}"] = _time_us(kernel_calls(x, w, s)["down"], dev)
     finally:
         moe_fused_triton.TUNE.update(saved)
+    out["best"] = {name: _best(times) for name, times in out.items()}
     return out
+
+
+def _setting(key: str) -> dict:
+    """A sweep key ("block_n=8,block_k=1024,warps=4") as its settings by name ("": none)."""
+    return dict((name, int(v)) for name, v in (part.split("=") for part in key.split(","))) if key else {}
+
+
+def tuned(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device, best: dict) -> dict:
+    """The block and its kernels again with each kernel's fastest sweep setting for this case (TUNE restored after)."""
+    saved = dict(moe_fused_triton.TUNE)
+    try:
+        for kernel, prefix in (("gate", "gate_"), ("gate_up", "up_"), ("down", "down_")):
+            for name, v in _setting(best.get(kernel) or "").items():
+                name = "num_warps" if name == "warps" else name
+                both = kernel != "gate" and (name == "block_k" or (kernel == "gate_up" and name == "block_n"))  # the fp8 key too
+                moe_fused_triton.TUNE.update({prefix + name: v, **({prefix + name + "_fp8": v} if both else {})})
+        out = {"tune": dict(moe_fused_triton.TUNE), "fused_us": _time_us(lambda: fused(x, w, s), dev)}
+        out.update({f"{name}_us": _time_us(fn, dev) for name, fn in kernel_calls(x, w, s).items() if name != "gate_up_grouped"})
+        return out
+    finally:
+        moe_fused_triton.TUNE.update(saved)
 
 
 def run_case(model: str, fmt: str, args, dev: torch.device, dtype: torch.dtype) -> list[dict]:  # noqa: ANN001 - argparse namespace
@@ -187,10 +232,17 @@ def run_case(model: str, fmt: str, args, dev: torch.device, dtype: torch.dtype) 
             row["today_us"] = _time_us(lambda: today(x, w, s), dev)
             row["fused_GBps"] = block_bytes(w, s) / (row["fused_us"] * 1e-6) / 1e9 if t == 1 else None  # T = 1: bytes of one token's experts
             row.update({f"{name}_us": _time_us(fn, dev) for name, fn in kernel_calls(x, w, s).items()})
+            if t == 1:
+                for name, nbytes in kernel_bytes(w, s).items():
+                    row[f"{name}_MB"] = nbytes / 1e6
+                    row[f"{name}_GBps"] = nbytes / (row[f"{name}_us"] * 1e-6) / 1e9
+                    row[f"{name}_pct_bw"] = 100 * row[f"{name}_GBps"] / args.read_GBps if args.read_GBps else None
             row["fused_launches"] = count_launches(lambda: fused(x, w, s), dev)
             row["today_launches"] = count_launches(lambda: today(x, w, s), dev)
-            if t == 1 and fmt == "fp8" and args.sweep and dev.type == "cuda":  # the served format
-                row["sweep"] = sweep(x, w, s, dev)
+            if t == 1 and args.sweep and dev.type == "cuda":
+                row["sweep"] = sweep(x, w, s, dev, gate=fmt == "fp8")
+                print(json.dumps({"case": row["case"], "sweep": row["sweep"]}), flush=True)
+                row["tuned"] = tuned(x, w, s, dev, row["sweep"]["best"])
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("sweep",)}), flush=True)
     w.clear()  # the layer's weights (tens of GB at full size) go before the next case's
@@ -198,6 +250,24 @@ def run_case(model: str, fmt: str, args, dev: torch.device, dtype: torch.dtype) 
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def print_table(report: dict) -> None:
+    """The short table for people: per T = 1 case, each kernel's us and % of the read bandwidth, and the sweep's picks."""
+    print(f"read bandwidth {report['read_GBps']} GB/s; tune {report['tune']}")
+    print("case | block us (today) | gate us %bw | gate-up us %bw (grouped GEMV us) | down us %bw | id mismatches | max rel")
+    for r in report["rows"]:
+        if "fused_us" not in r or not r["case"].endswith("T=1"):
+            continue
+        def cell(name: str) -> str:
+            pct = r.get(f"{name}_pct_bw")
+            return f"{r[name + '_us']:.1f} {pct:.0f}%" if pct is not None else f"{r[name + '_us']:.3g}"
+        print(f"{r['case']} | {r['fused_us']:.1f} ({r['today_us']:.1f}) | {cell('gate')} | {cell('gate_up')} ({r['gate_up_grouped_us']:.1f}) | "
+              f"{cell('down')} | {r['id_mismatches']} | {r['max_rel']:.2e}")
+        if "sweep" in r:
+            tu = r["tuned"]
+            print(f"   sweep best: {r['sweep']['best']}; with them: block {tu['fused_us']:.1f}, gate {tu['gate_us']:.1f}, "
+                  f"gate-up {tu['gate_up_us']:.1f}, down {tu['down_us']:.1f} us")
 
 
 def main() -> int:
@@ -211,11 +281,12 @@ def main() -> int:
     args = ap.parse_args()
     args.trials = args.trials or (1 if args.tiny else 16)
     dev = torch.device(args.device)
+    args.read_GBps = read_bandwidth(dev, 4.0)["sum_read_GBps"] if dev.type == "cuda" else None
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     before = (moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"])
     moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "triton", "triton"  # moe_grouped's own kernels (it calls them directly)
     report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__, "dtype": str(dtype),
-              "tune": dict(moe_fused_triton.TUNE), "rows": []}
+              "tune": dict(moe_fused_triton.TUNE), "read_GBps": args.read_GBps, "rows": []}
     try:
         for model in MODELS:
             for fmt in ("bf16", "fp8"):
@@ -229,6 +300,7 @@ def main() -> int:
     if launches and max(launches) > 3:
         bad.append(f"fused block launches {max(launches)} > 3")
     report["ok"] = not bad
+    print_table(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     print("moe fused gpu " + ("ok" if not bad else f"FAILED: {bad}"))

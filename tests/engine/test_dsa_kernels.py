@@ -24,7 +24,8 @@ _TOPK = textwrap.dedent("""
     M.TUNE.update(block=64, chunk=96, chunk_block=32)
     g = torch.Generator().manual_seed(0)
     def check(scores, valid, k, what):
-        for one_program_max in (1 << 30, 0):  # one program per row, then the chunked launches
+        for one_program_max in (1 << 30, 0):  # one program per row, then the chunked launches (split, refine, finish;
+            # the histogram brought by the scores kernel is test_indexer's)
             M.TUNE["one_program_max"] = one_program_max
             check_one(scores, valid, k, f"{what} one_program_max={one_program_max}")
     def check_one(scores, valid, k, what):
@@ -58,7 +59,9 @@ _INDEXER = textwrap.dedent("""
     from tilepd.engine import dsa_indexer as M
     from tilepd.engine.dsa import indexer_key, _rope_head
     from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table
-    M.TUNE["block_l"] = 16
+    from tilepd.engine import dsa_topk
+    M.TUNE.update(block_l=16, programs=2)  # rows of 37-100 keys: 1-4 blocks a program, 2-3 programs a row
+    dsa_topk.TUNE.update(block=32, chunk=48, chunk_block=16)
     g = torch.Generator().manual_seed(0)
     D, ROPE, SLOTS = 128, 64, 200
     for dtype in (torch.float32, torch.bfloat16):
@@ -89,6 +92,20 @@ _INDEXER = textwrap.dedent("""
                 assert torch.equal(torch.isinf(got), ~valid), ("masking", dtype, interleaved, t)
                 err = float((got - want).masked_fill(~valid, 0).abs().max() / want.masked_fill(~valid, 0).abs().max())
                 assert err < tol, ("scores", dtype, interleaved, t, heads, err)
+                # the fused select: the scores kernel's top-byte histogram, then split + finish; same set as torch.topk
+                hist = dsa_topk.new_hist(t, cache.device)
+                again = M.index_scores(q, cs, weights, cache, valid, ROPE, interleaved, hist=hist)
+                assert torch.equal(again, got), ("scores with the histogram", dtype, interleaved, t)
+                keys = got.view(torch.int32) ^ ((got.view(torch.int32) >> 31) & 0x7FFFFFFF)
+                want_hist = torch.stack([torch.bincount(((r >> 24) + 128) & 255, minlength=256) for r in keys]).int()
+                assert torch.equal(hist[:, :256], want_hist), ("top-byte histogram", dtype, interleaved, t)
+                for k in (11, length):
+                    idx, ok = M.index_topk(q, cs, weights, cache, valid, ROPE, interleaved, k)
+                    ref = got.topk(k, dim=-1).values
+                    for r in range(t):
+                        assert len(set(idx[r].tolist())) == k, ("a slot chosen twice", k, r)
+                        assert torch.equal(got[r, idx[r]].sort(descending=True).values, ref[r]), ("index_topk set", dtype, k, r)
+                    assert torch.equal(ok, valid.gather(1, idx)), ("index_topk ok", k)
     print("indexer ok")
 """)
 
@@ -127,11 +144,11 @@ _ENGINE = textwrap.dedent("""
     import sys
     import torch
     from tilepd.engine import KVState, SamplingParams, dsa_topk, fp8_triton, gemv_triton, layers, load_engine, mla_fused, moe, moe_fused
-    from tilepd.engine import moe_fused_triton, moe_triton
+    from tilepd.engine import mla_attention, moe_fused_triton, moe_triton
     torch.set_num_threads(1)
     # few programs a launch: the interpreter pays per program
     gemv_triton.TUNE["block_n"], fp8_triton.TUNE["block_n"], moe_triton.TUNE["block_n"] = 256, 128, 64
-    moe_fused_triton.TUNE.update(gate_block_e=16, down_block_n=64)
+    moe_fused_triton.TUNE.update(gate_block_e=16, up_block_n=64, up_block_n_fp8=64, down_block_n=64)
     calls = {"topk": 0, "attention": 0, "moe": 0}
     def spy(module, name, key):  # a spy, not a stand-in: counts that the kernel path ran
         real = getattr(module, name)
@@ -142,6 +159,12 @@ _ENGINE = textwrap.dedent("""
     spy(dsa_topk, "topk_select", "topk")
     spy(mla_fused, "attention_block", "attention")
     spy(moe_fused, "moe_block", "moe")
+    spans = {"n": 0}  # windows that fit index_topk: the fused path reads DSA's full selection as the dense span
+    real_split = mla_attention.split_partials
+    def split_spy(*a, **kw):
+        spans["n"] += kw.get("lo") is not None
+        return real_split(*a, **kw)
+    mla_attention.split_partials = split_spy
     # the speed path as compiled.accelerate turns it on for this family (its CUDA-only parts aside)
     layers.ATTENTION_IMPL["mla"] = mla_fused.FUSED_IMPL["attention"] = "triton"
     moe.EXPERT_IMPL["dense"] = moe.ROUTE_IMPL["router"] = moe.BLOCK_IMPL["moe"] = "triton"
@@ -161,6 +184,7 @@ _ENGINE = textwrap.dedent("""
             assert all(calls[k] > before[k] for k in calls), (name, mode, "a kernel path did not run", calls, before)
             assert got == ref["tokens"][1:], (name, mode, got, ref["tokens"][1:])
             print(name, mode, "ok", flush=True)
+    assert spans["n"] > 0, "no DSA window that fits index_topk went through the dense span"
     print("engine ok")
 """)
 

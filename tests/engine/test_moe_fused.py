@@ -1,8 +1,8 @@
 """The fused MoE block (tilepd/engine/moe_fused.py and its kernels, moe_fused_triton.py), run by Triton's CPU interpreter,
 against the torch ops it replaces: the gate kernel (norm, float32 router GEMV, noaux_tc routing with the shared slot)
-with DeepSeek-V3's grouping and GLM-5's, T = 1 and 4, ties; the down kernel (silu-mul, grouped GEMV, weighted sum,
-residual) with dense and fp8 weights (scales per row block and per row); the whole block against rms_norm + moe_grouped
-+ the add; mlp_block through the switches. HF's greedy tokens through the whole speed path (this block included) are
+with DeepSeek-V3's grouping and GLM-5's, T = 1 and 4, the row in one K chunk and in several, ties; the gate-up kernel
+(grouped GEMV, silu-mul) and the down kernel (grouped GEMV, weighted sum, residual) with dense and fp8 weights (scales
+per row block and per row); the whole block against rms_norm + moe_grouped + the add; mlp_block through the switches. HF's greedy tokens through the whole speed path (this block included) are
 test_dsa_kernels.py's engine test.
 
 The interpreter rounds float32 -> bf16 toward zero (the GPU rounds to nearest even), so bf16 cases compare within a few
@@ -29,11 +29,13 @@ _KERNELS = textwrap.dedent("""
     from tilepd.engine import layers, moe, moe_fused, moe_fused_triton as K
     from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize
     g = torch.Generator().manual_seed(0)
-    K.TUNE.update(gate_block_e=32, gate_block_k=16, down_block_n=8, down_block_k=16, down_block_k_fp8=16)
+    K.TUNE.update(gate_block_e=32, gate_block_k=16, up_block_n=8, up_block_n_fp8=8, up_block_k=16, up_block_k_fp8=16, down_block_n=8,
+                  down_block_k=16, down_block_k_fp8=16)
     cpu = torch.device("cpu")
     checked = 0
     # 1. gate: (name, experts, n_group, topk_group, top_k, hidden, rows); hidden 40 is off the 16-wide K chunks
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+    for dtype, tol, chunk in ((torch.float32, 1e-5, 16), (torch.bfloat16, 3e-2, 16), (torch.float32, 1e-5, 64), (torch.bfloat16, 3e-2, 64)):
+        K.TUNE["gate_block_k"] = chunk  # 16: three K chunks (40 is off them); 64: the row in one chunk (the served shapes' path)
         for name, ne, ng, tg, k, h, t in (("deepseek-v3", 256, 8, 4, 8, 40, 1), ("deepseek-v3 mtp", 256, 8, 4, 8, 40, 4),
                                           ("glm-5", 256, 1, 1, 8, 40, 1), ("glm-5 mtp", 256, 1, 1, 8, 40, 4), ("odd", 24, 3, 2, 3, 24, 2)):
             spec = SimpleNamespace(n_group=ng, topk_group=tg, num_experts_per_tok=k, norm_topk_prob=name != "odd", routed_scaling_factor=2.5)
@@ -43,7 +45,7 @@ _KERNELS = textwrap.dedent("""
             hn, ids, w, logits = K.gate_route(x, nw, 1e-6, gate, bias, ng, tg, k, spec.norm_topk_prob, 2.5)
             want_h = layers.rms_norm(x, nw, 1e-6)
             assert hn.dtype == dtype and ids.shape == (t, k + 1) and w.dtype == dtype and logits.dtype == torch.float32
-            assert float((hn.float() - want_h.float()).abs().max()) <= tol * float(want_h.float().abs().max()), (name, dtype)
+            assert float((hn.float() - want_h.float()).abs().max()) <= tol * float(want_h.float().abs().max()), (name, dtype, chunk)
             torch.testing.assert_close(logits, F.linear(hn.float(), gate), rtol=1e-5, atol=1e-5)
             # the routing of the kernel's own logits, by the torch reference (an identity gate passes logits through exactly)
             want_ids, want_w = moe.route_torch(logits, torch.eye(ne), bias, spec)
@@ -58,37 +60,51 @@ _KERNELS = textwrap.dedent("""
     _, ids, w, _ = K.gate_route(torch.randn(2, 40, generator=g), torch.ones(40), 1e-6, torch.zeros(256, 40), torch.zeros(256), 8, 4, 8, True, 2.5)
     assert ids.tolist() == [list(range(8)) + [-1]] * 2, ids.tolist()
     torch.testing.assert_close(w, torch.tensor([[2.5 / 8] * 8 + [1.0]] * 2))
-    # 2. down: dense fp32/bf16 and fp8 experts (block (8, 16): the tile's rows in one row block; (1, 16): per-row scales)
-    def down_ref(gu, wdq, sdq, ids, w, res):
-        a = layers.silu_mul(gu)
+    # 2. gate-up and down: dense fp32/bf16 and fp8 experts (block (8, 16): the tile's rows in one row block; (1, 16): per-row
+    # scales), against the dequantised weights through torch: GEMV, silu_mul, GEMV, the weighted sum as a bmm, the add
+    def gate_up_ref(hn, wdq, sdq, ids):
         mats = [sdq if i < 0 else wdq[i] for i in ids.reshape(-1).tolist()]
-        y = torch.stack([a[r].float() @ mats[r].float().T for r in range(a.shape[0])]).to(gu.dtype)
+        s = ids.shape[1]
+        gu = torch.stack([hn[r // s].float() @ mats[r].float().T for r in range(ids.numel())]).to(hn.dtype)
+        return layers.silu_mul(gu)
+    def down_ref(a, wdq, sdq, ids, w, res):
+        mats = [sdq if i < 0 else wdq[i] for i in ids.reshape(-1).tolist()]
+        y = torch.stack([a[r].float() @ mats[r].float().T for r in range(a.shape[0])]).to(a.dtype)
         return res + torch.bmm(w.view(ids.shape[0], 1, -1), y.view(ids.shape[0], ids.shape[1], -1)).view(ids.shape[0], -1)
+    def stacked(v, fmt, dtype, block):
+        if fmt == "dense":
+            return v.to(dtype), v.to(dtype)
+        if v.dim() == 2:
+            q = quantize(v, block)
+        else:
+            parts = [quantize(v[e], block) for e in range(v.shape[0])]
+            q = BlockFp8(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), block)
+        return q, dequantize(q, dtype)
     ne, hid, mi = 6, 40, 24
     for fmt, dtype, tol in (("dense", torch.float32, 1e-5), ("dense", torch.bfloat16, 3e-2), ("fp8", torch.float32, 1e-5),
                             ("fp8-rows", torch.bfloat16, 3e-2)):
-        w2 = torch.randn(ne, hid, mi, generator=g) * mi ** -0.5
-        s2 = torch.randn(hid, mi, generator=g) * mi ** -0.5
-        if fmt == "dense":
-            w2, s2 = w2.to(dtype), s2.to(dtype)
-            wdq, sdq = w2, s2
-        else:
-            block = (8, 16) if fmt == "fp8" else (1, 16)
-            parts = [quantize(w2[e], block) for e in range(ne)]
-            w2 = BlockFp8(torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts]), block)
-            s2 = quantize(s2, block)
-            wdq, sdq = dequantize(w2, dtype), dequantize(s2, dtype)
+        block = (8, 16) if fmt == "fp8" else (1, 16)
+        w13, w13dq = stacked(torch.randn(ne, 2 * mi, hid, generator=g) * hid ** -0.5, fmt, dtype, block)
+        s13, s13dq = stacked(torch.randn(2 * mi, hid, generator=g) * hid ** -0.5, fmt, dtype, block)
+        w2, wdq = stacked(torch.randn(ne, hid, mi, generator=g) * mi ** -0.5, fmt, dtype, block)
+        s2, sdq = stacked(torch.randn(hid, mi, generator=g) * mi ** -0.5, fmt, dtype, block)
         for t in (1, 3):
             ids = torch.tensor([[4, 0, 4, -1], [2, 5, 1, -1], [0, 3, 5, -1]][:t])  # expert 4 twice in a row: read twice
             w = torch.rand(t, 4, generator=g).to(dtype)
-            gu = torch.randn(t * 4, 2 * mi, generator=g).to(dtype)
+            hn = torch.randn(t, hid, generator=g).to(dtype)
+            a = K.gate_up_act(hn, w13, s13, ids)
+            want_a = gate_up_ref(hn, w13dq, s13dq, ids)
+            assert a.dtype == dtype and a.shape == (t * 4, mi)
+            err = float((a.float() - want_a.float()).abs().max() / want_a.float().abs().max())
+            assert err < tol, ("gate-up", fmt, dtype, t, err)
             res = torch.randn(t, hid, generator=g).to(dtype)
-            got = K.down_combine(gu, w2, s2, ids, w, res)
-            want = down_ref(gu, wdq, sdq, ids, w, res)
+            a = torch.randn(t * 4, mi, generator=g).to(dtype)
+            got = K.down_combine(a, w2, s2, ids, w, res)
+            want = down_ref(a, wdq, sdq, ids, w, res)
             assert got.dtype == dtype and got.shape == (t, hid)
             err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-            assert err < tol, (fmt, dtype, t, err)
-            checked += 1
+            assert err < tol, ("down", fmt, dtype, t, err)
+            checked += 2
     # 3. the whole block against rms_norm + moe_grouped + the add, and mlp_block through the switches
     def layer_weights(fp8, ne, ng, dtype):
         hid, mi = 48, 24
@@ -130,11 +146,12 @@ _KERNELS = textwrap.dedent("""
 @pytest.mark.slow
 def test_fused_moe_kernels_match_the_torch_ops_under_interpreter(repo_root: Path) -> None:
     r = interpret(["-c", _KERNELS], repo_root, timeout=900)
-    assert r.returncode == 0 and "moe fused ok 34" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and "moe fused ok 52" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_fused_moe_refuses_bad_shapes_by_name() -> None:
-    from tilepd.engine.moe_fused_triton import down_combine, gate_route
+    from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_up_act
+    from tilepd.model_format.block_fp8 import quantize
 
     x, nw, gate, bias = torch.zeros(1, 16), torch.ones(16), torch.zeros(8, 16), torch.zeros(8)
     with pytest.raises(ValueError, match="do not fit"):
@@ -146,6 +163,12 @@ def test_fused_moe_refuses_bad_shapes_by_name() -> None:
         down_combine(torch.zeros(2, 16), torch.zeros(3, 16, 8), torch.zeros(16, 4), ids, w, torch.zeros(1, 16))
     with pytest.raises(ValueError, match="do not fit"):
         down_combine(torch.zeros(2, 12), torch.zeros(3, 16, 8), torch.zeros(16, 8), ids, w, torch.zeros(1, 16))
+    with pytest.raises(ValueError, match="must match one routed expert"):
+        gate_up_act(torch.zeros(1, 16), torch.zeros(3, 8, 16), torch.zeros(8, 12), ids)
+    with pytest.raises(ValueError, match="do not fit"):
+        gate_up_act(torch.zeros(1, 12), torch.zeros(3, 8, 16), torch.zeros(8, 16), ids)
+    with pytest.raises(ValueError, match="both be fp8 or both dense"):
+        gate_up_act(torch.zeros(1, 16), torch.zeros(3, 8, 16), quantize(torch.zeros(8, 16)), ids)
 
 
 def test_mlp_block_off_the_switch_is_the_unfused_ops() -> None:

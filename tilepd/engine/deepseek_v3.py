@@ -84,6 +84,14 @@ class DeepseekV3Model:
             return DenseSpan(lo.expand(positions.shape[0]).contiguous(), positions, valid.shape[1])
         return attention_bias(valid, self.spec.num_heads, x.dtype)
 
+    def _span_or_bias(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, lo: torch.Tensor,
+                      dsa: DSAStep | None) -> torch.Tensor | DenseSpan | None:
+        """The step's dense mask. DSA attends through dsa.selection, but on the kernel path it gets the span too: while
+        the window fits index_topk the selection is every slot of that span, and mla_fused reads it as a span."""
+        if dsa is not None and not self._mla_kernel(x):
+            return None
+        return self._dense_mask(x, positions, valid, lo)
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings (tensor parallelism overrides this with a vocab-parallel lookup)."""
         return F.embedding(tokens, self.w["embed"])
@@ -151,7 +159,7 @@ class DeepseekV3Model:
         cs = self.rope.index_select(0, positions)
         valid = length_mask(positions, attn_len)
         dsa = DSAStep(valid) if s.is_dsa else None
-        mask = None if dsa else self._dense_mask(x, positions, valid, self._zero)  # DSA attends through dsa.selection
+        mask = self._span_or_bias(x, positions, valid, self._zero, dsa)
         for i in range(s.num_layers):
             x = self._layer(f"layers.{i}.", self.caches[i], x, positions, cs, mask, i >= s.first_k_dense_replace, dsa=dsa)
         h = rms_norm(x, w["norm"], s.rms_norm_eps)
@@ -171,7 +179,7 @@ class DeepseekV3Model:
         cs = self.rope.index_select(0, positions)
         valid = length_mask(positions, attn_len) & (torch.arange(attn_len, device=positions.device) >= self.mtp_start)[None, :]
         dsa = DSAStep(valid) if s.is_dsa else None
-        mask = None if dsa else self._dense_mask(x, positions, valid, self.mtp_start)
+        mask = self._span_or_bias(x, positions, valid, self.mtp_start, dsa)
         x = self._layer(p, self.mtp_caches[k], x, positions, cs, mask, True, dsa=dsa)
         h = rms_norm(x, w[p + "head_norm"], s.rms_norm_eps)
         return self._logits(h if head_rows is None else h.index_select(0, head_rows)), h

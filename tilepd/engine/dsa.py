@@ -67,7 +67,7 @@ def select_topk(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, q_resid: to
                 kernels: bool = False) -> Selection:
     """Write the new tokens' indexer keys at `positions`, score the window [0, L) and keep the top index_topk.
 
-    kernels: through dsa_indexer.py and dsa_topk.py (the speed path: the GEMVs plus three Triton launches,
+    kernels: through dsa_indexer.py and dsa_topk.py (the speed path: the GEMVs plus six launches,
     no torch topk); otherwise the portable torch ops below, which are the kernels' reference."""
     if kernels:
         return _select_topk_kernels(w, p, x, q_resid, positions, cs, keys_cache, valid, spec)
@@ -90,17 +90,15 @@ def select_topk(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, q_resid: to
 
 def _select_topk_kernels(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
                          cs: torch.Tensor, keys_cache: torch.Tensor, valid: torch.Tensor, spec: ModelSpec) -> Selection:
-    from tilepd.engine.dsa_indexer import index_scores, write_index_keys
-    from tilepd.engine.dsa_topk import topk_select
+    from tilepd.engine.dsa_indexer import index_topk, write_index_keys
 
     t, nh, d, rope = x.shape[0], spec.index_n_heads, spec.index_head_dim, spec.qk_rope_head_dim
     write_index_keys(linear(x, w[p + "idx_wk"]), w[p + "idx_k_norm"], w[p + "idx_k_norm_bias"], cs, positions, keys_cache,
                      rope, spec.indexer_rope_interleave)
     q = linear(q_resid, w[p + "idx_wq_b"]).view(t, nh, d)
     weights = linear(x.float(), w[p + "idx_weights_proj"])  # [T, H] fp32; n_heads^-0.5 is applied in the kernel
-    scores = index_scores(q, cs, weights, keys_cache, valid, rope, spec.indexer_rope_interleave)
-    idx, ok = topk_select(scores, valid, min(spec.index_topk, valid.shape[1]))
-    return Selection(idx, ok)
+    return Selection(*index_topk(q, cs, weights, keys_cache, valid, rope, spec.indexer_rope_interleave,
+                                 min(spec.index_topk, valid.shape[1])))
 
 
 def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, rank: int, sel: Selection, scale: float) -> torch.Tensor:

@@ -11,9 +11,12 @@ for 4 bytes. Then every slot above the k-th key is written, and as many slots eq
   * short rows (one_program_max): one program per row, one launch. Its second pass writes the slots above the
     top byte's bin at once and compacts the bin (the candidates) into a scratch, so the two low bytes and the
     last write read only the candidates: the row itself is read twice. Ties are taken in slot order.
-  * long rows: the row in chunks over many programs, one launch per byte (each chunk adds its histogram to the
-    row's with atomics) and one for the writes (atomic counters place them; order and the choice among ties
-    vary between runs, the set's values do not).
+  * long rows, or whenever the caller brings the top byte's histogram (dsa_indexer.index_scores adds it in its
+    epilogue): a split launch over chunks of the row writes every slot above the k-th's top-byte bin (atomic
+    counters place them), compacts the bin's slots (the candidates) into a scratch and adds their second byte's
+    histogram; a refine launch over the candidates writes those above the k-th's two top bytes and compacts those
+    equal to them (a 256th of the bin); then one program per row finishes as above over these (the two low bytes'
+    histograms, the writes). With the scores' histogram fused: 3 launches plus the memset, whatever L. Order and the choice among ties vary between runs there, the set's values do not.
 The output always holds exactly k slots (k <= L); ties at the k-th value may be other slots of equal value than
 torch.topk's. Static shapes, no host sync: CUDA-graph safe. The reference is torch.topk (dsa.select_topk).
 """
@@ -30,16 +33,18 @@ try:
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
-# Rows up to one_program_max scores: one program per row (block scores per iteration, num_warps wide) reading
-# the row twice. Longer rows: the row split in chunks of `chunk` scores over many programs, one launch per key
-# byte adding each chunk's histogram to the row's (atomics), then one launch writing the selection (6 launches
-# with the histograms' memset, each reading the row once from L2). Why the split: Triton's tl.histogram costs
-# ~100 instructions an element at 256 bins (warp ballots per bin), so one SM alone takes ~13 us a pass at 32K.
+# Rows up to one_program_max scores (and no histogram brought): one program per row (block scores per iteration,
+# num_warps wide) reading the row twice. Otherwise the split runs over chunks of `chunk` scores (chunk_block per
+# iteration) and the refine over its candidates the same way, then one program a row (block, num_warps) over the
+# refined candidates. Why the refine: on the engine's scores one program walking the top byte's bin took 24-68 us a
+# layer at 32K-200K (H200, 2026-12-03; ~2.3 us of latency a step), the refine spreads that walk over the GPU. Why not one program at long rows:
+# Triton's tl.histogram costs ~100 instructions an element at 256 bins (warp ballots per bin), so one SM alone takes
+# ~13 us a pass at 32K; the split spreads the row's second pass over the GPU and leaves the finish only its bin.
 TUNE: dict[str, int] = {
     "one_program_max": env_int("TILEPD_DSA_TOPK_ONE_PROGRAM_MAX", 4096),
     "block": env_int("TILEPD_DSA_TOPK_BLOCK", 1024),
     "num_warps": env_int("TILEPD_DSA_TOPK_NUM_WARPS", 16),
-    "chunk": env_int("TILEPD_DSA_TOPK_CHUNK", 2048),
+    "chunk": env_int("TILEPD_DSA_TOPK_CHUNK", 1024),
     "chunk_block": env_int("TILEPD_DSA_TOPK_CHUNK_BLOCK", 1024),
     "chunk_warps": env_int("TILEPD_DSA_TOPK_CHUNK_WARPS", 8),
 }
@@ -91,6 +96,33 @@ if triton is not None:
         return h
 
     @triton.jit
+    def _finish_candidates(crow_k, crow_i, n_cand, prefix, k_rem, n_out, vrow, orow_i, orow_ok, BLOCK: tl.constexpr):
+        """The select's end over the compacted candidates (keys whose two top bytes are `prefix`, k_rem of them still
+        needed): the two low bytes' histograms, then the candidates above the k-th key and the first ties equal to it
+        written from output position n_out on."""
+        offs = tl.arange(0, BLOCK)
+        j, above, _ = _find_bin(_cand_hist(crow_k, n_cand, prefix, 2, BLOCK), k_rem, 256)
+        k_rem = k_rem - above
+        prefix = prefix * 256 + j
+        j, above, _ = _find_bin(_cand_hist(crow_k, n_cand, prefix, 3, BLOCK), k_rem, 256)
+        ties = k_rem - above  # how many slots equal to the k-th key are still needed
+        kth = prefix * 256 + j
+        n_tie = tl.zeros([], tl.int32)
+        for n0 in range(0, n_cand, BLOCK):
+            o = n0 + offs
+            m = o < n_cand
+            key = tl.load(crow_k + o, mask=m, other=0)
+            eq = m & (key == kth)
+            tie_rank = n_tie + tl.cumsum(eq.to(tl.int32), axis=0)
+            take = (m & (key > kth)) | (eq & (tie_rank <= ties))
+            pos = n_out + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            slot = tl.load(crow_i + o, mask=take, other=0)
+            tl.store(orow_i + pos, slot.to(tl.int64), mask=take)
+            tl.store(orow_ok + pos, tl.load(vrow + slot, mask=take, other=0), mask=take)
+            n_out += tl.sum(take.to(tl.int32), axis=0)
+            n_tie += tl.sum(eq.to(tl.int32), axis=0)
+
+    @triton.jit
     def _topk_one_program_kernel(S, VALID, IDX, OK, CAND_K, CAND_I, L, K, s_st, s_vt, s_it, s_ct, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         row = S + t * s_st
@@ -133,93 +165,120 @@ if triton is not None:
         j, above, _ = _find_bin(h, k_rem, 256)
         k_rem = k_rem - above
         prefix = prefix * 256 + j
-        # 3. the two low bytes over the candidates only
-        j, above, _ = _find_bin(_cand_hist(crow_k, n_cand, prefix, 2, BLOCK), k_rem, 256)
-        k_rem = k_rem - above
-        prefix = prefix * 256 + j
-        j, above, _ = _find_bin(_cand_hist(crow_k, n_cand, prefix, 3, BLOCK), k_rem, 256)
-        ties = k_rem - above  # how many slots equal to the k-th key are still needed
-        kth = prefix * 256 + j
-        # 4. candidates above the k-th key, then the first `ties` equal to it
-        n_tie = tl.zeros([], tl.int32)
-        for n0 in range(0, n_cand, BLOCK):
-            o = n0 + offs
-            m = o < n_cand
-            key = tl.load(crow_k + o, mask=m, other=0)
-            eq = m & (key == kth)
-            tie_rank = n_tie + tl.cumsum(eq.to(tl.int32), axis=0)
-            take = (m & (key > kth)) | (eq & (tie_rank <= ties))
-            pos = n_out + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            slot = tl.load(crow_i + o, mask=take, other=0)
-            tl.store(orow_i + pos, slot.to(tl.int64), mask=take)
-            tl.store(orow_ok + pos, tl.load(vrow + slot, mask=take, other=0), mask=take)
-            n_out += tl.sum(take.to(tl.int32), axis=0)
-            n_tie += tl.sum(eq.to(tl.int32), axis=0)
+        _finish_candidates(crow_k, crow_i, n_cand, prefix, k_rem, n_out, vrow, orow_i, orow_ok, BLOCK)
 
     @triton.jit
-    def _walk_levels(HIST, K, LEVELS: tl.constexpr):
-        """From the global histograms of bytes 0..LEVELS-1: the k-th key's top LEVELS bytes and how many are still needed."""
-        k_rem = K
-        prefix = 0
-        for lvl in tl.static_range(LEVELS):
-            j, above, _ = _find_bin(tl.load(HIST + lvl * 256 + tl.arange(0, 256)), k_rem, 256)
-            k_rem = k_rem - above
-            if lvl == 0:
-                prefix = j - 128
-            else:
-                prefix = prefix * 256 + j
-        return prefix, k_rem
-
-    @triton.jit
-    def _topk_hist_kernel(S, HIST, L, K, CHUNK, s_st, s_ht, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+    def _topk_hist0_kernel(S, HIST, L, CHUNK, s_st, s_ht, BLOCK: tl.constexpr):
+        """The top byte's histogram of a chunk added to its row's (what index_scores' epilogue does when fused)."""
         t = tl.program_id(1)
         start = tl.program_id(0) * CHUNK
-        row = S + t * s_st
-        hrow = HIST + t * s_ht
-        prefix, _ = _walk_levels(hrow, K, LEVEL)
+        end = tl.minimum(start + CHUNK, L)
         offs = tl.arange(0, BLOCK)
         h = tl.zeros([256], tl.int32)
-        for n0 in range(start, tl.minimum(start + CHUNK, L), BLOCK):
+        for n0 in range(start, end, BLOCK):
             o = n0 + offs
-            m = o < tl.minimum(start + CHUNK, L)
-            key = _ordered_key(tl.load(row + o, mask=m, other=0.0))
-            if LEVEL > 0:
-                m = m & ((key >> (32 - 8 * LEVEL)) == prefix)
-            h += _masked_hist(_digit(key, LEVEL), m, 256, BLOCK)
-        bins = tl.arange(0, 256)
-        tl.atomic_add(hrow + LEVEL * 256 + bins, h, mask=h > 0)
+            m = o < end
+            h += _masked_hist(_digit(_ordered_key(tl.load(S + t * s_st + o, mask=m, other=0.0)), 0), m, 256, BLOCK)
+        tl.atomic_add(HIST + t * s_ht + tl.arange(0, 256), h, mask=h > 0)
 
     @triton.jit
-    def _topk_collect_kernel(S, VALID, HIST, IDX, OK, L, K, CHUNK, s_st, s_vt, s_ht, s_it, BLOCK: tl.constexpr):
+    def _topk_split_kernel(S, VALID, HIST, IDX, OK, CAND_K, CAND_I, L, K, CHUNK, s_st, s_vt, s_ht, s_it, s_ct,
+                           BLOCK: tl.constexpr):
+        """From the top byte's histogram: write every slot above the k-th's bin (they are selected), compact the bin's
+        slots (the candidates) into the scratch and add their second byte's histogram to the row's."""
         t = tl.program_id(1)
         start = tl.program_id(0) * CHUNK
+        end = tl.minimum(start + CHUNK, L)
         row = S + t * s_st
         hrow = HIST + t * s_ht
-        kth, ties = _walk_levels(hrow, K, 4)
-        counters = hrow + 4 * 256  # [slots above the k-th written, ties at it seen]
+        bins = tl.arange(0, 256)
+        j, _, _ = _find_bin(tl.load(hrow + bins), K, 256)
+        prefix = j - 128  # the candidates' key >> 24
+        counters = hrow + 2 * 256  # [slots above the bin written, candidates compacted]
         offs = tl.arange(0, BLOCK)
-        for n0 in range(start, tl.minimum(start + CHUNK, L), BLOCK):
+        h = tl.zeros([256], tl.int32)
+        for n0 in range(start, end, BLOCK):
             o = n0 + offs
-            m = o < tl.minimum(start + CHUNK, L)
+            m = o < end
             key = _ordered_key(tl.load(row + o, mask=m, other=0.0))
-            ok = tl.load(VALID + t * s_vt + o, mask=m, other=0)
-            gt = m & (key > kth)
+            top = key >> 24
+            gt = m & (top > prefix)
             base = tl.atomic_add(counters, tl.sum(gt.to(tl.int32), axis=0))
             pos = base + tl.cumsum(gt.to(tl.int32), axis=0) - 1
             tl.store(IDX + t * s_it + pos, o.to(tl.int64), mask=gt)
-            tl.store(OK + t * s_it + pos, ok, mask=gt)
-            eq = m & (key == kth)
-            tie_base = tl.atomic_add(counters + 1, tl.sum(eq.to(tl.int32), axis=0))
-            rank = tie_base + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-            take = eq & (rank < ties)
-            pos = K - ties + rank  # ties fill the last `ties` outputs
-            tl.store(IDX + t * s_it + pos, o.to(tl.int64), mask=take)
-            tl.store(OK + t * s_it + pos, ok, mask=take)
+            tl.store(OK + t * s_it + pos, tl.load(VALID + t * s_vt + o, mask=gt, other=0), mask=gt)
+            cand = m & (top == prefix)
+            cbase = tl.atomic_add(counters + 1, tl.sum(cand.to(tl.int32), axis=0))
+            cpos = cbase + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+            tl.store(CAND_K + t * s_ct + cpos, key, mask=cand)
+            tl.store(CAND_I + t * s_ct + cpos, o, mask=cand)
+            h += _masked_hist(_digit(key, 1), cand, 256, BLOCK)
+        tl.atomic_add(hrow + 256 + bins, h, mask=h > 0)
+
+    @triton.jit
+    def _two_top_bytes(hrow, K):
+        """From a row's two histograms: the k-th key >> 16, the slots above it (written first) and how many are still
+        needed among the keys that share its two top bytes."""
+        bins = tl.arange(0, 256)
+        j, n_above, _ = _find_bin(tl.load(hrow + bins), K, 256)
+        k_rem = K - n_above
+        prefix = j - 128
+        j, above, _ = _find_bin(tl.load(hrow + 256 + bins), k_rem, 256)
+        return prefix * 256 + j, n_above + above, k_rem - above
+
+    @triton.jit
+    def _topk_refine_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, s_vt, s_ht, s_it, s_ct,
+                            BLOCK: tl.constexpr):
+        """Over the split's candidates in parallel (programs past their count do nothing): write those above the k-th
+        key's two top bytes, compact those equal to them (usually a few hundred) for the finish."""
+        t = tl.program_id(1)
+        hrow = HIST + t * s_ht
+        start = tl.program_id(0) * CHUNK
+        end = tl.minimum(start + CHUNK, tl.load(hrow + 2 * 256 + 1))
+        prefix, _, _ = _two_top_bytes(hrow, K)
+        offs = tl.arange(0, BLOCK)
+        for n0 in range(start, end, BLOCK):
+            o = n0 + offs
+            m = o < end
+            key = tl.load(CAND_K + t * s_ct + o, mask=m, other=0)
+            slot = tl.load(CAND_I + t * s_ct + o, mask=m, other=0)
+            hi = key >> 16
+            take = m & (hi > prefix)
+            base = tl.atomic_add(hrow + 2 * 256, tl.sum(take.to(tl.int32), axis=0))  # after the split's writes
+            pos = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(IDX + t * s_it + pos, slot.to(tl.int64), mask=take)
+            tl.store(OK + t * s_it + pos, tl.load(VALID + t * s_vt + slot, mask=take, other=0), mask=take)
+            keep = m & (hi == prefix)
+            cbase = tl.atomic_add(hrow + 2 * 256 + 2, tl.sum(keep.to(tl.int32), axis=0))
+            cpos = cbase + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            tl.store(CAND2_K + t * s_ct + cpos, key, mask=keep)
+            tl.store(CAND2_I + t * s_ct + cpos, slot, mask=keep)
+
+    @triton.jit
+    def _topk_finish_kernel(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, s_vt, s_ht, s_it, s_ct, BLOCK: tl.constexpr):
+        """One program per row over the refined candidates (the k-th key's two top bytes): _finish_candidates."""
+        t = tl.program_id(0)
+        hrow = HIST + t * s_ht
+        prefix, n_out, k_rem = _two_top_bytes(hrow, K)
+        _finish_candidates(CAND2_K + t * s_ct, CAND2_I + t * s_ct, tl.load(hrow + 2 * 256 + 2), prefix, k_rem, n_out,
+                           VALID + t * s_vt, IDX + t * s_it, OK + t * s_it, BLOCK)
 
 
-def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+HIST_COLS = 2 * 256 + 3  # a row's scratch: the two top bytes' histograms, then [slots written, candidates, refined candidates]
+
+
+def new_hist(rows: int, device: torch.device) -> torch.Tensor:
+    """The zeroed [rows, HIST_COLS] int32 scratch that dsa_indexer.index_scores can fill with the first byte's histogram."""
+    return torch.zeros(rows, HIST_COLS, dtype=torch.int32, device=device)
+
+
+def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best slots of each row of scores [T, L] (float32, invalid slots at -inf), k <= L, as idx [T, k]
-    (int64, any order) and ok = valid.gather(1, idx) [T, k] (bool): dsa.Selection's fields."""
+    (int64, any order) and ok = valid.gather(1, idx) [T, k] (bool): dsa.Selection's fields.
+
+    hist: new_hist(T)'s scratch with the scores' top-byte histogram already added (index_scores(..., hist=...)):
+    then the select is three launches whatever L (split, refine, finish). Without it rows up to one_program_max take
+    one launch, longer ones four (the first byte's histogram with its memset before the three)."""
     if triton is None:
         raise RuntimeError("DSA top-k kernel needs Triton, which is not importable here")
     t, length = scores.shape
@@ -229,6 +288,8 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torc
         raise ValueError(f"DSA top-k: valid {tuple(valid.shape)} {valid.dtype}, expected {tuple(scores.shape)} torch.bool")
     if not 0 < k <= length:
         raise ValueError(f"DSA top-k: k={k} outside 1..L={length}")
+    if hist is not None and (hist.shape != (t, HIST_COLS) or hist.dtype != torch.int32 or hist.stride(1) != 1):
+        raise ValueError(f"DSA top-k: hist {tuple(hist.shape)} {hist.dtype}, expected contiguous ({t}, {HIST_COLS}) torch.int32")
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     if valid.stride(1) != 1:
@@ -236,7 +297,7 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torc
     idx = torch.empty(t, k, dtype=torch.int64, device=scores.device)
     ok = torch.empty(t, k, dtype=torch.bool, device=scores.device)
     valid_u8, ok_u8 = valid.view(torch.uint8), ok.view(torch.uint8)
-    if length <= TUNE["one_program_max"]:
+    if hist is None and length <= TUNE["one_program_max"]:
         cand = torch.empty(2, t, length, dtype=torch.int32, device=scores.device)  # scratch: candidate keys, slots
         _topk_one_program_kernel[(t,)](scores, valid_u8, idx, ok_u8, cand[0], cand[1], length, k,
                                        scores.stride(0), valid.stride(0), idx.stride(0), cand.stride(1),
@@ -244,10 +305,16 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torc
         return idx, ok
     chunk = TUNE["chunk"]
     grid = (triton.cdiv(length, chunk), t)
-    hist = torch.zeros(t, 4 * 256 + 2, dtype=torch.int32, device=scores.device)  # 4 byte histograms + 2 counters a row
-    for level in range(4):
-        _topk_hist_kernel[grid](scores, hist, length, k, chunk, scores.stride(0), hist.stride(0), LEVEL=level,
-                                BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
-    _topk_collect_kernel[grid](scores, valid_u8, hist, idx, ok_u8, length, k, chunk, scores.stride(0), valid.stride(0), hist.stride(0),
-                               idx.stride(0), BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
+    if hist is None:
+        hist = new_hist(t, scores.device)
+        _topk_hist0_kernel[grid](scores, hist, length, chunk, scores.stride(0), hist.stride(0),
+                                 BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
+    cand = torch.empty(4, t, length, dtype=torch.int32, device=scores.device)  # the split's candidates, the finish's
+    _topk_split_kernel[grid](scores, valid_u8, hist, idx, ok_u8, cand[0], cand[1], length, k, chunk, scores.stride(0),
+                             valid.stride(0), hist.stride(0), idx.stride(0), cand.stride(1),
+                             BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
+    _topk_refine_kernel[grid](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, chunk, valid.stride(0), hist.stride(0),
+                              idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
+    _topk_finish_kernel[(t,)](valid_u8, hist, idx, ok_u8, cand[2], cand[3], k, valid.stride(0), hist.stride(0), idx.stride(0),
+                              cand.stride(1), BLOCK=TUNE["block"], num_warps=TUNE["num_warps"])
     return idx, ok

@@ -45,6 +45,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # 128 heads was fastest with 64-row blocks, 32 heads per program, 4 warps and ~one wave of programs (8K: 22.7 us
 # against 33.2 us for the first guess of 32/32/8 warps/2 waves; 32K: 66.0 against 97.7 us); DSA's gather of
 # 2048 selected rows over 64 heads with 32-row blocks, 16 heads per program, 4 warps (16.7 against 22.4 us).
+# TUNE_SPARSE also serves a DSA model's window while it fits index_topk (mla_fused reads that full selection as a
+# span, SPARSE=False): the tiles of DSA's shapes (64 heads, at most index_topk rows), with or without indices.
 TUNE: dict[str, int] = {
     "block_n": env_int("TILEPD_MLA_BLOCK_N", 64),
     "block_h": env_int("TILEPD_MLA_BLOCK_H", 32),
@@ -152,9 +154,10 @@ if triton is not None:
 
 def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, length: int, *, idx: torch.Tensor | None = None,
                    ok: torch.Tensor | None = None, lo: torch.Tensor | None = None,
-                   hi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   hi: torch.Tensor | None = None, tune: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel alone: (partials [T, H, S, rank] float32, their log-sum-exp [T, H, S] in log2 units), for a
-    merge that does more than merge (mla_fused_triton.merge_uv applies W_UV in the same launch)."""
+    merge that does more than merge (mla_fused_triton.merge_uv applies W_UV in the same launch). tune: the tiles
+    (default TUNE_SPARSE with idx, else TUNE; a DSA model's span while its window fits index_topk takes TUNE_SPARSE)."""
     if triton is None:
         raise RuntimeError("MLA attention kernel needs Triton, which is not importable here")
     t, h, width = q.shape
@@ -167,7 +170,7 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
     q = q.to(cache.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    tune = TUNE_SPARSE if idx is not None else TUNE
+    tune = tune if tune is not None else TUNE_SPARSE if idx is not None else TUNE
     block_n, block_h = tune["block_n"], max(16, min(tune["block_h"], triton.next_power_of_2(h)))
     groups = t * triton.cdiv(h, block_h)
     want = max(1, tune["programs"] // groups)

@@ -12,7 +12,8 @@ launches that read the weights anyway:
      into the cache, the indexer key into its cache;
   4. DSA past index_topk only: the indexer's scores (dsa_indexer) and top-k (dsa_topk); its head weights are one
      more role of prepare;
-  5. split-KV MLA attention (mla_attention's split kernel, dense span or DSA selection);
+  5. split-KV MLA attention (mla_attention's split kernel): DSA's selection past index_topk, else the dense span
+     (a DSA window that fits index_topk selects every causal slot: the span is that selection, read without indices);
   6. merge + W_UV in one launch (mla_fused_triton.merge_uv);
   7. wo with the residual add in its epilogue.
 
@@ -200,7 +201,7 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     """x + attention(rms_norm(x)) for layer `p` (residual False: the attention output alone, which tensor parallelism
     all-reduces before its own add)."""
     from tilepd.engine.dsa import Selection
-    from tilepd.engine.mla_attention import split_partials
+    from tilepd.engine.mla_attention import TUNE_SPARSE, split_partials
     from tilepd.engine.mla_fused_triton import merge_uv, prepare
 
     s, w, layer = model.spec, model.w, model.fused[p]
@@ -218,23 +219,24 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     head_weights = (x, w[p + "attn_norm"], eps, w[p + "idx_weights_proj"]) if scoring else None
     q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
                              index, head_weights)
-    if dsa is not None:
+    fits = dsa is not None and dsa.valid.shape[1] <= s.index_topk and isinstance(mask, DenseSpan)
+    if dsa is not None and not fits:
         if scoring:
-            from tilepd.engine.dsa_indexer import index_scores
-            from tilepd.engine.dsa_topk import topk_select
+            from tilepd.engine.dsa_indexer import index_topk
 
             nh, d = s.index_n_heads, s.index_head_dim
-            scores = index_scores(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope, s.indexer_rope_interleave)
-            dsa.selection = Selection(*topk_select(scores, dsa.valid, min(s.index_topk, dsa.valid.shape[1])))
-        elif dsa.selection is None:  # the window fits index_topk: every causal slot is selected, in order
+            dsa.selection = Selection(*index_topk(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope,
+                                                  s.indexer_rope_interleave, min(s.index_topk, dsa.valid.shape[1])))
+        elif dsa.selection is None:  # the window fits index_topk but no span came: every causal slot, by index
             length = dsa.valid.shape[1]
             dsa.selection = Selection(torch.arange(length, device=x.device).expand(t, length).contiguous(), dsa.valid.contiguous())
         sel = dsa.selection
         part, lse = split_partials(q_cat, cache, r, model.scale, sel.idx.shape[1], idx=sel.idx, ok=sel.ok)
-    else:
+    else:  # dense MLA, or DSA while the window fits index_topk: every causal slot is selected, so the span is the
+        # selection and the kernel reads rows by position (no index/ok loads in front of each row gather)
         if mask is None:
             raise ValueError("MLA fused attention: a dense layer needs its DenseSpan")
-        part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi)
+        part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi, tune=TUNE_SPARSE if fits else None)
     out = merge_uv(part, lse, w[p + "w_uv"], x.dtype, cache.dtype)
     wo = w[p + "wo"]
     return gemv(out, wo, wo.shape[-2], residual=x if residual else None)

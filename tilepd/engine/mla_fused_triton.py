@@ -43,16 +43,20 @@ except Exception:  # pragma: no cover - CPU installs without Triton
 # pipelining of those loops (the next chunk's weights load while this one is summed). Defaults from
 # `python bench/mla_fused_gpu.py` on one H200 (2026-12-03, GLM-5.1 shapes, bf16): prepare 7.8 us (W_UK read floor
 # 3.1 us) with 64 columns a program against 8.2 with 128; merge + W_UV 6.6 us (W_UV floor 4.1 us) with 256-column
-# chunks against 11.3 with 128; deeper pipelining was slower for both.
+# chunks against 11.3 with 128; deeper pipelining was slower for both. prep_unroll / merge_unroll: the absorb's NOPE
+# loop / the merge's RANK loop unrolled (tl.static_range), so every weight tile of a program is loaded before the
+# first is summed (one memory round trip instead of 3 or 2); off until bench/mla_fused_gpu.py has measured them.
 TUNE: dict[str, int] = {
     "block_c": env_int("TILEPD_MLA_FUSED_BLOCK_C", 64),
     "block_d": env_int("TILEPD_MLA_FUSED_BLOCK_D", 64),
     "prep_stages": env_int("TILEPD_MLA_FUSED_PREP_STAGES", 1),
     "prep_warps": env_int("TILEPD_MLA_FUSED_PREP_WARPS", 4),
+    "prep_unroll": env_int("TILEPD_MLA_FUSED_PREP_UNROLL", 0),
     "block_v": env_int("TILEPD_MLA_FUSED_BLOCK_V", 64),
     "chunk_c": env_int("TILEPD_MLA_FUSED_CHUNK_C", 256),
     "merge_stages": env_int("TILEPD_MLA_FUSED_MERGE_STAGES", 1),
     "merge_warps": env_int("TILEPD_MLA_FUSED_MERGE_WARPS", 4),
+    "merge_unroll": env_int("TILEPD_MLA_FUSED_MERGE_UNROLL", 0),
 }
 
 
@@ -78,12 +82,22 @@ if triton is not None:
         return (a + xp * sin).to(ACT)
 
     @triton.jit
+    def _absorb_tile(q_head, WUK, h, d0, offs_c, NOPE: tl.constexpr, RANK: tl.constexpr, BLOCK_D: tl.constexpr):
+        """sum over BLOCK_D q_nope channels from d0 of q_nope[d] * W_UK[h, d, offs_c] (fp32)."""
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dmask = offs_d < NOPE
+        qn = tl.load(q_head + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        w = tl.load(WUK + (h * NOPE + offs_d).to(tl.int64)[:, None] * RANK + offs_c[None, :], mask=dmask[:, None], other=0.0)
+        return tl.sum(w.to(tl.float32) * qn[:, None], axis=0)
+
+    @triton.jit
     def _prepare_kernel(Q, KV, KX, WUK, KVN, KN, KB, CS, ICS, POS, C, IC, QOUT, X, XN, WP, WOUT, eps, x_eps,
                         s_qt, s_kvt, s_kxt, s_ct, s_c1, s_ict, s_ic1, s_cl, s_icl, s_ot, s_oh, s_xt, s_wp, s_wt,
-                        H, NOPE, QW, N_ABSORB, HIDDEN,
+                        H, QW, N_ABSORB, HIDDEN, NOPE: tl.constexpr,
                         RANK: tl.constexpr, ROPE: tl.constexpr, IDX_D: tl.constexpr, INTERLEAVED: tl.constexpr,
                         IDX_INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ACT: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                        BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                        UNROLL: tl.constexpr):
         t = tl.program_id(1)
         pid = tl.program_id(0)
         offs_p = tl.arange(0, ROPE)
@@ -96,12 +110,12 @@ if triton is not None:
             offs_c = (pid % n_ct) * BLOCK_C + tl.arange(0, BLOCK_C)
             q_head = Q + t * s_qt + h * QW
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-            for d0 in tl.range(0, NOPE, BLOCK_D, num_stages=STAGES):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                dmask = offs_d < NOPE
-                qn = tl.load(q_head + offs_d, mask=dmask, other=0.0).to(tl.float32)
-                w = tl.load(WUK + (h * NOPE + offs_d).to(tl.int64)[:, None] * RANK + offs_c[None, :], mask=dmask[:, None], other=0.0)
-                acc += tl.sum(w.to(tl.float32) * qn[:, None], axis=0)
+            if UNROLL:  # every W_UK tile of the head's NOPE rows in flight at once (one memory round trip)
+                for d0 in tl.static_range(0, NOPE, BLOCK_D):
+                    acc += _absorb_tile(q_head, WUK, h, d0, offs_c, NOPE, RANK, BLOCK_D)
+            else:
+                for d0 in tl.range(0, NOPE, BLOCK_D, num_stages=STAGES):
+                    acc += _absorb_tile(q_head, WUK, h, d0, offs_c, NOPE, RANK, BLOCK_D)
             out_row = QOUT + t * s_ot + h * s_oh
             tl.store(out_row + offs_c, acc.to(ACT).to(QOUT.dtype.element_ty))
             if pid % n_ct == 0:
@@ -148,9 +162,19 @@ if triton is not None:
                 tl.store(WOUT + t * s_wt + hh, tl.sum(acc, axis=0))
 
     @triton.jit
+    def _uv_chunk(o_head, WUV, h, V, c0, offs_s, smask, wt, den, offs_v, vmask, s_os, RANK: tl.constexpr, ACT: tl.constexpr,
+                  LAT: tl.constexpr, CHUNK_C: tl.constexpr):
+        """W_UV[h, offs_v, c0:c0+CHUNK_C] . the merged latent's columns c0.. (rounded as the merge stores it), fp32."""
+        offs_c = c0 + tl.arange(0, CHUNK_C)
+        o = tl.load(o_head + offs_s[:, None] * s_os + offs_c[None, :], mask=smask[:, None], other=0.0)
+        lat = (tl.sum(o * wt[:, None], axis=0) / den).to(LAT).to(ACT).to(tl.float32)
+        w = tl.load(WUV + (h * V + offs_v).to(tl.int64)[:, None] * RANK + offs_c[None, :], mask=vmask[:, None], other=0.0)
+        return tl.sum(w.to(tl.float32) * lat[None, :], axis=1)
+
+    @triton.jit
     def _merge_uv_kernel(O, LSE, WUV, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out,
                          RANK: tl.constexpr, ACT: tl.constexpr, LAT: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr, STAGES: tl.constexpr):
+                         BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
         row = tl.program_id(0)
         t = row // H
         h = row % H
@@ -165,12 +189,13 @@ if triton is not None:
         den = tl.sum(wt, axis=0)
         den = tl.where(den > 0.0, den, 1.0)
         acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-        for c0 in tl.range(0, RANK, CHUNK_C, num_stages=STAGES):
-            offs_c = c0 + tl.arange(0, CHUNK_C)
-            o = tl.load(O + t * s_ot + h * s_oh + offs_s[:, None] * s_os + offs_c[None, :], mask=smask[:, None], other=0.0)
-            lat = (tl.sum(o * wt[:, None], axis=0) / den).to(LAT).to(ACT).to(tl.float32)
-            w = tl.load(WUV + (h * V + offs_v).to(tl.int64)[:, None] * RANK + offs_c[None, :], mask=vmask[:, None], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * lat[None, :], axis=1)
+        o_head = O + t * s_ot + h * s_oh
+        if UNROLL:  # every chunk's W_UV tile and partials in flight at once
+            for c0 in tl.static_range(0, RANK, CHUNK_C):
+                acc += _uv_chunk(o_head, WUV, h, V, c0, offs_s, smask, wt, den, offs_v, vmask, s_os, RANK, ACT, LAT, CHUNK_C)
+        else:
+            for c0 in tl.range(0, RANK, CHUNK_C, num_stages=STAGES):
+                acc += _uv_chunk(o_head, WUV, h, V, c0, offs_s, smask, wt, den, offs_v, vmask, s_os, RANK, ACT, LAT, CHUNK_C)
         tl.store(OUT + t * s_out + h * V + offs_v, acc.to(ACT), mask=vmask)
 
 
@@ -232,10 +257,10 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
         q, kv, kx, w_uk, kv_norm, kn, kb, cs, ics, positions, rows, icache, qout, x, xn, wp, wout if wout is not None else qout, eps, x_eps,
         q.stride(0), kv.stride(0), kx.stride(0), cs.stride(0), cs.stride(1), ics.stride(0), ics.stride(1), rows.stride(0),
         icache.stride(0), qout.stride(0), qout.stride(1), x.stride(0), wp.stride(0), wout.stride(0) if wout is not None else 0,
-        h, nope, nope + rope, n_absorb, hidden,
+        h, nope + rope, n_absorb, hidden, NOPE=nope,
         RANK=rank, ROPE=rope, IDX_D=idx_d, INTERLEAVED=interleaved, IDX_INTERLEAVED=idx_interleaved, HAS_INDEX=index is not None,
         HAS_WEIGHTS=wout is not None, ACT=_tl(q.dtype), BLOCK_C=block_c, BLOCK_D=TUNE["block_d"], BLOCK_K=1024, STAGES=TUNE["prep_stages"],
-        num_warps=TUNE["prep_warps"])
+        UNROLL=bool(TUNE["prep_unroll"]), num_warps=TUNE["prep_warps"])
     return qout, wout
 
 
@@ -254,7 +279,7 @@ def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: tor
     _merge_uv_kernel[(t * h, triton.cdiv(v, block_v))](
         part, lse, w_uv, out, s, h, v, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
         RANK=rank, ACT=_tl(act), LAT=_tl(lat), BLOCK_S=max(2, triton.next_power_of_2(s)), BLOCK_V=block_v, CHUNK_C=chunk_c,
-        STAGES=TUNE["merge_stages"], num_warps=TUNE["merge_warps"])
+        STAGES=TUNE["merge_stages"], UNROLL=bool(TUNE["merge_unroll"]), num_warps=TUNE["merge_warps"])
     return out
 
 

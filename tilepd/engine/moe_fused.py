@@ -7,11 +7,11 @@ microseconds plus a gap. Here:
 1. gate (moe_fused_triton.gate_route): the MLP norm, the float32 router GEMV from the normed row and the noaux_tc
    routing, fused with a last-program ticket; it also writes the normed row h (bf16) and the routed ids with the shared
    slot (id -1, weight 1).
-2. gate-up: the existing grouped GEMV (fp8: fp8_triton.launch; dense: moe_triton.expert_gemv) over each token's k routed
-   experts and the shared one, reading h in place by its k+1 rows. The norm is computed once in 1. instead of in this
-   launch's ~2,300 programs (each would re-read the row twice); h is the bf16 row the unfused path feeds its GEMVs.
-3. down (moe_fused_triton.down_combine): silu(gate) * up, the grouped down GEMV, the weighted sum over the k+1 rows
-   and the residual add.
+2. gate-up (moe_fused_triton.gate_up_act): the grouped GEMV over each token's k routed experts and the shared one,
+   reading h in place by its k+1 rows, each program computing the gate and the up outputs of the same columns, with
+   silu(gate) * up in its epilogue. The norm is computed once in 1. instead of in this launch's ~2,300 programs (each
+   would re-read the row twice); h is the bf16 row the unfused path feeds its GEMVs.
+3. down (moe_fused_triton.down_combine): the grouped down GEMV, the weighted sum over the k+1 rows and the residual add.
 
 Each intermediate is rounded to the activation dtype where the unfused path rounds it (normed row, router weights,
 gate-up output, silu, its product with up, each expert's down output, the weighted sum, the residual add), so the block
@@ -56,20 +56,11 @@ def applies(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
 
 def moe_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> torch.Tensor:
     """x + moe(rms_norm(x, mlp_norm)) for the MoE layer `p` in 3 launches (call where `applies`)."""
-    from tilepd.engine.moe_fused_triton import down_combine, gate_route
+    from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_up_act
 
     k = spec.num_experts_per_tok
     x = x if x.is_contiguous() else x.contiguous()
     h, ids, weights, _ = gate_route(x, w[p + "mlp_norm"], spec.rms_norm_eps, w[p + "gate"], w[p + "gate_bias"], spec.n_group, spec.topk_group, k,
                                     spec.norm_topk_prob, spec.routed_scaling_factor)
-    flat = ids.view(-1)
-    w13, s13 = w[p + "experts_w13"], w[p + "shared_w13"]
-    if isinstance(w13, BlockFp8):
-        from tilepd.engine import fp8_triton
-
-        gu = fp8_triton.launch(h, w13.weight, w13.scale, flat, None, w13.block[0], w13.block[1], shared=(s13.weight, s13.scale), x_div=k + 1)
-    else:
-        from tilepd.engine.moe_triton import expert_gemv
-
-        gu = expert_gemv(h, w13, flat, shared=s13, x_div=k + 1)
-    return down_combine(gu, w[p + "experts_w2"], w[p + "shared_w2"], ids, weights, x)
+    a = gate_up_act(h, w[p + "experts_w13"], w[p + "shared_w13"], ids)
+    return down_combine(a, w[p + "experts_w2"], w[p + "shared_w2"], ids, weights, x)

@@ -1,24 +1,32 @@
-"""The two new kernels of the fused MoE block (moe_fused.py): the gate (norm + router GEMV + routing) and the down
-projection with the weighted sum and the residual add.
+"""The fused MoE block's kernels (moe_fused.py): the gate (norm + router GEMV + routing), the grouped gate-up GEMV with
+silu(gate) * up in its epilogue, and the down projection with the weighted sum and the residual add.
 
-Gate (`gate_route`): every program recomputes the token row's RMS statistics (the row is a few KB, read from L2), forms
-the normed row rounded to the activation dtype where torch rounds it, and computes BLOCK_E router logits in float32 from
-it (HF's router: float32 logits of the normed bf16 row against the float32 gate weight). Program (t, 0) also writes the
-normed row, which the grouped gate-up GEMV then reads in place. Each program stores its logits, then takes a ticket
-from a device counter (a CTA barrier, then one acq_rel atomic: the pattern of CUDA's grid sync); the program that draws
-the last ticket routes every token (route_triton.route_row: noaux_tc with the deterministic tie rule, the shared slot
-id -1 with weight 1) from the logits, read past L1, and puts the counter back to 0 for the next launch. So the gate
-GEMV, the float cast and the router are one launch, and no program waits on another.
+Gate (`gate_route`): every program computes BLOCK_E router logits in float32 from the token row's normed row (HF's
+router: float32 logits of the normed bf16 row against the float32 gate weight). While the row fits one K chunk (the
+served shapes: H 6144 / 7168 in an 8192 chunk) a program issues its gate rows' load first, then reads the row once for
+both its RMS statistics and the dot, so the ~24 KB a program reads are in flight together (the chunked loop of the
+first version read the row twice and the weights in 3 serial chunks: ~10 us for 1.5 us of bytes). Program (t, 0) also
+writes the normed row, which the gate-up GEMV reads in place. Each program stores its logits, then takes a ticket from
+a device counter (a CTA barrier, then one acq_rel atomic: the pattern of CUDA's grid sync); the program that draws the
+last ticket routes every token (route_triton.route_row: noaux_tc with the deterministic tie rule, the shared slot id -1
+with weight 1) from the logits, read past L1, and puts the counter back to 0 for the next launch.
 
-Down (`down_combine`): each program owns BLOCK_N output columns of one token and loops over the token's k+1 rows
-(routed experts, then the shared one at id -1): silu(gate) * up of the row's gate-up output in the prologue (rounded
-where layers.silu_mul rounds), the row's GEMV over the expert's weight (fp8 with block scales, or bf16/fp32), its output
-rounded to the activation dtype (the unfused down GEMV's output), times the routing weight and summed in float32 (the
-unfused path's batched product), the sum rounded, then the residual added and rounded (the unfused add). No
-cross-program reduction, no atomics on the output: the result is deterministic.
+Gate-up (`gate_up_act`): row r (a (token, slot) pair) computes BLOCK_N gate outputs and the BLOCK_N up outputs of the
+same columns of expert ids[r] (rows n and I + n of [gate; up], fp8 with block scales or bf16/fp32), each rounded to the
+activation dtype (the unfused GEMV's output), then silu(gate) rounded (F.silu's output) times up rounded (the product):
+the activation a [T * S, I] the down GEMV needs. So silu-mul runs once per element instead of once per down program
+(the first version recomputed it, from a twice-as-wide row, in each of the ~800 down programs).
 
-Device ids only, static shapes, no host sync: both sit in the decode step's CUDA graph. Under TRITON_INTERPRET=1 they
-also run on CPU tensors, which is how tests/engine/test_moe_fused.py checks them against the torch ops.
+Down (`down_combine`): each program owns BLOCK_N output columns of one token and walks the token's k+1 rows (routed
+experts, then the shared one at id -1), each row's K chunks unrolled so they are in flight together and the next row's
+expert id loaded a row ahead (the first version's K loop and its id load left gaps with nothing in flight, and its
+silu-mul prologue read a twice-as-wide row; rows fully unrolled measured slower: registers cut the programs per SM):
+the row's GEMV over the expert's weight, its output rounded to the activation dtype (the unfused down GEMV's output),
+times the routing weight and summed in float32 (the unfused path's batched product), the sum rounded, then the residual
+added and rounded (the unfused add). No cross-program reduction, no atomics on the output: the result is deterministic.
+
+Device ids only, static shapes, no host sync: all three sit in the decode step's CUDA graph. Under TRITON_INTERPRET=1
+they also run on CPU tensors, which is how tests/engine/test_moe_fused.py checks them against the torch ops.
 """
 
 from __future__ import annotations
@@ -37,18 +45,25 @@ try:
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
-# gate_*: router experts per program, K chunk, warps; down_*: output columns per program, K chunk (fp8 / dense
-# weights), warps. Defaults follow the existing kernels' H200 sweeps (fp8_triton: 8 rows x 1024 with 4 warps);
-# bench/moe_fused_gpu.py --sweep times the alternatives on the device.
+# gate_*: router experts per program, K chunk (>= H: one chunk), warps; up_*: activation columns per program (fp8 / dense
+# weights: 2x as many weight rows), K chunk, warps; down_*: output columns per program (0: picked, _down_tile), K chunk
+# (fp8: 0 picked with the columns), warps. Defaults from bench/moe_fused_gpu.py --sweep on one H200 (2026-12-03, GLM-5.1
+# and DeepSeek-V3 MoE layers, T = 1, bf16 and fp8; docs/PERFORMANCE.md); --sweep times the alternatives on the device.
 TUNE: dict[str, int] = {
     "gate_block_e": env_int("TILEPD_MOE_FUSED_GATE_BLOCK_E", 2),
-    "gate_block_k": env_int("TILEPD_MOE_FUSED_GATE_BLOCK_K", 2048),
+    "gate_block_k": env_int("TILEPD_MOE_FUSED_GATE_BLOCK_K", 8192),
     "gate_num_warps": env_int("TILEPD_MOE_FUSED_GATE_WARPS", 8),
-    "down_block_n": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_N", 8),
-    "down_block_k_fp8": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K_FP8", 1024),
-    "down_block_k": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K", 512),
+    "up_block_n_fp8": env_int("TILEPD_MOE_FUSED_UP_BLOCK_N_FP8", 8),
+    "up_block_n": env_int("TILEPD_MOE_FUSED_UP_BLOCK_N", 16),
+    "up_block_k_fp8": env_int("TILEPD_MOE_FUSED_UP_BLOCK_K_FP8", 512),
+    "up_block_k": env_int("TILEPD_MOE_FUSED_UP_BLOCK_K", 512),
+    "up_num_warps": env_int("TILEPD_MOE_FUSED_UP_WARPS", 4),
+    "down_block_n": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_N", 0),
+    "down_block_k_fp8": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K_FP8", 0),
+    "down_block_k": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K", 1024),
     "down_num_warps": env_int("TILEPD_MOE_FUSED_DOWN_WARPS", 4),
 }
+_DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # one ticket counter per device, always 0 between launches
 
@@ -60,8 +75,8 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gate_kernel(X, NW, GATE, BIAS, H, LOGITS, COUNTER, IDS, WTS, T, E, K, s_xr, s_hr, s_ge, s_lr, s_ir, s_wr, eps, scale,
-                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _gate_kernel(X, NW, GATE, BIAS, H, LOGITS, COUNTER, IDS, WTS, T, E, s_xr, s_hr, s_ge, s_lr, s_ir, s_wr, eps, scale,
+                     K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
                      N_SLOTS: tl.constexpr):
@@ -69,21 +84,33 @@ if triton is not None:
         pid_e = tl.program_id(1)
         act = H.dtype.element_ty
         x_row = X + r * s_xr
-        rstd = row_rstd(x_row, K, eps, BLOCK_K)
         experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
         emask = experts < E
         w_rows = GATE + experts.to(tl.int64)[:, None] * s_ge
-        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
+        if BLOCK_K >= K:  # one chunk: the gate rows' load first (DRAM), then the row once (L2) for its norm and the dot
+            cols = tl.arange(0, BLOCK_K)
             cmask = cols < K
+            w = tl.load(w_rows + cols[None, :], mask=emask[:, None] & cmask[None, :], other=0.0)
             xs = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
             g = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
             hn = (xs * rstd * g).to(act)  # torch's rms_norm (CUDA and CPU): (x * rstd) * w in float32, rounded once
             if pid_e == 0:  # one program per row writes the normed row for the gate-up GEMV
                 tl.store(H + r * s_hr + cols, hn, mask=cmask)
-            w = tl.load(w_rows + cols[None, :], mask=emask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * hn.to(tl.float32)[None, :], axis=1)
+            acc = tl.sum(w.to(tl.float32) * hn.to(tl.float32)[None, :], axis=1)
+        else:
+            rstd = row_rstd(x_row, K, eps, BLOCK_K)
+            acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                cmask = cols < K
+                xs = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+                g = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+                hn = (xs * rstd * g).to(act)
+                if pid_e == 0:
+                    tl.store(H + r * s_hr + cols, hn, mask=cmask)
+                w = tl.load(w_rows + cols[None, :], mask=emask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * hn.to(tl.float32)[None, :], axis=1)
         tl.store(LOGITS + r * s_lr + experts, acc, mask=emask)
         tl.debug_barrier()  # every thread's logits before the ticket's release
         ticket = tl.atomic_add(COUNTER, 1, sem="acq_rel")
@@ -94,33 +121,78 @@ if triton is not None:
             tl.atomic_xchg(COUNTER, 0)
 
     @triton.jit
-    def _down_kernel(GU, W, S, WS, SS, IDS, WTS, RES, Y, N, K, s_gr, s_we, s_wn, s_se, s_sn, s_it, s_wt, s_rr, s_yr,
-                     SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up_kernel(X, W, S, WS, SS, IDS, A, I, K, s_xr, s_we, s_wn, s_se, s_sn, s_ar,
+                        X_DIV: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        r = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        act = A.dtype.element_ty
+        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols_n < I
+        e = tl.load(IDS + r).to(tl.int64)
+        w_base = W + e * s_we
+        s_base = S + e * s_se
+        if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
+            w_base = WS
+            s_base = SS
+        g_rows = w_base + cols_n.to(tl.int64)[:, None] * s_wn  # gate rows n; the up rows are I + n
+        u_rows = g_rows + I * s_wn
+        x_row = X + (r // X_DIV) * s_xr
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < K
+            wmask = nmask[:, None] & cmask[None, :]
+            wg = tl.load(g_rows + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
+            wu = tl.load(u_rows + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            if FP8:
+                if ROW_UNIFORM:  # the tile's gate rows share one row block, so do its up rows: scales fold into x
+                    sg = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
+                    su = tl.load(s_base + ((I + pid_n * BLOCK_N) // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
+                    acc_g += tl.sum(wg * (x * sg)[None, :], axis=1)
+                    acc_u += tl.sum(wu * (x * su)[None, :], axis=1)
+                else:  # per-row block scales (rows off block boundaries)
+                    kb = (cols // BK)[None, :]
+                    sg = tl.load(s_base + (cols_n // BN)[:, None] * s_sn + kb, mask=wmask, other=0.0)
+                    su = tl.load(s_base + ((I + cols_n) // BN)[:, None] * s_sn + kb, mask=wmask, other=0.0)
+                    acc_g += tl.sum(wg * sg * x[None, :], axis=1)
+                    acc_u += tl.sum(wu * su * x[None, :], axis=1)
+            else:
+                acc_g += tl.sum(wg * x[None, :], axis=1)
+                acc_u += tl.sum(wu * x[None, :], axis=1)
+        gate = acc_g.to(act).to(tl.float32)  # the gate-up GEMV's outputs in the activation dtype
+        up = acc_u.to(act).to(tl.float32)
+        a = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32)  # silu, rounded as F.silu's output
+        tl.store(A + r * s_ar + cols_n, (a * up).to(act), mask=nmask)  # times up, rounded as the product
+
+    @triton.jit
+    def _down_kernel(A, W, S, WS, SS, IDS, WTS, RES, Y, N, s_ar, s_we, s_wn, s_se, s_sn, s_it, s_wt, s_rr, s_yr,
+                     K: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         act = Y.dtype.element_ty
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        e = tl.load(IDS + t * s_it).to(tl.int64)
         for j in range(SLOTS):
-            e = tl.load(IDS + t * s_it + j).to(tl.int64)
+            e_next = tl.load(IDS + t * s_it + tl.minimum(j + 1, SLOTS - 1)).to(tl.int64)  # a row ahead: no wait on it
             w_base = W + e * s_we
             s_base = S + e * s_se
             if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
                 w_base = WS
                 s_base = SS
             w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
-            gu_row = GU + (t * SLOTS + j) * s_gr
+            a_row = A + (t * SLOTS + j) * s_ar
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: the row's chunks are in flight together
                 cols = k0 + tl.arange(0, BLOCK_K)
                 cmask = cols < K
-                gate = tl.load(gu_row + cols, mask=cmask, other=0.0).to(tl.float32)
-                up = tl.load(gu_row + K + cols, mask=cmask, other=0.0).to(tl.float32)
-                a = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32)  # silu, rounded as F.silu's output
-                a = (a * up).to(act).to(tl.float32)  # times up, rounded as the product
                 w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                a = tl.load(a_row + cols, mask=cmask, other=0.0).to(tl.float32)
                 if FP8:
                     if ROW_UNIFORM:  # the tile's rows share one row block: its scales fold into the activations
                         s = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
@@ -130,8 +202,8 @@ if triton is not None:
                         acc += tl.sum(w * s * a[None, :], axis=1)
                 else:
                     acc += tl.sum(w * a[None, :], axis=1)
-            y = acc.to(act).to(tl.float32)  # the expert's down output in the activation dtype
-            total += tl.load(WTS + t * s_wt + j).to(tl.float32) * y
+            total += tl.load(WTS + t * s_wt + j).to(tl.float32) * acc.to(act).to(tl.float32)  # the expert's output, rounded
+            e = e_next
         out = total.to(act).to(tl.float32) + tl.load(RES + t * s_rr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(Y + t * s_yr + rows, out.to(act), mask=rmask)
 
@@ -172,46 +244,93 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
     block_e = TUNE["gate_block_e"]
     block_k = min(TUNE["gate_block_k"], triton.next_power_of_2(k))
     _gate_kernel[(t, triton.cdiv(n_exp, block_e))](
-        x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, k, x.stride(0), h.stride(0), gate.stride(0),
+        x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
         logits.stride(0), ids.stride(0), weights.stride(0), float(eps), float(routed_scaling_factor),
-        BLOCK_E=block_e, BLOCK_K=block_k, **consts, num_warps=TUNE["gate_num_warps"])
+        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, num_warps=TUNE["gate_num_warps"])
     return h, ids, weights, logits
 
 
-def down_combine(gu: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, ids: torch.Tensor, weights: torch.Tensor,
+def _expert_parts(w: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, what: str) -> tuple:
+    """(weight, shared weight, scale, shared scale, fp8, block) of stacked experts [E, N, K] and the shared expert [N, K],
+    after refusing by name a shared expert that is not one routed expert's shape, format and strides (it is read through
+    the routed experts' strides)."""
+    fp8 = isinstance(w, BlockFp8)
+    if fp8 != isinstance(shared, BlockFp8):
+        raise ValueError(f"fused MoE {what}: the routed and the shared expert weights must both be fp8 or both dense")
+    wt, st = (w.weight, shared.weight) if fp8 else (w, shared)
+    if wt.dim() != 3 or st.shape != wt.shape[1:] or st.stride() != wt.stride()[1:] or st.dtype != wt.dtype or wt.stride(-1) != 1:
+        raise ValueError(f"fused MoE {what}: shared expert {list(st.shape)} {st.dtype} strides {st.stride()} must match one routed expert "
+                         f"{list(wt.shape[1:])} {wt.dtype} strides {wt.stride()[1:]}, contiguous along K")
+    if fp8 and (w.block != shared.block or shared.scale.shape != w.scale.shape[1:] or shared.scale.stride() != w.scale.stride()[1:]
+                or w.scale.stride(-1) != 1):
+        raise ValueError(f"fused MoE {what}: shared expert's scales {list(shared.scale.shape)} (block {list(shared.block)}) must match a "
+                         f"routed expert's {list(w.scale.shape[1:])} (block {list(w.block)}) in shape and strides")
+    if fp8:
+        return wt, st, w.scale, shared.scale, True, w.block
+    return wt, st, wt, st, False, (1, 1)  # dense: the weights stand in for the unused scale pointers
+
+
+def gate_up_act(h: torch.Tensor, w13: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, ids: torch.Tensor) -> torch.Tensor:
+    """h [T, H] (the normed rows), the stacked [gate; up] weights w13 [E, 2I, H] and the shared expert's [2I, H] (both
+    bf16/fp32 or both block-scaled fp8), ids [T, S] (id -1: the shared expert) -> a [T * S, I] in h's dtype, row
+    t * S + j = silu(h[t] @ gate_e.T) * (h[t] @ up_e.T) for e = ids[t, j], rounded as the unfused GEMV + silu_mul, in one
+    launch."""
+    if triton is None:
+        raise RuntimeError("fused MoE gate-up kernel needs Triton, which is not importable here")
+    wt, st, scale, s_scale, fp8, (bn, bk) = _expert_parts(w13, shared, "gate-up")
+    t, slots = ids.shape
+    two_i, k = wt.shape[1], wt.shape[2]
+    if h.dim() != 2 or h.shape != (t, k) or h.stride(-1) != 1 or two_i % 2 or ids.stride(-1) != 1 or ids.stride(0) != slots:
+        raise ValueError(f"fused MoE gate-up: h {list(h.shape)} and ids {list(ids.shape)} do not fit the [{two_i}, {k}] experts "
+                         "(h [T, H] contiguous along H, ids [T, S] contiguous, an even number of [gate; up] rows)")
+    inter = two_i // 2
+    a = torch.empty(t * slots, inter, dtype=h.dtype, device=h.device)
+    if t == 0:
+        return a
+    block_n = TUNE["up_block_n_fp8" if fp8 else "up_block_n"]
+    block_k = min(TUNE["up_block_k_fp8" if fp8 else "up_block_k"], triton.next_power_of_2(k))
+    _gate_up_kernel[(t * slots, triton.cdiv(inter, block_n))](
+        h, wt, scale, st, s_scale, ids, a, inter, k, h.stride(0), wt.stride(0), wt.stride(1), scale.stride(0) if fp8 else 0,
+        scale.stride(1) if fp8 else 0, a.stride(0),
+        X_DIV=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0 and inter % bn == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=TUNE["up_num_warps"])
+    return a
+
+
+def _down_tile(n: int, t: int, fp8: bool) -> tuple[int, int]:
+    """(output columns, K chunk) of a down program. Forced by TUNE where set; else dense 8 columns, and fp8 8 columns x
+    1024 while that makes at most _DOWN_PROGRAMS programs, 4 x 2048 beyond: the sweep's fastest on the two served
+    shapes (GLM-5.1, H 6144: 768 programs, 8 x 1024 31.2 us against 36.7; DeepSeek-V3, H 7168: 896 programs, 4 x 2048
+    39.0 us against 46.0). A rule fitted to those two points, not a model of the device; re-sweep for other shapes."""
+    forced = TUNE["down_block_n"]
+    if not fp8:
+        return forced or 8, TUNE["down_block_k"]
+    block_n = forced or (8 if -(-n // 8) * t <= _DOWN_PROGRAMS else 4)
+    return block_n, TUNE["down_block_k_fp8"] or (1024 if block_n >= 8 else 2048)
+
+
+def down_combine(a: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, ids: torch.Tensor, weights: torch.Tensor,
                  residual: torch.Tensor) -> torch.Tensor:
-    """gu [T * S, 2 * I] (each token's S = k + 1 gate-up rows, [gate | up]), the stacked down weights w2 [E, H, I] and the
-    shared expert's [H, I] (both bf16/fp32 or both block-scaled fp8), ids and weights [T, S] -> residual + sum over the S
-    rows of weight * down(silu(gate) * up): [T, H] in gu's dtype, in one launch."""
+    """a [T * S, I] (each token's S = k + 1 rows of silu(gate) * up, gate_up_act's output), the stacked down weights w2
+    [E, H, I] and the shared expert's [H, I] (both bf16/fp32 or both block-scaled fp8), ids and weights [T, S] -> residual
+    + sum over the S rows of weight * down(a): [T, H] in a's dtype, in one launch."""
     if triton is None:
         raise RuntimeError("fused MoE down kernel needs Triton, which is not importable here")
-    fp8 = isinstance(w2, BlockFp8)
-    if fp8 != isinstance(shared, BlockFp8):
-        raise ValueError("fused MoE down: the routed and the shared expert weights must both be fp8 or both dense")
-    wt, st = (w2.weight, shared.weight) if fp8 else (w2, shared)
-    if wt.dim() != 3 or st.shape != wt.shape[1:] or st.stride() != wt.stride()[1:] or st.dtype != wt.dtype or wt.stride(-1) != 1:
-        raise ValueError(f"fused MoE down: shared expert {list(st.shape)} {st.dtype} strides {st.stride()} must match one routed expert "
-                         f"{list(wt.shape[1:])} {wt.dtype} strides {wt.stride()[1:]}, contiguous along I")
-    if fp8 and (w2.block != shared.block or shared.scale.shape != w2.scale.shape[1:] or shared.scale.stride() != w2.scale.stride()[1:]
-                or w2.scale.stride(-1) != 1):
-        raise ValueError(f"fused MoE down: shared expert's scales {list(shared.scale.shape)} (block {list(shared.block)}) must match a routed "
-                         f"expert's {list(w2.scale.shape[1:])} (block {list(w2.block)}) in shape and strides")
+    wt, st, scale, s_scale, fp8, (bn, bk) = _expert_parts(w2, shared, "down")
     t, slots = ids.shape
     n, k = wt.shape[1], wt.shape[2]
-    if (gu.dim() != 2 or gu.shape != (t * slots, 2 * k) or gu.stride(-1) != 1 or weights.shape != ids.shape
+    if (a.dim() != 2 or a.shape != (t * slots, k) or a.stride(-1) != 1 or weights.shape != ids.shape
             or residual.shape != (t, n) or residual.stride(-1) != 1):
-        raise ValueError(f"fused MoE down: gu {list(gu.shape)}, ids {list(ids.shape)}, weights {list(weights.shape)}, residual "
-                         f"{list(residual.shape)} do not fit the [{n}, {k}] experts (gu [T*S, 2I] contiguous, ids/weights [T, S], residual [T, H])")
-    y = torch.empty(t, n, dtype=gu.dtype, device=gu.device)
+        raise ValueError(f"fused MoE down: a {list(a.shape)}, ids {list(ids.shape)}, weights {list(weights.shape)}, residual "
+                         f"{list(residual.shape)} do not fit the [{n}, {k}] experts (a [T*S, I] contiguous, ids/weights [T, S], residual [T, H])")
+    y = torch.empty(t, n, dtype=a.dtype, device=a.device)
     if t == 0:
         return y
-    block_n = TUNE["down_block_n"]
-    block_k = min(TUNE["down_block_k_fp8" if fp8 else "down_block_k"], triton.next_power_of_2(k))
-    bn, bk = w2.block if fp8 else (1, 1)
-    scale, s_scale = (w2.scale, shared.scale) if fp8 else (wt, st)  # dense: unused stand-ins
+    block_n, block_k = _down_tile(n, t, fp8)
+    block_k = min(block_k, triton.next_power_of_2(k))
     _down_kernel[(t, triton.cdiv(n, block_n))](
-        gu, wt, scale, st, s_scale, ids, weights, residual, y, n, k, gu.stride(0), wt.stride(0), wt.stride(1),
-        w2.scale.stride(0) if fp8 else 0, w2.scale.stride(1) if fp8 else 0, ids.stride(0), weights.stride(0), residual.stride(0), y.stride(0),
-        SLOTS=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        a, wt, scale, st, s_scale, ids, weights, residual, y, n, a.stride(0), wt.stride(0), wt.stride(1),
+        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, ids.stride(0), weights.stride(0), residual.stride(0), y.stride(0),
+        K=k, SLOTS=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=TUNE["down_num_warps"])
     return y
