@@ -79,7 +79,8 @@ def handoff(mb: int, layers: int, repeat: int) -> dict:
     for i in range(repeat + 1):
         for verify in ((False, True) if i % 2 else (True, False)):
             rx, slot, srv, sender = nodes[verify]
-            tr = slot.reserve_for_decode(f"t{i}", "k")
+            slot.reserve(f"t{i}", "k", "bench")
+            tr = slot.attach_decode(f"t{i}", "k", slot.current.reservation.fence)
             r = sender.send(("127.0.0.1", srv.port), f"t{i}", "k", tokens, lay.blocks_for(tokens), src)
             assert r.ok, r
             slot.wait_complete(tr, 30)

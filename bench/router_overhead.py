@@ -7,6 +7,8 @@ adds, from per-round paired differences: per request (2-token requests) and per 
 (((router N - router 2) - (direct N - direct 2)) / (N - 2)); and the router's relay cost
 per token measured in-process (detokenise + stop-string check + SSE chunk), i.e. the token
 rate one router core sustains. Targets: < 2 ms p50 added per request, < 0.2 ms per token.
+With `--balancer`, HAProxy as tilepd renders it (tilepd/plan/haproxy.py) runs in front of the router, and the
+same requests through it form a third interleaved path: what the balancer adds on top of the router.
 (Gaps between SSE chunks are not gaps between tokens: a token whose text is not complete
 yet, e.g. half a UTF-8 character, rides in the next chunk.)
 
@@ -38,7 +40,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tilepd (and tests) first
 
 from tests.router.stack import MODEL_NAME, router_config, start_decode_node, start_prefill, start_router, stop_all
-from tilepd.contracts.decode_http import DecodeBody
+from tilepd.connector.launch import free_port, start_process
+from tilepd.contracts.decode_http import NODE_API_VERSION, DecodeBody, ReserveBody
 from tilepd.contracts.marker import TilepdMarker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,9 +88,12 @@ def pin_process_group(pgid: int, cpus: set[int]) -> int:
 
 
 def direct_request(client: httpx.Client, prefill_url: str, node: Any, tokens: int) -> float:
-    """What the router does, done by hand: prefill with the marker, then stream /v1/decode; seconds taken."""
+    """What the router does, done by hand: reserve the node, prefill with the marker, then stream /v1/decode; seconds taken."""
     tid, token = f"tx-{uuid.uuid4().hex}", secrets.token_hex(16)
     t0 = time.perf_counter()
+    held = client.post(f"http://{node.host}:{node.http_port}/v1/reserve", json=ReserveBody(
+        transfer_id=tid, token=token, holder="bench", node_api=NODE_API_VERSION).as_json())
+    held.raise_for_status()
     marker = TilepdMarker(host=node.host, ctrl_port=node.ctrl_port, transfer_id=tid, token=token).as_params()
     r = client.post(prefill_url + "/v1/completions", json={
         "model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": 1, "stream": False, "logprobs": 1, "temperature": 0,
@@ -95,7 +101,7 @@ def direct_request(client: httpx.Client, prefill_url: str, node: Any, tokens: in
     r.raise_for_status()
     out = r.json()
     first = int(out["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
-    body = DecodeBody(transfer_id=tid, token=token, first_token=first, prompt_tokens=out["usage"]["prompt_tokens"],
+    body = DecodeBody(transfer_id=tid, token=token, fence=held.json()["fence"], first_token=first, prompt_tokens=out["usage"]["prompt_tokens"],
                       max_tokens=tokens - 1, temperature=0, ignore_eos=True, stream=True).as_json()
     got = 1
     with client.stream("POST", f"http://{node.host}:{node.http_port}/v1/decode", json=body) as resp:
@@ -122,6 +128,22 @@ def router_request(client: httpx.Client, router_url: str, tokens: int) -> float:
     elapsed = time.perf_counter() - t0
     assert usage and usage["completion_tokens"] == tokens, f"router: usage {usage}, asked for {tokens} tokens"
     return elapsed
+
+
+def start_balancer(router_port: int, work: Path) -> tuple[Any, str]:
+    """HAProxy with the configuration tilepd renders, in front of the one router: the server and its OpenAI base URL."""
+    from tilepd.plan.haproxy import haproxy_cfg
+    from tilepd.plan.model import BalancerBackend, BalancerPlan
+
+    port = free_port()
+    plan = BalancerPlan(name="lb", address="127.0.0.1", port=port, external=False, stats_port=free_port(), stats_url=None,
+                        backend="routers", check_interval_s=1.0, drain_timeout_s=60.0, request_timeout_s=600.0,
+                        backends=[BalancerBackend(name="r0", service="router", address="127.0.0.1", port=router_port)])
+    cfg = work / "balancer.cfg"
+    cfg.write_text(haproxy_cfg(plan, "bench", "127.0.0.1"))
+    srv = start_process(["/usr/sbin/haproxy", "-db", "-f", str(cfg)], work / "balancer.log", f"http://127.0.0.1:{port}/balancer/health",
+                        timeout=30)
+    return srv, f"http://127.0.0.1:{port}"
 
 
 def relay_cost_per_token(model_dir: Path, n: int = 20000) -> float:
@@ -157,6 +179,7 @@ def main() -> None:
     ap.add_argument("--router-cpus", help="CPUs for the router alone, e.g. 0 (default: not pinned)")
     ap.add_argument("--client-cpus", help="CPUs for this client, e.g. 0 (default: not pinned)")
     ap.add_argument("--other-cpus", help="CPUs for the prefill and the decode node, e.g. 1 (default: not pinned)")
+    ap.add_argument("--balancer", action="store_true", help="also through HAProxy in front of the router (a third path)")
     ap.add_argument("--reuse", type=Path, help="JSON naming a running prefill and decode node (model, prefill, decode{...}) "
                     "instead of starting them; the router is always started here")
     args = ap.parse_args()
@@ -185,25 +208,36 @@ def main() -> None:
         cfg = router_config(model, prefill_url, [node])
         router = start_router(cfg, work)
         servers.append(router)
+        balancer, balancer_url = start_balancer(cfg.port, work) if args.balancer else (None, "")
+        if balancer is not None:
+            servers.append(balancer)
         if other_cpus:
-            for srv in servers[:-1]:  # what this run started besides the router
-                pin_process_group(srv.proc.pid, other_cpus)
+            for srv in servers:  # what this run started besides the router and the balancer
+                if srv is not router and srv is not balancer:
+                    pin_process_group(srv.proc.pid, other_cpus)
         if router_cpus:
             pin_process_group(router.proc.pid, router_cpus)
+            if balancer is not None:  # on the router's core: in front of it, as a small deployment runs it
+                pin_process_group(balancer.proc.pid, router_cpus)
         if client_cpus:
             os.sched_setaffinity(0, client_cpus)
         print(f"CPUs: router {sorted(router_cpus or [])}, client {sorted(client_cpus or [])}, prefill+decode {sorted(other_cpus or [])} "
               f"(empty: not pinned) of {os.cpu_count()}")
         short, long_ = 2, args.tokens
+        paths = ("direct", "router", "balancer") if balancer is not None else ("direct", "router")
         with httpx.Client(timeout=120) as client:
             for _ in range(args.warmup):
                 direct_request(client, prefill_url, node, long_)
                 router_request(client, router.url, long_)
-            runs: dict[tuple[str, int], list[float]] = {(w, n): [] for w in ("direct", "router") for n in (short, long_)}
-            for _ in range(args.requests):  # interleaved: both paths see the same machine load
+                if balancer is not None:
+                    router_request(client, balancer_url, long_)
+            runs: dict[tuple[str, int], list[float]] = {(w, n): [] for w in paths for n in (short, long_)}
+            for _ in range(args.requests):  # interleaved: every path sees the same machine load
                 for n in (short, long_):
                     runs["direct", n].append(direct_request(client, prefill_url, node, n))
                     runs["router", n].append(router_request(client, router.url, n))
+                    if balancer is not None:
+                        runs["balancer", n].append(router_request(client, balancer_url, n))
         relay_s = relay_cost_per_token(model)
     finally:
         stop_all(servers)
@@ -227,6 +261,11 @@ def main() -> None:
           f"{(slope['router'] - slope['direct']) * ms:10.3f}")
     print(f"relay cost in-process: {relay_s * 1e6:.1f} us/token -> {1 / relay_s:,.0f} tokens/s on one core")
     print(f"ratio router/direct (p50 request, {short} tokens): {pct(runs['router', short], .5) / pct(runs['direct', short], .5):.3f}")
+    if "balancer" in paths:
+        for n in (short, long_):
+            via = [b - r for r, b in zip(runs["router", n], runs["balancer", n])]
+            print(f"HAProxy in front, {n} tokens: p50 {pct(runs['balancer', n], .5) * ms:.3f} ms; added over the router per round "
+                  f"p25/p50/p75 {pct(via, .25) * ms:.3f}/{pct(via, .5) * ms:.3f}/{pct(via, .75) * ms:.3f} ms")
 
 
 if __name__ == "__main__":

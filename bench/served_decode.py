@@ -241,9 +241,12 @@ def client_main(conn: Any, layout_json: str, max_seq_len: int, max_context: int,
 
 def _one_request(http: Any, sender: Any, layout: Any, tid: str, token: str, seq_len: int, max_tokens: int,
                  ctrl_port: int) -> dict[str, Any]:
-    from tilepd.contracts.decode_http import DecodeBody
+    from tilepd.contracts.decode_http import NODE_API_VERSION, DecodeBody, ReserveBody
 
-    body = DecodeBody(transfer_id=tid, token=token, first_token=FIRST_TOKEN, prompt_tokens=seq_len, max_tokens=max_tokens,
+    held = http.post("/v1/reserve", json=ReserveBody(transfer_id=tid, token=token, holder="bench", node_api=NODE_API_VERSION).as_json())
+    if held.status_code != 200:
+        return {"error": f"/v1/reserve answered {held.status_code}: {held.text[:500]}"}
+    body = DecodeBody(transfer_id=tid, token=token, fence=held.json()["fence"], first_token=FIRST_TOKEN, prompt_tokens=seq_len, max_tokens=max_tokens,
                       ignore_eos=True, stream=True).as_json()
     stamps: list[float] = []
     lines: list[dict] = []
@@ -265,7 +268,7 @@ def _one_request(http: Any, sender: Any, layout: Any, tid: str, token: str, seq_
     reader = threading.Thread(target=read_stream)
     reader.start()
     deadline = time.monotonic() + 30
-    while http.get("/status").json()["state"] != "reserved":  # the decode request holds the slot: the KV may come
+    while not http.get("/status").json()["decode_joined"]:  # the decode request joined its reservation: the KV may come
         if time.monotonic() > deadline or not reader.is_alive():
             reader.join(5)
             return {"error": "the decode request never reserved the slot: " + "; ".join(errors)}

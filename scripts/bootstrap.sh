@@ -12,9 +12,11 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 quiet_pip() { local rc=0; "$@" > >(grep -v "is ignored: it is neither a file nor a directory" >&2) 2>&1 || rc=$?; return $rc; }
 
 # System packages the tests use: sshd for SSH hosts in network namespaces, iproute2 for the
-# namespaces, systemd-analyze for unit verification. Installed only when missing.
+# namespaces, systemd-analyze for unit verification, haproxy for the load balancer in front of the
+# routers (Debian's package, as `tilepd up` installs it). Installed only when missing.
 need_apt=()
 command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
+command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || need_apt+=(haproxy)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -75,17 +75,18 @@ def test_router_errors_carry_the_runbook_field() -> None:
 
 
 def test_slot_kv_timeout_and_prefill_gone_name_their_runbooks(caplog: pytest.LogCaptureFixture) -> None:
+    from tests.reserved import reserve_and_attach
     from tilepd.runtime.slot import Slot, SlotError
 
     caplog.set_level(logging.INFO, logger="tilepd.runtime.slot")
     slot = Slot()
-    transfer = slot.reserve_for_decode("t1", "tok")
+    transfer = reserve_and_attach(slot, "t1", "tok")
     with pytest.raises(SlotError) as exc:
         slot.wait_complete(transfer, 0.01)
     assert exc.value.code == "kv_timeout" and exc.value.message.endswith(see("RB-kv-timeout"))
     assert any("code=kv_timeout runbook=RB-kv-timeout" in m for m in caplog.messages), caplog.messages
 
-    transfer = slot.reserve_for_decode("t2", "tok")
+    transfer = reserve_and_attach(slot, "t2", "tok")
     slot.admit("t2", "tok", seq_len=4, num_blocks=1, expected_bytes=64, layout=None, conn_id=7)
     slot.sender_gone(7)  # the prefill's control connection closed mid-transfer
     with pytest.raises(SlotError) as exc:

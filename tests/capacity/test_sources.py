@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.capacity.helpers import drive, lease_and_release, router_metrics
-from tilepd.capacity.sources import MetricsInvalid, Scrape, prefill_seconds_per_token, router_load, seconds_per_token
+from tilepd.capacity.sources import MetricsInvalid, Scrape, combined, router_load, seconds_per_token
 
 
 def test_router_load_over_a_window() -> None:
@@ -31,6 +31,22 @@ def test_router_load_over_a_window() -> None:
     assert dist.cv < 0.1  # one narrow bucket
 
 
+def test_two_routers_windows_are_summed_and_taken_as_independent_nodes() -> None:
+    windows = []
+    for served, refused in ((30, 2), (10, 4)):
+        m, _ = router_metrics(nodes=2)
+        before = Scrape.parse(m.render().decode())
+        drive(m, served=served, hold_s=1.0, wait_s=0.1, refused=refused)
+        windows.append(router_load(before, Scrape.parse(m.render().decode()), window_s=10.0))
+    both = combined(windows)
+    assert (both.arrivals, both.leased, both.busy_429) == (46, 40, 6)
+    assert both.routes == {"low_latency/default": 40, "low_latency/busy": 6}
+    assert both.service.count == 40 and both.service.mean == pytest.approx(1.0) and both.wait.count == 40
+    assert both.rate == pytest.approx(4.6) and both.nodes_in_rotation == 2
+    assert both.busy_levels is None and both.alone_holds is None  # per-router chains do not add up
+    assert any("2 routers" in n for n in both.notes)
+
+
 def test_the_release_hook_records_real_leases() -> None:
     m, pool = router_metrics(nodes=2)
     before = Scrape.parse(m.render().decode())
@@ -54,11 +70,11 @@ def test_an_older_router_without_the_hold_histogram_is_named() -> None:
         router_load(Scrape.parse("# nothing\n"), Scrape.parse("# nothing\n"), 1.0)
 
 
-def test_decode_and_prefill_per_token_times() -> None:
+def test_decode_per_token_time() -> None:
     from tilepd.runtime.metrics import DecodeMetrics
 
     class _Slot:
-        transfers_total = bytes_total = 0
+        transfers_total = bytes_total = reservations_expired = 0
         busy = False
 
     d = DecodeMetrics(_Slot(), lambda: 0)  # type: ignore[arg-type]
@@ -66,12 +82,6 @@ def test_decode_and_prefill_per_token_times() -> None:
     d.decode.observe(0.5)
     d.tokens.inc(100)
     assert seconds_per_token([Scrape.parse(_render(d.registry))]) == pytest.approx(0.005)
-    vllm = ("# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name=\"m\"} 2000.0\n"
-            "# TYPE vllm:request_prefill_time_seconds histogram\n"
-            "vllm:request_prefill_time_seconds_bucket{le=\"+Inf\",model_name=\"m\"} 4.0\n"
-            "vllm:request_prefill_time_seconds_count{model_name=\"m\"} 4.0\n"
-            "vllm:request_prefill_time_seconds_sum{model_name=\"m\"} 0.8\n")
-    assert prefill_seconds_per_token([Scrape.parse(vllm)]) == pytest.approx(0.0004)
 
 
 def _render(registry) -> str:  # noqa: ANN001

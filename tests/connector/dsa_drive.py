@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from tests.reserved import reserve_and_attach
 from tilepd.connector.vllm_connector import TilePDConnector
 from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.contracts.service_configs import ConnectorExtraConfig
@@ -132,7 +133,7 @@ def send_to_receiver(state: Any, *, latent: str = "bfloat16", device: str = "cpu
     try:
         worker.register_kv_caches(caches.kv_caches)
         assert worker._cache is not None
-        tr = slot.reserve_for_decode("tx", "t0k3n")
+        tr = reserve_and_attach(slot, "tx", "t0k3n")
         prefill(sched, worker, caches.kv_caches, caches.latent_names, caches.block_ids, state.seq_len, "tx", "127.0.0.1", srv.port,
                 chunk=chunk)
         counters = wait_sent(worker)

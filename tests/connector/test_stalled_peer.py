@@ -29,6 +29,7 @@ from tilepd.runtime.geometry import CacheGeometry
 from tilepd.runtime.slot import State
 from tilepd.transport import Buffer
 
+from tests.reserved import reserve_and_attach
 from tests.waiting import wait_until
 
 from ..control.harness import close_control_node, start_control_node
@@ -68,7 +69,7 @@ def test_a_stopped_node_does_not_hold_up_the_transfer_to_another() -> None:
         c._thread.start()
 
         first, second = _job(c, dead_port, "to-stopped"), _job(c, srv.port, "to-live")
-        slot.reserve_for_decode("to-live", "tok")
+        reserve_and_attach(slot, "to-live", "tok")
         t0 = time.monotonic()
         c._jobs.put(first)  # queued first: with one sender thread the live node's transfer waited behind it
         c._jobs.put(second)

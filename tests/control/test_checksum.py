@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.reserved import reserve_and_attach
 from tilepd.control.cache_layout import CacheLayout, IndexerLayout
 from tilepd.control.sender import KVSender
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
@@ -77,7 +78,7 @@ def _send(node, sender: KVSender, tid: str):
 
 def test_both_segments_land_where_the_layout_says_and_verify(node) -> None:
     sender, staging = _sender(node.port)
-    tr = node.slot.reserve_for_decode("t1", "tok")
+    tr = reserve_and_attach(node.slot, "t1", "tok")
     r = _send(node, sender, "t1")
     sender.close()
     assert r.ok, r
@@ -93,7 +94,7 @@ def test_a_flipped_byte_fails_the_request_with_kv_checksum_mismatch(node, segmen
     regions = {(s, l): off for s, l, off, _ in LAYOUT.regions(MAX, SEQ)}
     node.rx.flip_at = regions[(segment, 1)] + 77
     sender, _ = _sender(node.port)
-    tr = node.slot.reserve_for_decode("t-bad", "tok")
+    tr = reserve_and_attach(node.slot, "t-bad", "tok")
     with caplog.at_level(logging.WARNING):
         r = _send(node, sender, "t-bad")
     assert not r.ok and r.code == "kv_checksum_mismatch", r
@@ -105,7 +106,7 @@ def test_a_flipped_byte_fails_the_request_with_kv_checksum_mismatch(node, segmen
     assert any("event=kv_checksum_mismatch" in m for m in caplog.messages)
     # the node takes the next transfer as usual
     node.rx.flip_at = None
-    tr2 = node.slot.reserve_for_decode("t-ok", "tok")
+    tr2 = reserve_and_attach(node.slot, "t-ok", "tok")
     assert _send(node, sender, "t-ok").ok
     node.slot.wait_complete(tr2, 5)
     sender.close()
@@ -115,7 +116,7 @@ def test_a_done_without_checksums_is_not_trusted(node, monkeypatch) -> None:
     """A sender that sends no digests (the stand-in: its digest step returns nothing) is refused."""
     sender, _ = _sender(node.port)
     monkeypatch.setattr(sender, "_digests", lambda plan, src: [])
-    tr = node.slot.reserve_for_decode("t-none", "tok")
+    tr = reserve_and_attach(node.slot, "t-none", "tok")
     r = _send(node, sender, "t-none")
     sender.close()
     assert r.code == "kv_checksum_mismatch" and "sent 0 checksums for 5 regions" in r.message

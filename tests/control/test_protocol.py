@@ -25,6 +25,8 @@ from tilepd.runtime.slot import State
 from tilepd.transport import Buffer, TransportError
 from tilepd.transport.tcp import TcpSender
 
+from tests.reserved import reserve_and_attach
+
 from .harness import close_control_node, start_control_node
 
 MAX = 256
@@ -52,6 +54,9 @@ def _payload(layout: CacheLayout, seq_len: int, seed: int = 0) -> tuple[np.ndarr
 
 
 def _send_and_check(node, sender: KVSender, staging: np.ndarray, tid: str, seq_len: int, nb: int):
+    """Reserve the slot unless `tid` holds it already (what the router does before the prefill), then send the KV."""
+    if node.slot.current is None or node.slot.current.transfer_id != tid:
+        node.slot.reserve(tid, "tok")
     bb = LAYOUT.block_bytes
     r = sender.send(("127.0.0.1", node.port), tid, "tok", seq_len, nb, [l * nb * bb for l in range(LAYOUT.num_layers)])
     assert r.ok, r
@@ -224,7 +229,7 @@ def test_sender_refuses_an_old_decode_node() -> None:
 def test_malformed_input_closes_the_connection_and_spares_the_slot(node, garbage: bytes) -> None:
     staging, nb = _payload(LAYOUT, 40)
     # a transfer in progress on another connection must survive the garbage
-    tr = node.slot.reserve_for_decode("live", "tok")
+    tr = reserve_and_attach(node.slot, "live", "tok")
     with socket.create_connection(("127.0.0.1", node.port)) as s:
         s.sendall(garbage)
         assert _closed(s)
@@ -236,7 +241,7 @@ def test_malformed_input_closes_the_connection_and_spares_the_slot(node, garbage
 
 
 def test_busy_is_retried_then_given_up_with_a_log_line(node, caplog) -> None:
-    node.slot.reserve_for_decode("someone-else", "x")
+    node.slot.reserve("someone-else", "x")
     staging, nb = _payload(LAYOUT, 10)
     sender = KVSender(_config(node.port, busy_retries=2, busy_backoff_s=0.01), LAYOUT, Buffer.from_array(staging))
     with caplog.at_level("INFO", logger="tilepd.control.sender"):
@@ -251,11 +256,18 @@ def test_busy_is_retried_then_given_up_with_a_log_line(node, caplog) -> None:
 
 
 def test_busy_then_free_succeeds_within_retries(node) -> None:
-    tr = node.slot.reserve_for_decode("someone-else", "x")
-    threading.Timer(0.1, node.slot.release, args=(tr,)).start()
+    tr = node.slot.reserve("someone-else", "x")
+
+    def hand_over() -> None:  # the slot frees and the next reservation is "mine" (its router reserved it)
+        node.slot.release(tr)
+        node.slot.reserve("mine", "tok")
+
+    threading.Timer(0.1, hand_over).start()
     staging, nb = _payload(LAYOUT, 10)
     sender = KVSender(_config(node.port, busy_retries=20, busy_backoff_s=0.02), LAYOUT, Buffer.from_array(staging))
-    r = _send_and_check(node, sender, staging, "mine", 10, nb)
+    bb = LAYOUT.block_bytes
+    r = sender.send(("127.0.0.1", node.port), "mine", "tok", 10, nb, [l * nb * bb for l in range(LAYOUT.num_layers)])
+    assert r.ok, r
     assert r.attempts > 1
     sender.close()
 
@@ -267,7 +279,7 @@ def test_not_allowed_endpoint_is_refused_without_connecting(node) -> None:
 
 
 def test_stale_done_from_a_foreign_connection_is_ignored(node) -> None:
-    node.slot.reserve_for_decode("t1", "tok")
+    reserve_and_attach(node.slot, "t1", "tok")
     with socket.create_connection(("127.0.0.1", node.port), timeout=5) as s:
         send_frame(s, _hello())
         assert recv_frame(s)["type"] == "hello_ok"
@@ -293,7 +305,7 @@ def test_stale_done_from_a_foreign_connection_is_ignored(node) -> None:
 
 @pytest.mark.slow
 def test_sender_killed_mid_transfer_leaves_the_slot_reusable(node) -> None:
-    tr = node.slot.reserve_for_decode("victim", "tok")
+    tr = reserve_and_attach(node.slot, "victim", "tok")
     script = Path(__file__).with_name("stalled_sender.py")
     proc = subprocess.Popen([sys.executable, str(script), "127.0.0.1", str(node.port), LAYOUT.model_dump_json(), "victim", "tok",
                              "40", str(LAYOUT.blocks_for(40))], stdout=subprocess.PIPE, text=True)
@@ -347,6 +359,7 @@ def test_revoked_transfer_aborts_the_in_flight_write(node) -> None:
     transport = _GatedSender(gate)
     sender = KVSender(_config(node.port), LAYOUT, Buffer.from_array(staging), transport=transport)
     out: list = []
+    node.slot.reserve("rev", "tok")
     th = threading.Thread(target=lambda: out.append(sender.send(("127.0.0.1", node.port), "rev", "tok", 40, nb,
                                                                 [0, nb * LAYOUT.block_bytes])))
     th.start()
@@ -373,6 +386,7 @@ def test_a_longer_connector_limit_is_fine_until_a_request_does_not_fit(node) -> 
     _send_and_check(node, sender, staging, "fits", 40, nb)
     node.slot.release(node.slot.current)
     long_nb = LAYOUT.blocks_for(MAX + 1)
+    node.slot.reserve("long", "tok")
     r = sender.send(("127.0.0.1", node.port), "long", "tok", MAX + 1, long_nb, [0, 0])
     assert not r.ok and r.code == "too_long" and f"max_seq_len {MAX}" in r.message
     sender.close()

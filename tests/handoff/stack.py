@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import httpx
 
+from tests.reserved import reserve_http
 from tilepd.connector.events import parse_event_lines
 from tilepd.connector.launch import Server, free_port, start_process, start_vllm
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
@@ -101,15 +102,26 @@ def marker(node: DecodeNode | DecodeEndpoint, transfer_id: str, token: str = "t0
     return {"tilepd": {"host": ep.host, "ctrl_port": ep.ctrl_port, "transfer_id": transfer_id, "token": token}}
 
 
+_fences: dict[str, int] = {}  # transfer id -> its reservation's fence (`reserve`; `decode` names it)
+
+
+def reserve(node: DecodeNode, transfer_id: str, token: str = "t0k3n") -> int:
+    """What the router does before the prefill (node API 2): reserve the node's slot for the transfer."""
+    _fences[transfer_id] = reserve_http(node.url, transfer_id, token)
+    return _fences[transfer_id]
+
+
 def decode(node: DecodeNode, transfer_id: str, first_token: int, prompt_tokens: int, max_tokens: int, *,
            token: str = "t0k3n", kv_timeout_s: float = 30.0) -> httpx.Response:
-    body = {"transfer_id": transfer_id, "token": token, "first_token": first_token, "prompt_tokens": prompt_tokens,
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": False, "kv_timeout_s": kv_timeout_s}
+    body = {"transfer_id": transfer_id, "token": token, "fence": _fences.get(transfer_id, 0), "first_token": first_token,
+            "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": False,
+            "kv_timeout_s": kv_timeout_s}
     return httpx.post(node.url + "/v1/decode", json=body, timeout=kv_timeout_s + 120)
 
 
 def handoff(vllm: Server, model: str, node: DecodeNode, ids: list[int], n: int, transfer_id: str) -> list[int]:
-    """Router flow: prefill with max_tokens=1 and the marker, then decode n-1 more tokens on the node."""
+    """Router flow: reserve the node, prefill with max_tokens=1 and the marker, then decode n-1 more tokens on the node."""
+    reserve(node, transfer_id)
     first, body = complete(vllm, model, ids, 1, marker(node, transfer_id))
     assert len(first) == 1, body
     r = decode(node, transfer_id, first[0], len(ids), n - 1)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.connector.dsa_drive import bare_connector, prefill, vllm_config_for, wait_sent
-from tests.handoff.stack import connector_config, decode, decode_config, start_decode
+from tests.handoff.stack import connector_config, decode, decode_config, reserve, start_decode
 from tests.connector.vllm_caches import dsa_caches
 from tilepd.contracts.fingerprint import Fingerprint, checkpoint_identity
 from tilepd.contracts.teacher_forced import judge
@@ -139,6 +139,7 @@ def test_dsa_handoff_gives_hf_greedy_tokens(model: str, prompt: str, tiny, nodes
         assert lay.indexer is not None and lay.indexer.block_size == BLOCK and lay.indexer.token_bytes == 132
         assert lay.indexer.layers == [l for l, x in enumerate(ref.state.indexer) if x is not None]
         tid = f"dsa-{model}-{prompt}"
+        reserve(node, tid)
         prefill(sched, worker, caches.kv_caches, caches.latent_names, caches.block_ids, len(ids), tid, "127.0.0.1",
                 node.config.ctrl_port, chunk=CHUNK)
         r = decode(node, tid, ref.tokens[0], len(ids), GEN)

@@ -25,7 +25,19 @@ from tests.kv_scale_checkpoint import with_kv_scales
 from tilepd.connector.launch import kv_transfer_config, start_vllm
 
 from .cases import wait_event
-from .stack import VLLM_ARGS_BASE, complete, connector_config, decode, decode_config, dump_logs, events, marker, prompt_ids, start_decode
+from .stack import (
+    VLLM_ARGS_BASE,
+    complete,
+    connector_config,
+    decode,
+    decode_config,
+    dump_logs,
+    events,
+    marker,
+    prompt_ids,
+    reserve,
+    start_decode,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -98,6 +110,7 @@ def test_fp8_kv_scales_travel_with_the_handoff_and_the_node_decodes_with_them(st
     assert reg["k_scales"] == "0.02,0.04" and reg["v_scales"] == "0.05,0.08", reg  # read off vLLM's attention layers
     assert "/fp8_e4m3/" in reg["layout"] and reg["layout"].endswith("/kv_scales"), reg["layout"]
     ids = prompt_ids(300, seed=27)  # spans two 256-token prefill steps
+    reserve(node, "fp8kv-300")
     first, _ = complete(vllm, stack["model"], ids, 1, marker(node, "fp8kv-300"))
     r = decode(node, "fp8kv-300", first[0], len(ids), GEN - 1)
     if r.status_code != 200:

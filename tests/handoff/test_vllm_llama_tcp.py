@@ -35,6 +35,7 @@ from .stack import (
     last_counters,
     marker,
     prompt_ids,
+    reserve,
     start_decode,
     start_prefill,
 )
@@ -161,6 +162,7 @@ def test_busy_node_makes_connector_retry_then_give_up(stack: dict) -> None:
     holder: dict = {}
     # a decode call for another transfer holds the node's only slot while it waits for KV: long enough for the
     # prefill and the connector's retries on a loaded box (it answers 504 at the end of it)
+    reserve(node, "tx-holder")
     t = threading.Thread(target=lambda: holder.update(r=decode(node, "tx-holder", 1, 10, 2, kv_timeout_s=20)))
     t.start()
     assert wait_until(lambda: httpx.get(node.url + "/status", timeout=5).json()["transfer_id"] == "tx-holder", 15.0), \

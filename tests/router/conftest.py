@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.reserved import reserve_http
 from tilepd.connector.launch import Server
 from tilepd.contracts.service_configs import DecodeEndpoint, RouterConfig
 
@@ -110,11 +111,12 @@ def _warm_up(stack: Stack) -> None:
     for url in (stack.prefill.url, stack.native.url):
         httpx.post(url + "/v1/completions", json=plain, timeout=600).raise_for_status()
     ep = stack.endpoint
+    fence = reserve_http(stack.decode_url, "tx-warmup", "warmup")
     marker = {"tilepd": {"host": ep.host, "ctrl_port": ep.ctrl_port, "transfer_id": "tx-warmup", "token": "warmup"}}
     r = httpx.post(stack.prefill.url + "/v1/completions", json={**plain, "max_tokens": 1, "kv_transfer_params": marker}, timeout=600)
     r.raise_for_status()
     first = int(r.json()["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
-    body = {"transfer_id": "tx-warmup", "token": "warmup", "first_token": first, "prompt_tokens": 4, "max_tokens": 2,
+    body = {"transfer_id": "tx-warmup", "token": "warmup", "fence": fence, "first_token": first, "prompt_tokens": 4, "max_tokens": 2,
             "stream": False, "kv_timeout_s": 120}
     httpx.post(stack.decode_url + "/v1/decode", json=body, timeout=300).raise_for_status()
 

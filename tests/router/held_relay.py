@@ -1,4 +1,5 @@
-"""A TCP relay in front of a decode node's HTTP port that can hold the node's answers to `/v1/decode`.
+"""A TCP relay in front of a decode node's HTTP port that can hold the node's answers to `/v1/decode` (or in front of
+any HTTP server, holding the answers to another request line: a prefill's `/v1/completions`).
 
 A fault injector, not a stand-in: every byte goes to and from the real node. What the real parts cannot do on demand
 is keep a router's lease on a node for as long as a test needs: a decode ends when its tokens are out, and a client
@@ -21,17 +22,19 @@ _CHUNK = 65536
 
 
 class HeldRelay:
-    """Listens on 127.0.0.1:`port` and forwards each connection to `target_port`; `holding()` holds decode answers."""
+    """Listens on 127.0.0.1:`port` and forwards each connection to `target_port`; `holding()` holds the answers to the
+    requests whose first line starts with `held` (default: decodes)."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, held: bytes = b"POST /v1/decode ") -> None:
         self.target_port = target_port
+        self.held = held
         self.port = free_port()
         self._released = threading.Event()
         self._released.set()
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
-        self.held_decodes = 0  # decode answers that were held (a test checks that its hold took)
+        self.held_decodes = 0  # answers that were held (a test checks that its hold took)
         self._listener = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
 
@@ -69,7 +72,7 @@ class HeldRelay:
         """Router to node; notes whether the request on this connection is a decode (HTTP/1.1: one at a time)."""
         while data := _recv(src):
             if data.startswith((b"GET ", b"POST ", b"PUT ", b"DELETE ")):
-                conn.decode = data.startswith(b"POST /v1/decode ")
+                conn.decode = data.startswith(self.held)
             if not _send(dst, data):
                 break
         _shut(dst)

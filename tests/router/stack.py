@@ -39,7 +39,8 @@ def spare_endpoint(name: str) -> DecodeEndpoint:
 
 
 def start_decode_node(model_dir: Path, workdir: Path, name: str = "d0", *, kv_timeout_s: float = 30.0,
-                      endpoint: DecodeEndpoint | None = None, env: dict[str, str] | None = None) -> tuple[Server, DecodeEndpoint]:
+                      endpoint: DecodeEndpoint | None = None, env: dict[str, str] | None = None,
+                      reservation_lease_s: float = 10.0) -> tuple[Server, DecodeEndpoint]:
     """A CPU decode node; on `endpoint`'s ports when given (a restart keeps its place in the allowlist); `env` adds
     to its environment (a test-only fault, tilepd.runtime.faults)."""
     ep = endpoint or spare_endpoint(name)
@@ -47,7 +48,7 @@ def start_decode_node(model_dir: Path, workdir: Path, name: str = "d0", *, kv_ti
         name=ep.name, served_model_name=MODEL_NAME, family="llama", weights_dir=model_dir, max_seq_len=MAX_SEQ_LEN, device="cpu",
         bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=ep.http_port, ctrl_port=ep.ctrl_port,
         transport=TransportConfig(name="tcp", data_port=free_port()), kv_timeout_s=kv_timeout_s, cuda_graphs=False,
-        kv_cache_dtype="float32",
+        kv_cache_dtype="float32", reservation_lease_s=reservation_lease_s,
     )
     path = workdir / f"{ep.name}.json"
     path.write_text(cfg.model_dump_json())

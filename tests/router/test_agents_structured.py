@@ -78,7 +78,7 @@ def test_schema_refused_by_the_prefill_is_a_400_naming_the_field(client: OpenAI)
 
 def test_node_refuses_bad_constraints_by_field(router_stack: Stack) -> None:
     """Checked before the slot is touched: no transfer is needed to see them."""
-    body: dict[str, Any] = {"transfer_id": "tx-agents", "token": "t", "first_token": 5, "prompt_tokens": 3}
+    body: dict[str, Any] = {"transfer_id": "tx-agents", "token": "t", "fence": 0, "first_token": 5, "prompt_tokens": 3}
 
     def post(so: dict[str, str]) -> tuple[int, dict[str, Any]]:
         r = httpx.post(router_stack.decode_url + "/v1/decode", json={**body, "structured_output": so}, timeout=60)

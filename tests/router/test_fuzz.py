@@ -2,9 +2,10 @@
 posted to /v1/completions and /v1/chat/completions of the in-process app never get a 500, a
 traceback or a hang; bounded fields are refused with a 400 naming the field.
 
-The app is the real one (real tokenizer and chat template). Its one decode node is marked in
-rotation with the capabilities a CPU node reports, and its prefill and node sit on closed
-ports, so a request that passes every check ends in a typed 502 from the prefill call: the
+The app is the real one (real tokenizer and chat template). Its one decode node is a real node's
+HTTP API in this process (tests/runtime/inprocess_node.py), marked in rotation with the
+capabilities a CPU node reports, and its prefill sits on a closed port, so a request that passes
+every check reserves the node (node API 2) and ends in a typed 502 from the prefill call: the
 whole path up to the network is exercised, in milliseconds per example.
 """
 
@@ -21,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.runtime.inprocess_node import inprocess_node
 from tilepd.connector.launch import free_port
 from tilepd.contracts.service_configs import DecodeEndpoint, RouterConfig
 from tilepd.router import protocol
@@ -50,9 +52,14 @@ class InProcess:
 
 @pytest.fixture(scope="module")
 def router(tiny_llama: Path) -> Iterator[InProcess]:
+    with inprocess_node(tiny_llama) as (svc, _engine, _url):
+        yield from _router(tiny_llama, svc.config.http_port, svc.ctrl.port)
+
+
+def _router(tiny_llama: Path, node_http_port: int, node_ctrl_port: int) -> Iterator[InProcess]:
     closed = free_port()  # nothing listens here
     config = RouterConfig(port=free_port(), served_model_name=MODEL, tokenizer_dir=tiny_llama, prefill_urls=(f"http://127.0.0.1:{closed}",),
-                          decode_nodes=(DecodeEndpoint(name="d0", host="127.0.0.1", ctrl_port=free_port(), http_port=closed),),
+                          decode_nodes=(DecodeEndpoint(name="d0", host="127.0.0.1", ctrl_port=node_ctrl_port, http_port=node_http_port),),
                           max_body_bytes=BODY_LIMIT)
     app = create_app(config, ApiKeys(keys=()))
     state = app.state.router

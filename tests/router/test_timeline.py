@@ -33,7 +33,7 @@ from tests.waiting import wait_until
 from .latency_gap import assert_total_is_the_clients
 
 MODEL = "tiny-llama"
-CAPS = {"max_seq_len": 1024, "sampling": {"temperature": True, "top_p": True, "top_k": True, "seed": True, "stop_token_ids": True,
+CAPS = {"max_seq_len": 1024, "node_api": 2, "sampling": {"temperature": True, "top_p": True, "top_k": True, "seed": True, "stop_token_ids": True,
                                           "ignore_eos": True, "max_tokens": True}}
 PREFILL_S = 0.06
 NODE = {"wait_ms": 20.0, "queue_ms": 1.0, "convert_ms": 5.0, "inject_ms": 3.0}
@@ -169,6 +169,14 @@ def _fake_node(fakes: Fakes) -> FastAPI:
     @app.post("/v1/cancel")
     async def cancel(request: Request) -> dict:
         return {"cancelled": False, "transfer_id": (await request.json())["transfer_id"]}
+
+    @app.post("/v1/reserve")
+    async def reserve(request: Request) -> dict:
+        return {"transfer_id": (await request.json())["transfer_id"], "fence": 1, "lease_s": 10.0}
+
+    @app.post("/v1/renew")
+    async def renew(request: Request) -> dict:
+        return {"transfer_id": (await request.json())["transfer_id"], "fence": 1, "lease_s": 10.0}
 
     @app.post("/v1/decode")
     async def decode(request: Request) -> Any:

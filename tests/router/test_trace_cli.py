@@ -126,3 +126,26 @@ def test_trace_reads_a_deployments_logs_on_its_hosts(repo_root: Path, tmp_path: 
     assert [e["event"] for e in t["events"]] == ["node_fault", "failover", "done"]
     tr, problems = trace_plan("req-nope", plan)
     assert not tr.found and problems == []
+
+
+def test_trace_reads_every_router_of_a_deployment(repo_root: Path, tmp_path: Path) -> None:
+    """Two routers behind a balancer: the request's lines are in the second router's log, and trace finds them there."""
+    from tilepd.deploy.trace import trace_plan
+    from tilepd.plan import build_plan
+    from tilepd.topology import load_topology
+
+    text = (repo_root / "topology_examples" / "local.yaml").read_text()
+    single = "router:\n  name: router\n  address: 127.0.0.1\n  port: 18000\n  queue_timeout_s: 5.0\n"
+    assert single in text
+    routers = "routers:\n" + "".join(f"  - name: r{i}\n    address: 127.0.0.1\n    port: {18000 + i}\n" for i in range(2))
+    topo = tmp_path / "t.yaml"
+    topo.write_text(text.replace("base_dir: ~/.local/state/tilepd/local", f"base_dir: {tmp_path / 'base'}", 1).replace(single, routers))
+    plan = build_plan(load_topology(topo))
+    services = {s.name: s for h in plan.hosts for s in h.services}
+    assert {"router-r0", "router-r1"} <= set(services) and "router" not in services
+    for name, lines in (("router-r0", ROUTER[:1]), ("router-r1", ROUTER), ("decode-d0", NODE), ("prefill-p0", PREFILL)):
+        log = Path(services[name].log_file)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("\n".join(lines) + "\n")
+    tr, problems = trace_plan(RID, plan)
+    assert problems == [] and tr.found and tr.to_json()["total_ms"] == 512.3

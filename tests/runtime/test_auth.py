@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.runtime.conftest import DecodeNode, start_node, stop_node
-from tests.runtime.test_decode_server import PROMPTS, _handoff
+from tests.runtime.test_decode_server import PROMPTS, _fences, _handoff
 from tests.runtime.hf_engine import hf_greedy
 from tilepd import auth
 
@@ -82,13 +82,19 @@ def test_node_with_a_secret_refuses_strangers_and_serves_the_router(python_exe: 
                 assert idle()
             # an admit on the control port with an invented token is refused: the slot stays free
             with pytest.raises(AssertionError, match="bad_token"):
-                _handoff(node, hf_llama, prompt, "tx-stranger", token="invented")
+                _handoff(node, hf_llama, prompt, "tx-stranger", token="invented", reserve=False)
             assert idle()
+            # nor can anyone without the key, or with an invented token, reserve the slot
+            held = {"transfer_id": "tx-stranger", "token": "invented", "holder": "stranger", "node_api": 2}
+            for headers, code in [({}, "unauthorized"), (router, "invalid_transfer_token")]:
+                r = c.post("/v1/reserve", json=held, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == code, r.text
+                assert idle()
             # the router's way: token minted from the secret, bearer header -> HF's greedy tokens
             tid = "tx-router"
-            first = _handoff(node, hf_llama, prompt, tid, token=auth.transfer_token(s, tid))
+            first = _handoff(node, hf_llama, prompt, tid, token=auth.transfer_token(s, tid), headers=router)
             r = c.post("/v1/decode", headers=router, json={**body, "transfer_id": tid, "token": auth.transfer_token(s, tid),
-                                                           "first_token": first, "ignore_eos": True})
+                                                           "fence": _fences[tid], "first_token": first, "ignore_eos": True})
             assert r.status_code == 200, r.text
             assert [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 5)
             assert c.post("/v1/cancel", headers=router, json={"transfer_id": tid}).status_code == 200

@@ -9,43 +9,25 @@ may be produced (the step that was already running).
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
-import torch
-import uvicorn
 
-from tests.runtime.conftest import free_port, wire_payload
-from tests.runtime.hf_engine import HFEngine, KVState, SamplingParams, hf_prefill_kv
+from tests.runtime.conftest import wire_payload
+from tests.runtime.hf_engine import hf_prefill_kv
+from tests.runtime.inprocess_node import inprocess_node
 from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.sender import KVSender
-from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
+from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
 from tilepd.engine.types import DecodeEngine
-from tilepd.runtime.geometry import geometry_from_spec
-from tilepd.runtime.http_api import build_app
-from tilepd.runtime.service import DecodeService
 from tilepd.transport import Buffer
 
 
 @pytest.fixture(scope="module")
 def slow_node(tiny_llama):
-    eng = HFEngine(tiny_llama, step_delay_s=0.05)
-    assert isinstance(eng, DecodeEngine)
-    cfg = DecodeServerConfig(name="slow", served_model_name="tiny", family="llama", weights_dir=tiny_llama, max_seq_len=512,
-                             device="cpu", bind_host="127.0.0.1", advertise_host="127.0.0.1", http_port=free_port(), ctrl_port=0,
-                             transport=TransportConfig(name="tcp"), kv_timeout_s=5)
-    svc = DecodeService(cfg, eng, geometry_from_spec(eng.config, torch.float32), kv_types=(KVState, SamplingParams)).start()
-    server = uvicorn.Server(uvicorn.Config(build_app(svc), host="127.0.0.1", port=cfg.http_port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield svc, eng, f"http://127.0.0.1:{cfg.http_port}"
-    server.should_exit = True
-    th.join(10)
-    svc.close()
+    with inprocess_node(tiny_llama, step_delay_s=0.05, name="slow") as node:
+        assert isinstance(node[1], DecodeEngine)
+        yield node
 
 
 def test_cancel_within_one_step(slow_node) -> None:
@@ -59,11 +41,12 @@ def test_cancel_within_one_step(slow_node) -> None:
     ecfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=svc.ctrl.port, http_port=1),),
                                 transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
     sender = KVSender(ecfg, layout, Buffer.from_array(staging))
+    fence = svc.slot.reserve("tx-c", "tok").reservation.fence
     assert sender.send(("127.0.0.1", svc.ctrl.port), "tx-c", "tok", len(prompt), 1, [0, layout.block_bytes]).ok
     sender.close()
     tokens_at_cancel = None
     lines = []
-    body = {"transfer_id": "tx-c", "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 200,
+    body = {"transfer_id": "tx-c", "token": "tok", "fence": fence, "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 200,
             "ignore_eos": True}
     with httpx.Client(base_url=base, timeout=30) as cl, cl.stream("POST", "/v1/decode", json=body) as r:
         for line in r.iter_lines():
@@ -81,8 +64,9 @@ def test_cancel_within_one_step(slow_node) -> None:
     assert svc.slot.snapshot()["state"] == "free"
 
 
-def _land_prompt_kv(svc, eng, prompt: list[int], transfer_id: str) -> int:
-    """Send HF's prefill KV of `prompt` to the node over tcp, as the connector would; returns the first token."""
+def _land_prompt_kv(svc, eng, prompt: list[int], transfer_id: str) -> tuple[int, int]:
+    """Reserve the slot, send HF's prefill KV of `prompt` to the node over tcp, as the connector would; returns the first
+    token and the reservation's fence."""
     c = eng.config
     layout = CacheLayout(kind="attn", num_layers=c.num_layers, block_size=16, num_heads=c.num_kv_heads, entry_width=2 * c.head_dim,
                          dtype="float32", head_size_k=c.head_dim, head_size_v=c.head_dim)
@@ -90,18 +74,19 @@ def _land_prompt_kv(svc, eng, prompt: list[int], transfer_id: str) -> int:
     ecfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=svc.ctrl.port, http_port=1),),
                                 transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
     sender = KVSender(ecfg, layout, Buffer.from_array(wire_payload(layers, layout)))
+    fence = svc.slot.reserve(transfer_id, "tok").reservation.fence
     assert sender.send(("127.0.0.1", svc.ctrl.port), transfer_id, "tok", len(prompt), 1, [0, layout.block_bytes]).ok
     sender.close()
-    return first
+    return first, fence
 
 
 def test_done_line_reports_the_node_phases(slow_node, caplog) -> None:
     """The final `timings` carry the node's phases in order (the router's timeline places them; INTERFACES §4)."""
     svc, eng, base = slow_node
     prompt = [3, 14, 15, 92, 65]
-    first = _land_prompt_kv(svc, eng, prompt, "tx-t")
+    first, fence = _land_prompt_kv(svc, eng, prompt, "tx-t")
     caplog.set_level("INFO", logger="tilepd.runtime.http")
-    body = {"transfer_id": "tx-t", "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 4, "ignore_eos": True}
+    body = {"transfer_id": "tx-t", "token": "tok", "fence": fence, "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 4, "ignore_eos": True}
     with httpx.Client(base_url=base, timeout=30) as cl:
         lines = [json.loads(x) for x in cl.post("/v1/decode", json=body, headers={"x-request-id": "req-t1"}).text.splitlines() if x]
     t = lines[-1]["timings"]
@@ -126,9 +111,9 @@ def test_node_exports_its_phases_into_the_callers_trace(slow_node) -> None:
     svc.tracing = NodeTracing(None, "slow", exporter=memory)
     try:
         prompt = [3, 14, 15, 92, 65]
-        first = _land_prompt_kv(svc, eng, prompt, "tx-o")
+        first, fence = _land_prompt_kv(svc, eng, prompt, "tx-o")
         parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-        body = {"transfer_id": "tx-o", "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 3,
+        body = {"transfer_id": "tx-o", "token": "tok", "fence": fence, "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 3,
                 "ignore_eos": True}
         with httpx.Client(base_url=base, timeout=30) as cl:
             lines = [json.loads(x) for x in cl.post("/v1/decode", json=body, headers={"traceparent": parent}).text.splitlines() if x]

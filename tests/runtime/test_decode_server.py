@@ -11,8 +11,10 @@ import json
 import threading
 import time
 
+import httpx
 import pytest
 
+from tests.reserved import reserve_http
 from tests.runtime.hf_engine import hf_greedy, hf_prefill_kv
 from tests.runtime.conftest import start_node, stop_node, wire_payload
 from tilepd.control.messages import PROTOCOL_VERSION
@@ -37,8 +39,20 @@ def _layout(model, block_size: int = 16, order: str = "BHNC", dtype: str = "floa
                        entry_width=2 * hd, dtype=dtype, order=order, head_size_k=hd, head_size_v=hd)
 
 
-def _handoff(node, model, prompt, tid, *, transport="tcp", layout=None, token="tok"):
-    """Prefill with HF, send the KV like the connector does; returns the first token."""
+_fences: dict[str, int] = {}  # transfer id -> its reservation's fence (each test here reserves its ids once)
+
+
+def _reserve(node, tid: str, token: str = "tok", headers: dict[str, str] | None = None) -> int:
+    """What the router does before the prefill (node API 2): reserve the slot for `tid` (`headers`: the router's key)."""
+    _fences[tid] = reserve_http(node.http, tid, token, headers)
+    return _fences[tid]
+
+
+def _handoff(node, model, prompt, tid, *, transport="tcp", layout=None, token="tok", headers=None, reserve=True):
+    """Reserve the slot (unless `tid` holds it already, or `reserve` is False), prefill with HF, send the KV like the
+    connector does; returns the first token."""
+    if reserve and httpx.get(node.http + "/status", timeout=30).json()["transfer_id"] != tid:
+        _reserve(node, tid, token, headers)
     layout = layout or _layout(model)
     first, layers = hf_prefill_kv(model, prompt)
     staging = wire_payload(layers, layout)
@@ -62,8 +76,9 @@ def _tokens(r) -> list[int]:
 
 
 def _body(tid, first, prompt, **kw):
-    return {"transfer_id": tid, "token": "tok", "first_token": first, "prompt_tokens": len(prompt), "max_tokens": 8,
-            "ignore_eos": True, "stream": False, **kw}
+    """A decode request naming its reservation's fence (0 for an id no test reserved: refused before the slot, or not_reserved)."""
+    return {"transfer_id": tid, "token": "tok", "fence": _fences.get(tid, 0), "first_token": first, "prompt_tokens": len(prompt),
+            "max_tokens": 8, "ignore_eos": True, "stream": False, **kw}
 
 
 @pytest.mark.parametrize("name", sorted(PROMPTS))
@@ -89,10 +104,11 @@ def test_other_orders_and_block_sizes(llama_node, hf_llama, order, block_size) -
 
 
 def test_decode_request_first_then_kv_streams_ndjson(llama_node, hf_llama) -> None:
-    """The decode request reserves the slot and waits; the KV arrives afterwards; tokens stream."""
+    """The decode request joins the reservation and waits; the KV arrives afterwards; tokens stream."""
     prompt = PROMPTS["multi_block"]
     first, _ = hf_prefill_kv(hf_llama, prompt)
     lines: list[dict] = []
+    _reserve(llama_node, "tx-stream")
 
     def client() -> None:
         with llama_node.client() as c, c.stream("POST", "/v1/decode", json=_body("tx-stream", first, prompt, stream=True)) as r:
@@ -103,7 +119,7 @@ def test_decode_request_first_then_kv_streams_ndjson(llama_node, hf_llama) -> No
     t.start()
     deadline = time.monotonic() + 10
     with llama_node.client() as c:
-        while c.get("/status").json()["state"] != "reserved" and time.monotonic() < deadline:
+        while not c.get("/status").json()["decode_joined"] and time.monotonic() < deadline:
             time.sleep(0.02)
     _handoff(llama_node, hf_llama, prompt, "tx-stream")
     t.join(30)
@@ -112,6 +128,7 @@ def test_decode_request_first_then_kv_streams_ndjson(llama_node, hf_llama) -> No
 
 
 def test_kv_that_never_arrives_answers_504_and_frees_the_slot(llama_node) -> None:
+    _reserve(llama_node, "tx-lost")
     with llama_node.client() as c:
         t = time.monotonic()
         r = c.post("/v1/decode", json=_body("tx-lost", 1, [1, 2, 3], kv_timeout_s=0.5))
@@ -121,6 +138,7 @@ def test_kv_that_never_arrives_answers_504_and_frees_the_slot(llama_node) -> Non
 
 
 def test_busy_token_mismatch_and_parameter_errors(llama_node, hf_llama) -> None:
+    _reserve(llama_node, "tx-hold")
     with llama_node.client() as c:
         holder = threading.Thread(target=c.post, args=("/v1/decode",), kwargs={"json": _body("tx-hold", 1, [1, 2], kv_timeout_s=15)})
         holder.start()
@@ -129,6 +147,11 @@ def test_busy_token_mismatch_and_parameter_errors(llama_node, hf_llama) -> None:
             time.sleep(0.02)
         busy = c.post("/v1/decode", json=_body("tx-other", 1, [1, 2]))
         assert busy.status_code == 429 and busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "busy"
+        taken = c.post("/v1/reserve", json={"transfer_id": "tx-other", "token": "tok", "holder": "router-b", "node_api": 2})
+        assert taken.status_code == 429 and taken.json()["error"]["code"] == "busy" and taken.json()["error"]["holder"] == "test"
+        older = c.post("/v1/decode", json={k: v for k, v in _body("tx-other", 1, [1, 2]).items() if k != "fence"})
+        assert older.status_code == 426 and older.json()["error"]["code"] == "node_api_mismatch", older.text
+        assert "upgrade the router" in older.json()["error"]["message"]
         mismatch = c.post("/v1/decode", json={**_body("tx-hold", 1, [1, 2]), "token": "wrong"})
         assert mismatch.status_code == 409 and mismatch.json()["error"]["code"] == "bad_token"
         holder.join(25)  # the hold lasts its kv_timeout_s (15 s: long enough for a loaded 2-core box to ask twice)
@@ -158,6 +181,7 @@ def test_kv_that_does_not_hash_as_staged_is_never_decoded(llama_node, hf_llama, 
 
     prompt = PROMPTS["multi_block"]
     result: dict = {}
+    _reserve(llama_node, "tx-sum")
 
     def request() -> None:
         with llama_node.client() as c2:
@@ -273,6 +297,7 @@ def test_mla_latent_handoff_into_deepseek_node(python_exe, tiny_deepseek, tmp_pa
     try:
         cfg = ConnectorExtraConfig(decode_allowlist=(DecodeEndpoint(name="n", host="127.0.0.1", ctrl_port=node.ctrl_port, http_port=1),),
                                    transport=TransportConfig(name="tcp"), model_family="deepseek_v3", max_seq_len=512)
+        _reserve(node, "tx-mla")
         sender = KVSender(cfg, layout, Buffer.from_array(staging))
         nb = layout.blocks_for(seq_len)
         r = sender.send(("127.0.0.1", node.ctrl_port), "tx-mla", "tok", seq_len, nb,
@@ -280,8 +305,8 @@ def test_mla_latent_handoff_into_deepseek_node(python_exe, tiny_deepseek, tmp_pa
         sender.close()
         assert r.ok, r
         with node.client() as c:
-            out = c.post("/v1/decode", json={"transfer_id": "tx-mla", "token": "tok", "first_token": gen[-1], "prompt_tokens": seq_len,
-                                             "max_tokens": 8, "ignore_eos": True, "stream": False})
+            out = c.post("/v1/decode", json={"transfer_id": "tx-mla", "token": "tok", "fence": _fences["tx-mla"], "first_token": gen[-1],
+                                             "prompt_tokens": seq_len, "max_tokens": 8, "ignore_eos": True, "stream": False})
         assert out.status_code == 200, out.text
         assert out.json()["tokens"] == ref
     finally:
@@ -307,6 +332,7 @@ def test_prefill_tensor_parallel_ranks_each_send_their_heads(llama_node, hf_llam
                                  [l * nb * shard.block_bytes for l in range(shard.num_layers)])
         sender.close()
 
+    _reserve(llama_node, "tx-tp2")
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
@@ -327,6 +353,7 @@ def test_prefill_tp_rank_that_never_sends_fails_the_transfer(llama_node, hf_llam
                                transport=TransportConfig(name="tcp"), model_family="llama", max_seq_len=512)
     staging = wire_payload([x[:, :1, :] for x in layers], shard)
     sender = KVSender(cfg, shard, Buffer.from_array(staging), sender_rank=0, tp_size=2)
+    _reserve(llama_node, "tx-half")
     assert sender.send(("127.0.0.1", llama_node.ctrl_port), "tx-half", "tok", len(prompt), 1, [0, shard.block_bytes]).ok
     sender.close()
     with llama_node.client() as c:

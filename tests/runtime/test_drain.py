@@ -19,11 +19,12 @@ import pytest
 
 from tests.runtime.conftest import start_node, stop_node, wire_payload
 from tests.runtime.hf_engine import hf_greedy, hf_prefill_kv
-from tests.runtime.test_decode_server import PROMPTS, _handoff, _layout
+from tests.runtime.test_decode_server import PROMPTS, _fences, _handoff, _layout, _reserve
 from tilepd import auth
 from tilepd.control.sender import KVSender
 from tilepd.deploy import drain as dr
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, TransportConfig
+from tests.reserved import reserve_and_attach
 from tilepd.runtime.slot import Slot, SlotError, State
 from tilepd.transport import Buffer
 
@@ -34,21 +35,21 @@ def test_a_draining_slot_takes_no_new_transfer_but_keeps_its_own() -> None:
     slot = Slot()
     slot.draining = True
     with pytest.raises(SlotError) as refused:
-        slot.reserve_for_decode("tx-new", "t")
+        slot.reserve("tx-new", "t")
     assert refused.value.code == "draining" and slot.state == State.FREE
     with pytest.raises(SlotError) as admit:
         slot.admit("tx-new", "t", 4, 1, 64, None, conn_id=1)
     assert admit.value.code == "busy" and "draining" in admit.value.message and slot.state == State.FREE
     slot.draining = False
-    held = slot.reserve_for_decode("tx-held", "t")
+    held = reserve_and_attach(slot, "tx-held", "t")
     slot.draining = True  # drained while the request waits for its KV: the admit of that transfer joins it
     with pytest.raises(SlotError) as other:
-        slot.reserve_for_decode("tx-other", "t")  # a busy draining node says draining, not busy: go elsewhere, do not wait
+        slot.reserve("tx-other", "t")  # a busy draining node says draining, not busy: go elsewhere, do not wait
     assert other.value.code == "draining"
     assert slot.admit("tx-held", "t", 4, 1, 64, None, conn_id=1) > 0 and slot.current is held
     slot.release(held)
     with pytest.raises(SlotError):
-        slot.reserve_for_decode("tx-after", "t")
+        slot.reserve("tx-after", "t")
 
 
 def test_the_drain_client_names_what_went_wrong(tmp_path: Path) -> None:
@@ -137,8 +138,8 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
     prompt = PROMPTS["multi_block"]
 
     def body(tid: str, first: int = 5, **kw: object) -> dict:
-        return {"transfer_id": tid, "token": auth.transfer_token(s, tid), "first_token": first, "prompt_tokens": len(prompt),
-                "max_tokens": 8, "ignore_eos": True, "stream": False, "kv_timeout_s": 60, **kw}
+        return {"transfer_id": tid, "token": auth.transfer_token(s, tid), "fence": _fences.get(tid, 0), "first_token": first,
+                "prompt_tokens": len(prompt), "max_tokens": 8, "ignore_eos": True, "stream": False, "kv_timeout_s": 60, **kw}
 
     try:
         with node.client() as c:
@@ -149,11 +150,12 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
             # a request in flight: its decode call holds the slot and waits for the KV
             answer: dict = {}
             first_ref = hf_greedy(hf_llama, prompt, 9)
+            _reserve(node, "tx-held", auth.transfer_token(s, "tx-held"), router)
             inflight = threading.Thread(target=lambda: answer.update(r=httpx.post(
                 node.http + "/v1/decode", headers=router, json=body("tx-held", first_ref[0]), timeout=120)))
             inflight.start()
             deadline = time.monotonic() + 30
-            while c.get("/status").json()["state"] != "reserved" and time.monotonic() < deadline:
+            while not c.get("/status").json()["decode_joined"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert c.get("/status").json()["transfer_id"] == "tx-held"
 
@@ -167,6 +169,9 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
             assert c.get("/status").json()["draining"] is True
             # a new request: 503 draining before any KV; its admit is refused as busy; the held one is untouched
             refused = c.post("/v1/decode", headers=router, json=body("tx-new"))
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining", refused.text
+            refused = c.post("/v1/reserve", headers=router, json={"transfer_id": "tx-new", "token": auth.transfer_token(s, "tx-new"),
+                                                                  "holder": "router-b", "node_api": 2})
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining", refused.text
             _, sent = _admit_once(node, hf_llama, prompt, "tx-new2", auth.transfer_token(s, "tx-new2"))
             assert not sent.ok and sent.code == "busy" and "draining" in sent.message
@@ -191,7 +196,7 @@ def test_drain_finishes_the_request_in_flight_refuses_new_ones_and_undrain_resto
             back = json.loads(cli.stdout)
             assert not back["draining"] and back["idle"]
             assert c.get("/health").status_code == 200 and "tilepd_decode_draining 0.0" in c.get("/metrics").text
-            first = _handoff(node, hf_llama, prompt, "tx-after", token=auth.transfer_token(s, "tx-after"))
+            first = _handoff(node, hf_llama, prompt, "tx-after", token=auth.transfer_token(s, "tx-after"), headers=router)
             r = c.post("/v1/decode", headers=router, json=body("tx-after", first))
             assert r.status_code == 200 and [first] + r.json()["tokens"] == first_ref, r.text
     finally:
@@ -220,10 +225,11 @@ def test_a_drained_node_restarts_drained_and_takes_only_a_canary(python_exe: str
             assert c.get("/health").json() == {"status": "draining", "idle": True, "reason": None}
             plain = {"transfer_id": "tx-plain", "token": "tok", "first_token": 5, "prompt_tokens": len(prompt), "max_tokens": 8,
                      "ignore_eos": True, "stream": False}
-            refused = c.post("/v1/decode", json=plain)
+            refused = c.post("/v1/reserve", json={"transfer_id": "tx-plain", "token": "tok", "holder": "router", "node_api": 2})
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining", refused.text
-            first = _handoff(node, hf_llama, prompt, f"{auth.CANARY_TRANSFER_PREFIX}1")
-            r = c.post("/v1/decode", json={**plain, "transfer_id": f"{auth.CANARY_TRANSFER_PREFIX}1", "first_token": first})
+            canary = f"{auth.CANARY_TRANSFER_PREFIX}1"
+            first = _handoff(node, hf_llama, prompt, canary)
+            r = c.post("/v1/decode", json={**plain, "transfer_id": canary, "fence": _fences[canary], "first_token": first})
             assert r.status_code == 200 and [first] + r.json()["tokens"] == hf_greedy(hf_llama, prompt, 9), r.text
             assert dr.undrain(node.http, None, node="decode-t").draining is False
             assert not flag.exists() and c.get("/health").status_code == 200

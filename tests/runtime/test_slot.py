@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.reserved import reserve_and_attach
 from tilepd.runtime.slot import Slot, SlotError, State
 
 
@@ -18,7 +19,7 @@ def _slot(**kw) -> tuple[Slot, list]:
 
 def test_decode_first_then_admit_then_done() -> None:
     s, ev = _slot()
-    tr = s.reserve_for_decode("t1", "k")
+    tr = reserve_and_attach(s, "t1", "k")
     assert s.state == State.RESERVED
     g = s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
     assert s.state == State.TRANSFERRING and ev[-1] == ("arm", g, "t1", 100)
@@ -32,30 +33,109 @@ def test_decode_first_then_admit_then_done() -> None:
 
 def test_admit_first_then_decode_joins() -> None:
     s, _ = _slot()
+    fence = s.reserve("t1", "k", "router-a").reservation.fence
     g = s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
     s.complete("t1", g, True)
-    tr = s.reserve_for_decode("t1", "k")
+    tr = s.attach_decode("t1", "k", fence)
     s.wait_complete(tr, 0.1)
     with pytest.raises(SlotError) as e:
-        s.reserve_for_decode("t1", "k")
+        s.attach_decode("t1", "k", fence)
     assert e.value.code == "duplicate"
 
 
-def test_busy_and_bad_token() -> None:
+def test_busy_names_the_holder_and_bad_token() -> None:
     s, _ = _slot()
-    s.reserve_for_decode("t1", "k")
-    for call in (lambda: s.admit("t2", "k", 1, 1, 1, None, 1), lambda: s.reserve_for_decode("t2", "k")):
+    s.reserve("t1", "k", "router-a (host:8000, pid 1)")
+    for call in (lambda: s.admit("t2", "k", 1, 1, 1, None, 1), lambda: s.reserve("t2", "k", "router-b"),
+                 lambda: s.attach_decode("t2", "k", 1)):
         with pytest.raises(SlotError) as e:
             call()
         assert e.value.code == "busy"
+    with pytest.raises(SlotError) as e:
+        s.reserve("t2", "k", "router-b")
+    assert e.value.holder == "router-a (host:8000, pid 1)" and "held by router-a" in e.value.message
     with pytest.raises(SlotError) as e:
         s.admit("t1", "wrong", 1, 1, 1, None, 1)
     assert e.value.code == "bad_token"
 
 
+def test_nothing_takes_a_free_slot_without_a_reservation() -> None:
+    """An admit or a decode request on a free slot comes from a router of node API 1 (it reserves nothing) or from a
+    reservation that ended: neither may take the slot."""
+    s, _ = _slot()
+    with pytest.raises(SlotError) as e:
+        s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
+    assert e.value.code == "unknown_transfer" and "no reservation" in e.value.message
+    with pytest.raises(SlotError) as e:
+        s.attach_decode("t1", "k", 0)
+    assert e.value.code == "not_reserved"
+    assert s.state == State.FREE
+
+
+def test_the_fence_guards_renew_decode_and_cancel() -> None:
+    s, _ = _slot()
+    fence = s.reserve("t1", "k", "a").reservation.fence
+    for call in (lambda: s.renew("t1", fence + 1), lambda: s.attach_decode("t1", "k", fence + 1)):
+        with pytest.raises(SlotError) as e:
+            call()
+        assert e.value.code == "reservation_lost"
+    assert not s.cancel("t1", fence + 1) and s.state == State.RESERVED
+    assert s.renew("t1", fence) == s.lease_s
+    assert s.cancel("t1", fence) and s.state == State.FREE  # a reservation no decode joined: freed at once
+    with pytest.raises(SlotError) as e:
+        s.renew("t1", fence)
+    assert e.value.code == "reservation_lost" and "ended here (cancelled)" in e.value.message
+    assert s.reserve("t2", "k", "b").reservation.fence > fence  # fences only grow
+
+
+def test_an_unrenewed_reservation_expires_and_frees_the_slot() -> None:
+    s, _ = _slot(lease_s=0.05)
+    freed: list[int] = []
+    s.on_free = lambda: freed.append(1)
+    fence = s.reserve("t1", "k", "dead-router").reservation.fence
+    s.expire_leases()
+    assert s.state == State.RESERVED  # within its lease
+    time.sleep(0.06)
+    s.expire_leases()
+    assert s.state == State.FREE and freed == [1] and s.reservations_expired == 1
+    with pytest.raises(SlotError) as e:  # the KV of the dead router's prefill, arriving late
+        s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
+    assert e.value.code == "unknown_transfer" and "lease_expired" in e.value.message
+    with pytest.raises(SlotError) as e:
+        s.attach_decode("t1", "k", fence)
+    assert e.value.code == "reservation_lost"
+
+
+def test_an_expired_lease_cancels_the_decode_and_fails_a_waiting_one() -> None:
+    s, _ = _slot(lease_s=0.05)
+    tr = reserve_and_attach(s, "t1", "k")
+    s.complete("t1", s.admit("t1", "k", 1, 1, 1, None, 1), True)
+    s.wait_complete(tr, 1)
+    s.start_decoding(tr)
+    time.sleep(0.06)
+    s.expire_leases()
+    assert tr.cancel.is_set() and s.state == State.CANCELLING  # the engine stops at its next step
+    s.release(tr, "cancelled")
+    assert s.state == State.FREE and s._ended["t1"] == "lease_expired"
+    tr = reserve_and_attach(s, "t2", "k")
+    time.sleep(0.06)
+    s.expire_leases()
+    with pytest.raises(SlotError) as e:  # its decode request waits for KV that no router will follow
+        s.wait_complete(tr, 1)
+    assert e.value.code == "reservation_lost" and "not renewed" in e.value.message
+
+
+def test_time_the_node_was_held_up_is_added_to_the_lease() -> None:
+    s, _ = _slot(lease_s=0.05)
+    s.reserve("t1", "k", "a")
+    time.sleep(0.06)
+    s.expire_leases(held_up_s=1.0)  # the clock's tick came a second late: renewals may be waiting unread
+    assert s.state == State.RESERVED
+
+
 def test_stale_generation_done_is_ignored_and_readmit_supersedes() -> None:
     s, _ = _slot()
-    s.reserve_for_decode("t1", "k")
+    reserve_and_attach(s, "t1", "k")
     g1 = s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
     g2 = s.admit("t1", "k", 10, 1, 100, None, conn_id=2)  # duplicate admit: new generation
     assert g2 > g1
@@ -71,7 +151,7 @@ def test_stale_generation_done_is_ignored_and_readmit_supersedes() -> None:
 
 def test_kv_timeout_frees_the_slot() -> None:
     s, ev = _slot()
-    tr = s.reserve_for_decode("t1", "k")
+    tr = reserve_and_attach(s, "t1", "k")
     with pytest.raises(SlotError) as e:
         s.wait_complete(tr, 0.05)
     assert e.value.code == "kv_timeout" and s.state == State.FREE and ("disarm",) in ev
@@ -79,7 +159,7 @@ def test_kv_timeout_frees_the_slot() -> None:
 
 def test_sender_gone_fails_the_waiting_decode() -> None:
     s, _ = _slot()
-    tr = s.reserve_for_decode("t1", "k")
+    tr = reserve_and_attach(s, "t1", "k")
     s.admit("t1", "k", 10, 1, 100, None, conn_id=7)
     threading.Timer(0.05, s.sender_gone, args=(7,)).start()
     with pytest.raises(SlotError) as e:
@@ -90,12 +170,12 @@ def test_sender_gone_fails_the_waiting_decode() -> None:
 
 def test_cancel_while_waiting_and_while_decoding() -> None:
     s, _ = _slot()
-    tr = s.reserve_for_decode("t1", "k")
+    tr = reserve_and_attach(s, "t1", "k")
     threading.Timer(0.05, s.cancel, args=("t1",)).start()
     with pytest.raises(SlotError) as e:
         s.wait_complete(tr, 5)
     assert e.value.code == "cancelled" and s.state == State.FREE
-    tr = s.reserve_for_decode("t2", "k")
+    tr = reserve_and_attach(s, "t2", "k")
     s.complete("t2", s.admit("t2", "k", 1, 1, 1, None, 1), True)
     s.wait_complete(tr, 1)
     s.start_decoding(tr)
@@ -105,6 +185,12 @@ def test_cancel_while_waiting_and_while_decoding() -> None:
 
 def test_orphaned_admit_is_reaped() -> None:
     s, _ = _slot(orphan_timeout_s=0.01)
+    s.reserve("t0", "k", "a")
+    time.sleep(0.02)
+    s.reap_orphans()
+    assert s.state == State.RESERVED  # before its KV came, only the lease bounds a reservation (a prefill may queue long)
+    s.cancel("t0")
+    s.reserve("t1", "k", "a")
     s.admit("t1", "k", 1, 1, 1, None, 1)
     time.sleep(0.02)
     s.reap_orphans()
@@ -115,21 +201,25 @@ def test_a_late_decode_request_cannot_take_the_slot_of_its_ended_transfer() -> N
     """Seen on the loaded CI box: the router cancelled a transfer whose decode handler was stalled; the handler then
     reserved the free slot for the dead transfer and the node stayed busy for tens of seconds."""
     s, _ = _slot()
+    fence = s.reserve("t1", "k", "a").reservation.fence
     g = s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
     s.complete("t1", g, True)
     assert s.cancel("t1") and s.state == State.FREE  # no decode request had joined: freed at once
     with pytest.raises(SlotError) as e:
-        s.reserve_for_decode("t1", "k")
+        s.attach_decode("t1", "k", fence)
     assert e.value.code == "cancelled" and "already ended here (cancelled)" in e.value.message
+    with pytest.raises(SlotError) as e:
+        s.reserve("t1", "k", "a")
+    assert e.value.code == "cancelled"
     assert s.state == State.FREE and not s.busy
-    tr = s.reserve_for_decode("t2", "k")  # any other transfer still takes it
+    tr = reserve_and_attach(s, "t2", "k")  # any other transfer still takes it
     tr2 = s.admit("t2", "k", 10, 1, 100, None, conn_id=1)
     s.complete("t2", tr2, True)
     s.wait_complete(tr, 1)
     s.start_decoding(tr)
     s.release(tr)
     with pytest.raises(SlotError) as e:
-        s.reserve_for_decode("t2", "k")
+        s.attach_decode("t2", "k", tr.reservation.fence)
     assert e.value.code == "duplicate"
 
 
@@ -138,6 +228,7 @@ def test_ended_transfers_are_remembered_boundedly() -> None:
 
     s, _ = _slot()
     for i in range(slot_mod.ENDED_REMEMBERED + 10):
+        s.reserve(f"t{i}", "k")
         g = s.admit(f"t{i}", "k", 10, 1, 100, None, conn_id=1)
         s.complete(f"t{i}", g, True)
         s.cancel(f"t{i}")
@@ -151,15 +242,16 @@ def test_a_draining_slot_takes_a_canary_transfer_only() -> None:
     s.draining = True
     for tid in ("tx-1", "canaryish-1"):
         with pytest.raises(SlotError) as e:
-            s.reserve_for_decode(tid, "k")
+            s.reserve(tid, "k")
         assert e.value.code == "draining"
         with pytest.raises(SlotError) as e:
             s.admit(tid, "k", 10, 1, 100, None, conn_id=1)
         assert e.value.code == "busy"
-    tr = s.reserve_for_decode("canary-1", "k")
+    tr = reserve_and_attach(s, "canary-1", "k")
     g = s.admit("canary-1", "k", 10, 1, 100, None, conn_id=1)
     assert s.complete("canary-1", g, True) == (True, "")
     s.wait_complete(tr, 1)
     s.release(tr)
+    fence = s.reserve("canary-2", "k").reservation.fence
     g = s.admit("canary-2", "k", 10, 1, 100, None, conn_id=2)  # the KV first, as the prefill sends it
-    assert s.state == State.TRANSFERRING and g > 0
+    assert s.state == State.TRANSFERRING and g > fence

@@ -64,3 +64,8 @@ fx("memory-fit__gpu-type", *_DSV3, "    gpu: {type: B200, count: 2}\n", "    gpu
 fx("memory-fit__prefill", *_DSV3, "    gpu: {type: B200, count: 2}\n", "    gpu: {type: cpu}\n", "  tensor_parallel: {prefill: 2, decode: 2}\n",
    "  tensor_parallel: {prefill: 2, decode: 1}\n", "    gpus: 2\n    port: 8000\n", "    gpus: 2\n    gpu_type: H100" + M + "\n    port: 8000\n")
 fx("memory-fit__hf-id", "  hf_path: /models/tiny\n", "  hf_path: /models/tiny\n  hf_id: acme/NoSuchModel-1B" + M + "\n")
+# several routers: they answer alike (routers-agree), and the file gives one form, `router` or `routers`
+_ROUTERS = "routers:\n  - name: r0\n    address: 10.1.0.4\n    port: 9000\n  - name: r1\n    address: 10.1.0.5\n    port: 9000\n"
+fx("routers-agree", "router:\n  name: router\n  address: 10.1.0.4\n  port: 9000\n",
+   _ROUTERS + "    otlp_endpoint: http://collector:4318" + M + "\n")
+fx("schema__router-form", "  port: 9000\n", "  port: 9000\nrouters:" + M + "\n  - name: r0\n    address: 10.1.0.5\n    port: 9000\n")

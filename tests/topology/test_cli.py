@@ -71,7 +71,7 @@ def test_plan_json_is_the_complete_plan(runner: CliRunner) -> None:
     assert result.exit_code == 0
     doc = json.loads(result.stdout)
     assert list(doc) == ["api_version", "deployment", "topology_hash", "tilepd_version", "services_mode", "service_user", "base_dir", "transport",
-                         "rdma", "hosts"]
+                         "rdma", "hosts", "balancer"]
     services = [s["name"] for h in doc["hosts"] for s in h["services"]]
     assert services == ["prefill-p0", "convert-d0", "decode-d0", "router"]
 

@@ -48,6 +48,8 @@ CASES: dict[str, tuple[str, str]] = {
     "schema__missing": ("schema.missing", "required key 'port' is missing"),
     "schema__invalid": ("schema.invalid", "Input should be 'systemd' or 'process'; did you mean 'process'?"),
     "schema__api-key": ("schema.invalid", "give exactly one of `env`"),
+    "routers-agree": ("routers-agree", "r1's otlp_endpoint differs from routers[0]'s (r0)"),
+    "schema__router-form": ("schema.invalid", "give `router` (one router) or `routers`"),
 }
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.runtime.conftest import free_port, wire_payload
+from tests.reserved import reserve_http
 from tests.runtime.hf_engine import hf_prefill_kv
 from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.sender import KVSender
@@ -52,6 +53,7 @@ class Node:
         self.log = tmp / "decode.log"
         self.proc = subprocess.Popen(argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.http_port}"
+        self.fences: dict[str, int] = {}  # transfer id -> its reservation's fence
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -85,6 +87,7 @@ class Node:
         seq_len = layers[0].shape[0]
         nb = shard.blocks_for(seq_len)
         results = {}
+        self.fences[tid] = reserve_http(self.url, tid, "tok")  # what the router does before the prefill (node API 2)
 
         def rank(r: int) -> None:
             h = shard.num_heads
@@ -105,7 +108,7 @@ class Node:
 
     def decode(self, tid: str, first: int, seq_len: int) -> dict:
         r = httpx.post(self.url + "/v1/decode", timeout=120, json={
-            "transfer_id": tid, "token": "tok", "first_token": first, "prompt_tokens": seq_len, "max_tokens": N_TOKENS,
+            "transfer_id": tid, "token": "tok", "fence": self.fences[tid], "first_token": first, "prompt_tokens": seq_len, "max_tokens": N_TOKENS,
             "ignore_eos": True, "stream": False})
         assert r.status_code == 200, r.text
         return r.json()

@@ -5,8 +5,9 @@ arrivals at the decode-node queue = leases granted (`lease_wait_seconds_count`) 
 that waited out the queue timeout (`routes_total{reason="busy"}`: route `low_latency` is a
 429, route `native` a fallback); service time = `lease_hold_seconds` (a node held from
 lease to release). Decode nodes: seconds per token = `tilepd_decode_decode_seconds_sum /
-tilepd_decode_tokens_total`. Prefill (stock vLLM): seconds per prompt token =
-`vllm:request_prefill_time_seconds_sum / vllm:prompt_tokens_total`.
+tilepd_decode_tokens_total`. Prefill (stock vLLM): prefill_fit.py.
+
+Several routers over the same decode nodes each count their own requests: `combined` sums them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ class Histogram:
             raise MetricsInvalid("histogram buckets changed between the two scrapes (was the service upgraded?)")
         return Histogram(self.edges, tuple(a - b for a, b in zip(self.cumulative, before.cumulative)),
                          self.sum - before.sum, self.count - before.count)
+
+    def __add__(self, other: Histogram) -> Histogram:
+        if other.edges != self.edges:
+            raise MetricsInvalid("the routers' histograms have different buckets (routers of different tilepd versions?)")
+        return Histogram(self.edges, tuple(a + b for a, b in zip(self.cumulative, other.cumulative)), self.sum + other.sum,
+                         self.count + other.count)
 
     @property
     def counts(self) -> tuple[float, ...]:
@@ -256,6 +263,27 @@ def router_load(before: Scrape, after: Scrape, window_s: float) -> RouterLoad:
                       source, wait, in_rotation, tuple(notes), busy_levels(before, after), alone_holds(before, after))
 
 
+def combined(loads: list[RouterLoad]) -> RouterLoad:
+    """Several routers' windows over the same decode nodes as one: arrivals, routes, holds and waits summed. Each router
+    counts only its own leases at each busy level (another router's hold looks like a free node to it), so the busy
+    levels and the holds that ran alone are left out: the estimate takes the nodes as independent (M/G/c)."""
+    first, rest = loads[0], loads[1:]
+    routes: dict[str, float] = {}
+    for load in loads:
+        for k, v in load.routes.items():
+            routes[k] = routes.get(k, 0.0) + v
+    service, wait = first.service, first.wait
+    for load in rest:
+        service, wait = service + load.service, wait + load.wait
+    rotation = [load.nodes_in_rotation for load in loads if load.nodes_in_rotation is not None]
+    notes = [n for load in loads for n in load.notes]
+    notes.append(f"{len(loads)} routers: their requests, holds and waits summed; each sees only its own leases per busy level, "
+                 "so the nodes are taken as independent (M/G/c)")
+    return RouterLoad(first.window_s, sum(x.arrivals for x in loads), sum(x.leased for x in loads), sum(x.busy_429 for x in loads),
+                      sum(x.busy_fallback for x in loads), routes, service, first.service_source, wait,
+                      max(rotation) if rotation else None, tuple(dict.fromkeys(notes)))
+
+
 def busy_levels(before: Scrape, after: Scrape) -> dict[str, BusyLevel] | None:
     """The window's time, node-seconds and releases per `busy` label (a label first seen after `before` counts from
     zero); levels without a release in the window left out. None: the router does not export them (older tilepd)."""
@@ -283,10 +311,3 @@ def seconds_per_token(scrapes: list[Scrape]) -> float | None:
     secs = sum(s.total("tilepd_decode_decode_seconds_sum") for s in scrapes)
     tokens = sum(s.total("tilepd_decode_tokens_total") for s in scrapes)
     return secs / tokens if tokens > 0 else None
-
-
-def prefill_seconds_per_token(scrapes: list[Scrape]) -> float | None:
-    """Stock vLLM prefill hosts: prefill seconds per prompt token since they started (None: no prefill yet)."""
-    secs = sum(s.total("vllm:request_prefill_time_seconds_sum") for s in scrapes)
-    tokens = sum(s.total("vllm:prompt_tokens_total") for s in scrapes)
-    return secs / tokens if tokens > 0 and secs > 0 else None

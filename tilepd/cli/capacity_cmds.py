@@ -51,8 +51,9 @@ def _fail(code: ExitCode, message: str) -> typer.Exit:
     return typer.Exit(int(code))
 
 
-def _stated_load(topo, rps: float, prompt_tokens: int, output_tokens: int, ms_per_token: float | None,  # noqa: ANN001, ANN202 - returns Load
+def _stated_load(topo, rps: float, prompt_tokens: int, output_tokens: int, ms_per_token: float | None,  # noqa: ANN001, ANN202
                  prefill_ms: float | None, service_cv: float, notes: list[str]):
+    """The stated load, and the prefill fit it used (None with --prefill-ms)."""
     from tilepd.capacity import sources
     from tilepd.capacity.estimate import Load
     from tilepd.capacity.simulate import GammaTimes
@@ -66,20 +67,67 @@ def _stated_load(topo, rps: float, prompt_tokens: int, output_tokens: int, ms_pe
         notes.append(f"decode time per token {per_token * 1e3:.2f} ms: measured on {len(urls)} decode node(s) since they started")
     else:
         per_token = ms_per_token / 1e3
+    fitted = None
     if prefill_ms is None:
-        urls = [f"http://{p.address}:{p.port}/metrics" for p in topo.prefill]
-        scrapes = [_scrape_or_exit(u) for u in urls]
-        per_prompt_token = sources.prefill_seconds_per_token(scrapes)
-        if per_prompt_token is None:
-            raise _fail(ExitCode.INPUT, f"the prefill hosts ({', '.join(urls)}) report no prefill yet: give --prefill-ms")
-        prefill_s = per_prompt_token * prompt_tokens
-        notes.append(f"prefill {prefill_s * 1e3:.1f} ms: {prompt_tokens} prompt tokens x {per_prompt_token * 1e3:.3f} ms measured per "
-                     "prompt token on the prefill hosts (KV transfer, convert and inject not included)")
+        fitted = _prefill_fit(topo, prompt_tokens)
+        prefill_s = fitted.seconds(prompt_tokens)
+        notes.append(f"prefill {prefill_s * 1e3:.1f} ms for {prompt_tokens} prompt tokens: {fitted.describe()} (probes on the prefill "
+                     "host, its first request left out; KV transfer, convert and inject not included)")
     else:
         prefill_s = prefill_ms / 1e3
     mean = prefill_s + output_tokens * per_token
-    return Load(rps, GammaTimes(mean, service_cv), topo.router.queue_timeout_s,
-                f"stated: {rps:g} req/s, {prompt_tokens} prompt + {output_tokens} output tokens")
+    return Load(rps, GammaTimes(mean, service_cv), topo.all_routers[0].queue_timeout_s,
+                f"stated: {rps:g} req/s, {prompt_tokens} prompt + {output_tokens} output tokens"), fitted
+
+
+def _prefill_fit(topo, prompt_tokens: int):  # noqa: ANN001, ANN202 - returns PrefillFit
+    """The prefill time as fixed + per-token parts, from probe prompts on the first prefill host (tilepd/capacity/prefill_fit.py)."""
+    import httpx
+
+    from tilepd.auth import vllm_auth_header
+    from tilepd.capacity import prefill_fit
+
+    p = topo.prefill[0]
+    base = f"http://{p.address}:{p.port}"
+    secret = _vllm_secret(topo)
+
+    def complete(ids: list[int]) -> None:
+        try:
+            r = httpx.post(f"{base}/v1/completions", json={"model": topo.model.served_name, "prompt": ids, "max_tokens": 1, "temperature": 0},
+                           headers=vllm_auth_header(secret), timeout=600)
+        except httpx.HTTPError as exc:
+            raise _fail(ExitCode.UNHEALTHY, f"prefill {base} did not answer a probe prompt: {type(exc).__name__}: {exc}") from None
+        if r.status_code != 200:
+            raise _fail(ExitCode.INPUT, f"prefill {base} refused a probe prompt: {r.status_code} {r.text[:300]}; give --prefill-ms")
+
+    lengths = prefill_fit.probe_lengths(prompt_tokens, topo.model.max_seq_len)
+    err.print(f"timing {len(lengths)} probe prompts ({', '.join(str(n) for n in sorted(set(lengths)))} tokens) on prefill {base} ...",
+              highlight=False)
+    samples, dropped = prefill_fit.probe(lambda: _scrape_or_exit(f"{base}/metrics"), complete, lengths)
+    if not samples:
+        raise _fail(ExitCode.INPUT, f"prefill {base}: no probe could be told apart from other traffic ({dropped} dropped): "
+                    "give --prefill-ms")
+    return prefill_fit.fit(samples)
+
+
+def _vllm_secret(topo) -> bytes | None:  # noqa: ANN001
+    """The deployment secret every vLLM of the deployment derives its API key from: the prefill host's secret file when
+    the host is this machine, else `$TILEPD_DEPLOYMENT_SECRET` (None: the deployment was started without one)."""
+    from tilepd.auth import SecretFileError
+    from tilepd.deploy.drain import env_secret, secret_from
+    from tilepd.plan import build_plan
+    from tilepd.plan.vllm_args import SECRET_FILE_ENV
+
+    plan = build_plan(topo)
+    prefill = next(s for h in plan.hosts for s in h.services if s.role == "prefill")
+    host = next(h for h in plan.hosts if prefill in h.services)
+    path = prefill.env.get(SECRET_FILE_ENV)
+    try:
+        if host.local:
+            return secret_from(Path(path)) if path else None
+        return env_secret(f"the prefill's secret file is on {host.name}")
+    except SecretFileError as exc:
+        raise _fail(ExitCode.INPUT, f"cannot authenticate the probe prompts to the prefill: {exc}; or give --prefill-ms") from None
 
 
 def _scrape_or_exit(url: str):  # noqa: ANN202 - returns Scrape
@@ -94,28 +142,35 @@ def _scrape_or_exit(url: str):  # noqa: ANN202 - returns Scrape
 
 
 def _live_load(topo, window_s: float, notes: list[str]):  # noqa: ANN001, ANN202 - returns (Load, RouterLoad)
+    """The load every router saw over one window (several routers over the same nodes: their counts summed)."""
     from tilepd.capacity import sources
     from tilepd.capacity.busy import busy_model
     from tilepd.capacity.estimate import Load
 
-    url = f"http://{topo.router.address}:{topo.router.port}/metrics"
-    before = _scrape_or_exit(url)
-    err.print(f"reading {url} for {window_s:g} s ...", highlight=False)
+    routers = topo.all_routers
+    urls = [f"http://{r.address}:{r.port}/metrics" for r in routers]
+    before = [_scrape_or_exit(u) for u in urls]
+    err.print(f"reading {', '.join(urls)} for {window_s:g} s ...", highlight=False)
     time.sleep(window_s)
-    after = _scrape_or_exit(url)
-    try:
-        live = sources.router_load(before, after, window_s)
-    except sources.MetricsInvalid as exc:
-        raise _fail(ExitCode.INPUT, f"{url}: {exc}") from None
+    after = [_scrape_or_exit(u) for u in urls]
+    loads = []
+    for url, b, a in zip(urls, before, after):
+        try:
+            loads.append(sources.router_load(b, a, window_s))
+        except sources.MetricsInvalid as exc:
+            raise _fail(ExitCode.INPUT, f"{url}: {exc}") from None
+    live = loads[0] if len(loads) == 1 else sources.combined(loads)
     notes.extend(live.notes)
+    where = ", ".join(urls)
     if live.arrivals <= 0 or live.service.count <= 0:
-        raise _fail(ExitCode.INPUT, f"{url}: no request reached the decode-node queue in {window_s:g} s "
+        raise _fail(ExitCode.INPUT, f"{where}: no request reached the decode-node queue in {window_s:g} s "
                     "(nothing to measure): use a longer --window, or state the load with --rps")
     notes.append("arrivals taken as Poisson (the router does not record inter-arrival times)")
     by_busy, busy_notes = busy_model(live.busy_levels, live.alone_holds)
     notes.extend(busy_notes)
-    source = f"live: router {topo.router.address}:{topo.router.port}, {window_s:g} s window, {live.arrivals:g} requests"
-    return Load(live.rate, live.service.distribution(), topo.router.queue_timeout_s, source, by_busy), live
+    names = ", ".join(f"{r.name} {r.address}:{r.port}" if len(routers) > 1 else f"{r.address}:{r.port}" for r in routers)
+    source = f"live: router{'s' if len(routers) > 1 else ''} {names}, {window_s:g} s window, {live.arrivals:g} requests"
+    return Load(live.rate, live.service.distribution(), routers[0].queue_timeout_s, source, by_busy), live
 
 
 def _finite(v: float) -> float | None:
@@ -146,7 +201,7 @@ def capacity(
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", min=1, help="Stated load: prompt tokens per request."),
     output_tokens: Optional[int] = typer.Option(None, "--output-tokens", min=1, help="Stated load: output tokens per request (required with --rps)."),
     ms_per_token: Optional[float] = typer.Option(None, "--ms-per-token", min=0.0, help="Stated load: decode time per token; default measured on the decode nodes' /metrics."),
-    prefill_ms: Optional[float] = typer.Option(None, "--prefill-ms", min=0.0, help="Stated load: time a node is held before its first token (prefill, KV transfer, inject); default prompt tokens x the prefill hosts' measured time per prompt token."),
+    prefill_ms: Optional[float] = typer.Option(None, "--prefill-ms", min=0.0, help="Stated load: time a node is held before its first token (prefill, KV transfer, inject); default fitted (fixed + per prompt token) on probe prompts tilepd times on the first prefill host (max_tokens 1, no decode node)."),
     service_cv: float = typer.Option(0.0, "--service-cv", min=0.0, help="Stated load: coefficient of variation of the service time (0: every request the same lengths)."),
     target_p99_wait_s: float = typer.Option(0.1, "--target-p99-wait-s", min=0.0, help="Target p99 wait for a decode node (of the requests served)."),
     target_fallback: float = typer.Option(0.01, "--target-fallback", min=0.0, max=1.0, help="Target share of requests that wait out the queue timeout (429, or the native pool)."),
@@ -177,13 +232,13 @@ def capacity(
     if target_fallback <= 0:
         raise typer.BadParameter("must be > 0 (no pool size makes a timeout impossible, only rare)", param_hint="--target-fallback")
     notes: list[str] = []
-    live = None
+    live = fitted = None
     if rps is not None:
         if rps <= 0:
             raise typer.BadParameter("must be > 0", param_hint="--rps")
         if output_tokens is None:
             raise typer.BadParameter("is required with --rps", param_hint="--output-tokens")
-        load = _stated_load(topo, rps, prompt_tokens, output_tokens, ms_per_token, prefill_ms, service_cv, notes)
+        load, fitted = _stated_load(topo, rps, prompt_tokens, output_tokens, ms_per_token, prefill_ms, service_cv, notes)
     else:
         stated = [n for n, v in (("--output-tokens", output_tokens), ("--ms-per-token", ms_per_token), ("--prefill-ms", prefill_ms)) if v is not None]
         if stated:
@@ -200,6 +255,9 @@ def capacity(
     if as_json:
         out = est.as_dict()
         out["notes"] = notes
+        if fitted is not None:
+            out["prefill"] = {"seconds": fitted.seconds(prompt_tokens), "prompt_tokens": prompt_tokens, "fixed_s": fitted.fixed_s,
+                              "per_token_s": fitted.per_token_s, "requests": fitted.requests, "lengths": list(fitted.lengths)}
         if live is not None:
             w = live.wait
             out["measured"] = {"window_s": live.window_s, "rate_per_s": live.rate, "routes": live.routes, "leased": live.leased,

@@ -95,16 +95,17 @@ def _canary_logs(dep, service_name: str) -> list[str]:  # noqa: ANN001
 def up(
     topology: Optional[Path] = typer.Argument(None, help="Topology file; default: the embedded topology_examples/local.yaml."),
     limit: Optional[str] = typer.Option(None, "--limit", help="Only these hosts (address or topology entry name; comma-separated)."),
-    only: Optional[str] = typer.Option(None, "--only", help="Only this role: decode, native_decode, prefill, router, weights."),
+    only: Optional[str] = typer.Option(None, "--only", help="Only this role: decode, native_decode, prefill, router, balancer, weights."),
     check: bool = typer.Option(False, "--check", help="Show what would change; change nothing."),
     yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask before changing remote hosts."),
     canary: bool = typer.Option(True, "--canary/--no-canary", help="Finish with one real request through the router."),
-    force: bool = typer.Option(False, "--force", help="Restart every decode node (one at a time, each drained first) even if unchanged."),
+    force: bool = typer.Option(False, "--force", help="Restart every decode node and router (one at a time, each drained first) even if unchanged."),
 ) -> None:
     """Deploy a topology: validate, render, run the playbooks, gate on health, send a canary.
 
     Running decode nodes that must restart (config, secret or tilepd version changed; all with --force) are
     restarted one at a time: drained (their request finishes, new ones go elsewhere), restarted, health-gated.
+    Routers behind a balancer likewise: drained at the balancer, their streams ended, restarted, put back.
     """
     from tilepd.deploy import deployment, probes
 
@@ -142,7 +143,12 @@ def up(
         check = c.extra.get("verification")
         if check:
             console.print(f"canary verified on node {check.get('node')}: {(check.get('verdict') or {}).get('summary')}", highlight=False)
-    if router is not None:
+    b = dep.plan.balancer
+    if b is not None:  # the operator's one endpoint: the balancer in front of the routers (external: the operator's own)
+        front = "the operator's balancer" if b.external else "HAProxy"
+        console.print(f"[bold green]endpoint[/]: http://{b.address}:{b.port}/v1  (model {dep.topology.model.served_name!r}; "
+                      f"{len(b.backends)} routers behind {front})")
+    elif router is not None:
         console.print(f"[bold green]endpoint[/]: {probes.base_url(router)}/v1  (model {dep.topology.model.served_name!r})")
 
 
@@ -154,7 +160,7 @@ def down(
     check: bool = typer.Option(False, "--check", help="Show what would stop; stop nothing."),
     yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask before changing remote hosts."),
 ) -> None:
-    """Stop every service `up` started (router -> prefill -> decode); keep weights unless --purge-weights."""
+    """Stop every service `up` started (balancer -> routers -> prefill -> decode); keep weights unless --purge-weights."""
     from tilepd.deploy import deployment
 
     dep = _load(topology)

@@ -95,7 +95,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps({"file": str(file), "valid": True, "exit_code": 0, "findings": [], "memory": report.to_dict()}, indent=2))
             return
-        n_hosts = len({e.address for e in (*topo.prefill, *topo.decode, *topo.native_decode, topo.router)})
+        n_hosts = len({e.address for e in (*topo.prefill, *topo.decode, *topo.native_decode, *topo.all_routers)})
         console = Console(highlight=False)
         console.print(
             f"{file}: valid ({topo.deployment.name}: {len(topo.prefill)} prefill, {len(topo.decode)} decode, "

@@ -7,6 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The node's HTTP API version (INTERFACES §4). 2: a router reserves the slot on the node (`/v1/reserve`, a lease it
+# renews, a fence every later call names) before the prefill; a decode without a fence (a router of API 1) is refused.
+NODE_API_VERSION = 2
 
 class _Body(BaseModel):
     def as_json(self) -> dict[str, Any]:
@@ -22,11 +25,32 @@ class StructuredOutputBody(_Body):
     spec: str = Field(default="", max_length=1 << 20)
 
 
+class ReserveBody(_Body):
+    """A router's claim on the node's one slot, made before the prefill (node API 2): the node answers the fence and
+    the lease the router renews, or `busy` naming who holds it."""
+
+    model_config = ConfigDict(extra="forbid")
+    transfer_id: str = Field(min_length=1, max_length=200)
+    token: str = Field(min_length=1, max_length=200)
+    holder: str = Field(min_length=1, max_length=200)  # the router's identity, told to another router that finds the slot held
+    node_api: int = Field(ge=1)  # the caller's node API version: another than the node's is refused with what to upgrade
+
+
+class RenewBody(_Body):
+    """Extends the reservation's lease by the node's lease length; a fence that no longer holds the slot is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    transfer_id: str = Field(min_length=1, max_length=200)
+    fence: int = Field(ge=0)
+
+
 class DecodeBody(_Body):
     model_config = ConfigDict(extra="forbid")
 
     transfer_id: str = Field(min_length=1, max_length=200)
     token: str = Field(min_length=1, max_length=200)
+    # the reservation's fencing generation (from /v1/reserve); None: a router of node API 1, refused with a message
+    fence: int | None = Field(default=None, ge=0)
     first_token: int = Field(ge=0)
     prompt_tokens: int = Field(gt=0)
     max_tokens: int = Field(default=16, gt=0)
@@ -55,6 +79,8 @@ class DecodeBody(_Body):
 class CancelBody(_Body):
     model_config = ConfigDict(extra="forbid")
     transfer_id: str
+    # with a fence, only the reservation that carries it is cancelled (a stale caller cannot end its successor's)
+    fence: int | None = Field(default=None, ge=0)
 
 
 class DrainBody(_Body):

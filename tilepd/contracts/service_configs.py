@@ -72,6 +72,9 @@ class DecodeServerConfig(_Strict):
     # the node's drained state across restarts: /admin/drain writes this file, /admin/undrain removes it, and a node
     # that starts while it exists starts draining (a drained node that crashes or is restarted stays out of rotation)
     drain_file: Path | None = None
+    # a router's reservation of the slot lives this long past its last renewal (the router renews every quarter of
+    # it): a router that dies frees the node within this, cancelling the decode it left (tilepd/runtime/reservations.py)
+    reservation_lease_s: float = Field(default=10.0, ge=1.0, le=120.0)
 
 
 class ConnectorExtraConfig(_Strict):
@@ -140,6 +143,8 @@ class DivergenceWatchConfig(_Strict):
 class RouterConfig(_Strict):
     """Read by `python -m tilepd.router --config FILE`."""
 
+    # the router's name in the topology: with its host, port and pid, who holds a node's slot (another router is told)
+    name: str = Field(default="router", min_length=1, max_length=64)
     bind_host: str = "0.0.0.0"
     port: int
     served_model_name: str

@@ -3,11 +3,12 @@ router leases it again.
 
 A decode node that `up` restarts is drained first (tilepd/deploy/proc.py) and, since the node keeps its drained
 state in its `drain_file`, starts again draining: healthy, but no lease. The supervisor on its host then sends the
-canary the way the router sends a request: a prefill (`max_tokens` 1) carrying the tilepd marker for this node, with
-a transfer id that starts with CANARY_TRANSFER_PREFIX (the only transfer a draining node takes) and its token minted
-from the deployment secret, then the decode of the next tokens on the node, greedy. The prefill then scores the
-node's tokens (teacher-forced verification, tilepd.contracts.teacher_forced): each must be the prefill's top-1 or
-within `margin_nats` of it. Only when both hold is the node undrained. Outcomes:
+canary the way the router sends a request: it reserves the node's slot (node API 2, renewed on a thread while the
+canary runs), then a prefill (`max_tokens` 1) carrying the tilepd marker for this node, with a transfer id that
+starts with CANARY_TRANSFER_PREFIX (the only transfer a draining node takes) and its token minted from the
+deployment secret, then the decode of the next tokens on the node, greedy. The prefill then scores the node's
+tokens (teacher-forced verification, tilepd.contracts.teacher_forced): each must be the prefill's top-1 or within
+`margin_nats` of it. Only when both hold is the node undrained. Outcomes:
 
 - `ok`: the node decoded the tokens and the prefill agrees with every one (`verdict` says how closely);
 - `failed`: the node refused or failed the decode, or its tokens diverge from the prefill's (the first diverging
@@ -22,6 +23,8 @@ Only httpx is imported: the supervisor runs without torch and vLLM.
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -31,7 +34,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from tilepd.auth import CANARY_TRANSFER_PREFIX, node_auth_header, transfer_token, vllm_auth_header
-from tilepd.contracts.decode_http import CancelBody, DecodeBody
+from tilepd.contracts.decode_http import NODE_API_VERSION, CancelBody, DecodeBody, RenewBody, ReserveBody
 from tilepd.contracts.marker import MARKER_KEY, RESULT_KEY, TilepdMarker
 from tilepd.contracts.teacher_forced import DEFAULT_MARGIN_NATS, ScoringError, Verdict, judge, scores_from_vllm, scoring_request
 from tilepd.runbooks import see
@@ -105,15 +108,55 @@ def _cancel(node_base_url: str, transfer_id: str, secret: bytes | None) -> None:
         pass
 
 
+def _reserve(node_base_url: str, tid: str, token: str, secret: bytes | None) -> tuple[int, float] | str:
+    """The node's slot for the canary: (fence, lease_s), or why the node refused it."""
+    body = ReserveBody(transfer_id=tid, token=token, holder=f"tilepd up canary ({socket.gethostname()})", node_api=NODE_API_VERSION)
+    try:
+        r = httpx.post(f"{node_base_url.rstrip('/')}/v1/reserve", json=body.as_json(), headers=node_auth_header(secret),
+                       timeout=CONNECT_TIMEOUT_S)
+        if r.status_code != 200:
+            return f"the node refused the canary's reservation: {r.status_code} {r.text[:300]}"
+        grant = r.json()
+        return int(grant["fence"]), float(grant["lease_s"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        return f"the node did not reserve its slot for the canary: {type(exc).__name__}: {exc}"
+
+
+def _renew_until(stop: threading.Event, node_base_url: str, tid: str, fence: int, lease_s: float, secret: bytes | None) -> None:
+    """Renew the canary's reservation every quarter of its lease until `stop` (the prefill may take longer than it)."""
+    body = RenewBody(transfer_id=tid, fence=fence).as_json()
+    while not stop.wait(lease_s / 4):
+        try:
+            httpx.post(f"{node_base_url.rstrip('/')}/v1/renew", json=body, headers=node_auth_header(secret), timeout=lease_s / 4)
+        except httpx.HTTPError:
+            pass
+
+
 def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> NodeCanaryResult:
     """Send the canary; never raises for what the prefill or the node answers (the outcome says it)."""
     t0 = time.monotonic()
     tid = f"{CANARY_TRANSFER_PREFIX}{uuid.uuid4().hex}"
     token = transfer_token(secret, tid) if secret else uuid.uuid4().hex
+    granted = _reserve(node_base_url, tid, token, secret)
+    if isinstance(granted, str):
+        return NodeCanaryResult("failed", granted, tid, seconds=round(time.monotonic() - t0, 3))
+    fence, lease_s = granted
+    stop = threading.Event()
+    renewer = threading.Thread(target=_renew_until, args=(stop, node_base_url, tid, fence, lease_s, secret), daemon=True,
+                               name="canary-renew")
+    renewer.start()
+    try:
+        return _send(spec, node_base_url, secret, tid, token, fence, t0)
+    finally:
+        stop.set()
+
+
+def _send(spec: CanarySpec, node_base_url: str, secret: bytes | None, tid: str, token: str, fence: int, t0: float) -> NodeCanaryResult:
+    """The canary's prefill and decode on its reservation."""
     marker = TilepdMarker(host=spec.ctrl_host, ctrl_port=spec.ctrl_port, transfer_id=tid, token=token).as_params()
 
     def result(outcome: Literal["ok", "failed", "skipped"], reason: str, **kw: Any) -> NodeCanaryResult:
-        if outcome == "failed":  # the KV the prefill sent must not hold the node's slot until its orphan timeout
+        if outcome != "ok":  # the reservation (and any KV the prefill sent) must not hold the node's slot until it expires
             _cancel(node_base_url, tid, secret)
         return NodeCanaryResult(outcome, reason, tid, seconds=round(time.monotonic() - t0, 3), **kw)
 
@@ -138,7 +181,7 @@ def run_canary(spec: CanarySpec, node_base_url: str, secret: bytes | None) -> No
     if handoff.get("state") == "refused":
         return result("skipped", f"the running prefill {url} refused the hand-off to this node: {handoff.get('reason', '?')}",
                       prefill_url=url)
-    decode = DecodeBody(transfer_id=tid, token=token, first_token=first, prompt_tokens=len(spec.prompt_tokens),
+    decode = DecodeBody(transfer_id=tid, token=token, fence=fence, first_token=first, prompt_tokens=len(spec.prompt_tokens),
                         max_tokens=spec.max_tokens - 1, temperature=0, ignore_eos=True, stream=False,
                         kv_timeout_s=spec.kv_timeout_s).as_json()
     try:

@@ -21,7 +21,7 @@ from tilepd.plan import Plan, build_plan
 from tilepd.plan.render import render_plan
 from tilepd.topology import Topology, load_topology
 
-ROLES = ("decode", "native_decode", "prefill", "router", "weights")
+ROLES = ("decode", "native_decode", "prefill", "router", "balancer", "weights")
 
 
 def state_home() -> Path:
@@ -83,7 +83,7 @@ def resolve_limit(dep: Deployment, limit: str | None) -> str | None:
 
 
 def _entry_address(topo: Topology, name: str) -> str | None:
-    entries = [*topo.prefill, *topo.decode, *topo.native_decode, topo.router]
+    entries = [*topo.prefill, *topo.decode, *topo.native_decode, *topo.all_routers, *([topo.balancer] if topo.balancer else [])]
     for e in entries:
         if e.name == name:
             return e.address

@@ -16,10 +16,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tilepd.deploy.balancer import BalancerSpec
 from tilepd.deploy.canary import CanarySpec
 from tilepd.deploy.proc import ServiceSpec
 from tilepd.plan import HostPlan, Plan, Service
 from tilepd.plan.ansible_yaml import ansible_yaml
+from tilepd.plan.haproxy import FALL, RISE
 from tilepd.deploy.service_user import Manifest, access_needs
 from tilepd.plan.systemd import data_dir, env_file_text, secret_copies, secret_paths
 from tilepd.topology import Topology, canonical_family
@@ -52,6 +54,16 @@ def canary_spec(plan: Plan, service: Service) -> CanarySpec | None:
                       ctrl_port=int(cfg["ctrl_port"]), kv_timeout_s=float(cfg.get("kv_timeout_s", 30.0)))
 
 
+def balancer_spec(plan: Plan, service: Service) -> BalancerSpec | None:
+    """A router's place behind the balancer (its rolling restart drains it there); None without a balancer."""
+    b = plan.balancer
+    server = next((x.name for x in b.backends if x.service == service.name), None) if b is not None else None
+    if b is None or service.role != "router" or server is None:
+        return None
+    return BalancerSpec(stats_url=b.stats_url, backend=b.backend, server=server, check_interval_s=b.check_interval_s,
+                        checks_to_mark=max(FALL, RISE), drain_timeout_s=b.drain_timeout_s)
+
+
 def service_spec(plan: Plan, service: Service) -> ServiceSpec:
     return ServiceSpec(
         name=service.name,
@@ -70,6 +82,7 @@ def service_spec(plan: Plan, service: Service) -> ServiceSpec:
         unit=service.unit,
         unit_path=Path(SYSTEMD_DIR) / service.unit,
         canary=canary_spec(plan, service),
+        balancer=balancer_spec(plan, service),
     )
 
 
@@ -136,6 +149,8 @@ def host_vars(plan: Plan, topo: Topology, host: HostPlan, render_dir: Path) -> d
         "tilepd_secret_files": [s.model_dump() for s in host.secrets],
         "tilepd_deployment_secret_file": next((s.path for s in host.secrets if s.name == "deployment"), ""),
         "tilepd_deploy_services": services,
+        # the balancer's HAProxy binary (its play installs Debian's package when it is missing)
+        "tilepd_haproxy": next((s.argv[0] for s in host.services if s.role == "balancer"), ""),
         # systemd mode (roles/service_user): the user the units run as, the one folder it owns, what it must be able to use
         "tilepd_service_user": plan.service_user,
         "tilepd_data_dir": data_dir(host.base_dir),

@@ -18,8 +18,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from tilepd.deploy.balancer import BalancerError, backend_states
 from tilepd.plan import Plan, Service
 from tilepd.runbooks import see
+from tilepd.plan.builder import BALANCER_BACKEND
+from tilepd.plan.haproxy import STATS_PATH
 
 VERDICT_WAIT_S = 30.0  # how long `up`'s canary waits for the router's check of its request
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEnaIf]+)")
@@ -82,6 +85,12 @@ def live_figures(service: Service, timeout_s: float = 2.0) -> dict[str, Any]:
     url = base_url(service)
     if url is None:
         return {}
+    if service.role == "balancer":  # each router's state on the balancer (HAProxy's stats page)
+        try:
+            return {"backends": backend_states(f"http://{urlsplit(url).hostname}:{service.ports['stats']}{STATS_PATH}", BALANCER_BACKEND,
+                                               timeout_s)}
+        except (BalancerError, KeyError):
+            return {}
     try:
         if service.role == "decode":
             st = httpx.get(f"{url}/status", timeout=timeout_s).json()
@@ -175,7 +184,8 @@ def canary(plan: Plan, served_model: str, *, timeout_s: float = 120.0, max_token
 
 def _canary_once(plan: Plan, served_model: str, *, timeout_s: float, max_tokens: int) -> RouterCanaryResult:
     services = [s for h in plan.hosts for s in h.services]
-    router = next((s for s in services if s.role == "router"), None)
+    # through the balancer when tilepd runs one (the operator's endpoint), else the (first) router
+    router = next((s for s in services if s.role == "balancer"), None) or next((s for s in services if s.role == "router"), None)
     decodes = [s for s in services if s.role == "decode"]
     if router is None or base_url(router) is None:
         return RouterCanaryResult(False, "no router in the plan", failed_service="router")

@@ -42,6 +42,11 @@ across the restart (its drain_file), so it comes back healthy but out of rotatio
 (tilepd.deploy.canary: one request through the prefill and this node) runs, and only then is it
 undrained. A failed canary leaves it drained and fails the start. A node an operator had drained
 before `up` stays drained.
+
+A running router behind a balancer that must restart is drained at the balancer the same way (tilepd.deploy.balancer:
+its /health answers 503 draining, the balancer takes it out, its requests in flight end, at most the balancer's
+`drain_timeout_s`), restarted, gated on health, and this call returns once the balancer shows it UP again; `throttle:
+1` in the playbook restarts the routers one at a time, so the balancer always has one to send requests to.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tilepd import __version__
 from tilepd.deploy import logpipe
+from tilepd.deploy.balancer import BalancerError, BalancerSpec, drain_router, wait_idle, wait_state
 from tilepd.deploy.canary import CanarySpec, run_canary
 from tilepd.runbooks import see
 
@@ -77,6 +83,8 @@ _INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR")
 # the next step, so that the router's health check (every health_interval_s, 1 s by default) has seen the change
 RESTART_DRAIN_TIMEOUT_S = 120.0
 ROTATION_GRACE_S = 3.0
+# how long the balancer may take to mark a draining router out (or a restarted one UP) beyond its checks' own pace
+BALANCER_MARK_TIMEOUT_S = 15.0
 
 # the ownership marker every process a start spawns carries in its environment (value: the state file's owner_token)
 OWNER_ENV = "TILEPD_OWNER"
@@ -110,6 +118,8 @@ class ServiceSpec(BaseModel):
     unit_path: Path | None = None
     # decode nodes: the request a drained restart sends through the prefill and this node before it is undrained
     canary: CanarySpec | None = None
+    # routers behind a balancer: where the balancer shows them (a restart drains them there first)
+    balancer: BalancerSpec | None = None
 
     @property
     def state_file(self) -> Path:
@@ -464,6 +474,8 @@ def _drain_for_restart(spec: ServiceSpec) -> dict[str, Any] | None:
     A node that cannot be drained (no admin API in an older tilepd, a rotated secret it does not know yet, no
     answer) is restarted anyway, as before drain existed: the router moves its request to another node.
     """
+    if spec.role == "router":
+        return _drain_router_for_restart(spec)
     if spec.role != "decode" or not spec.health_url:
         return None
     from tilepd.deploy.drain import DrainError, drain
@@ -480,6 +492,42 @@ def _drain_for_restart(spec: ServiceSpec) -> dict[str, Any] | None:
     time.sleep(max(0.0, ROTATION_GRACE_S - (time.monotonic() - t0)))
     _note(spec, f"drained before the restart: {'idle' if r.idle else 'still busy'} after {r.waited_s:.1f}s")
     return {"drained": r.idle, "waited_s": r.waited_s, "by_operator": bool(before.get("draining"))}
+
+
+def _drain_router_for_restart(spec: ServiceSpec) -> dict[str, Any] | None:
+    """Take a router behind a balancer out before its restart (None without a balancer): drain it, wait until the
+    balancer sends it nothing new, then until its requests end (at most the balancer's drain_timeout_s)."""
+    b = spec.balancer
+    if b is None or not spec.health_url:
+        return None
+    base = spec.health_url.removesuffix("/health")
+    t0 = time.monotonic()
+    try:
+        drain_router(base, _node_secret(spec))
+        state = wait_state(b, taking_new=False, timeout_s=BALANCER_MARK_TIMEOUT_S + 4 * b.check_interval_s)
+        left = wait_idle(base, b.drain_timeout_s)
+    except (BalancerError, OSError) as exc:  # OSError: SecretFileError
+        _note(spec, f"could not drain at the balancer before the restart ({exc}); restarting without it")
+        return {"drained": False, "error": str(exc)}
+    waited = time.monotonic() - t0
+    _note(spec, f"drained at the balancer ({state}) before the restart: "
+                f"{'idle' if left == 0 else f'{left} request(s) still in flight'} after {waited:.1f}s")
+    return {"drained": left == 0, "waited_s": round(waited, 3), "in_flight_left": left, "balancer_state": state}
+
+
+def _rejoin_router(spec: ServiceSpec, result: dict[str, Any], drained: dict[str, Any]) -> dict[str, Any]:
+    """After a drained restart: gate on health, then wait until the balancer sends the router requests again."""
+    gate = wait_healthy(spec)
+    if gate.get("failed"):
+        return {**result, "drain": drained, "failed": True, "healthy": False, "msg": gate["msg"], "log_tail": gate.get("log_tail", [])}
+    b = spec.balancer
+    assert b is not None
+    try:
+        state = wait_state(b, taking_new=True, timeout_s=BALANCER_MARK_TIMEOUT_S + 4 * b.check_interval_s)
+    except BalancerError as exc:
+        return {**result, "drain": drained, "failed": True, "healthy": True, "msg": f"{spec.name}: restarted and healthy, but {exc}"}
+    _note(spec, f"restarted after a drain; healthy; the balancer shows it {state}")
+    return {**result, "drain": drained, "healthy": True, "balancer_state": state}
 
 
 def _node_status(base: str) -> dict[str, Any]:
@@ -504,6 +552,8 @@ def _rejoin(spec: ServiceSpec, result: dict[str, Any], drained: dict[str, Any] |
     node again. A failed canary leaves the node drained and fails the start."""
     if drained is None or result.get("failed"):
         return result if drained is None else {**result, "drain": drained}
+    if spec.role == "router":
+        return _rejoin_router(spec, result, drained)
     gate = wait_healthy(spec)
     if gate.get("failed"):
         return {**result, "drain": drained, "failed": True, "healthy": False, "msg": gate["msg"], "log_tail": gate.get("log_tail", [])}

@@ -167,6 +167,8 @@ def figures_text(st: ServiceStatus) -> str:
     if st.role == "router":
         routes = " ".join(f"{k}={v}" for k, v in (f.get("routes") or {}).items()) or "none"
         return f"in-flight {_num(f.get('in_flight'))}, queued {_num(f.get('queued'))}, routes {routes}, 429s {f.get('rejected_429', 0)}"
+    if st.role == "balancer":
+        return "routers: " + (", ".join(f"{k} {v}" for k, v in (f.get("backends") or {}).items()) or "none")
     return json.dumps(f)
 
 
@@ -197,6 +199,8 @@ def short_figure(st: ServiceStatus) -> str:
         return f"run {_num(f.get('running'))} wait {_num(f.get('waiting'))}"
     if st.role == "router":
         return f"in {_num(f.get('in_flight'))} q {_num(f.get('queued'))} 429s {f.get('rejected_429', 0)}"
+    if st.role == "balancer":
+        return " ".join(f"{k} {v}" for k, v in (f.get("backends") or {}).items())
     return ""
 
 

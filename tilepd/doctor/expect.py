@@ -78,5 +78,8 @@ def host_expectations(topo: Topology, plan: Plan) -> list[HostExpect]:
         exp.decode_weights = exp.hf_needed = True
         if d.gpu.type.lower() != "cpu" and d.gpu.count:
             exp.gpus.append(GpuNeed(d.name, d.gpu.count, d.gpu.type, VLLM_DEFAULT_GPU_UTIL))
-    at(topo.router).hf_needed = True
+    for r in topo.all_routers:
+        at(r).hf_needed = True
+    if topo.balancer is not None and not topo.balancer.external:
+        at(topo.balancer)
     return list(by_addr.values())

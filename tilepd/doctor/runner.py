@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tilepd.deploy import host_keys
 from tilepd.deploy.remote import HostKeyChanged, HostShell, HostUnreachable
+from tilepd.doctor import checks_balancer as B
 from tilepd.doctor import checks_fleet as F
 from tilepd.doctor import checks_host as H
 from tilepd.doctor import checks_hw as W
@@ -43,6 +44,8 @@ def check_host(exp: HostExpect, topo: Topology, plan: Plan, *, known_hosts: Path
         out += [f for f in (checkpoint, manifest) if f is not None]
         out += H.run_disk(probe, exp, topo, manifest_present=manifest is not None and manifest.verdict != "warn")
         out.append(H.run_clock(probe, exp))
+        if "balancer" in exp.host.roles:
+            out += B.run_balancer(probe, exp, plan, states if live else {})
         if live:
             out += L.run_live(exp, states)
         if any(st.get("running") for st in states.values()):

@@ -19,7 +19,20 @@ from pydantic_core import to_json
 from tilepd import __version__
 from tilepd.plan import vllm_args
 from tilepd.plan.cpu_cores import CpuVllm, split_cores
-from tilepd.plan.model import HOST_ROLES, STAGES, Health, HostPlan, Plan, PythonEnv, SecretFile, Service, SshTarget
+from tilepd.plan.haproxy import HEALTH_PATH, STATS_PATH, haproxy_cfg
+from tilepd.plan.model import (
+    HOST_ROLES,
+    STAGES,
+    BalancerBackend,
+    BalancerPlan,
+    Health,
+    HostPlan,
+    Plan,
+    PythonEnv,
+    SecretFile,
+    Service,
+    SshTarget,
+)
 from tilepd.plan.systemd import data_dir
 from tilepd.contracts.service_configs import (
     ConnectorExtraConfig,
@@ -33,10 +46,11 @@ from tilepd.contracts.service_configs import (
 )
 from tilepd.topology.families import canonical_family
 from tilepd.topology.rules import CURRENT_PYTHON, is_cpu, is_loopback
-from tilepd.topology.schema import DecodeNode, HostBase, Topology
+from tilepd.topology.schema import DecodeNode, HostBase, Router, Topology
 
 RDMA_TRANSPORTS = frozenset({"nixl", "mooncake"})
-HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0}
+HEALTH_TIMEOUT_S = {"gpu": 1800.0, "cpu": 300.0, "router": 60.0, "balancer": 60.0}
+BALANCER_BACKEND = "routers"  # HAProxy's backend of the routers
 
 
 
@@ -83,7 +97,7 @@ class _Planner:
                     by_host[e.address].append(CpuVllm(f"{prefix}-{e.name}", tp, dict(e.env)))
         out: dict[tuple[str, str], dict[str, str]] = {}
         for address, services in by_host.items():
-            others = any(d.address == address for d in t.decode) or t.router.address == address
+            others = any(d.address == address for d in t.decode) or any(r.address == address for r in t.all_routers)
             for name, cores in split_cores(local_cores, services, other_services=others).items():
                 out[(address, name)] = {"VLLM_CPU_OMP_THREADS_BIND": cores}
         return out
@@ -241,10 +255,11 @@ class _Planner:
             recv_buffer=node.recv_buffer or ("dram" if cpu else "vram"),
             num_speculative_tokens=m.speculative.decode.num_speculative_tokens if m.speculative.decode else 0,
             kv_timeout_s=node.kv_timeout_s,
+            reservation_lease_s=node.reservation_lease_s,
             cuda_graphs=node.cuda_graphs and not cpu,
             allowed_senders=tuple(sorted({p.address for p in self.topo.prefill})),
             secret_file=self.secret(node, "deployment", DEPLOYMENT_SECRET_ENV),
-            otlp_endpoint=self.topo.router.otlp_endpoint,
+            otlp_endpoint=self.topo.all_routers[0].otlp_endpoint,  # rule routers-agree: every router names the same
             drain_file=f"{self.writable_dir(node)}/{name}.drained",
         )
         config_file = f"{self.base_of(node)}/config/{name}.json"
@@ -274,7 +289,7 @@ class _Planner:
                 transport=self.transport_config(p),
                 model_family=self.family,
                 max_seq_len=t.model.max_seq_len,
-                otlp_endpoint=t.router.otlp_endpoint,
+                otlp_endpoint=t.all_routers[0].otlp_endpoint,
             )
             kvt = vllm_args.prefill_kv_transfer_config(extra, self.native, cpu=p.gpus == 0)
             env = {**self.base_env(p), **self.cpu_binds.get((p.address, f"prefill-{p.name}"), {}),
@@ -321,15 +336,21 @@ class _Planner:
                 config=kvt,
             )
 
-    def router(self) -> None:
+    def routers(self) -> None:
+        """One service per router: `router` for the single `router:` form, `router-<name>` for each of `routers:`."""
         t = self.topo
-        r = t.router
+        for r in t.all_routers:
+            self.router(r, "router" if t.router is not None else f"router-{r.name}")
+
+    def router(self, r: Router, name: str) -> None:
+        t = self.topo
         self.note_host(r, "router")
         prefill_urls = tuple(f"http://{p.address}:{p.port}" for p in t.prefill)
         native = None
         if self.native:
             native = NativePoolConfig(prefill_urls=prefill_urls, decode_urls=tuple(f"http://{n.address}:{n.port}" for n in t.native_decode))
         cfg = RouterConfig(
+            name=r.name,
             bind_host=self.bind(r),
             port=r.port,
             served_model_name=t.model.served_name,
@@ -353,11 +374,11 @@ class _Planner:
             otlp_endpoint=r.otlp_endpoint,
             divergence_watch=DivergenceWatchConfig(**r.divergence_watch.model_dump()),
         )
-        config_file = f"{self.base_of(r)}/config/router.json"
+        config_file = f"{self.base_of(r)}/config/{name}.json"
         self.add(
             r.address,
             r,
-            name="router",
+            name=name,
             role="router",
             argv=[self.python(r), "-m", "tilepd.router", "--config", config_file],
             env={"PYTHONUNBUFFERED": "1"},
@@ -365,6 +386,42 @@ class _Planner:
             ports={"http": r.port},
             config_file=config_file,
             config=cfg.model_dump(mode="json"),
+        )
+
+    def balancer_plan(self) -> BalancerPlan | None:
+        t = self.topo
+        b = t.balancer
+        if b is None:
+            return None
+        names = [("router" if t.router is not None else f"router-{r.name}", r) for r in t.all_routers]
+        return BalancerPlan(
+            name=b.name, address=b.address, port=b.port, external=b.external,
+            stats_port=None if b.external else b.stats_port,
+            stats_url=None if b.external else f"http://{b.address}:{b.stats_port}{STATS_PATH}", backend=BALANCER_BACKEND,
+            check_interval_s=b.check_interval_s, drain_timeout_s=b.drain_timeout_s,
+            request_timeout_s=max(r.request_timeout_s for r in t.all_routers),
+            backends=[BalancerBackend(name=r.name, service=name, address=r.address, port=r.port) for name, r in names],
+        )
+
+    def balancer(self, plan: BalancerPlan | None) -> None:
+        """HAProxy in front of the routers, started after them (an external balancer gets no service)."""
+        b = self.topo.balancer
+        if b is None or plan is None or plan.external:
+            return
+        self.note_host(b, "balancer")
+        config_file = f"{self.base_of(b)}/config/balancer.cfg"
+        ports = {"http": b.port, "stats": b.stats_port}
+        self.add(
+            b.address,
+            b,
+            name="balancer",
+            role="balancer",
+            argv=[b.haproxy, "-db", "-f", config_file],
+            env={},
+            health=Health(url=f"http://{b.address}:{b.port}{HEALTH_PATH}", timeout_s=HEALTH_TIMEOUT_S["balancer"]),
+            ports=ports,
+            config_file=config_file,
+            config={"text": haproxy_cfg(plan, self.topo.deployment.name, self.bind(b))},
         )
 
     def hosts(self) -> list[HostPlan]:
@@ -415,7 +472,9 @@ def build_plan(topo: Topology, current_python: str | None = None, local_cores: S
         p.decode(node)
     p.native_decode()
     p.prefill()
-    p.router()
+    p.routers()
+    balancer = p.balancer_plan()
+    p.balancer(balancer)
     p.tiny_models()
     return Plan(
         deployment=topo.deployment.name,
@@ -427,4 +486,5 @@ def build_plan(topo: Topology, current_python: str | None = None, local_cores: S
         transport=topo.transport.name,
         rdma=topo.transport.name in RDMA_TRANSPORTS,
         hosts=p.hosts(),
+        balancer=balancer,
     )

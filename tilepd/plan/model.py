@@ -10,14 +10,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-Role = Literal["tiny_model", "convert", "decode", "native_decode", "prefill", "router"]
-HostRole = Literal["prefill", "decode", "native_decode", "router"]
+Role = Literal["tiny_model", "convert", "decode", "native_decode", "prefill", "router", "balancer"]
+HostRole = Literal["prefill", "decode", "native_decode", "router", "balancer"]
 
 PLAN_API_VERSION = "tilepd/v1"
-HOST_ROLES: tuple[str, ...] = ("prefill", "decode", "native_decode", "router")
+HOST_ROLES: tuple[str, ...] = ("prefill", "decode", "native_decode", "router", "balancer")
 
 # start order: a stage starts only once the previous one is done (oneshots) or healthy (daemons)
-STAGES: dict[str, int] = {"tiny_model": 0, "convert": 1, "decode": 2, "native_decode": 2, "prefill": 3, "router": 4}
+STAGES: dict[str, int] = {"tiny_model": 0, "convert": 1, "decode": 2, "native_decode": 2, "prefill": 3, "router": 4, "balancer": 5}
 
 
 class _Data(BaseModel):
@@ -88,6 +88,31 @@ class HostPlan(_Data):
     secrets: list[SecretFile] = []
 
 
+class BalancerBackend(_Data):
+    """One router behind the balancer: its HAProxy server name (the router's topology name) and where it listens."""
+
+    name: str
+    service: str
+    address: str
+    port: int
+
+
+class BalancerPlan(_Data):
+    """The load balancer in front of the routers (tilepd/plan/haproxy.py renders its HAProxy configuration)."""
+
+    name: str
+    address: str
+    port: int
+    external: bool  # an operator-run balancer: no service, its backend list is rendered instead
+    stats_port: int | None  # HAProxy's read-only stats page; None when external
+    stats_url: str | None  # that page (`;csv` appended: each router's state)
+    backend: str  # HAProxy's backend of the routers
+    check_interval_s: float
+    drain_timeout_s: float
+    request_timeout_s: float  # the longest a request through it may take (the routers' request_timeout_s)
+    backends: list[BalancerBackend]
+
+
 class Plan(_Data):
     api_version: str = PLAN_API_VERSION
     deployment: str
@@ -99,6 +124,7 @@ class Plan(_Data):
     transport: Literal["nixl", "mooncake", "tcp"]
     rdma: bool
     hosts: list[HostPlan]
+    balancer: BalancerPlan | None = None
 
     def host(self, name: str) -> HostPlan:
         for h in self.hosts:

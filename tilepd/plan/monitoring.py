@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 from tilepd.plan.model import Plan
 
 # role -> Prometheus job; vLLM's own /metrics (prefill, native decode) is scraped too, for its queue figures
-JOBS: dict[str, str] = {"router": "tilepd-router", "decode": "tilepd-decode", "prefill": "vllm-prefill", "native_decode": "vllm-native-decode"}
+JOBS: dict[str, str] = {"router": "tilepd-router", "decode": "tilepd-decode", "prefill": "vllm-prefill", "native_decode": "vllm-native-decode",
+                        "balancer": "haproxy-balancer"}  # HAProxy's own exporter on its frontend's /metrics (plan/haproxy.py)
 SCRAPE_INTERVAL = "5s"
 RATE = "[1m]"  # window of every rate(): a few scrapes at SCRAPE_INTERVAL
 SEL = '{tilepd_deployment="$deployment"}'

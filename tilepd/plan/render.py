@@ -1,7 +1,7 @@
 """render_plan: write a Plan as the files the deploy step copies to each host.
 
-Layout (docs/INTERFACES.md §5): plan.json, inventory.yml, monitoring/ (tilepd.plan.monitoring), and per host
-hosts/<host>/{services.json, config/, env/, units/, kv-transfer-config.json}.
+Layout (docs/INTERFACES.md §5): plan.json, inventory.yml, monitoring/ (tilepd.plan.monitoring), balancer/ (an external
+load balancer's backend list), and per host hosts/<host>/{services.json, config/, env/, units/, kv-transfer-config.json}.
 The output folder is replaced as a whole, so no file of an older render survives.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 from ruamel.yaml import YAML
 
 from tilepd.plan.ansible_yaml import ansible_yaml
+from tilepd.plan.haproxy import backends_json, haproxy_cfg
 from tilepd.plan.inventory import inventory
 from tilepd.plan.model import Plan
 from tilepd.plan.monitoring import ALERTS_FILE, alert_rules, grafana_dashboard, prometheus_config
@@ -64,8 +65,19 @@ def plan_files(plan: Plan, out_dir: Path) -> dict[str, str]:
             files[f"{root}/{env_rel}"] = env_file_text(svc.env)
             files[f"{root}/units/{svc.unit}"] = unit_text(plan, svc, f"{host.base_dir}/{env_rel}")
             if svc.config_file is not None and svc.config is not None:
-                files[f"{root}/{host_relative(host.base_dir, svc.config_file)}"] = _dump_json(svc.config)
+                files[f"{root}/{host_relative(host.base_dir, svc.config_file)}"] = config_text(svc.config_file, svc.config)
+    b = plan.balancer
+    if b is not None and b.external:  # for the operator's own balancer: what to point it at (not copied to hosts)
+        files["balancer/backends.json"] = _dump_json(backends_json(b))
+        files["balancer/haproxy.cfg"] = haproxy_cfg(b, plan.deployment, "0.0.0.0")
     return files
+
+
+def config_text(config_file: str, config: dict[str, Any]) -> str:
+    """A service's config file: JSON, or for a file of another kind (HAProxy's `.cfg`) the text under `text`."""
+    if config_file.endswith(".json"):
+        return _dump_json(config)
+    return str(config["text"])
 
 
 def render_plan(plan: Plan, out_dir: Path) -> list[Path]:

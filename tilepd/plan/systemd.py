@@ -134,7 +134,7 @@ def sandbox(service: Service) -> list[str]:
         lines.append("PrivateTmp=yes")
     else:  # /tmp stays the machine's and read-only (ProtectSystem=strict): temp files go to the data dir
         lines.append(f"Environment={quote_path(f'TMPDIR={data}')}")
-    if service.role == "router":
+    if service.role in ("router", "balancer"):
         lines += ["PrivateDevices=yes", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK"]
     low = sorted(p for p in service.ports.values() if 0 < p < 1024)
     # no capability at all, but the one to bind a port below 1024 where the topology names one

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from tilepd.auth import load_secret, vllm_auth_header
+from tilepd.auth import bearer_ok, load_secret, vllm_auth_header
 from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.contracts.marker import FINGERPRINT_REFUSAL
 from tilepd.contracts.service_configs import RouterConfig
@@ -33,6 +33,7 @@ from tilepd.router.errors import PassThroughError, RouterError, invalid, unsuppo
 from tilepd.router.gate import gate
 from tilepd.router.health import probe_all, probe_forever
 from tilepd.router.divergence_watch import DivergenceWatch
+from tilepd.router.drain import InFlight
 from tilepd.router.leases import LeaseTimeout, NodePool, NodeState, NoNodeInRotation
 from tilepd.router.limits import BodySizeLimit
 from tilepd.router.logprobs import LogprobsRenderer
@@ -43,6 +44,7 @@ from tilepd.router.metrics import RouterMetrics
 from tilepd.router.native import serve_native
 from tilepd.router.prompts import PromptRenderer, refuse_client_template
 from tilepd.router.reasons import bounded_reason
+from tilepd.router.reservations import lease_node, router_identity
 from tilepd.router.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
 from tilepd.router.responses import DONE, EventStreamResponse, ResponseWriter, error_chunk
 from tilepd.router.routing import Route, choose_route, served_models
@@ -82,7 +84,7 @@ def build_state(config: RouterConfig, keys: ApiKeys) -> RouterState:
     return RouterState(config=config, client=client, renderer=renderer, pool=pool,
                        metrics=RouterMetrics(pool, config.breaker_failures), keys=keys,
                        node_secret=secret,
-                       tracing=make_tracing(config.otlp_endpoint))
+                       tracing=make_tracing(config.otlp_endpoint), identity=router_identity(config))
 
 
 def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
@@ -110,6 +112,7 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
     app = FastAPI(title="tilepd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = state
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(InFlight, counter=state.drain)  # outermost: a request counts from its first byte to its last
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> Response:
@@ -120,9 +123,21 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
         return Response(exc.body, status_code=exc.status, media_type=exc.content_type, headers=exc.headers)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "nodes_in_rotation": len(state.pool.in_rotation()), "nodes": len(state.pool.nodes),
-                "native_pool": config.native_pool is not None}
+    async def health() -> Any:
+        body = {"status": "draining" if state.drain.draining else "ok", "nodes_in_rotation": len(state.pool.in_rotation()),
+                "nodes": len(state.pool.nodes), "native_pool": config.native_pool is not None, "in_flight": state.drain.in_flight}
+        # 503 while draining: the balancer's checks take this router out (drain.py)
+        return JSONResponse(body, status_code=503) if state.drain.draining else body
+
+    @app.post("/admin/drain")
+    async def drain(request: Request) -> dict[str, Any]:
+        _admin(state, request)
+        return state.drain.set(True)
+
+    @app.post("/admin/undrain")
+    async def undrain(request: Request) -> dict[str, Any]:
+        _admin(state, request)
+        return state.drain.set(False)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -131,10 +146,10 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
     @app.get("/status")
     async def status(request: Request) -> dict[str, Any]:
         keys.check(request.headers.get("authorization"))
-        return {"queue_depth": state.pool.queue_depth, "nodes": [
+        return {"router": state.identity, "queue_depth": state.pool.queue_depth, "nodes": [
             {"name": n.name, "url": n.base_url, "in_rotation": n.in_rotation, "leased": n.leased, "transfer_id": n.transfer_id,
-             "consecutive_failures": n.consecutive_failures, "last_error": n.last_error, "leases_total": n.leases_total,
-             "draining": n.draining, "fingerprint": _fingerprint_id(n)}
+             "held_by": n.held_by, "consecutive_failures": n.consecutive_failures, "last_error": n.last_error,
+             "leases_total": n.leases_total, "draining": n.draining, "fingerprint": _fingerprint_id(n)}
             for n in state.pool.nodes], "divergence": state.watch.status()}
 
     @app.get("/v1/models")
@@ -151,6 +166,14 @@ def create_app(config: RouterConfig, keys: ApiKeys) -> FastAPI:
         return await _handle(state, request, "chat")
 
     return app
+
+
+def _admin(state: RouterState, request: Request) -> None:
+    """Only a holder of the deployment secret drains a router (the key of a decode node's admin calls; open in a dev
+    run without a secret)."""
+    if state.node_secret is not None and not bearer_ok(state.node_secret, request.headers.get("authorization")):
+        raise RouterError(401, "missing or invalid deployment key (the router's admin calls take the decode nodes' key)",
+                          type="authentication_error", code="unauthorized")
 
 
 async def _handle(state: RouterState, request: Request, endpoint: Endpoint) -> Response:
@@ -339,7 +362,7 @@ async def _serve_low_latency(call: Call) -> Response:
         tools = None  # rendered with the tools, answered as text: vLLM parses nothing under "none"
     tl.upto("admission")
     try:
-        lease = await state.pool.acquire(state.config.queue_timeout_s)
+        lease = await lease_node(state, state.config.queue_timeout_s)
     except LeaseTimeout as exc:
         tl.upto("queue_wait")
         raise _Fallback("busy", RouterError(429, f"{exc}; retry later", type="rate_limit_error", code="decode_pool_busy",
@@ -521,7 +544,9 @@ async def _serve_native(call: Call) -> Response:
 
 
 async def _shutdown(state: RouterState) -> None:
-    """Cancel decodes still running on leased nodes, then close the upstream client."""
+    """Cancel decodes still running on leased nodes (their reservations end with them), then close the upstream client."""
+    for watch in state.slot_watches.values():
+        watch.cancel()
     leased = [n for n in state.pool.nodes if n.leased and n.transfer_id]
     await asyncio.gather(*(cancel_decode(state.client, n.base_url, n.transfer_id or "", headers=state.node_headers) for n in leased), return_exceptions=True)
     pending = list(state.background)

@@ -153,10 +153,11 @@ async def join_decode(client: Upstream, base_url: str, body: dict[str, Any], req
 
 
 async def cancel_decode(client: Upstream, base_url: str, transfer_id: str, timeout_s: float = 1.0,
-                        headers: dict[str, str] | None = None) -> bool:
-    """POST /v1/cancel; True when the node acknowledged."""
+                        headers: dict[str, str] | None = None, fence: int | None = None) -> bool:
+    """POST /v1/cancel (of the reservation under `fence`, when given); True when the node acknowledged."""
+    body = CancelBody(transfer_id=transfer_id, fence=fence).as_json() if fence is not None else CancelBody(transfer_id=transfer_id).as_json()
     try:
-        resp = await client.request("POST", f"{base_url}/v1/cancel", body=CancelBody(transfer_id=transfer_id).as_json(), timeout_s=timeout_s, headers=headers)
+        resp = await client.request("POST", f"{base_url}/v1/cancel", body=body, timeout_s=timeout_s, headers=headers)
         return resp.status == 200
     except UpstreamError:
         return False

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 
+from tilepd.contracts.decode_http import NODE_API_VERSION
 from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.router.leases import NodeState
 from tilepd.router.state import RouterState
@@ -73,6 +74,11 @@ async def probe_node(state: RouterState, node: NodeState) -> None:
             if caps.status != 200:
                 raise ValueError(f"/capabilities answered {caps.status}")
             node.capabilities = caps.json()
+            api = node.capabilities.get("node_api", 1) if isinstance(node.capabilities, dict) else None
+            if api != NODE_API_VERSION:  # it could not arbitrate its slot between routers: never lease it
+                node.capabilities = None
+                raise ValueError(f"the decode node speaks node API {api}, this router {NODE_API_VERSION}: upgrade "
+                                 f"{'the decode node' if (api or 0) < NODE_API_VERSION else 'the router'} to the same tilepd")
     except UpstreamError as exc:
         healthy, why, timed_out = False, str(exc), isinstance(exc.cause, TimeoutError)
     except ValueError as exc:

@@ -11,6 +11,12 @@ A draining node (`tilepd drain`: its /health says so, or it refused a request as
 `draining`) is healthy but takes no new lease: the request it serves finishes normally
 (its watchdog does not treat draining as a fault), and it counts as out of rotation for
 everything that asks which nodes can serve. It comes back when its /health answers 200.
+
+These leases are the router's own bookkeeping: which of its requests uses which node, and who waits. The node's
+slot itself is arbitrated by the node (reservations.py reserves it there before the prefill): another router may
+hold it. A node whose reservation was refused that way is `held_by` that router, off this pool's free list until
+the node says its slot is free again (`back_from_elsewhere`); a waiter that was handed such a node keeps its place at
+the head of the queue.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class NodeState:
     held_since: float = 0.0  # the pool's clock when the current lease began
     held_alone: bool = False  # no other node has been leased since the current lease began
     unjudged_probes: int = 0  # health probes in a row that timed out while the router itself was held up (loop_lag.py)
+    held_by: str | None = None  # another router holds the node's slot (its answer to our reservation); None: not known to
     _left_rotation: asyncio.Event | None = None
 
     @property
@@ -83,6 +90,7 @@ class Lease:
         self.waited_s = waited_s
         self.released = False
         self.leased_at = pool.clock()
+        self.reservation: Any = None  # the node's reservation (tilepd.router.reservations.Reservation), once it granted one
 
     def release(self) -> None:
         if not self.released:
@@ -90,6 +98,14 @@ class Lease:
             self._pool._release(self.node)
             if self._pool.on_release is not None:  # the node's service time, for `tilepd capacity`
                 self._pool.on_release(self._pool.clock() - self.leased_at)
+
+    def abandon(self, held_by: str | None) -> None:
+        """End a lease that served nothing (the node refused the reservation), uncounted. `held_by`: another router
+        holds the node's slot, and the node is leased no more until `NodePool.back_from_elsewhere`; None: the node
+        goes back to the pool if it is still leasable."""
+        if not self.released:
+            self.released = True
+            self._pool._abandon(self.node, held_by)
 
 
 @dataclass
@@ -164,8 +180,9 @@ class NodePool:
         """Nodes that can be leased: breaker closed and not draining."""
         return [n for n in self.nodes if n.in_rotation and not n.draining]
 
-    async def acquire(self, timeout_s: float) -> Lease:
-        """Lease a free node, waiting FIFO for at most `timeout_s`."""
+    async def acquire(self, timeout_s: float, *, first_in_line: bool = False) -> Lease:
+        """Lease a free node, waiting FIFO for at most `timeout_s`; `first_in_line`: a waiter whose node turned out
+        held by another router waits again at the head of the queue."""
         start = self.clock()
         node = self._take_free()
         if node is not None:
@@ -173,7 +190,10 @@ class NodePool:
         if not self.in_rotation():
             raise NoNodeInRotation("no decode node is in rotation")
         fut: asyncio.Future[NodeState] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        if first_in_line:
+            self._waiters.appendleft(fut)
+        else:
+            self._waiters.append(fut)
         try:
             async with asyncio.timeout(timeout_s):
                 node = await fut
@@ -229,14 +249,34 @@ class NodePool:
     def _take_free(self) -> NodeState | None:
         while self._free:
             node = self._free.popleft()
-            if node.in_rotation and not node.leased and not node.draining:
+            if node.in_rotation and not node.leased and not node.draining and node.held_by is None:
                 return node
         return None
+
+    def _abandon(self, node: NodeState, held_by: str | None) -> None:
+        """End a lease that served nothing: the chain's time moves on, but no release is counted."""
+        now = self.clock()
+        k = self.leased_count()
+        self._busy_seconds[k] = self._busy_seconds.get(k, 0.0) + now - self._busy_since
+        self._busy_since = now
+        node.leased, node.held_alone, node.transfer_id = False, False, None
+        node.leases_total -= 1
+        node.held_by = held_by
+        if held_by is None and node.in_rotation and not node.draining:
+            self._offer(node)
+
+    def back_from_elsewhere(self, node: NodeState) -> None:
+        """The node says its slot is free: lease it again (to the oldest waiter, if any)."""
+        if node.held_by is None:
+            return
+        node.held_by = None
+        if node.in_rotation and not node.leased and not node.draining:
+            self._offer(node)
 
     def _release(self, node: NodeState) -> None:
         self._set_leased(node, False)
         node.transfer_id = None
-        if node.in_rotation and not node.draining:
+        if node.in_rotation and not node.draining and node.held_by is None:
             self._offer(node)
 
     def _offer(self, node: NodeState) -> None:
@@ -260,7 +300,7 @@ class NodePool:
             self._back.set()
         else:
             node.left_rotation.set()
-        if healthy and not node.leased and not node.draining:
+        if healthy and not node.leased and not node.draining and node.held_by is None:
             self._offer(node)
         if not healthy:
             self._withdraw(node)
@@ -272,7 +312,7 @@ class NodePool:
         node.draining = draining
         if draining:
             self._withdraw(node)
-        elif node.in_rotation and not node.leased:
+        elif node.in_rotation and not node.leased and node.held_by is None:
             self._offer(node)
         if not draining:
             self._back.set()

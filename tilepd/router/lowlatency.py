@@ -33,6 +33,11 @@ the first measure):
   neither (no node in rotation, no native pool) it waits up to REJOIN_WAIT_S for a node
   to come back into rotation (the frozen one, once it answers again) and goes on there.
 
+The node is reserved on the node itself before the prefill (reservations.py: a lease renewed while the request
+holds it). A renewal the node refuses (the lease ran out while this router was cut off or held up) trips the
+watchdog as `reservation_lost`: the node is alive and another request holds it, so the request goes on elsewhere
+and the node stays in rotation.
+
 Freeing the node when no decode will follow (INTERFACES §4 as the decode server
 implements it):
 - first token already final (EOS, stop token/string, max_tokens=1): the connector has
@@ -43,7 +48,8 @@ implements it):
   and the admit then holds the slot until the node's orphan timeout.
 - prefill interrupted (client gone, router stopping): the same join, with a short KV
   timeout, since the admit may or may not come.
-- prefill refused by vLLM (an error response): nothing reached the connector; release.
+- prefill refused by vLLM (an error response): nothing reached the connector; `/v1/cancel` ends the
+  reservation (and any late KV for it is refused), then release.
 - decoding: `/v1/cancel`, close the stream, wait until `/status` shows the node idle.
 - node faulted: a best-effort `/v1/cancel`, then release (the node is out of rotation;
   its own KV timeout frees the slot if it comes back).
@@ -54,14 +60,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tilepd.auth import transfer_token
 from tilepd.contracts.decode_http import DecodeBody
 from tilepd.contracts.marker import NODE_FINGERPRINT_KEY, TilepdMarker
 from tilepd.router.backends import (
@@ -80,6 +83,7 @@ from tilepd.router.errors import PassThroughError, RouterError, invalid
 from tilepd.router.leases import Lease, LeaseTimeout, NoNodeInRotation
 from tilepd.router.logprobs import TokenLogprob, from_node, from_prefill
 from tilepd.router.native_continue import native_tokens
+from tilepd.router.reservations import RESERVATION_LOST, Reservation, end_renewal, lease_node
 from tilepd.router.state import RouterState
 from tilepd.router.stops import StopStringMatcher
 from tilepd.router.structured import StructuredPlan
@@ -90,8 +94,9 @@ log = logging.getLogger("tilepd.router")
 
 BUSY_RETRY_S = 1.0  # a node that still finishes its last request answers busy for a moment
 IDLE_WAIT_S = 5.0  # how long a cancelled node may take to report idle before the lease is returned anyway
-# decode-node answers after which the node has freed the slot itself (504 KV timeout, 499 cancelled, 502 transfer failed)
-NODE_FREED_SLOT = frozenset({499, 502, 504})
+# decode-node answers after which the node has freed the slot itself (504 KV timeout, 499 cancelled, 502 transfer failed,
+# 410 the reservation's lease ran out)
+NODE_FREED_SLOT = frozenset({410, 499, 502, 504})
 JOIN_KV_TIMEOUT_S = 10.0  # a join after a finished prefill: the KV is on its way
 JOIN_INTERRUPTED_KV_TIMEOUT_S = 3.0  # a join after an interrupted prefill: the KV may never come
 FAULT_CANCEL_TIMEOUT_S = 1.0
@@ -113,7 +118,7 @@ LIVENESS_MISSES = 3
 # (a node that froze for tens of seconds on a loaded host, then answers its health checks again) before it fails
 REJOIN_WAIT_S = 30.0
 # decode-node answers before the first token that another node may not give: continue elsewhere (node stays in rotation)
-RETRY_ELSEWHERE = frozenset({429, 502, 503, 504})
+RETRY_ELSEWHERE = frozenset({410, 429, 502, 503, 504})
 
 
 @dataclass(frozen=True)
@@ -229,9 +234,10 @@ class NodeAttempt(ReadWatch):
         self.lease = lease
         self.request_id = request_id
         self.context_len = context_len  # tokens whose KV this node receives (prompt + tokens already sent)
-        self.transfer_id = f"tx-{uuid.uuid4().hex}"
-        # with a deployment secret the token is HMAC(secret, transfer id): the node checks it without state
-        self.token = transfer_token(state.node_secret, self.transfer_id) if state.node_secret else secrets.token_hex(16)
+        assert lease.reservation is not None, "a node attempt needs the node's reservation (reservations.lease_node)"
+        self.reservation: Reservation = lease.reservation
+        self.transfer_id = self.reservation.transfer_id
+        self.token = self.reservation.token
         self.stage = "start"  # start -> prefilled -> decoding -> idle; "refused": prefill answered an error; "faulted"
         self.node_timings: dict[str, Any] | None = None  # the node's done line's `timings` (its phases, for the timeline)
         self.first_token: int | None = None
@@ -280,6 +286,8 @@ class NodeAttempt(ReadWatch):
         misses, probed_wait = 0, None
         lag = self.state.loop_lag
         while self.tripped is None and self.stage not in ("idle", "faulted"):
+            if self.reservation.lost is not None:
+                return self._trip(f"{RESERVATION_LOST} ({self.reservation.lost})")
             since = self.waiting_since
             if since is not None:
                 # time the router itself was held up is not the node's silence (loop_lag.py)
@@ -341,7 +349,9 @@ class NodeAttempt(ReadWatch):
         return self.resp
 
     def fault(self, code: str, message: str) -> NodeFault:
-        return NodeFault(DecodeNodeError(self.node_name, 0, code, message), down=True)
+        """The node failed this request: down (out of rotation), unless the node only took its reservation back."""
+        lost = (self.tripped or "").startswith(RESERVATION_LOST)
+        return NodeFault(DecodeNodeError(self.node_name, 0, code, message), down=not lost)
 
     async def _open_retrying_busy(self, body: dict[str, Any]) -> UpstreamStream:
         node = self.lease.node
@@ -362,8 +372,9 @@ class NodeAttempt(ReadWatch):
         if self._settled:
             return
         self._settled = True
-        if self.stage in ("idle", "refused"):
+        if self.stage == "idle":
             self._close_resp_soon()
+            end_renewal(self.lease)
             self.lease.release()
             return
         self.state.spawn(self._settle())
@@ -376,10 +387,15 @@ class NodeAttempt(ReadWatch):
         node = self.lease.node
         t0 = time.perf_counter()
         try:
+            if self.stage == "refused":  # no KV will come: end the reservation on the node
+                await cancel_decode(self.state.client, node.base_url, self.transfer_id, headers=self.state.node_headers,
+                                    fence=self.reservation.fence)
+                return
             if self.stage == "faulted":
                 if self.resp is not None:
                     await self.resp.aclose()
-                await cancel_decode(self.state.client, node.base_url, self.transfer_id, FAULT_CANCEL_TIMEOUT_S, headers=self.state.node_headers)
+                await cancel_decode(self.state.client, node.base_url, self.transfer_id, FAULT_CANCEL_TIMEOUT_S, headers=self.state.node_headers,
+                                    fence=self.reservation.fence)
                 return
             freed = False
             if self.stage == "prefilled":
@@ -387,13 +403,15 @@ class NodeAttempt(ReadWatch):
             elif self.stage == "start":
                 freed = await self._join_and_free(JOIN_INTERRUPTED_KV_TIMEOUT_S)
             if not freed:
-                await cancel_decode(self.state.client, node.base_url, self.transfer_id, headers=self.state.node_headers)
+                await cancel_decode(self.state.client, node.base_url, self.transfer_id, headers=self.state.node_headers,
+                                    fence=self.reservation.fence)
                 if self.resp is not None:
                     await self.resp.aclose()
                 await self._wait_idle()
         except Exception as exc:  # noqa: BLE001 - never let a cleanup error keep the node leased
             log.warning("req=%s event=settle_error node=%s transfer=%s error=%r", self.request_id, node.name, self.transfer_id, exc)
         finally:
+            end_renewal(self.lease)
             self.lease.release()
             log.info("req=%s event=lease_returned node=%s stage=%s settle_ms=%.1f", self.request_id, node.name, self.stage,
                      (time.perf_counter() - t0) * 1e3)
@@ -401,7 +419,7 @@ class NodeAttempt(ReadWatch):
     async def _join_and_free(self, kv_timeout_s: float) -> bool:
         """Join this transfer with a one-step decode whose output is thrown away; True once the slot is ours no more."""
         node = self.lease.node
-        body = DecodeBody(transfer_id=self.transfer_id, token=self.token, first_token=self.first_token or 0,
+        body = DecodeBody(transfer_id=self.transfer_id, token=self.token, fence=self.reservation.fence, first_token=self.first_token or 0,
                           prompt_tokens=self.context_len, max_tokens=1, stream=False, kv_timeout_s=kv_timeout_s).as_json()
         status = await join_decode(self.state.client, node.base_url, body, self.request_id, kv_timeout_s + 5.0, self.state.node_headers)
         # 200 decoded, 504 the KV never came, 499 cancelled: in each case the node freed the slot
@@ -567,7 +585,7 @@ class LowLatencyRun:
             fields["top_logprobs"] = self.plan.logprobs
         if self.plan.structured is not None:
             fields["structured_output"] = self.plan.structured.node
-        body = DecodeBody(transfer_id=att.transfer_id, token=att.token, first_token=att.first_token,
+        body = DecodeBody(transfer_id=att.transfer_id, token=att.token, fence=att.reservation.fence, first_token=att.first_token,
                           prompt_tokens=att.context_len, max_tokens=self.plan.max_tokens - text.count, stream=True,
                           kv_timeout_s=KV_WAIT_S, **fields).as_json()
         watchdog = asyncio.ensure_future(att.watch())
@@ -644,13 +662,13 @@ class LowLatencyRun:
         native = cfg.native_pool is not None and cfg.routing.fallback_to_native
         try:
             try:
-                lease = await self.state.pool.acquire(cfg.queue_timeout_s)
+                lease = await lease_node(self.state, cfg.queue_timeout_s)
             except NoNodeInRotation:
                 if native:
                     raise
                 log.warning("req=%s event=failover_waits from=%s cause=%s why='no node in rotation and no native pool' "
                             "wait_s=%g", self.request_id, err.node, cause, REJOIN_WAIT_S)
-                lease = await self.state.pool.acquire_when_back(REJOIN_WAIT_S)
+                lease = await lease_node(self.state, REJOIN_WAIT_S, when_back=True)
         except (LeaseTimeout, NoNodeInRotation) as exc:
             self.timeline.upto("queue_wait", retry=True)
             if native:

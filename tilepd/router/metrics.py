@@ -85,6 +85,8 @@ class RouterMetrics:
                                        ["phase", "route"], buckets=_LATENCY_BUCKETS, registry=r)
         self.failovers = Counter("tilepd_router_failovers", "Requests moved to another node after a decode-node fault, by cause", ["cause"], registry=r)
         self.decode_errors = Counter("tilepd_router_decode_errors", "Decode node errors by node and code", ["node", "code"], registry=r)
+        self.reservation_refusals = Counter("tilepd_router_reservation_refusals", "Reservations a decode node refused, by node "
+                                            "and code (busy: another router holds it)", ["node", "code"], registry=r)
         self.breaker = Counter("tilepd_router_breaker_transitions", "Decode nodes leaving (open) or rejoining (closed) rotation", ["node", "state"], registry=r)
         # the divergence watch (divergence_watch.py): teacher-forced checks of nodes' tokens by the prefill pool
         self.divergence_checks = Counter("tilepd_router_divergence_checks", "Teacher-forced checks of a node's tokens by the prefill, "
@@ -94,6 +96,8 @@ class RouterMetrics:
         Gauge("tilepd_router_queue_depth", "Requests waiting for a decode node", registry=r).set_function(lambda: pool.queue_depth)
         Gauge("tilepd_router_nodes_in_rotation", "Decode nodes that can be leased", registry=r).set_function(lambda: len(pool.in_rotation()))
         Gauge("tilepd_router_nodes_leased", "Decode nodes held by a request", registry=r).set_function(pool.leased_count)
+        Gauge("tilepd_router_nodes_held_elsewhere", "Decode nodes whose slot another router holds (their last answer)",
+              registry=r).set_function(lambda: sum(1 for n in pool.nodes if n.held_by is not None))
 
     def observe_hold(self, held_s: float) -> None:
         """One released lease: its service time."""

@@ -11,6 +11,7 @@ from typing import Any
 from tilepd.auth import node_auth_header
 from tilepd.contracts.service_configs import RouterConfig
 from tilepd.router.auth import ApiKeys
+from tilepd.router.drain import DrainState
 from tilepd.router.leases import NodePool
 from tilepd.router.loop_lag import LoopLag
 from tilepd.router.metrics import RouterMetrics
@@ -32,6 +33,10 @@ class RouterState:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     loop_lag: LoopLag = field(default_factory=LoopLag)  # the router's own hold-ups: a timeout across one says nothing
     watch: Any = None  # tilepd.router.divergence_watch.DivergenceWatch (set by the app)
+    identity: str = "router"  # who holds a node's slot, as the node tells another router (reservations.router_identity)
+    drain: DrainState = field(default_factory=DrainState)  # a rolling restart's drain behind the balancer (drain.py)
+    # node name -> the long-poll waiting for that node's slot to be free while another router holds it (reservations.py)
+    slot_watches: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     _prefill_cycle: Any = None
     _native_prefill_cycle: Any = None
     _native_decode_cycle: Any = None

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from tilepd.auth import transfer_token_ok
-from tilepd.contracts.decode_http import DecodeBody, StructuredOutputBody
+from tilepd import __version__
+from tilepd.contracts.decode_http import NODE_API_VERSION, DecodeBody, StructuredOutputBody
 from tilepd.runtime.http_errors import error_response, unauthorized
 from tilepd.runtime.service import DecodeJob, DecodeOutcome, DecodeService
 from tilepd.runtime.slot import SlotError, Transfer
@@ -38,7 +39,15 @@ SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 
 
 SLOT_STATUS = {"busy": 429, "bad_token": 409, "duplicate": 409, "kv_timeout": 504, "cancelled": 499, "transfer_failed": 502,
                "kv_checksum_mismatch": 502,  # the KV that landed is not what the prefill staged: never decoded
-               "draining": 503}  # retryable: the router goes to another node
+               "draining": 503,  # retryable: the router goes to another node
+               "reservation_lost": 410,  # the router's lease ran out (or its fence is stale): the slot is another's
+               "not_reserved": 409}  # no reservation for this transfer: the router skipped /v1/reserve
+
+
+def older_router(what: str) -> JSONResponse:
+    """The answer to a caller of node API 1 (no reservation, no fence): what to upgrade."""
+    return error_response(426, "node_api_mismatch", f"this decode node speaks node API {NODE_API_VERSION} (tilepd {__version__}): "
+                          f"{what}; upgrade the router (and the hosts running `tilepd up`) to tilepd >= {__version__}")
 
 
 def _unhonoured(body: DecodeBody, caps: dict[str, Any]) -> str | None:
@@ -107,6 +116,10 @@ class DecodeCall:
             svc.metrics.requests.labels("unauthorized").inc()
             log.warning("event=decode_refused transfer_id=%s code=invalid_transfer_token", tid)
             return unauthorized(f"token of transfer {tid} was not minted with this deployment's secret", "invalid_transfer_token")
+        if body.fence is None:
+            log.warning("event=decode_refused transfer_id=%s code=node_api_mismatch reason=no fence", tid)
+            return older_router("a router reserves the slot (POST /v1/reserve) and names the reservation's fence in /v1/decode; "
+                                "this request names none")
         if not svc.ready:
             return error_response(503, "not_ready", "decode node is starting")
         caps = svc.capabilities()["sampling"]
@@ -159,12 +172,13 @@ class DecodeCall:
         self.t_arrive = time.perf_counter()
         self.arrived_ns = time.time_ns()
         try:
-            transfer = self.transfer = svc.slot.reserve_for_decode(tid, body.token)
+            transfer = self.transfer = svc.slot.attach_decode(tid, body.token, int(body.fence or 0))
         except SlotError as exc:
             svc.metrics.requests.labels(exc.code).inc()
             log.info("event=decode_refused transfer_id=%s code=%s", tid, exc.code)
             return error_response(SLOT_STATUS.get(exc.code, 409), exc.code, exc.message,
-                                  headers={"Retry-After": "1"} if exc.code == "busy" else None)
+                                  headers={"Retry-After": "1"} if exc.code == "busy" else None,
+                                  extra={"holder": exc.holder} if exc.holder else None)
         timeout = body.kv_timeout_s or svc.config.kv_timeout_s
         try:
             await run_in_threadpool(svc.slot.wait_complete, transfer, timeout)

@@ -13,14 +13,21 @@ slot finishes, no new one may take it (decode requests 503 `draining`, control a
 pollers (the router's, `proc wait`) stop sending work while `/status` still shows the node
 alive. A restarted node starts undrained.
 
-With a deployment secret (tilepd.auth), the mutating calls (/v1/decode, /v1/cancel, /admin/*)
-need the router's bearer key and /v1/decode a transfer token derived from the secret; anything
+Reservations (node API 2, reservations.py): a router reserves the slot before the prefill (`POST /v1/reserve`),
+renews it (`POST /v1/renew`) while its request lives, and waits for a busy slot on `GET /v1/slot?wait_s=`; the lease
+clock runs on this app's event loop.
+
+With a deployment secret (tilepd.auth), the mutating calls (/v1/reserve, /v1/renew, /v1/decode, /v1/cancel, /admin/*)
+need the router's bearer key and /v1/reserve and /v1/decode a transfer token derived from the secret; anything
 else is 401 before the slot is touched. Read-only endpoints stay open: they carry no secret.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,7 +36,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
 from tilepd.auth import bearer_ok
-from tilepd.contracts.decode_http import CancelBody, DecodeBody, DrainBody
+from tilepd.contracts.decode_http import CancelBody, DecodeBody, DrainBody, RenewBody, ReserveBody
+from tilepd.runtime import reservations
 from tilepd.runtime.decode_call import serve_decode
 from tilepd.runtime.http_errors import error_response, unauthorized
 from tilepd.runtime.service import DecodeService
@@ -37,7 +45,7 @@ from tilepd.runtime.service import DecodeService
 log = logging.getLogger("tilepd.runtime.http")
 
 ADMIN_PATHS = frozenset({"/admin/drain", "/admin/undrain"})
-MUTATING_PATHS = frozenset({"/v1/decode", "/v1/cancel"}) | ADMIN_PATHS
+MUTATING_PATHS = frozenset({"/v1/reserve", "/v1/renew", "/v1/decode", "/v1/cancel"}) | ADMIN_PATHS
 
 
 def drain_state(svc: DecodeService) -> dict[str, Any]:
@@ -102,7 +110,19 @@ def _health(svc: DecodeService) -> JSONResponse:
 
 def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
     """The node's app; with `secret`, only a caller holding the deployment secret may change its state."""
-    app = FastAPI(title="tilepd decode node", docs_url=None, redoc_url=None)
+    slot_free = reservations.SlotFreeSignal()
+    svc.slot.on_free = slot_free.fire
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        slot_free.bind(asyncio.get_running_loop())
+        clock = asyncio.get_running_loop().create_task(reservations.run_lease_clock(svc))
+        try:
+            yield
+        finally:
+            clock.cancel()
+
+    app = FastAPI(title="tilepd decode node", docs_url=None, redoc_url=None, lifespan=lifespan)
     _register_drain_gauge(svc)
     if secret is not None:
         app.add_middleware(_authenticate, svc=svc, secret=secret)
@@ -140,9 +160,21 @@ def build_app(svc: DecodeService, secret: bytes | None = None) -> FastAPI:
 
     @app.post("/v1/cancel")
     async def cancel(body: CancelBody) -> dict:
-        found = svc.slot.cancel(body.transfer_id)
-        log.info("event=cancel transfer_id=%s found=%s", body.transfer_id, found)
+        found = svc.slot.cancel(body.transfer_id, body.fence)
+        log.info("event=cancel transfer_id=%s fence=%s found=%s", body.transfer_id, body.fence, found)
         return {"transfer_id": body.transfer_id, "cancelled": found}
+
+    @app.post("/v1/reserve")
+    async def reserve(body: ReserveBody) -> Any:
+        return reservations.reserve(svc, body, secret)
+
+    @app.post("/v1/renew")
+    async def renew(body: RenewBody) -> Any:
+        return reservations.renew(svc, body)
+
+    @app.get("/v1/slot")
+    async def slot(wait_s: float = 0.0) -> dict:
+        return await reservations.slot_view(svc, slot_free, wait_s)
 
     @app.post("/v1/decode")
     async def decode(body: DecodeBody, request: Request):  # noqa: ANN202 - JSON or a stream

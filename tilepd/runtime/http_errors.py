@@ -7,10 +7,14 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 
-def error_response(status: int, code: str, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(status: int, code: str, message: str, param: str | None = None, headers: dict | None = None,
+                   extra: dict[str, Any] | None = None) -> JSONResponse:
+    """`extra`: more fields of the error object (a refused reservation's `holder`)."""
     err: dict[str, Any] = {"code": code, "message": message}
     if param:
         err["param"] = param
+    if extra:
+        err.update(extra)
     return JSONResponse({"error": err}, status_code=status, headers=headers)
 
 

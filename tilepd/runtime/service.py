@@ -20,6 +20,7 @@ from tilepd import __version__
 from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import PROTOCOL_VERSION
+from tilepd.contracts.decode_http import NODE_API_VERSION
 from tilepd.contracts.service_configs import DecodeServerConfig
 from tilepd.engine.types import DecodeEngine
 from tilepd.runtime.kv_convert import convert, convert_indexer
@@ -96,7 +97,7 @@ class DecodeService:
         )
         self.receiver.register(Buffer.from_array(self.recv_buf))
         self.slot = Slot(on_arm=self.receiver.arm, on_disarm=self.receiver.disarm, orphan_timeout_s=config.kv_timeout_s,
-                         on_revoke=lambda conn_id: self.ctrl.revoke(conn_id))
+                         on_revoke=lambda conn_id: self.ctrl.revoke(conn_id), lease_s=config.reservation_lease_s)
         self.ctrl = ControlServer(
             slot=self.slot, receiver=self.receiver, max_seq_len=config.max_seq_len, check_layout=self._check_layout,
             node_name=config.name, bind_host=config.bind_host, port=config.ctrl_port, allowed_senders=config.allowed_senders,
@@ -192,6 +193,8 @@ class DecodeService:
             "max_seq_len": self.config.max_seq_len,
             "sampling": dict(self.engine.capabilities),
             "protocol_version": PROTOCOL_VERSION,
+            "node_api": NODE_API_VERSION,
+            "reservation_lease_s": self.config.reservation_lease_s,
             "layout": self.geometry.describe(),
             "transport": self.receiver.name,
             "tp_size": self.config.tp_size,

@@ -1,10 +1,14 @@
 """The decode node's single slot: who owns the receive buffer right now.
 
 States (INTERFACES §4): free -> reserved -> transferring -> complete -> decoding
-(-> cancelling) -> free. A transfer can start from either side: the HTTP decode
-request reserves the slot and the connector's admit joins it, or the admit comes
-first and the decode request joins it; both must carry the same transfer id and
-token. Every admit gets a fresh generation number; the transport drops bytes of
+(-> cancelling) -> free. The node is the one judge of who holds its slot: a router
+reserves it (`reserve`: its identity, a lease it renews, a fencing generation, the
+`fence`) before the prefill, and both the connector's admit and the router's decode
+request join that reservation, in either order, carrying its transfer id and token
+(the decode request its fence too). A second reservation while the slot is held is
+refused at once, `busy`, naming the holder; a reservation whose lease runs out (its
+router died or was cut off) frees the slot, cancelling a decode in progress.
+Every admit gets a fresh generation number; the transport drops bytes of
 any other generation, and `done` for another generation is ignored, so late,
 duplicate and foreign writers cannot complete (or corrupt) someone else's slot.
 
@@ -39,12 +43,25 @@ class State(str, Enum):
 
 
 class SlotError(Exception):
-    """A refused slot operation; `code` maps to a control reject or an HTTP status."""
+    """A refused slot operation; `code` maps to a control reject or an HTTP status; `holder`: who holds the slot
+    (a refused reservation tells the router that asked)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, holder: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.holder = holder
+
+
+@dataclass
+class Reservation:
+    """A router's hold on the slot: who, the fence its later calls must carry, and until when without a renewal."""
+
+    holder: str
+    fence: int
+    lease_s: float
+    deadline: float  # time.monotonic()
+    expired: bool = False  # the lease ran out: the slot is being taken back
 
 
 @dataclass
@@ -53,7 +70,6 @@ class Transfer:
 
     transfer_id: str
     token: str
-    reserved_at: float = field(default_factory=time.monotonic)
     http_joined: bool = False
     generation: int | None = None
     conn_id: int | None = None  # rank 0's control connection (kept for logs and single-rank callers)
@@ -69,9 +85,11 @@ class Transfer:
     failure: str | None = None
     failure_code: str = "transfer_failed"  # the SlotError code a failed transfer raises (kv_checksum_mismatch, ...)
     cancel: threading.Event = field(default_factory=threading.Event)
+    reservation: Reservation | None = None
 
 
 ENDED_REMEMBERED = 4096  # transfer ids (~100 B each) kept to refuse late decode requests
+DEFAULT_LEASE_S = 10.0  # DecodeServerConfig.reservation_lease_s
 
 
 class Slot:
@@ -81,6 +99,7 @@ class Slot:
         on_disarm: Callable[[], None] = lambda: None,
         orphan_timeout_s: float = 30.0,
         on_revoke: Callable[[int], None] = lambda conn_id: None,
+        lease_s: float = DEFAULT_LEASE_S,
     ):
         self._cv = threading.Condition()
         self.state = State.FREE
@@ -92,6 +111,11 @@ class Slot:
         # closing it makes the sender abort its write, so a one-sided writer stops early
         self._on_revoke = on_revoke
         self.orphan_timeout_s = orphan_timeout_s
+        self.lease_s = lease_s  # a reservation's lease: it lives this long past its last renewal
+        # called (under the slot's lock, so it must only schedule) whenever the slot becomes free: the HTTP side
+        # answers the routers waiting for it (GET /v1/slot)
+        self.on_free: Callable[[], None] = lambda: None
+        self.reservations_expired = 0
         self.transfers_total = 0
         self.bytes_total = 0
         # set by the node's /admin/drain: the transfer holding the slot finishes, no new one may take the free slot
@@ -108,37 +132,98 @@ class Slot:
 
     def snapshot(self) -> dict[str, Any]:
         with self._cv:
-            return {"state": self.state.value, "busy": self.busy,
-                    "transfer_id": self.current.transfer_id if self.current else None}
+            cur = self.current
+            held = cur.reservation if cur is not None else None
+            return {"state": self.state.value, "busy": self.busy, "transfer_id": cur.transfer_id if cur else None,
+                    "decode_joined": bool(cur and cur.http_joined), "holder": held.holder if held else None, "fence": held.fence if held else None,
+                    "lease_left_s": round(max(0.0, held.deadline - time.monotonic()), 3) if held else None}
 
-    # -- HTTP side ------------------------------------------------------------------
-    def reserve_for_decode(self, transfer_id: str, token: str) -> Transfer:
-        """Claim the slot for a decode request, or join the admit that already arrived."""
+    # -- the router's reservation ---------------------------------------------------------
+    def reserve(self, transfer_id: str, token: str, holder: str = "-") -> Transfer:
+        """Hold the free slot for `holder`'s transfer; refuse at once (`busy`, naming the holder) while it is held."""
         with self._cv:
             cur = self.current
-            if self.state == State.FREE:
-                if self._drained_for(transfer_id):
-                    raise SlotError("draining", "decode node is draining: it takes no new request (undrain it or use another node)")
+            if self.state != State.FREE:
+                if self.draining:  # not `busy`: the router should not wait for this node, and should lease it no more
+                    raise SlotError("draining", f"decode node is draining (finishing transfer {cur.transfer_id if cur else '?'}): it "
+                                    "takes no new request")
+                owner = cur.reservation.holder if cur is not None and cur.reservation is not None else "?"
+                raise SlotError("busy", f"decode node busy: held by {owner} (transfer {cur.transfer_id if cur else '?'}, "
+                                f"{self.state.value})", holder=owner)
+            if self._drained_for(transfer_id):
+                raise SlotError("draining", "decode node is draining: it takes no new request (undrain it or use another node)")
+            ended = self._ended.get(transfer_id)
+            if ended is not None:
+                raise SlotError("duplicate" if ended == "finished" else "cancelled",
+                                f"transfer {transfer_id} already ended here ({ended}): it cannot reserve the node again")
+            fence = self._next_generation
+            self._next_generation += 1
+            held = Reservation(holder, fence, self.lease_s, time.monotonic() + self.lease_s)
+            self.current = Transfer(transfer_id, token, reservation=held)
+            self.state = State.RESERVED
+            log.info("event=reserved transfer_id=%s holder=%s fence=%d lease_s=%g", transfer_id, holder, fence, self.lease_s)
+            return self.current
+
+    def renew(self, transfer_id: str, fence: int) -> float:
+        """Extend the reservation's lease; the seconds it now has. A fence that holds the slot no more is refused."""
+        with self._cv:
+            held = self._held_by(transfer_id, fence)
+            held.deadline = time.monotonic() + held.lease_s
+            return held.lease_s
+
+    def expire_leases(self, held_up_s: float = 0.0) -> None:
+        """Take the slot back from a reservation whose lease ran out, cancelling its decode. `held_up_s`: how long the
+        caller's clock tick was late (the node itself was held up): that time is added to the lease, since the
+        holder's renewals may be waiting unread."""
+        with self._cv:
+            cur = self.current
+            held = cur.reservation if cur is not None else None
+            if cur is None or held is None or held.expired:
+                return
+            if held_up_s > 0:
+                held.deadline += held_up_s
+            if time.monotonic() < held.deadline:
+                return
+            held.expired = True
+            self.reservations_expired += 1
+            log.warning("event=reservation_expired transfer_id=%s holder=%s fence=%d state=%s lease_s=%g", cur.transfer_id,
+                        held.holder, held.fence, self.state.value, held.lease_s)
+            if self.state == State.DECODING:  # the engine stops at its next step; the decode's release frees the slot
+                cur.cancel.set()
+                self.state = State.CANCELLING
+            elif self.state != State.CANCELLING:
+                if cur.http_joined:  # its decode request waits for the KV: it fails with the reason
+                    self._fail_locked(f"the reservation of {held.holder} expired (not renewed for {held.lease_s:g} s)",
+                                      "reservation_lost")
+                else:
+                    self._free_locked("lease_expired")
+            self._cv.notify_all()
+
+    # -- HTTP side ------------------------------------------------------------------
+    def attach_decode(self, transfer_id: str, token: str, fence: int) -> Transfer:
+        """The router's decode request joins its reservation (before or after the connector's admit)."""
+        with self._cv:
+            cur = self.current
+            if cur is None or cur.transfer_id != transfer_id:
                 ended = self._ended.get(transfer_id)
                 if ended is not None:
-                    raise SlotError("duplicate" if ended == "finished" else "cancelled",
-                                    f"transfer {transfer_id} already ended here ({ended}): a late decode request cannot take the node")
-                self.current = Transfer(transfer_id, token, http_joined=True)
-                self.state = State.RESERVED
-                log.info("event=reserved transfer_id=%s by=decode_request", transfer_id)
-                return self.current
-            if cur is not None and cur.transfer_id == transfer_id:
-                if cur.token != token:
-                    raise SlotError("bad_token", f"token does not match the one transfer {transfer_id} was admitted with")
-                if cur.http_joined:
-                    raise SlotError("duplicate", f"transfer {transfer_id} already has a decode request")
-                cur.http_joined = True
-                log.info("event=joined transfer_id=%s state=%s", transfer_id, self.state.value)
-                return cur
-            if self.draining:  # not `busy`: the router should not wait for this node, and should lease it no more
-                raise SlotError("draining", f"decode node is draining (finishing transfer {cur.transfer_id if cur else '?'}): it "
-                                "takes no new request")
-            raise SlotError("busy", f"decode node busy with transfer {cur.transfer_id if cur else '?'} ({self.state.value})")
+                    code = "duplicate" if ended == "finished" else "reservation_lost" if ended == "lease_expired" else "cancelled"
+                    raise SlotError(code, f"transfer {transfer_id} already ended here ({ended}): a late decode request cannot take the node")
+                if cur is None:
+                    raise SlotError("not_reserved", f"no reservation for transfer {transfer_id} on this node: a router reserves the "
+                                    "slot (POST /v1/reserve) before the prefill")
+                if self.draining:
+                    raise SlotError("draining", f"decode node is draining (finishing transfer {cur.transfer_id}): it takes no new request")
+                owner = cur.reservation.holder if cur.reservation is not None else "?"
+                raise SlotError("busy", f"decode node busy: held by {owner} (transfer {cur.transfer_id}, {self.state.value})", holder=owner)
+            self._held_by(transfer_id, fence)
+            if cur.token != token:
+                raise SlotError("bad_token", f"token does not match the one transfer {transfer_id} was reserved with")
+            if cur.http_joined:
+                raise SlotError("duplicate", f"transfer {transfer_id} already has a decode request")
+            cur.http_joined = True
+            log.info("event=joined transfer_id=%s state=%s", transfer_id, self.state.value)
+            return cur
 
     def wait_complete(self, transfer: Transfer, timeout: float) -> None:
         """Block until `transfer`'s KV has landed; on timeout, failure or cancel, free the slot and raise."""
@@ -175,13 +260,16 @@ class Slot:
             if self.current is transfer:
                 self._free_locked(reason)
 
-    def cancel(self, transfer_id: str) -> bool:
-        """Stop the transfer/decode with this id; a decode stops at its next step. An id that does not hold the slot
-        is remembered as cancelled, so its KV, should it come later, cannot take the free slot."""
+    def cancel(self, transfer_id: str, fence: int | None = None) -> bool:
+        """Stop the transfer/decode with this id (and `fence`, when given); a decode stops at its next step. An id that
+        does not hold the slot is remembered as cancelled, so its KV, should it come later, cannot take the free slot."""
         with self._cv:
             cur = self.current
             if cur is None or cur.transfer_id != transfer_id:
-                self._remember_ended(transfer_id, "cancelled")
+                if transfer_id not in self._ended:
+                    self._remember_ended(transfer_id, "cancelled")
+                return False
+            if fence is not None and (cur.reservation is None or cur.reservation.fence != fence):
                 return False
             cur.cancel.set()
             if self.state == State.DECODING:
@@ -207,10 +295,11 @@ class Slot:
                 if self._drained_for(transfer_id):  # `busy`: the control protocol's retryable refusal
                     raise SlotError("busy", "decode node is draining: it takes no new transfer")
                 ended = self._ended.get(transfer_id)
-                if ended is not None:  # its decode request gave up, or it was cancelled before its KV came
+                if ended is not None:  # its decode request gave up, it was cancelled, or its router's lease ran out
                     raise SlotError("unknown_transfer", f"transfer {transfer_id} already ended here ({ended}): its KV is not taken")
-                cur = self.current = Transfer(transfer_id, token)
-            elif cur is not None and cur.transfer_id == transfer_id:
+                raise SlotError("unknown_transfer", f"no reservation for transfer {transfer_id} on decode node: the router reserves "
+                                "the node before the prefill (node API 2); a router of an older tilepd does not: upgrade it")
+            if cur is not None and cur.transfer_id == transfer_id:
                 if cur.token != token:
                     raise SlotError("bad_token", f"token does not match the decode request for transfer {transfer_id}")
                 if self.state not in (State.RESERVED, State.TRANSFERRING):
@@ -288,12 +377,13 @@ class Slot:
                                   runbook="RB-prefill-restarted")
 
     def reap_orphans(self) -> None:
-        """Free a slot an admit claimed but no decode request joined in time."""
+        """Free a slot whose KV came (admitted) but no decode request joined in time. Before the admit the reservation's
+        lease is what bounds it: the prefill may queue for long in vLLM while its router lives."""
         with self._cv:
             cur = self.current
-            if cur is None or cur.http_joined or self.state not in (State.TRANSFERRING, State.COMPLETE, State.RESERVED):
+            if cur is None or cur.http_joined or cur.admitted_at is None or self.state not in (State.TRANSFERRING, State.COMPLETE):
                 return
-            if time.monotonic() - cur.reserved_at > self.orphan_timeout_s:
+            if time.monotonic() - cur.admitted_at > self.orphan_timeout_s:
                 self._free_locked("orphaned: no decode request joined")
 
     # -- internals ----------------------------------------------------------------------
@@ -305,8 +395,20 @@ class Slot:
         log.warning("event=transfer_failed transfer_id=%s generation=%s code=%s%s reason=%s", cur.transfer_id, cur.generation, code, book, reason)
         self._free_locked("transfer_failed", keep_conn)
 
+    def _held_by(self, transfer_id: str, fence: int) -> Reservation:
+        """The current reservation when it is this transfer's under this fence; else `reservation_lost` saying why."""
+        cur = self.current
+        held = cur.reservation if cur is not None else None
+        if cur is not None and held is not None and cur.transfer_id == transfer_id and held.fence == fence and not held.expired:
+            return held
+        ended = self._ended.get(transfer_id)
+        why = f"it ended here ({ended})" if ended else "the slot is held by another" if cur is not None else "the slot is free"
+        raise SlotError("reservation_lost", f"transfer {transfer_id} with fence {fence} holds this node's slot no more: {why}")
+
     def _free_locked(self, reason: str, keep_conn: int | None = None) -> None:
         cur = self.current
+        if cur is not None and cur.reservation is not None and cur.reservation.expired:
+            reason = "lease_expired"  # however the decode ended, its router's lease is why (a late decode request learns it)
         self._on_disarm()
         if cur is not None and self.state == State.TRANSFERRING:
             for conn in set(cur.conn_ids.values()) - {keep_conn}:
@@ -317,6 +419,7 @@ class Slot:
             self._remember_ended(cur.transfer_id, reason)
         log.info("event=freed transfer_id=%s reason=%s", cur.transfer_id if cur else None, reason)
         self._cv.notify_all()
+        self.on_free()
 
     def _drained_for(self, transfer_id: str) -> bool:
         """Draining refuses a new transfer on the free slot, except a restart's canary."""

@@ -2,7 +2,7 @@
 
 A leading `~` (alone or as `~/...`) is replaced by the home folder of the user running tilepd,
 before validation, in: deployment.base_dir / python, model.hf_path / weights_path, each
-entry's base_dir / python, router.api_key.file (only when every host is a loopback address:
+entry's base_dir / python, each router's api_key.file (only when every host is a loopback address:
 the paths are used on the hosts, and only then are the hosts this machine), and ssh.key_file
 (always: the key is read on the controller). Anywhere else a `~` path stays as written and
 rule `absolute-path` refuses it, naming the field.
@@ -15,14 +15,14 @@ from typing import Any
 
 from tilepd.topology.rules import is_loopback
 
-ENTRY_LISTS = ("prefill", "decode", "native_decode")
+ENTRY_LISTS = ("prefill", "decode", "native_decode", "routers")
+SINGLE_ENTRIES = ("router", "balancer")
 
 
 def _entries(data: dict[str, Any]) -> list[dict[str, Any]]:
     lists = [data.get(key) for key in ENTRY_LISTS]
     out = [e for entries in lists if isinstance(entries, list) for e in entries if isinstance(e, dict)]
-    if isinstance(data.get("router"), dict):
-        out.append(data["router"])
+    out += [data[key] for key in SINGLE_ENTRIES if isinstance(data.get(key), dict)]
     return out
 
 
@@ -52,6 +52,7 @@ def expand_home(data: Any, home: Path | None = None) -> None:
     for entry in entries:
         _expand(entry, "base_dir", h)
         _expand(entry, "python", h)
-    router = data.get("router")
-    if isinstance(router, dict):
-        _expand(router.get("api_key"), "file", h)
+    routers = [data.get("router"), *(data.get("routers") if isinstance(data.get("routers"), list) else [])]
+    for router in routers:
+        if isinstance(router, dict):
+            _expand(router.get("api_key"), "file", h)

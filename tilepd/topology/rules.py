@@ -19,7 +19,7 @@ from tilepd.model_format.model_spec import spec_from_hf_config
 from tilepd.topology.families import MTP_FAMILIES, canonical_family, known_families
 from tilepd.topology.hf_config import ConfigFileError, read_config_file
 from tilepd.topology.memory_fit import memory_report
-from tilepd.topology.schema import DecodeNode, NativeDecodeHost, PrefillHost, Topology, HostBase
+from tilepd.topology.schema import DecodeNode, HostBase, NativeDecodeHost, PrefillHost, Router, Topology
 
 Loc = tuple[str | int, ...]
 
@@ -56,7 +56,18 @@ def host_entries(topo: Topology) -> Iterator[tuple[Loc, str, HostBase]]:
         yield ("decode", i), "decode", d
     for i, n in enumerate(topo.native_decode):
         yield ("native_decode", i), "native_decode", n
-    yield ("router",), "router", topo.router
+    for loc, r in router_entries(topo):
+        yield loc, "router", r
+    if topo.balancer is not None and not topo.balancer.external:
+        yield ("balancer",), "balancer", topo.balancer
+
+
+def router_entries(topo: Topology) -> Iterator[tuple[Loc, Router]]:
+    """Every router with its field path: `router`, or `routers[i]`."""
+    if topo.router is not None:
+        yield ("router",), topo.router
+    for i, r in enumerate(topo.routers):
+        yield ("routers", i), r
 
 
 def uses_gpus(entry: HostBase) -> bool:
@@ -75,7 +86,7 @@ def is_cpu(node: DecodeNode) -> bool:
 
 
 def duplicate_hosts(topo: Topology) -> Iterator[Violation]:
-    """Names are unique; one GPU role per address; one prefill, native_decode or GPU decode entry per address."""
+    """Names are unique; one GPU role per address; one prefill, native_decode, GPU decode or balancer entry per address."""
     seen_names: dict[str, Loc] = {}
     gpu_owner: dict[str, Loc] = {}
     per_role: dict[tuple[str, str], Loc] = {}
@@ -86,7 +97,7 @@ def duplicate_hosts(topo: Topology) -> Iterator[Violation]:
             seen_names[entry.name] = loc
         gpu = uses_gpus(entry)
         key = (role, entry.address)
-        if key in per_role and (gpu or role != "decode"):
+        if key in per_role and (gpu or role not in ("decode", "router")):  # CPU decode nodes and routers may share a host
             yield Violation(
                 loc + ("address",),
                 f"{entry.address} is already listed as {loc_str(per_role[key])}; one {role} entry per host",
@@ -137,7 +148,12 @@ def _ports(topo: Topology) -> Iterator[tuple[str, int, Loc, str]]:
         yield n.address, n.port, ("native_decode", i, "port"), "vLLM port"
         for r in range(tp.native_decode):
             yield n.address, n.nixl_side_channel_port + r, ("native_decode", i, "nixl_side_channel_port"), f"NIXL side-channel port, rank {r}"
-    yield topo.router.address, topo.router.port, ("router", "port"), "router port"
+    for loc, r in router_entries(topo):
+        yield r.address, r.port, loc + ("port",), "router port"
+    b = topo.balancer
+    if b is not None and not b.external:
+        yield b.address, b.port, ("balancer", "port"), "balancer port"
+        yield b.address, b.stats_port, ("balancer", "stats_port"), "balancer stats port"
 
 
 def port_collisions(topo: Topology) -> Iterator[Violation]:
@@ -366,12 +382,27 @@ def routing_native(topo: Topology) -> Iterator[Violation]:
     """Routing to the native pool needs one."""
     if topo.native_decode:
         return
-    routing = topo.router.routing
-    if routing.default_pool == "native":
-        yield Violation(("router", "routing", "default_pool"), "default_pool native but there is no native_decode pool", "routing-native")
-    for model, pool in routing.by_model.items():
-        if pool == "native":
-            yield Violation(("router", "routing", "by_model", model), f"{model} is routed to the native pool but there is no native_decode pool", "routing-native")
+    for loc, r in router_entries(topo):
+        routing = r.routing
+        if routing.default_pool == "native":
+            yield Violation(loc + ("routing", "default_pool"), "default_pool native but there is no native_decode pool", "routing-native")
+        for model, pool in routing.by_model.items():
+            if pool == "native":
+                yield Violation(loc + ("routing", "by_model", model), f"{model} is routed to the native pool but there is no native_decode pool",
+                                "routing-native")
+
+
+def routers_agree(topo: Topology) -> Iterator[Violation]:
+    """Routers behind one balancer answer alike: the same routing, API key source and trace collector as the first."""
+    entries = list(router_entries(topo))
+    if len(entries) < 2:
+        return
+    (first_loc, first), rest = entries[0], entries[1:]
+    for loc, r in rest:
+        for field in ("routing", "api_key", "otlp_endpoint"):
+            if getattr(r, field) != getattr(first, field):
+                yield Violation(loc + (field,), f"{r.name}'s {field} differs from {loc_str(first_loc)}'s ({first.name}); a client "
+                                "would get different answers depending on the router the balancer picked", "routers-agree")
 
 
 def absolute_paths(topo: Topology) -> Iterator[Violation]:
@@ -386,8 +417,11 @@ def absolute_paths(topo: Topology) -> Iterator[Violation]:
         candidates.append((loc + ("python",), entry.python))
         candidates.append((loc + ("base_dir",), entry.base_dir))
         candidates.append((loc + ("ssh", "key_file"), entry.ssh.key_file))
-    if topo.router.api_key is not None:
-        candidates.append((("router", "api_key", "file"), topo.router.api_key.file))
+    for loc, r in router_entries(topo):
+        if r.api_key is not None:
+            candidates.append((loc + ("api_key", "file"), r.api_key.file))
+    if topo.balancer is not None and not topo.balancer.external:
+        candidates.append((("balancer", "haproxy"), topo.balancer.haproxy))
     for loc, value in candidates:
         if loc[-1] == "python" and value == CURRENT_PYTHON:
             continue
@@ -471,6 +505,7 @@ RULES: dict[str, Rule] = {
     "native-pool-transport": native_pool_transport,
     "vllm-release": vllm_release,
     "routing-native": routing_native,
+    "routers-agree": routers_agree,
     "absolute-path": absolute_paths,
     "extra-args-conflict": extra_args,
     "install-python": install_python,
@@ -487,4 +522,4 @@ def rule_docs() -> dict[str, str]:
     return {rid: (fn.__doc__ or "").strip().splitlines()[0] for rid, fn in RULES.items()}
 
 
-__all__ = ["RULES", "Violation", "check", "is_loopback", "loc_str", "host_entries", "rule_docs"]
+__all__ = ["RULES", "Violation", "check", "is_loopback", "loc_str", "host_entries", "router_entries", "rule_docs"]

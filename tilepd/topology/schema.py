@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 API_VERSION = "tilepd/v1"
 
@@ -131,6 +131,10 @@ class DecodeNode(HostBase):
     recv_buffer: Literal["dram", "vram"] | None = Field(default=None, description="Where the KV receive buffer lives; default `vram` on GPUs, `dram` on cpu.")
     max_seq_len: int | None = Field(default=None, gt=0, description="This node's own sequence limit (default `model.max_seq_len`); it may not be below `model.max_seq_len`, which the connector and prefill admit.")
     kv_timeout_s: float = Field(default=30.0, gt=0, description="How long a reserved slot waits for the KV before it is freed.")
+    reservation_lease_s: float = Field(
+        default=10.0, ge=1, le=120, description="A router's reservation of this node lives this long past its last renewal (routers "
+        "renew every quarter of it): a router that dies frees the node within it, its decode cancelled.",
+    )
     cuda_graphs: bool = Field(default=True, description="Capture the decode step in CUDA graphs (GPU only).")
 
 
@@ -159,8 +163,7 @@ class Routing(_Model):
 
 
 class DivergenceWatch(_Model):
-    """The router's live check that decode nodes decode what the prefill's model would (teacher-forced verification,
-    runbook RB-divergence)."""
+    """The router's live check that decode nodes decode what the prefill's model would (teacher-forced, RB-divergence)."""
 
     enabled: bool = Field(default=True, description="Run the watch.")
     sample_rate: float = Field(default=0.01, ge=0, le=1, description="Share of the completed greedy low-latency requests the "
@@ -188,6 +191,26 @@ class Router(HostBase):
         "the router exports one trace per request (its timeline's phases as spans) and each decode node its own phases in it. Unset = no tracing. "
         "A router or decode node whose host lacks opentelemetry (`tilepd[tracing]`) refuses to start (exit 8) rather than run untraced.",
     )
+
+
+class Balancer(HostBase):
+    """The load balancer in front of the routers: the operator's one endpoint (HAProxy, Debian's package)."""
+
+    port: Port = _port("Port clients connect to: the OpenAI API of every router, least connections first.", required=True)
+    external: bool = Field(
+        default=False, description="An operator-run load balancer stands here instead: tilepd starts none, and renders its backend "
+        "list (`balancer/backends.json` and `balancer/haproxy.cfg` in the render folder) for the operator to load.",
+    )
+    stats_port: Port = _port("HAProxy's read-only stats page (`/stats`): `tilepd status`, `doctor` and a rolling restart read each "
+                             "router's state there. Unused with `external`.", 8404)
+    check_interval_s: float = Field(default=1.0, gt=0, le=60, description="How often the balancer checks each router's `/health`.")
+    drain_timeout_s: float = Field(
+        default=120.0, gt=0, le=3600,
+        description="A rolling restart of a router waits this long for its requests to end once the balancer stopped sending it new "
+        "ones; past it the router restarts anyway (its remaining streams end).",
+    )
+    haproxy: str = Field(default="/usr/sbin/haproxy", description="The HAProxy binary on the balancer host (`tilepd up` installs Debian's "
+                         "`haproxy` package there when it is missing).")
 
 
 class KvCacheDtypes(_Model):
@@ -267,4 +290,21 @@ class Topology(_Model):
     native_decode: list[NativeDecodeHost] = Field(
         default_factory=list, description="Optional stock vLLM decode pool; turns the prefill connector into a MultiConnector with NixlConnector."
     )
-    router: Router = Field(description="The router.")
+    router: Router | None = Field(default=None, description="The router (one). Give `router` or `routers`.")
+    routers: list[Router] = Field(
+        default_factory=list, validate_default=True, description="Several routers over the same decode nodes (each reserves a node on the node itself, so they "
+        "share nothing); put a `balancer` in front of them. Give `router` or `routers`.",
+    )
+    balancer: Balancer | None = Field(default=None, description="The load balancer in front of the routers; none = clients call a router.")
+
+    @field_validator("routers")
+    @classmethod
+    def _one_router_form(cls, routers: list[Router], info: ValidationInfo) -> list[Router]:
+        if "router" in info.data and (info.data["router"] is None) == (not routers):  # (a `router` that failed is reported already)
+            raise ValueError("give `router` (one router) or `routers` (a list of them), not both and not neither")
+        return routers
+
+    @property
+    def all_routers(self) -> list[Router]:
+        """Every router, whichever form the file uses."""
+        return [self.router] if self.router is not None else list(self.routers)
