@@ -89,6 +89,7 @@ def _handoff(model: str, prompt: list[int], ref, path: Path, node, tid: str) -> 
     worker = bare_connector(KVConnectorRole.WORKER, ccfg, vcfg, fp)
     worker.register_kv_caches(caches.kv_caches)
     try:
+        reserve(node, tid)  # as a router does before the prefill (node API 2)
         prefill(sched, worker, caches.kv_caches, caches.latent_names, caches.block_ids, len(prompt), tid, "127.0.0.1",
                 node.config.ctrl_port, chunk=CHUNK)
         r = decode(node, tid, ref.tokens[0], len(prompt), GEN)
