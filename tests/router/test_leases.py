@@ -149,3 +149,21 @@ def test_a_stream_with_nowhere_else_to_go_waits_for_a_node_to_come_back() -> Non
         assert pool.leased_count() == 0 and pool.queue_depth == 0
 
     asyncio.run(main())
+
+
+def test_background_work_never_takes_a_node_another_router_holds() -> None:
+    """The divergence watch's probes lease with `try_lease`: a node whose reservation another router holds stays
+    untouched until the node says its slot is free."""
+    async def main() -> None:
+        pool = _pool(1)
+        node = pool.nodes[0]
+        lease = pool.try_lease(node)
+        assert lease is not None
+        lease.abandon("router-b (elsewhere:8000, pid 7)")  # the node answered busy to our reservation
+        assert node.held_by is not None and pool.try_lease(node) is None
+        pool.back_from_elsewhere(node)
+        again = pool.try_lease(node)
+        assert again is not None and node.held_by is None
+        again.release()
+
+    asyncio.run(main())

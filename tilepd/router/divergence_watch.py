@@ -39,6 +39,7 @@ from tilepd.contracts.service_configs import DivergenceWatchConfig
 from tilepd.contracts.teacher_forced import ScoringError, Verdict, judge, scores_from_vllm, scoring_request
 from tilepd.router.leases import Lease, NodeState
 from tilepd.router.lowlatency import EnginePlan, LowLatencyRun
+from tilepd.router.reservations import try_lease_node
 from tilepd.router.state import RouterState
 from tilepd.router.upstream import UpstreamError
 from tilepd.runbooks import see, tag
@@ -173,7 +174,7 @@ class DivergenceWatch:
             due = rec.probe_now or rec.last_check is None or now - rec.last_check >= self.config.interval_s
             if not due or rec.drained is not None:
                 continue
-            lease = self.state.pool.try_lease(node)
+            lease = await try_lease_node(self.state, node)  # reserved on the node, as a request's (node API 2)
             if lease is None:
                 continue
             sample = await self.probe(lease)
@@ -194,7 +195,8 @@ class DivergenceWatch:
             self.nodes[node.name] = NodeRecord(last_check=self.clock())
 
     async def probe(self, lease: Lease) -> Sample | None:
-        """A greedy request of `probe_tokens` through the prefill and this node (the lease is the run's to return)."""
+        """A greedy request of `probe_tokens` through the prefill and this node (the lease, reserved on the node, is the
+        run's to return)."""
         self._probes += 1
         rid = f"divergence-probe-{uuid.uuid4().hex[:12]}"
         vocab = len(self.state.renderer.tokenizer)

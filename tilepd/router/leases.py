@@ -236,7 +236,7 @@ class NodePool:
     def try_lease(self, node: NodeState) -> Lease | None:
         """Lease this very node now if it is free and no request waits for one, else None: background work (the
         divergence watch's probes) never holds a request up."""
-        if self.queue_depth or node not in self._free or node.leased or not node.in_rotation or node.draining:
+        if self.queue_depth or node not in self._free or node.leased or not node.in_rotation or node.draining or node.held_by is not None:
             return None
         self._free.remove(node)
         return self._lease(node, self.clock())

@@ -87,6 +87,16 @@ async def lease_node(state: RouterState, timeout_s: float, *, when_back: bool = 
         again = True
 
 
+async def try_lease_node(state: RouterState, node: NodeState) -> Lease | None:
+    """This very node leased and reserved now, else None: it is busy here, a request waits, or the node refused the
+    reservation (another router holds it: marked `held_by` and watched until free, as for a request). For background
+    work (the divergence watch's probes) that must neither hold a request up nor take a node another router holds."""
+    lease = state.pool.try_lease(node)
+    if lease is None or not await _reserve(state, lease):
+        return None
+    return lease
+
+
 async def _reserve(state: RouterState, lease: Lease) -> bool:
     """Reserve the leased node's slot: True with `lease.reservation` set; False when the node refused (the lease is
     ended and the node marked as its answer says)."""
