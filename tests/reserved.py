@@ -3,7 +3,9 @@ reserve the slot, then name the reservation's fence."""
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import httpx
 
@@ -33,3 +35,25 @@ def reserve_http(client: httpx.Client | str, transfer_id: str, token: str, heade
 def reserved_body(client: httpx.Client | str, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
     """A /v1/decode body with the fence of a fresh reservation of its transfer id."""
     return {**body, "fence": reserve_http(client, body["transfer_id"], body["token"], headers)}
+
+
+@contextmanager
+def renewing(base_url: str, transfer_id: str, fence: int, lease_s: float) -> Iterator[None]:
+    """A living holder, as a router is while its request lives: renew the lease every quarter of it until the block
+    ends (a renewal the node refuses, because the reservation ended, is what a router would stop on: it is ignored)."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(lease_s / 4):
+            try:
+                httpx.post(base_url.rstrip("/") + "/v1/renew", json={"transfer_id": transfer_id, "fence": fence}, timeout=5)
+            except httpx.HTTPError:
+                pass  # the node is busy answering; the next renewal is due within a quarter lease
+
+    renewer = threading.Thread(target=renew, name=f"renew-{transfer_id}", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join(10)

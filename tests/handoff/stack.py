@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import random
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import httpx
 
-from tests.reserved import reserve_http
+from tests.reserved import renewing, reserve_http
 from tilepd.connector.events import parse_event_lines
 from tilepd.connector.launch import Server, free_port, start_process, start_vllm
 from tilepd.contracts.service_configs import ConnectorExtraConfig, DecodeEndpoint, DecodeServerConfig, TransportConfig
@@ -109,6 +110,15 @@ def reserve(node: DecodeNode, transfer_id: str, token: str = "t0k3n") -> int:
     """What the router does before the prefill (node API 2): reserve the node's slot for the transfer."""
     _fences[transfer_id] = reserve_http(node.url, transfer_id, token)
     return _fences[transfer_id]
+
+
+@contextmanager
+def holding(node: DecodeNode, transfer_id: str, token: str = "t0k3n") -> Iterator[int]:
+    """A router's hold on the node for a request that lives long: reserve the slot and renew its lease until the block
+    ends (its fence is the value)."""
+    fence = reserve(node, transfer_id, token)
+    with renewing(node.url, transfer_id, fence, node.config.reservation_lease_s):
+        yield fence
 
 
 def decode(node: DecodeNode, transfer_id: str, first_token: int, prompt_tokens: int, max_tokens: int, *,

@@ -30,12 +30,12 @@ from .stack import (
     decode,
     decode_config,
     handoff,
+    holding,
     dump_logs,
     events,
     last_counters,
     marker,
     prompt_ids,
-    reserve,
     start_decode,
     start_prefill,
 )
@@ -161,17 +161,18 @@ def test_busy_node_makes_connector_retry_then_give_up(stack: dict) -> None:
     vllm, node = stack["vllm"], stack["node"]
     holder: dict = {}
     # a decode call for another transfer holds the node's only slot while it waits for KV: long enough for the
-    # prefill and the connector's retries on a loaded box (it answers 504 at the end of it)
-    reserve(node, "tx-holder")
-    t = threading.Thread(target=lambda: holder.update(r=decode(node, "tx-holder", 1, 10, 2, kv_timeout_s=20)))
-    t.start()
-    assert wait_until(lambda: httpx.get(node.url + "/status", timeout=5).json()["transfer_id"] == "tx-holder", 15.0), \
-        "the holder never reserved the node"
-    complete(vllm, stack["model"], prompt_ids(50, seed=5), 1, marker(node, "tx-busy"))
-    failed = wait_event(vllm, "failed", "tx-busy", timeout=30)
-    assert failed["code"] == "busy" and int(failed["retries"]) == 3, failed
-    assert "give_up" in vllm.log_text() and "busy_retry" in vllm.log_text()
-    t.join(60)
+    # prefill and the connector's retries on a loaded box (it answers 504 at the end of it). Its router lives
+    # meanwhile: it renews the reservation (longer than the node's lease), so the slot is held, not lost.
+    with holding(node, "tx-holder"):
+        t = threading.Thread(target=lambda: holder.update(r=decode(node, "tx-holder", 1, 10, 2, kv_timeout_s=20)))
+        t.start()
+        assert wait_until(lambda: httpx.get(node.url + "/status", timeout=5).json()["transfer_id"] == "tx-holder", 15.0), \
+            "the holder never reserved the node"
+        complete(vllm, stack["model"], prompt_ids(50, seed=5), 1, marker(node, "tx-busy"))
+        failed = wait_event(vllm, "failed", "tx-busy", timeout=30)
+        assert failed["code"] == "busy" and int(failed["retries"]) == 3, failed
+        assert "give_up" in vllm.log_text() and "busy_retry" in vllm.log_text()
+        t.join(60)
     # the node that never got KV for tx-holder answers 504 and frees its slot ...
     assert holder["r"].status_code == 504, holder["r"].text
     # ... so the next handoff goes through

@@ -190,8 +190,8 @@ def test_kv_that_does_not_hash_as_staged_is_never_decoded(llama_node, hf_llama, 
     with llama_node.client() as c:
         t = threading.Thread(target=request)
         t.start()
-        deadline = time.monotonic() + 10
-        while c.get("/status").json()["transfer_id"] != "tx-sum" and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10  # the decode request waits for the KV (a late one: test_slot's failure test)
+        while not c.get("/status").json()["decode_joined"] and time.monotonic() < deadline:
             time.sleep(0.02)
         monkeypatch.setattr(KVSender, "_digests", corrupt)
         layout = _layout(hf_llama)

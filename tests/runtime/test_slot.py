@@ -223,6 +223,25 @@ def test_a_late_decode_request_cannot_take_the_slot_of_its_ended_transfer() -> N
     assert e.value.code == "duplicate"
 
 
+def test_a_decode_request_that_comes_after_its_transfer_failed_learns_the_failure() -> None:
+    """The router posts /v1/decode after the prefill returns: a KV that failed its checksum before then must reach the
+    router as that failure (502 kv_checksum_mismatch), not as `cancelled`; the request still cannot take the slot."""
+    s, _ = _slot()
+    fence = s.reserve("t1", "k", "a").reservation.fence
+    g = s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
+    s.complete("t1", g, False, "layer 0 digest differs", code="kv_checksum_mismatch")
+    assert s.state == State.FREE
+    with pytest.raises(SlotError) as e:
+        s.attach_decode("t1", "k", fence)
+    assert e.value.code == "kv_checksum_mismatch" and "layer 0 digest differs" in e.value.message, e.value.message
+    with pytest.raises(SlotError) as e:  # a caller without the transfer's token learns only that it ended
+        s.attach_decode("t1", "other", fence)
+    assert e.value.code == "cancelled"
+    assert s.state == State.FREE and not s.busy
+    s.reserve("t2", "k", "a")  # another transfer takes the slot
+    assert s.current is not None and s.current.transfer_id == "t2"
+
+
 def test_ended_transfers_are_remembered_boundedly() -> None:
     from tilepd.runtime import slot as slot_mod
 

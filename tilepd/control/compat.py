@@ -51,9 +51,10 @@ def check_fingerprint(prefill: Fingerprint | None, node: Fingerprint | None, nod
         raise ProtocolError(ErrorCode.FINGERPRINT_MISMATCH, problem + see("RB-fingerprint-mismatch"))
 
 
-def check_hello(hello: Hello, *, transport: str, max_seq_len: int | None = None, fingerprint: Fingerprint | None = None,
-                node_name: str = "") -> None:
-    """Decode-node side: protocol, layout version, transport and the deployment fingerprint must match this node."""
+def check_hello(hello: Hello, *, transport: str, max_seq_len: int | None = None) -> None:
+    """Decode-node side: protocol, layout version and transport must match this node. The node checks the cache layout
+    next, then the fingerprint (`check_fingerprint`): a prefill whose cache another node reads differs in checkpoint
+    too, and the layout's message names what to fix where two hashes would not."""
     check_protocol(hello.protocol, local_side="decode node", remote_side="prefill connector", remote_version=hello.tilepd_version)
     if hello.layout.layout_version != LAYOUT_VERSION:
         raise ProtocolError(
@@ -69,7 +70,6 @@ def check_hello(hello: Hello, *, transport: str, max_seq_len: int | None = None,
             f"{transport!r}: set the same transport name for the prefill hosts' connector "
             f"(kv_connector_extra_config.transport.name) and the decode node (its config's transport.name)" + see("RB-protocol-mismatch"),
         )
-    check_fingerprint(hello.fingerprint, fingerprint, node_name)
     # max_seq_len is not compared here: decode nodes of one model may hold fewer tokens than the
     # connector allows; an admit whose seq_len does not fit is refused with too_long instead.
 

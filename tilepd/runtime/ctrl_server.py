@@ -22,7 +22,7 @@ import torch
 
 from tilepd.contracts.fingerprint import Fingerprint
 from tilepd.control.checksum import first_mismatch, region_digests
-from tilepd.control.compat import check_hello, check_raw_hello
+from tilepd.control.compat import check_fingerprint, check_hello, check_raw_hello
 from tilepd.control.framing import FrameError, PeerClosed, recv_frame, send_frame
 from tilepd.control.cache_layout import CacheLayout
 from tilepd.control.messages import (
@@ -252,11 +252,12 @@ class ControlServer:
     # -- messages ---------------------------------------------------------------------
     def _hello(self, msg: Hello, peer: str, conn_id: int) -> tuple[dict, Hello | None]:
         try:
-            check_hello(msg, transport=self.receiver.name, max_seq_len=self.max_seq_len, fingerprint=self.fingerprint,
-                        node_name=self.node_name)
+            check_hello(msg, transport=self.receiver.name, max_seq_len=self.max_seq_len)
             if msg.sender_rank >= msg.tp_size:
                 raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"sender_rank {msg.sender_rank} is not below tp_size {msg.tp_size}")
             self.check_layout(msg.layout, msg.tp_size)
+            # after the layout: a layout mismatch (another architecture) says what to fix better than two checkpoint ids
+            check_fingerprint(msg.fingerprint, self.fingerprint, self.node_name)
             self.receiver.add_peer(msg.transport.metadata)
         except ProtocolError as exc:
             message, book = _refusal(exc)

@@ -124,6 +124,8 @@ class Slot:
         # transfers that ended here (id -> reason), newest last, bounded: a decode request that comes after its
         # transfer was cancelled or timed out (its handler stalled, the router gave up) must not take the free slot
         self._ended: OrderedDict[str, str] = OrderedDict()
+        # of those that failed (id -> token, code, message): their late decode request learns the failure, not `cancelled`
+        self._failures: dict[str, tuple[str, str, str]] = {}
 
     # -- views ----------------------------------------------------------------------
     @property
@@ -206,6 +208,10 @@ class Slot:
             cur = self.current
             if cur is None or cur.transfer_id != transfer_id:
                 ended = self._ended.get(transfer_id)
+                failure = self._failures.get(transfer_id)
+                if failure is not None and failure[0] == token:  # its KV failed before the router's decode request came
+                    _, code, message = failure
+                    raise SlotError(code, f"transfer {transfer_id} failed here before its decode request came: {message}")
                 if ended is not None:
                     code = "duplicate" if ended == "finished" else "reservation_lost" if ended == "lease_expired" else "cancelled"
                     raise SlotError(code, f"transfer {transfer_id} already ended here ({ended}): a late decode request cannot take the node")
@@ -394,6 +400,8 @@ class Slot:
         book = f" runbook={runbook}" if runbook else ""
         log.warning("event=transfer_failed transfer_id=%s generation=%s code=%s%s reason=%s", cur.transfer_id, cur.generation, code, book, reason)
         self._free_locked("transfer_failed", keep_conn)
+        if self._ended.get(cur.transfer_id) == "transfer_failed":  # not a lease that ran out (that is `reservation_lost`)
+            self._failures[cur.transfer_id] = (cur.token, code, reason)
 
     def _held_by(self, transfer_id: str, fence: int) -> Reservation:
         """The current reservation when it is this transfer's under this fence; else `reservation_lost` saying why."""
@@ -427,6 +435,8 @@ class Slot:
 
     def _remember_ended(self, transfer_id: str, reason: str) -> None:
         self._ended[transfer_id] = reason
+        self._failures.pop(transfer_id, None)  # `_fail_locked` records a failure after this
         self._ended.move_to_end(transfer_id)
         while len(self._ended) > ENDED_REMEMBERED:
-            self._ended.popitem(last=False)
+            forgotten, _ = self._ended.popitem(last=False)
+            self._failures.pop(forgotten, None)
