@@ -31,7 +31,8 @@ from .stack import MODEL_NAME, router_config, start_decode_node, start_router, w
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.faults]
 
 PROMPT = "Once upon a time"
-LONG = 300  # tokens: the stream is still running when the test acts on its first few
+LONG = 800  # tokens: the stream is still running when the test acts on its first few (the tiny node decodes
+# 300 in ~1 s: a slow client saw them all before it killed the node; 800 leave ~2 s for the test to act)
 SHORT = 24
 NATIVE = 6
 FROZEN_S = 15.0  # longer than the router's liveness probes allow a silent node (~9 s), shorter than REJOIN_WAIT_S
@@ -260,16 +261,39 @@ def test_fault_before_first_token_is_retried(start_fault_router: Callable[..., R
     print(f"fault={fault} request seconds: {[round(s, 2) for s in seconds]} failover={moves[:1]} reserve_refused={len(refused)}")
 
 
-def test_no_node_left_continues_on_the_native_pool(start_fault_router: Callable[..., Router], nodes: Nodes,
+def test_no_node_left_continues_on_the_native_pool(router_stack: Stack, start_fault_router: Callable[..., Router], nodes: Nodes,
                                                    reference: dict[int, tuple[str, int]]) -> None:
-    """The only low-latency node is dead (health checks off, so the router leases it): the native pool (stock vLLM
-    P/D) generates the rest as token ids, through the router's own detokenizer; greedy-equal to the unfaulted run.
-    Few tokens: the native pool decodes at well under 1 token/s on the CPU box (issue 13 part 8)."""
+    """The only low-latency node dies after the router reserved it (node API 2: a node dead before the request is
+    refused at its reservation, and the request simply goes native): the native pool (stock vLLM P/D) generates the
+    answer as token ids, through the router's own detokenizer; greedy-equal to the unfaulted run. The death falls
+    between the reservation and the KV deterministically: the prefill is paused (SIGSTOP) until the node has logged
+    the reservation, the node is killed, then the prefill goes on. Few tokens: the native pool decodes at well under
+    1 token/s on the CPU box (issue 13 part 8)."""
+    assert router_stack.prefill is not None
     router = start_fault_router(nodes=1, native=True, health_interval_s=600.0)
     victim = nodes.stack.spares[0].name
-    nodes.kill(victim)
-    text, usage, finish = _stream(router, NATIVE, lambda i, node: None)
-    assert (text, usage, finish) == (*reference[NATIVE], "length")
+    node_log = nodes.servers[victim]
+    reserved_before = node_log.log_text().count("event=reserved ")
+    prefill_pid = router_stack.prefill.proc.pid
+    result: dict[str, Any] = {}
+
+    def client() -> None:
+        try:
+            result["out"] = _stream(router, NATIVE, lambda i, node: None)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = exc
+
+    os.kill(prefill_pid, signal.SIGSTOP)  # its API server only: the request waits in its socket's backlog
+    try:
+        t = threading.Thread(target=client)
+        t.start()
+        assert wait_until(lambda: node_log.log_text().count("event=reserved ") > reserved_before, 30.0, interval_s=0.02)
+        nodes.kill(victim)
+    finally:
+        os.kill(prefill_pid, signal.SIGCONT)
+    t.join(300)
+    assert "error" not in result and not t.is_alive(), result
+    assert result["out"] == (*reference[NATIVE], "length")
     moves = _failovers(router)
     assert [(m["from"], m["to"]) for m in moves] == [(victim, "native")], moves
 
