@@ -116,7 +116,7 @@ def test_an_expired_lease_cancels_the_decode_and_fails_a_waiting_one() -> None:
     s.expire_leases()
     assert tr.cancel.is_set() and s.state == State.CANCELLING  # the engine stops at its next step
     s.release(tr, "cancelled")
-    assert s.state == State.FREE and s._ended["t1"] == "lease_expired"
+    assert s.state == State.FREE and s._ended["t1"].reason == "lease_expired"
     tr = reserve_and_attach(s, "t2", "k")
     time.sleep(0.06)
     s.expire_leases()

@@ -88,6 +88,15 @@ class Transfer:
     reservation: Reservation | None = None
 
 
+@dataclass(frozen=True)
+class Ended:
+    """Why a transfer ended here; a failed one keeps its token, code and message, which its late decode request learns
+    (instead of `cancelled`)."""
+
+    reason: str
+    failure: tuple[str, str, str] | None = None
+
+
 ENDED_REMEMBERED = 4096  # transfer ids (~100 B each) kept to refuse late decode requests
 DEFAULT_LEASE_S = 10.0  # DecodeServerConfig.reservation_lease_s
 
@@ -121,11 +130,9 @@ class Slot:
         # set by the node's /admin/drain: the transfer holding the slot finishes, no new one may take the free slot
         # (except a restart's canary, whose transfer id starts with CANARY_TRANSFER_PREFIX)
         self.draining = False
-        # transfers that ended here (id -> reason), newest last, bounded: a decode request that comes after its
-        # transfer was cancelled or timed out (its handler stalled, the router gave up) must not take the free slot
-        self._ended: OrderedDict[str, str] = OrderedDict()
-        # of those that failed (id -> token, code, message): their late decode request learns the failure, not `cancelled`
-        self._failures: dict[str, tuple[str, str, str]] = {}
+        # transfers that ended here, newest last, bounded: a decode request that comes after its transfer was
+        # cancelled or timed out (its handler stalled, the router gave up) must not take the free slot
+        self._ended: OrderedDict[str, Ended] = OrderedDict()
 
     # -- views ----------------------------------------------------------------------
     @property
@@ -156,8 +163,8 @@ class Slot:
                 raise SlotError("draining", "decode node is draining: it takes no new request (undrain it or use another node)")
             ended = self._ended.get(transfer_id)
             if ended is not None:
-                raise SlotError("duplicate" if ended == "finished" else "cancelled",
-                                f"transfer {transfer_id} already ended here ({ended}): it cannot reserve the node again")
+                raise SlotError("duplicate" if ended.reason == "finished" else "cancelled",
+                                f"transfer {transfer_id} already ended here ({ended.reason}): it cannot reserve the node again")
             fence = self._next_generation
             self._next_generation += 1
             held = Reservation(holder, fence, self.lease_s, time.monotonic() + self.lease_s)
@@ -208,13 +215,12 @@ class Slot:
             cur = self.current
             if cur is None or cur.transfer_id != transfer_id:
                 ended = self._ended.get(transfer_id)
-                failure = self._failures.get(transfer_id)
-                if failure is not None and failure[0] == token:  # its KV failed before the router's decode request came
-                    _, code, message = failure
+                if ended is not None and ended.failure is not None and ended.failure[0] == token:  # its KV failed before
+                    _, code, message = ended.failure  # the router's decode request came
                     raise SlotError(code, f"transfer {transfer_id} failed here before its decode request came: {message}")
                 if ended is not None:
-                    code = "duplicate" if ended == "finished" else "reservation_lost" if ended == "lease_expired" else "cancelled"
-                    raise SlotError(code, f"transfer {transfer_id} already ended here ({ended}): a late decode request cannot take the node")
+                    code = "duplicate" if ended.reason == "finished" else "reservation_lost" if ended.reason == "lease_expired" else "cancelled"
+                    raise SlotError(code, f"transfer {transfer_id} already ended here ({ended.reason}): a late decode request cannot take the node")
                 if cur is None:
                     raise SlotError("not_reserved", f"no reservation for transfer {transfer_id} on this node: a router reserves the "
                                     "slot (POST /v1/reserve) before the prefill")
@@ -302,7 +308,7 @@ class Slot:
                     raise SlotError("busy", "decode node is draining: it takes no new transfer")
                 ended = self._ended.get(transfer_id)
                 if ended is not None:  # its decode request gave up, it was cancelled, or its router's lease ran out
-                    raise SlotError("unknown_transfer", f"transfer {transfer_id} already ended here ({ended}): its KV is not taken")
+                    raise SlotError("unknown_transfer", f"transfer {transfer_id} already ended here ({ended.reason}): its KV is not taken")
                 raise SlotError("unknown_transfer", f"no reservation for transfer {transfer_id} on decode node: the router reserves "
                                 "the node before the prefill (node API 2); a router of an older tilepd does not: upgrade it")
             if cur is not None and cur.transfer_id == transfer_id:
@@ -399,9 +405,7 @@ class Slot:
         cur.failure, cur.failure_code = reason, code
         book = f" runbook={runbook}" if runbook else ""
         log.warning("event=transfer_failed transfer_id=%s generation=%s code=%s%s reason=%s", cur.transfer_id, cur.generation, code, book, reason)
-        self._free_locked("transfer_failed", keep_conn)
-        if self._ended.get(cur.transfer_id) == "transfer_failed":  # not a lease that ran out (that is `reservation_lost`)
-            self._failures[cur.transfer_id] = (cur.token, code, reason)
+        self._free_locked("transfer_failed", keep_conn, failure=(cur.token, code, reason))
 
     def _held_by(self, transfer_id: str, fence: int) -> Reservation:
         """The current reservation when it is this transfer's under this fence; else `reservation_lost` saying why."""
@@ -410,13 +414,14 @@ class Slot:
         if cur is not None and held is not None and cur.transfer_id == transfer_id and held.fence == fence and not held.expired:
             return held
         ended = self._ended.get(transfer_id)
-        why = f"it ended here ({ended})" if ended else "the slot is held by another" if cur is not None else "the slot is free"
+        why = f"it ended here ({ended.reason})" if ended else "the slot is held by another" if cur is not None else "the slot is free"
         raise SlotError("reservation_lost", f"transfer {transfer_id} with fence {fence} holds this node's slot no more: {why}")
 
-    def _free_locked(self, reason: str, keep_conn: int | None = None) -> None:
+    def _free_locked(self, reason: str, keep_conn: int | None = None, failure: tuple[str, str, str] | None = None) -> None:
         cur = self.current
         if cur is not None and cur.reservation is not None and cur.reservation.expired:
             reason = "lease_expired"  # however the decode ended, its router's lease is why (a late decode request learns it)
+            failure = None  # that is `reservation_lost` to it, not the transfer's failure
         self._on_disarm()
         if cur is not None and self.state == State.TRANSFERRING:
             for conn in set(cur.conn_ids.values()) - {keep_conn}:
@@ -424,7 +429,7 @@ class Slot:
         self.current = None
         self.state = State.FREE
         if cur is not None:
-            self._remember_ended(cur.transfer_id, reason)
+            self._remember_ended(cur.transfer_id, reason, failure)
         log.info("event=freed transfer_id=%s reason=%s", cur.transfer_id if cur else None, reason)
         self._cv.notify_all()
         self.on_free()
@@ -433,10 +438,8 @@ class Slot:
         """Draining refuses a new transfer on the free slot, except a restart's canary."""
         return self.draining and not transfer_id.startswith(CANARY_TRANSFER_PREFIX)
 
-    def _remember_ended(self, transfer_id: str, reason: str) -> None:
-        self._ended[transfer_id] = reason
-        self._failures.pop(transfer_id, None)  # `_fail_locked` records a failure after this
+    def _remember_ended(self, transfer_id: str, reason: str, failure: tuple[str, str, str] | None = None) -> None:
+        self._ended[transfer_id] = Ended(reason, failure)
         self._ended.move_to_end(transfer_id)
         while len(self._ended) > ENDED_REMEMBERED:
-            forgotten, _ = self._ended.popitem(last=False)
-            self._failures.pop(forgotten, None)
+            self._ended.popitem(last=False)
