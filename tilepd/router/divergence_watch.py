@@ -174,10 +174,11 @@ class DivergenceWatch:
             due = rec.probe_now or rec.last_check is None or now - rec.last_check >= self.config.interval_s
             if not due or rec.drained is not None:
                 continue
+            plan = self._probe_plan()  # before the lease: nothing between the lease and the run can fail
             lease = await try_lease_node(self.state, node)  # reserved on the node, as a request's (node API 2)
             if lease is None:
                 continue
-            sample = await self.probe(lease)
+            sample = await self.probe(lease, plan)
             if sample is not None:
                 await self.check(sample)
             else:
@@ -194,17 +195,19 @@ class DivergenceWatch:
             log.info("event=divergence_watch_reset node=%s why=undrained", node.name)
             self.nodes[node.name] = NodeRecord(last_check=self.clock())
 
-    async def probe(self, lease: Lease) -> Sample | None:
-        """A greedy request of `probe_tokens` through the prefill and this node (the lease, reserved on the node, is the
-        run's to return)."""
+    def _probe_plan(self) -> EnginePlan:
+        """The next probe's greedy request of `probe_tokens` on a fixed pseudo-random prompt."""
         self._probes += 1
-        rid = f"divergence-probe-{uuid.uuid4().hex[:12]}"
-        vocab = len(self.state.renderer.tokenizer)
-        prompt = probe_prompt(self._probes, vocab)
-        plan = EnginePlan(prompt_ids=prompt, max_tokens=self.config.probe_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+        prompt = probe_prompt(self._probes, len(self.state.renderer.tokenizer))
+        return EnginePlan(prompt_ids=prompt, max_tokens=self.config.probe_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None,
                           stop=[], include_stop_str_in_output=False, stop_token_ids=[], ignore_eos=True, skip_special_tokens=True)
+
+    async def probe(self, lease: Lease, plan: EnginePlan) -> Sample | None:
+        """`plan` through the prefill and this node (the lease, reserved on the node, is the run's to return)."""
+        rid = f"divergence-probe-{uuid.uuid4().hex[:12]}"
         run = LowLatencyRun(self.state, plan, lease, rid)
         node = lease.node.name
+        prompt = plan.prompt_ids
         try:
             async for _ in run.events():
                 pass
