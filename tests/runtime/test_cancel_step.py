@@ -9,6 +9,7 @@ may be produced (the step that was already running).
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -130,3 +131,30 @@ def test_node_exports_its_phases_into_the_callers_trace(slow_node) -> None:
     finally:
         svc.tracing.shutdown()
         svc.tracing = None
+
+
+def test_a_stream_whose_client_went_away_still_logs_its_decode_done(slow_node, caplog) -> None:
+    """The client closes its stream mid-decode: the engine stops at its next step and the node still logs the request's
+    `event=decode_done` (finish=cancelled) and counts it, as it does for every other decode."""
+    svc, eng, base = slow_node
+    prompt = [3, 14, 15, 92, 65]
+    first, fence = _land_prompt_kv(svc, eng, prompt, "tx-gone")
+    caplog.set_level("INFO", logger="tilepd.runtime.http")
+    cancelled_before = svc.metrics.requests.labels("cancelled")._value.get()
+    body = {"transfer_id": "tx-gone", "token": "tok", "fence": fence, "first_token": first, "prompt_tokens": len(prompt),
+            "max_tokens": 200, "ignore_eos": True}
+    with httpx.Client(base_url=base, timeout=30) as cl, cl.stream("POST", "/v1/decode", json=body, headers={"x-request-id": "req-gone"}) as r:
+        for n, line in enumerate(r.iter_lines()):
+            if line and n >= 2:
+                break  # leaving the block closes the connection mid-stream
+
+    def done_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "event=decode_done transfer_id=tx-gone " in r.getMessage()]
+
+    deadline = time.monotonic() + 20
+    while not done_lines() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (done,) = done_lines()
+    assert " req=req-gone " in done and " finish=cancelled " in done
+    assert svc.metrics.requests.labels("cancelled")._value.get() == cancelled_before + 1
+    assert any("event=client_gone transfer_id=tx-gone req=req-gone" in r.getMessage() for r in caplog.records)

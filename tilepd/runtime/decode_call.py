@@ -253,8 +253,18 @@ class DecodeCall:
                 return
         finally:
             if not finished:  # the client went away: stop the engine at its next step
-                log.info("event=client_gone transfer_id=%s", self.tid)
+                log.info("event=client_gone transfer_id=%s req=%s", self.tid, self.rid)
                 self.transfer.cancel.set()
+                self.future.add_done_callback(self._abandoned_done)
+
+    def _abandoned_done(self, fut: asyncio.Future[DecodeOutcome]) -> None:
+        """A stream whose client went away still ends with its `decode_done` line and count, once the engine stops."""
+        if fut.cancelled():
+            return
+        if fut.exception() is not None:
+            log.warning("event=decode_error transfer_id=%s req=%s error=%r", self.tid, self.rid, fut.exception())
+            return
+        self.final_timings(fut.result())
 
     async def collect(self) -> JSONResponse | dict[str, Any]:
         """`stream: false`: the whole decode as one JSON body."""
