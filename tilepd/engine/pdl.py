@@ -1,0 +1,91 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels: the switch and the device functions.
+
+Why: the step is a chain of ~9 dependent launches a layer replayed from a CUDA graph, and between two of them the
+GPU idles for the next launch and for the next kernel's first memory round trip (~1.8 us a boundary on an H200,
+docs/PERFORMANCE.md). With PDL (sm_90+) a kernel's programs are scheduled while the previous kernel finishes; each
+one waits (`griddepcontrol.wait`) before touching anything the step writes. Before that wait a program may only
+read what no kernel of the step writes (the weights): `prefetch_l2` pulls its first weight tile into L2 there, so
+the read that starts the kernel's work comes from L2, not HBM.
+
+The rule every kernel launched with `launch_kwargs()` follows (they take a `PDL` constexpr, `flag()`):
+
+  * `wait(PDL)` in every program before its first load of an activation, a cache, a routing result or a counter,
+    and before its first store (so it never overwrites what the previous kernel still reads); it also lets the
+    next kernel's programs be scheduled (`gdc_launch_dependents` right after the wait: a kernel can only trigger
+    once all of its programs have started, so the next kernel's programs take only slots left over);
+  * before the wait: loads of weights only (never written by the step), and L2 prefetches of them.
+
+A kernel launched without PDL after one that never triggers (torch's, cuBLAS's, a memset) starts when that one
+has completed, as without PDL; `griddepcontrol.wait` is a no-op in a kernel launched without it. So mixing is safe.
+
+The switch: env TILEPD_PDL (1 on, 0 off; default on, measured on one H200: docs/PERFORMANCE.md, issue 24) and
+TILEPD_PDL_PREFETCH (the weight prefetch before the wait, default on). Always off under TRITON_INTERPRET=1, on a
+CPU tensor, below compute capability 9.0, or where this Triton has no griddepcontrol.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from tilepd.engine.tuning import env_int
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - CPU installs without Triton, or a Triton without griddepcontrol
+    triton = None
+
+# Read at import; tests and benches may set SWITCH["on"] / ["prefetch"] before the first launch of a kernel
+# (each launch form is compiled once per value: a CUDA graph captured with one value keeps it).
+SWITCH: dict[str, int] = {"on": env_int("TILEPD_PDL", 1), "prefetch": env_int("TILEPD_PDL_PREFETCH", 1)}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports(index: int) -> bool:
+    major, _ = torch.cuda.get_device_capability(index)
+    return major >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """PDL for a launch whose tensors live where `t` does: switch on, a CUDA tensor, sm_90+, not the interpreter."""
+    if triton is None or not SWITCH["on"] or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def flag(t: torch.Tensor) -> bool:
+    """The kernels' PDL constexpr for a launch on `t`'s device."""
+    return enabled(t)
+
+
+def prefetch_flag(t: torch.Tensor) -> bool:
+    """The kernels' PREFETCH constexpr: the L2 prefetch of weights before the wait (only with PDL, where it overlaps
+    the previous kernel's tail; without PDL it would only add instructions in front of the same loads)."""
+    return enabled(t) and bool(SWITCH["prefetch"])
+
+
+def launch_kwargs(t: torch.Tensor) -> dict:
+    """The launch options that go with flag(t): {"launch_pdl": True} or nothing."""
+    return {"launch_pdl": True} if enabled(t) else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait(PDL: tl.constexpr):  # noqa: ANN201 - a Triton device function
+        """Before the first read of anything the step writes: the previous kernel has completed and its writes are
+        visible; then the next kernel may be scheduled."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(ptrs, mask):  # noqa: ANN001, ANN201 - a Triton device function
+        """prefetch.global.L2 of each address where mask is set (no registers written, nothing waits on it)."""
+        tl.inline_asm_elementwise(
+            asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
