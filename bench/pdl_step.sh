@@ -4,6 +4,8 @@
 #   bash bench/pdl_step.sh ab OUTDIR      # GLM-5.1 fp8 78 layers at 1K: off (and the gate's top-k in rounds) / on / on without
 #                                         # the weight prefetch, each profiled; the MoE block's GPU parity + times with the defaults
 #   bash bench/pdl_step.sh table OUTDIR   # GPU parity with the defaults, then issue 24's rows, each off then on
+#   bash bench/pdl_step.sh one OUTDIR SECONDS  # what fits one call, by value: GLM-5.1 1K/32K/128K on, 1K off, GPU parity,
+#                                              # the TP8 shard on, DeepSeek-V3 1K on, then off; each step cut at the deadline
 #
 # "off" is TILEPD_PDL=0 TILEPD_MOE_FUSED_GATE_RANKED=0: the kernels as they launched before (no griddepcontrol, no
 # prefetch, the shared expert summed last, the gate's top-k in TOP_K rounds). Each step: its JSON and log under OUTDIR.
@@ -16,8 +18,13 @@ py=${PYTHON:-python3}
 off=(TILEPD_PDL=0 TILEPD_MOE_FUSED_GATE_RANKED=0)
 noprefetch=(TILEPD_PDL=1 TILEPD_PDL_PREFETCH=0)
 
-step() {  # step NAME SECONDS CMD...: one bench under a time limit, its log beside its JSON
+deadline=${3:-100000}  # seconds from the start after which no step runs on (part "one")
+
+step() {  # step NAME SECONDS CMD...: one bench under a time limit (and the deadline), its log beside its JSON
   local name=$1 limit=$2; shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 20 ]; then echo "== $name: skipped (deadline)"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
   echo "== $name: $*"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
@@ -60,5 +67,15 @@ case "$part" in
       step "tp8-$mode" 150 env "${envs[@]}" TILEPD_X=1 bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-$mode"
     done
     ;;
-  *) echo "unknown part: $part (ab or table)" >&2; exit 2 ;;
+  one)
+    step glm-on 200 bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-on 1024 32768 131072"
+    step glm-1k-off 110 env "${off[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-off 1024"
+    step parity 200 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
+      tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
+    step tp8-on 100 bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-on"
+    step dsv3-on 100 bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-on"
+    step tp8-off 100 env "${off[@]}" bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-off"
+    step dsv3-off 100 env "${off[@]}" bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-off"
+    ;;
+  *) echo "unknown part: $part (ab, table or one)" >&2; exit 2 ;;
 esac
