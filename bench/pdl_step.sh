@@ -4,6 +4,7 @@
 #   bash bench/pdl_step.sh ab OUTDIR      # GLM-5.1 fp8 78 layers at 1K: off (and the gate's top-k in rounds) / on / on without
 #                                         # the weight prefetch, each profiled; the MoE block's GPU parity + times with the defaults
 #   bash bench/pdl_step.sh table OUTDIR   # GPU parity with the defaults, then issue 24's rows, each off then on
+#   bash bench/pdl_step.sh variants OUTDIR SECONDS  # GLM-5.1 1K under each PDL switch setting, then GPU parity with PDL on
 #   bash bench/pdl_step.sh one OUTDIR SECONDS  # what fits one call, by value: GLM-5.1 1K/32K/128K on, 1K off, GPU parity,
 #                                              # the TP8 shard on, DeepSeek-V3 1K on, then off; each step cut at the deadline
 #
@@ -77,5 +78,18 @@ case "$part" in
     step tp8-off 100 env "${off[@]}" bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-off"
     step dsv3-off 100 env "${off[@]}" bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-off"
     ;;
-  *) echo "unknown part: $part (ab, table or one)" >&2; exit 2 ;;
+  variants)  # GLM-5.1 1K under each switch setting (what makes PDL slower or faster), then GPU parity with PDL's widest form
+    v() { local tag=$1; shift; step "glm-1k-$tag" 60 env "$@" bash -c "$(declare -f glm); py=$py out=$out day=$day glm $tag 1024"; }
+    v off "${off[@]}"
+    v on TILEPD_PDL=1
+    v ranked-only TILEPD_PDL=0 TILEPD_MOE_FUSED_GATE_RANKED=1
+    v noprefetch TILEPD_PDL=1 TILEPD_PDL_PREFETCH=0
+    v notrigger TILEPD_PDL=1 TILEPD_PDL_TRIGGER=0 TILEPD_PDL_PREFETCH=0
+    v small-only TILEPD_PDL=1 TILEPD_PDL_SKIP=gemv,gate_up,down
+    v no-moe-gemv TILEPD_PDL=1 TILEPD_PDL_SKIP=gate_up,down
+    v notrigger-small TILEPD_PDL=1 TILEPD_PDL_TRIGGER=0 TILEPD_PDL_PREFETCH=0 TILEPD_PDL_SKIP=gemv,gate_up,down
+    step parity 120 env TILEPD_PDL=1 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
+      tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
+    ;;
+  *) echo "unknown part: $part (ab, table, one or variants)" >&2; exit 2 ;;
 esac

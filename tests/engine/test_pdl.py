@@ -30,7 +30,7 @@ def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     from tilepd.model_format.block_fp8 import BlockFp8, quantize
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(pdl, "enabled", lambda t: True)
+    monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
     bf = torch.bfloat16
     g = torch.Generator().manual_seed(0)
 

@@ -39,9 +39,16 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without Triton, or a Triton without griddepcontrol
     triton = None
 
-# Read at import; tests and benches may set SWITCH["on"] / ["prefetch"] before the first launch of a kernel
-# (each launch form is compiled once per value: a CUDA graph captured with one value keeps it).
-SWITCH: dict[str, int] = {"on": env_int("TILEPD_PDL", 1), "prefetch": env_int("TILEPD_PDL_PREFETCH", 1)}
+# Read at import; tests and benches may set SWITCH's entries before the first launch of a kernel (each launch form is
+# compiled once per value: a CUDA graph captured with one value keeps it). trigger 1: gdc_launch_dependents right
+# after the wait (the next kernel's programs may be scheduled while this one runs); 0: no explicit trigger (the next
+# kernel is launched as this one completes: PDL then saves only the launch's own latency). skip: the kernel kinds
+# (KINDS) launched without PDL, e.g. TILEPD_PDL_SKIP=gate_up,down.
+KINDS = ("gemv", "prepare", "split", "merge", "gate", "gate_up", "down", "dsa")
+SWITCH: dict = {"on": env_int("TILEPD_PDL", 1), "prefetch": env_int("TILEPD_PDL_PREFETCH", 1), "trigger": env_int("TILEPD_PDL_TRIGGER", 1),
+                "skip": frozenset(k for k in os.environ.get("TILEPD_PDL_SKIP", "").split(",") if k)}
+if not SWITCH["skip"] <= set(KINDS):
+    raise ValueError(f"TILEPD_PDL_SKIP={os.environ.get('TILEPD_PDL_SKIP')!r}: kinds are {', '.join(KINDS)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,27 +57,30 @@ def _device_supports(index: int) -> bool:
     return major >= 9
 
 
-def enabled(t: torch.Tensor) -> bool:
-    """PDL for a launch whose tensors live where `t` does: switch on, a CUDA tensor, sm_90+, not the interpreter."""
-    if triton is None or not SWITCH["on"] or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+def enabled(t: torch.Tensor, kind: str = "gemv") -> bool:
+    """PDL for a launch of a `kind` kernel whose tensors live where `t` does: switch on and the kind not skipped, a
+    CUDA tensor, sm_90+, not the interpreter."""
+    if triton is None or not SWITCH["on"] or kind in SWITCH["skip"] or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def flag(t: torch.Tensor) -> bool:
-    """The kernels' PDL constexpr for a launch on `t`'s device."""
-    return enabled(t)
+def flag(t: torch.Tensor, kind: str = "gemv") -> int:
+    """The kernels' PDL constexpr: 0 without PDL, 1 wait then trigger, 2 wait only (SWITCH["trigger"] 0)."""
+    if not enabled(t, kind):
+        return 0
+    return 1 if SWITCH["trigger"] else 2
 
 
-def prefetch_flag(t: torch.Tensor) -> bool:
+def prefetch_flag(t: torch.Tensor, kind: str = "gemv") -> bool:
     """The kernels' PREFETCH constexpr: the L2 prefetch of weights before the wait (only with PDL, where it overlaps
     the previous kernel's tail; without PDL it would only add instructions in front of the same loads)."""
-    return enabled(t) and bool(SWITCH["prefetch"])
+    return enabled(t, kind) and bool(SWITCH["prefetch"])
 
 
-def launch_kwargs(t: torch.Tensor) -> dict:
-    """The launch options that go with flag(t): {"launch_pdl": True} or nothing."""
-    return {"launch_pdl": True} if enabled(t) else {}
+def launch_kwargs(t: torch.Tensor, kind: str = "gemv") -> dict:
+    """The launch options that go with flag(t, kind): {"launch_pdl": True} or nothing."""
+    return {"launch_pdl": True} if enabled(t, kind) else {}
 
 
 if triton is not None:
@@ -81,7 +91,8 @@ if triton is not None:
         visible; then the next kernel may be scheduled."""
         if PDL:
             gdc_wait()
-            gdc_launch_dependents()
+            if PDL == 1:
+                gdc_launch_dependents()
 
     @triton.jit
     def prefetch_l2(ptrs, mask):  # noqa: ANN001, ANN201 - a Triton device function
