@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # Issue 24: the decode step with programmatic dependent launch (tilepd/engine/pdl.py) against without, in one device call.
 #
-#   bash bench/pdl_step.sh ab OUTDIR      # GLM-5.1 fp8 78 layers at 1K: off (and the gate's top-k in rounds) / on / on without
+#   bash bench/pdl_step.sh ab OUTDIR      # GLM-5.1 fp8 78 layers at 1K: off / on / on without
 #                                         # the weight prefetch, each profiled; the MoE block's GPU parity + times with the defaults
 #   bash bench/pdl_step.sh table OUTDIR   # GPU parity with the defaults, then issue 24's rows, each off then on
 #   bash bench/pdl_step.sh variants OUTDIR SECONDS  # GLM-5.1 1K under each PDL switch setting, then GPU parity with PDL on
 #   bash bench/pdl_step.sh one OUTDIR SECONDS  # what fits one call, by value: GLM-5.1 1K/32K/128K on, 1K off, GPU parity,
 #                                              # the TP8 shard on, DeepSeek-V3 1K on, then off; each step cut at the deadline
 #
-# "off" is TILEPD_PDL=0 TILEPD_MOE_FUSED_GATE_RANKED=0: the kernels as they launched before (no griddepcontrol, no
-# prefetch, the shared expert summed last, the gate's top-k in TOP_K rounds). Each step: its JSON and log under OUTDIR.
+# "off" is TILEPD_PDL=0: the kernels as they launched before (no griddepcontrol, no prefetch, the shared expert summed
+# last); "on" below is PDL's widest form (early trigger and prefetch). TILEPD_MOE_FUSED_GATE_RANKED selected a top-k
+# by ranks in the gate kernel, measured slower and removed (2026-12-03); the runs that set it are kept as they ran.
+# Each step: its JSON and log under OUTDIR.
 set -u
-part=${1:?part: ab or table}
+part=${1:?part: ab, table, variants or one}
 out=${2:?output folder}
 mkdir -p "$out"
 day=$(date -u +%F)
 py=${PYTHON:-python3}
-off=(TILEPD_PDL=0 TILEPD_MOE_FUSED_GATE_RANKED=0)
-noprefetch=(TILEPD_PDL=1 TILEPD_PDL_PREFETCH=0)
+off=(TILEPD_PDL=0)
+on=(TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=1)
+noprefetch=(TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=0)
 
 deadline=${3:-100000}  # seconds from the start after which no step runs on (part "one")
 
@@ -54,7 +57,7 @@ tp8() {
 case "$part" in
   ab)
     step glm-1k-off 150 env "${off[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-off 1024"
-    step glm-1k-on 150 bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-on 1024"
+    step glm-1k-on 150 env "${on[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-on 1024"
     step glm-1k-noprefetch 150 env "${noprefetch[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-noprefetch 1024"
     step moe-fused 100 "$py" bench/moe_fused_gpu.py --trials 1 --no-sweep --out "$out/moe-fused-gpu_h200_${day}-pdl.json"
     ;;
@@ -62,33 +65,32 @@ case "$part" in
     step parity 240 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
       tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
     for mode in off on; do
-      envs=(); [ "$mode" = off ] && envs=("${off[@]}")
+      envs=("${on[@]}"); [ "$mode" = off ] && envs=("${off[@]}")
       step "glm-long-$mode" 300 env "${envs[@]}" TILEPD_X=1 bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-$mode 1024 32768 131072"
       step "dsv3-$mode" 150 env "${envs[@]}" TILEPD_X=1 bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-$mode"
       step "tp8-$mode" 150 env "${envs[@]}" TILEPD_X=1 bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-$mode"
     done
     ;;
   one)
-    step glm-on 200 bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-on 1024 32768 131072"
+    step glm-on 200 env "${on[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-on 1024 32768 131072"
     step glm-1k-off 110 env "${off[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-off 1024"
     step parity 200 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
       tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
-    step tp8-on 100 bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-on"
-    step dsv3-on 100 bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-on"
+    step tp8-on 100 env "${on[@]}" bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-on"
+    step dsv3-on 100 env "${on[@]}" bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-on"
     step tp8-off 100 env "${off[@]}" bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-off"
     step dsv3-off 100 env "${off[@]}" bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-off"
     ;;
   variants)  # GLM-5.1 1K under each switch setting (what makes PDL slower or faster), then GPU parity with PDL's widest form
     v() { local tag=$1; shift; step "glm-1k-$tag" 60 env "$@" bash -c "$(declare -f glm); py=$py out=$out day=$day glm $tag 1024"; }
     v off "${off[@]}"
-    v on TILEPD_PDL=1
-    v ranked-only TILEPD_PDL=0 TILEPD_MOE_FUSED_GATE_RANKED=1
-    v noprefetch TILEPD_PDL=1 TILEPD_PDL_PREFETCH=0
+    v on "${on[@]}"
+    v noprefetch TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=0
     v notrigger TILEPD_PDL=1 TILEPD_PDL_TRIGGER=0 TILEPD_PDL_PREFETCH=0
-    v small-only TILEPD_PDL=1 TILEPD_PDL_SKIP=gemv,gate_up,down
-    v no-moe-gemv TILEPD_PDL=1 TILEPD_PDL_SKIP=gate_up,down
+    v small-only TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=1 TILEPD_PDL_SKIP=gemv,gate_up,down
+    v no-moe-gemv TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=1 TILEPD_PDL_SKIP=gate_up,down
     v notrigger-small TILEPD_PDL=1 TILEPD_PDL_TRIGGER=0 TILEPD_PDL_PREFETCH=0 TILEPD_PDL_SKIP=gemv,gate_up,down
-    step parity 120 env TILEPD_PDL=1 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
+    step parity 120 env "${on[@]}" "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
       tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
     ;;
   *) echo "unknown part: $part (ab, table, one or variants)" >&2; exit 2 ;;

@@ -18,10 +18,37 @@ def test_off_on_cpu_and_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -
     from tilepd.engine import pdl
 
     monkeypatch.setitem(pdl.SWITCH, "on", 1)
+    monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
     x = torch.zeros(2)
-    assert not pdl.enabled(x) and pdl.launch_kwargs(x) == {} and not pdl.prefetch_flag(x)
+    assert not pdl.enabled(x) and pdl.launch_kwargs(x) == {} and not pdl.prefetch_flag(x) and pdl.flag(x) == 0
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.enabled(x)
+
+
+def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flag: 1 wait + early trigger, 2 wait only, 0 for a skipped kind; an unknown kind in TILEPD_PDL_SKIP is refused."""
+    import subprocess
+    import sys
+
+    from tilepd.engine import pdl
+
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    x = torch.zeros(2)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(pdl.SWITCH, "on", 1)
+    monkeypatch.setitem(pdl.SWITCH, "skip", frozenset({"down"}))
+    monkeypatch.setitem(pdl.SWITCH, "trigger", 1)
+    assert pdl.flag(x, "gate") == 1 and pdl.launch_kwargs(x, "gate") == {"launch_pdl": True}
+    assert pdl.flag(x, "down") == 0 and pdl.launch_kwargs(x, "down") == {}
+    monkeypatch.setitem(pdl.SWITCH, "trigger", 0)
+    assert pdl.flag(x, "gate") == 2
+    monkeypatch.setitem(pdl.SWITCH, "on", 0)
+    assert pdl.flag(x, "gate") == 0
+    env = {**os.environ, "TILEPD_PDL_SKIP": "gate,nonsense"}
+    res = subprocess.run([sys.executable, "-c", "import tilepd.engine.pdl"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "TILEPD_PDL_SKIP='gate,nonsense'" in res.stderr
 
 
 def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
@@ -31,6 +58,8 @@ def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
+    monkeypatch.setitem(pdl.SWITCH, "trigger", 1)  # the widest form: early trigger, weights prefetched before the wait
+    monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
     bf = torch.bfloat16
     g = torch.Generator().manual_seed(0)
 

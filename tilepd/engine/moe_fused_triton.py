@@ -64,7 +64,6 @@ TUNE: dict[str, int] = {
     "down_block_k_fp8": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K_FP8", 0),
     "down_block_k": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K", 1024),
     "down_num_warps": env_int("TILEPD_MOE_FUSED_DOWN_WARPS", 4),
-    "gate_ranked": env_int("TILEPD_MOE_FUSED_GATE_RANKED", 1),
 }
 _DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
 
@@ -82,7 +81,7 @@ if triton is not None:
                      K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                     N_SLOTS: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr = False):
+                     N_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
         r = tl.program_id(0)
         pid_e = tl.program_id(1)
         act = H.dtype.element_ty
@@ -122,7 +121,7 @@ if triton is not None:
         if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program: all logits are out
             for t in range(T):
                 route_row(LOGITS + t * s_lr, BIAS, IDS + t * s_ir, WTS + t * s_wr, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
-                          G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS, RANKED)
+                          G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
             tl.atomic_xchg(COUNTER, 0)
 
     @triton.jit
@@ -268,7 +267,7 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
     _gate_kernel[(t, triton.cdiv(n_exp, block_e))](
         x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
         logits.stride(0), ids.stride(0), weights.stride(0), float(eps), float(routed_scaling_factor),
-        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, RANKED=bool(TUNE["gate_ranked"]), PDL=pdl.flag(x, "gate"), num_warps=TUNE["gate_num_warps"],
+        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, PDL=pdl.flag(x, "gate"), num_warps=TUNE["gate_num_warps"],
         **pdl.launch_kwargs(x, "gate"))
     return h, ids, weights, logits
 

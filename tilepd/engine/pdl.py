@@ -18,8 +18,13 @@ The rule every kernel launched with `launch_kwargs()` follows (they take a `PDL`
 A kernel launched without PDL after one that never triggers (torch's, cuBLAS's, a memset) starts when that one
 has completed, as without PDL; `griddepcontrol.wait` is a no-op in a kernel launched without it. So mixing is safe.
 
-The switch: env TILEPD_PDL (1 on, 0 off; default on, measured on one H200: docs/PERFORMANCE.md, issue 24) and
-TILEPD_PDL_PREFETCH (the weight prefetch before the wait, default on). Always off under TRITON_INTERPRET=1, on a
+The switches (env, read at import): TILEPD_PDL (1 on, default 0: off), TILEPD_PDL_TRIGGER (1: the next kernel may be
+scheduled right after this one's wait; default 0: wait only, the next kernel launches as this one completes),
+TILEPD_PDL_PREFETCH (the weight prefetch before the wait; default 0, it only pays with the early trigger), and
+TILEPD_PDL_SKIP (kernel kinds launched without it). Off by default because on one H200 (2026-12-03, docs/PERFORMANCE.md
+"Programmatic dependent launch on the decode step") GLM-5.1 fp8 at 78 layers, 1K, got slower with the early trigger
+(14.80 -> 16.48 ms/token; 16.26 without the prefetch) and was not measured faster with the wait alone; one TP8 rank's shard
+got faster with the early trigger and the prefetch (7.11 -> 6.86 ms a step). Always off under TRITON_INTERPRET=1, on a
 CPU tensor, below compute capability 9.0, or where this Triton has no griddepcontrol.
 """
 
@@ -35,9 +40,14 @@ from tilepd.engine.tuning import env_int
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - CPU installs without Triton, or a Triton without griddepcontrol
+except ImportError:  # pragma: no cover - CPU installs without Triton
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _GDC = True
+except ImportError:  # pragma: no cover - a Triton without griddepcontrol: the kernels run, without PDL
+    _GDC = False
 
 # Read at import; tests and benches may set SWITCH's entries before the first launch of a kernel (each launch form is
 # compiled once per value: a CUDA graph captured with one value keeps it). trigger 1: gdc_launch_dependents right
@@ -45,7 +55,7 @@ except ImportError:  # pragma: no cover - CPU installs without Triton, or a Trit
 # kernel is launched as this one completes: PDL then saves only the launch's own latency). skip: the kernel kinds
 # (KINDS) launched without PDL, e.g. TILEPD_PDL_SKIP=gate_up,down.
 KINDS = ("gemv", "prepare", "split", "merge", "gate", "gate_up", "down", "dsa")
-SWITCH: dict = {"on": env_int("TILEPD_PDL", 1), "prefetch": env_int("TILEPD_PDL_PREFETCH", 1), "trigger": env_int("TILEPD_PDL_TRIGGER", 1),
+SWITCH: dict = {"on": env_int("TILEPD_PDL", 0), "prefetch": env_int("TILEPD_PDL_PREFETCH", 0), "trigger": env_int("TILEPD_PDL_TRIGGER", 0),
                 "skip": frozenset(k for k in os.environ.get("TILEPD_PDL_SKIP", "").split(",") if k)}
 if not SWITCH["skip"] <= set(KINDS):
     raise ValueError(f"TILEPD_PDL_SKIP={os.environ.get('TILEPD_PDL_SKIP')!r}: kinds are {', '.join(KINDS)}")
@@ -60,7 +70,7 @@ def _device_supports(index: int) -> bool:
 def enabled(t: torch.Tensor, kind: str = "gemv") -> bool:
     """PDL for a launch of a `kind` kernel whose tensors live where `t` does: switch on and the kind not skipped, a
     CUDA tensor, sm_90+, not the interpreter."""
-    if triton is None or not SWITCH["on"] or kind in SWITCH["skip"] or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if triton is None or not _GDC or not SWITCH["on"] or kind in SWITCH["skip"] or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

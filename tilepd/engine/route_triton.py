@@ -59,24 +59,9 @@ if triton is not None:
     def route_row(row, BIAS, ids_out, wts_out, scale,  # noqa: ANN201 - a Triton device function, no Python return
                   N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                   G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                  N_SLOTS: tl.constexpr, RANKED: tl.constexpr):
+                  N_SLOTS: tl.constexpr):
         """One token's routing: gate logits at `row` -> N_SLOTS ids at `ids_out`, weights at `wts_out` (in its dtype).
         The logits are read past L1 (.cg): moe_fused_triton's gate kernel routes logits other programs just wrote."""
-        if RANKED and N_GROUP == 1:  # one group (GLM-5): the experts as one vector, no padded second group row
-            j1 = tl.arange(0, GS_PAD)
-            v1 = j1 < GROUP_SIZE
-            sc1 = tl.sigmoid(tl.load(row + j1, mask=v1, other=0.0, cache_modifier=".cg").to(tl.float32))
-            ch1 = tl.where(v1, sc1 + tl.load(BIAS + j1, mask=v1, other=0.0).to(tl.float32), float("-inf"))
-            _ranked_tail(sc1, ch1, v1, j1, ids_out, wts_out, scale, TOP_K, K_PAD, NORMALISE, SHARED_SLOT)
-        else:
-            _route_2d(row, BIAS, ids_out, wts_out, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, NORMALISE,
-                      SHARED_SLOT, N_SLOTS, RANKED)
-
-    @triton.jit
-    def _route_2d(row, BIAS, ids_out, wts_out, scale, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  TOP_K: tl.constexpr, G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr,
-                  SHARED_SLOT: tl.constexpr, N_SLOTS: tl.constexpr, RANKED: tl.constexpr):
-        """route_row over the experts as [groups, group size]: the group stage, then the top-k (rounds or ranks)."""
         g = tl.arange(0, G_PAD)
         j = tl.arange(0, GS_PAD)
         valid = (g[:, None] < N_GROUP) & (j[None, :] < GROUP_SIZE)
@@ -99,55 +84,25 @@ if triton is not None:
                 chosen = chosen | hit
                 gkey = tl.where(hit, none, gkey)
             allowed = valid & chosen[:, None]
-        if RANKED:  # every expert's rank (how many allowed keys beat it) at once: no chain of TOP_K reductions
-            E_PAD: tl.constexpr = G_PAD * GS_PAD
-            _ranked_tail(tl.reshape(scores, [E_PAD]), tl.reshape(choice, [E_PAD]), tl.reshape(allowed, [E_PAD]), tl.reshape(e, [E_PAD]),
-                         ids_out, wts_out, scale, TOP_K, K_PAD, NORMALISE, SHARED_SLOT)
-        else:
-            # TOP_K rounds of top-1 over the allowed experts, the lower index first among equals
-            ekey = tl.where(allowed, _key(choice, e), none)
-            kk = tl.arange(0, K_PAD)
-            ids = tl.zeros([K_PAD], dtype=tl.int64)
-            for i in tl.static_range(TOP_K):
-                pick = _key_index(tl.max(tl.max(ekey, axis=1), axis=0))
-                ekey = tl.where(e == pick, none, ekey)
-                ids = tl.where(kk == i, pick, ids)
-            kmask = kk < TOP_K
-            wts = tl.where(kmask, tl.sigmoid(tl.load(row + ids, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)), 0.0)  # the chosen scores
-            if NORMALISE:
-                wts = wts / (tl.sum(wts, axis=0) + 1e-20)
-            wts = wts * scale
-            if SHARED_SLOT:  # one more slot after the routed ones: id -1 (the shared expert), weight 1
-                ids = tl.where(kk == TOP_K, -1, ids)
-                wts = tl.where(kk == TOP_K, 1.0, wts)
-            smask = kk < N_SLOTS
-            tl.store(ids_out + kk, ids, mask=smask)
-            tl.store(wts_out + kk, wts.to(wts_out.dtype.element_ty), mask=smask)
-
-    @triton.jit
-    def _ranked_tail(sc, choice, ok, idx, ids_out, wts_out, scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr,
-                     SHARED_SLOT: tl.constexpr):
-        """The top-k as ranks over the experts' vectors (sigmoid scores sc, choice scores, allowed ok, index idx): an
-        expert's rank is the number of allowed experts whose key (_key: the choice score's order, then the lower
-        index) beats its own; the TOP_K of rank < TOP_K are stored at their rank, the order the rounds give. One
-        [E, E] comparison summed along rows instead of TOP_K dependent max reductions, each of which is a
-        shared-memory round trip in a program of several warps (the fused gate kernel)."""
-        b = choice.to(tl.int32, bitcast=True)
-        o = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # the float's order as an int32 (-0.0 below +0.0, as _key)
-        beats = (o[None, :] > o[:, None]) | ((o[None, :] == o[:, None]) & (idx[None, :] < idx[:, None]))
-        rank = tl.sum((beats & ok[None, :]).to(tl.int32), axis=1)
-        sel = ok & (rank < TOP_K)
-        wts = tl.where(sel, sc, 0.0)
+        # TOP_K rounds of top-1 over the allowed experts, the lower index first among equals
+        ekey = tl.where(allowed, _key(choice, e), none)
+        kk = tl.arange(0, K_PAD)
+        ids = tl.zeros([K_PAD], dtype=tl.int64)
+        for i in tl.static_range(TOP_K):
+            pick = _key_index(tl.max(tl.max(ekey, axis=1), axis=0))
+            ekey = tl.where(e == pick, none, ekey)
+            ids = tl.where(kk == i, pick, ids)
+        kmask = kk < TOP_K
+        wts = tl.where(kmask, tl.sigmoid(tl.load(row + ids, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)), 0.0)  # the chosen scores
         if NORMALISE:
             wts = wts / (tl.sum(wts, axis=0) + 1e-20)
         wts = wts * scale
-        tl.store(ids_out + rank, idx.to(tl.int64), mask=sel)
-        tl.store(wts_out + rank, wts.to(wts_out.dtype.element_ty), mask=sel)
         if SHARED_SLOT:  # one more slot after the routed ones: id -1 (the shared expert), weight 1
-            kk = tl.arange(0, K_PAD)
-            last = kk == TOP_K
-            tl.store(ids_out + kk, tl.full([K_PAD], -1, tl.int64), mask=last)
-            tl.store(wts_out + kk, tl.full([K_PAD], 1.0, tl.float32).to(wts_out.dtype.element_ty), mask=last)
+            ids = tl.where(kk == TOP_K, -1, ids)
+            wts = tl.where(kk == TOP_K, 1.0, wts)
+        smask = kk < N_SLOTS
+        tl.store(ids_out + kk, ids, mask=smask)
+        tl.store(wts_out + kk, wts.to(wts_out.dtype.element_ty), mask=smask)
 
     @triton.jit
     def _route_kernel(LOGITS, BIAS, IDS, WEIGHTS, s_lt, s_it, s_wt, scale,
@@ -156,7 +111,7 @@ if triton is not None:
                       N_SLOTS: tl.constexpr):
         t = tl.program_id(0)
         route_row(LOGITS + t * s_lt, BIAS, IDS + t * s_it, WEIGHTS + t * s_wt, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
-                  G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS, False)
+                  G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
 
 def route_constants(n_exp: int, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, shared_slot: bool) -> dict:
     """The routing's compile-time constants (route_row's) for n_exp experts, after refusing by name what it cannot route."""
