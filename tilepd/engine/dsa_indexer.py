@@ -22,11 +22,14 @@ import os
 
 import torch
 
+from tilepd.engine import pdl
+
 from tilepd.engine.tuning import env_int
 
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.pdl import wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -55,7 +58,8 @@ if triton is not None:
 
     @triton.jit
     def _index_key_kernel(KX, NW, NB, CS, POS, CACHE, eps, s_kt, s_ct, s_c1, s_cl,
-                          D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+                          D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
+        wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(0)
         offs = tl.arange(0, D)
         partner = _rope_partner(offs, ROPE, INTERLEAVED)
@@ -76,7 +80,8 @@ if triton is not None:
     def _index_scores_kernel(Q, CS, WTS, KEYS, VALID, OUT, HIST, H, L, CHUNK, qk_scale, head_scale,
                              s_qt, s_qh, s_ct, s_c1, s_wt, s_kl, s_vt, s_ot, s_ht,
                              D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, WITH_HIST: tl.constexpr):
+                             BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, WITH_HIST: tl.constexpr, PDL: tl.constexpr = False):
+        wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(0)  # the rows of one chunk are neighbours in launch order: its keys come from L2 for t > 0
         start = tl.program_id(1) * CHUNK
         end = tl.minimum(start + CHUNK, L)
@@ -131,7 +136,7 @@ def write_index_keys(kx: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tenso
         raise ValueError(f"DSA index keys: kx {tuple(kx.shape)}, cache {tuple(cache.shape)} (stride {cache.stride()}), "
                          f"cs stride {cs.stride()}: need matching, contiguous rows")
     _index_key_kernel[(t,)](kx, norm_w, norm_b, cs, positions, cache, 1e-6, kx.stride(0), cs.stride(0), cs.stride(1), cache.stride(0),
-                            D=d, ROPE=rope, INTERLEAVED=interleaved, num_warps=1)
+                            D=d, ROPE=rope, INTERLEAVED=interleaved, num_warps=1, PDL=pdl.flag(kx, "dsa"), **pdl.launch_kwargs(kx, "dsa"))
 
 
 def score_chunk(length: int) -> int:
@@ -169,7 +174,7 @@ def index_scores(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys:
         0 if hist is None else hist.stride(0),
         D=d, ROPE=rope, INTERLEAVED=interleaved, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_L=TUNE["block_l"],
         PRECISION="ieee" if keys.dtype == torch.float32 else "tf32", UPCAST=_INTERPRET and keys.dtype != torch.float32,
-        WITH_HIST=hist is not None, num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"])
+        WITH_HIST=hist is not None, num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"], PDL=pdl.flag(q, "dsa"), **pdl.launch_kwargs(q, "dsa"))
     return out
 
 

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import torch
 
+from tilepd.engine import pdl
+
 from tilepd.engine.tuning import env_int
 
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.pdl import wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -123,7 +126,8 @@ if triton is not None:
             n_tie += tl.sum(eq.to(tl.int32), axis=0)
 
     @triton.jit
-    def _topk_one_program_kernel(S, VALID, IDX, OK, CAND_K, CAND_I, L, K, s_st, s_vt, s_it, s_ct, BLOCK: tl.constexpr):
+    def _topk_one_program_kernel(S, VALID, IDX, OK, CAND_K, CAND_I, L, K, s_st, s_vt, s_it, s_ct, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(0)
         row = S + t * s_st
         vrow = VALID + t * s_vt
@@ -168,8 +172,9 @@ if triton is not None:
         _finish_candidates(crow_k, crow_i, n_cand, prefix, k_rem, n_out, vrow, orow_i, orow_ok, BLOCK)
 
     @triton.jit
-    def _topk_hist0_kernel(S, HIST, L, CHUNK, s_st, s_ht, BLOCK: tl.constexpr):
+    def _topk_hist0_kernel(S, HIST, L, CHUNK, s_st, s_ht, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """The top byte's histogram of a chunk added to its row's (what index_scores' epilogue does when fused)."""
+        wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(1)
         start = tl.program_id(0) * CHUNK
         end = tl.minimum(start + CHUNK, L)
@@ -183,9 +188,10 @@ if triton is not None:
 
     @triton.jit
     def _topk_split_kernel(S, VALID, HIST, IDX, OK, CAND_K, CAND_I, L, K, CHUNK, s_st, s_vt, s_ht, s_it, s_ct,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """From the top byte's histogram: write every slot above the k-th's bin (they are selected), compact the bin's
         slots (the candidates) into the scratch and add their second byte's histogram to the row's."""
+        wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(1)
         start = tl.program_id(0) * CHUNK
         end = tl.minimum(start + CHUNK, L)
@@ -228,9 +234,10 @@ if triton is not None:
 
     @triton.jit
     def _topk_refine_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, s_vt, s_ht, s_it, s_ct,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Over the split's candidates in parallel (programs past their count do nothing): write those above the k-th
         key's two top bytes, compact those equal to them (usually a few hundred) for the finish."""
+        wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(1)
         hrow = HIST + t * s_ht
         start = tl.program_id(0) * CHUNK
@@ -255,8 +262,9 @@ if triton is not None:
             tl.store(CAND2_I + t * s_ct + cpos, slot, mask=keep)
 
     @triton.jit
-    def _topk_finish_kernel(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, s_vt, s_ht, s_it, s_ct, BLOCK: tl.constexpr):
+    def _topk_finish_kernel(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, s_vt, s_ht, s_it, s_ct, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """One program per row over the refined candidates (the k-th key's two top bytes): _finish_candidates."""
+        wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(0)
         hrow = HIST + t * s_ht
         prefix, n_out, k_rem = _two_top_bytes(hrow, K)
@@ -301,20 +309,20 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.T
         cand = torch.empty(2, t, length, dtype=torch.int32, device=scores.device)  # scratch: candidate keys, slots
         _topk_one_program_kernel[(t,)](scores, valid_u8, idx, ok_u8, cand[0], cand[1], length, k,
                                        scores.stride(0), valid.stride(0), idx.stride(0), cand.stride(1),
-                                       BLOCK=TUNE["block"], num_warps=TUNE["num_warps"])
+                                       BLOCK=TUNE["block"], num_warps=TUNE["num_warps"], PDL=pdl.flag(scores, "dsa"), **pdl.launch_kwargs(scores, "dsa"))
         return idx, ok
     chunk = TUNE["chunk"]
     grid = (triton.cdiv(length, chunk), t)
     if hist is None:
         hist = new_hist(t, scores.device)
         _topk_hist0_kernel[grid](scores, hist, length, chunk, scores.stride(0), hist.stride(0),
-                                 BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
+                                 BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], PDL=pdl.flag(scores, "dsa"), **pdl.launch_kwargs(scores, "dsa"))
     cand = torch.empty(4, t, length, dtype=torch.int32, device=scores.device)  # the split's candidates, the finish's
     _topk_split_kernel[grid](scores, valid_u8, hist, idx, ok_u8, cand[0], cand[1], length, k, chunk, scores.stride(0),
                              valid.stride(0), hist.stride(0), idx.stride(0), cand.stride(1),
-                             BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
+                             BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], PDL=pdl.flag(scores, "dsa"), **pdl.launch_kwargs(scores, "dsa"))
     _topk_refine_kernel[grid](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, chunk, valid.stride(0), hist.stride(0),
-                              idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"])
+                              idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], PDL=pdl.flag(valid_u8, "dsa"), **pdl.launch_kwargs(valid_u8, "dsa"))
     _topk_finish_kernel[(t,)](valid_u8, hist, idx, ok_u8, cand[2], cand[3], k, valid.stride(0), hist.stride(0), idx.stride(0),
-                              cand.stride(1), BLOCK=TUNE["block"], num_warps=TUNE["num_warps"])
+                              cand.stride(1), BLOCK=TUNE["block"], num_warps=TUNE["num_warps"], PDL=pdl.flag(valid_u8, "dsa"), **pdl.launch_kwargs(valid_u8, "dsa"))
     return idx, ok

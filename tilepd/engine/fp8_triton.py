@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from tilepd.engine import pdl
 from tilepd.engine.tuning import pick_block_n
 
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
@@ -42,12 +44,17 @@ if triton is not None:
                          BN: tl.constexpr, BK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                          BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr,
-                         NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+                         NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         act = Y.dtype.element_ty
+        if PREFETCH:  # before the wait (pdl.py): the tile's first K chunk of weight bytes into L2, one address a line
+            lines = tl.arange(0, BLOCK_K // 128) * 128
+            prefetch_l2(W + rows.to(tl.int64)[:, None] * s_wn + lines[None, :], rmask[:, None] & (lines < K)[None, :])
+        wait(PDL)
         x_row = X + (r // X_DIV) * s_xr
         if NORM:  # rms_norm(x) * NW in the prologue: the row's mean square first (x is a few KB, from L2)
             rstd = row_rstd(x_row, K, eps, BLOCK_K)
@@ -152,7 +159,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
         BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
         ROW_UNIFORM=block_n % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=shared is not None, X_DIV=x_div, NW=x, RES=x, eps=0.0, s_rr=0, NORM=False, HAS_RES=False,
-        num_warps=TUNE["num_warps"], **extra,
+        PDL=pdl.flag(x), PREFETCH=pdl.prefetch_flag(x) and not has_ids and tile_k >= 128,
+        num_warps=TUNE["num_warps"], **extra, **pdl.launch_kwargs(x),
     )
     return y
 
@@ -190,7 +198,8 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=False, X_DIV=1, NW=norm_weight if norm_weight is not None else x, RES=residual if residual is not None else x,
         eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
-        num_warps=TUNE["num_warps"], **extra,
+        PDL=pdl.flag(x), PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
+        num_warps=TUNE["num_warps"], **extra, **pdl.launch_kwargs(x),
     )
     return y
 

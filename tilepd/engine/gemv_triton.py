@@ -25,11 +25,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine import norm_act
+from tilepd.engine import norm_act, pdl
 
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
@@ -68,12 +69,17 @@ if triton is not None:
 
     @triton.jit
     def _dense_gemv_kernel(X, W, NW, RES, Y, N, K, s_xr, s_wn, s_rr, s_yr, eps,
-                           PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         w_rows = W + rows.to(tl.int64)[:, None] * s_wn
+        if PREFETCH:  # before the wait (pdl.py): the tile's first K chunk into L2, one address a 128-byte line
+            lines = tl.arange(0, BLOCK_K // 64) * 64  # 2-byte weights (PREFETCH is only set for them)
+            prefetch_l2(w_rows + lines[None, :], rmask[:, None] & (lines < K)[None, :])
+        wait(PDL)
         x_row = X + r * s_xr
         act = Y.dtype.element_ty
         if PROLOGUE == 1:  # rms_norm: the row's mean square first
@@ -103,8 +109,10 @@ if triton is not None:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, prologue: str,
-           residual: torch.Tensor | None) -> torch.Tensor:
-    """x [R, K] (silu_mul: [R, 2K]); weight [N, K]; residual [R, N] -> [R, N] in x's dtype."""
+           residual: torch.Tensor | None, chain: bool = False) -> torch.Tensor:
+    """x [R, K] (silu_mul: [R, 2K]); weight [N, K]; residual [R, N] -> [R, N] in x's dtype. chain: launched among the
+    fused decode step's Triton kernels, so with programmatic dependent launch where pdl.py allows it (the Llama path's
+    neighbours are Inductor's kernels, which never trigger it: it stays off there)."""
     if triton is None:
         raise RuntimeError("dense GEMV kernel needs Triton, which is not importable here")
     if prologue not in PROLOGUES:
@@ -125,7 +133,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
         x, weight, norm_weight if norm_weight is not None else x, residual if residual is not None else x, y, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         PROLOGUE=PROLOGUES.index(prologue), HAS_RES=residual is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
-        num_warps=warps,
+        PDL=chain and pdl.flag(x), PREFETCH=chain and pdl.prefetch_flag(x) and weight.element_size() == 2 and tile_k >= 64,
+        num_warps=warps, **(pdl.launch_kwargs(x) if chain else {}),
     )
     return y
 

@@ -26,11 +26,13 @@ import os
 
 import torch
 
+from tilepd.engine import pdl
 from tilepd.engine.tuning import env_int
 
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.pdl import wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -83,7 +85,8 @@ if triton is not None:
     def _mla_split_kernel(Q, C, IDX, OK, LO, HI, O, LSE, H, L, CHUNK, qk_scale,
                           s_qt, s_qh, s_cl, s_it, s_ot, s_oh, s_os, s_lt, s_lh,
                           RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SPARSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                          SPARSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+        wait(PDL)  # everything this kernel reads (query, cache, selection) is the step's (pdl.py)
         pid = tl.program_id(0)
         s = tl.program_id(1)
         n_hg = tl.cdiv(H, BLOCK_H)
@@ -138,7 +141,8 @@ if triton is not None:
 
     @triton.jit
     def _mla_merge_kernel(O, LSE, OUT, S, H, s_ot, s_oh, s_os, s_lt, s_lh, s_pt, s_ph,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+        wait(PDL)
         row = tl.program_id(0)
         t = row // H
         h = row % H
@@ -189,7 +193,8 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
         q.stride(0), q.stride(1), rows.stride(0), idx.stride(0) if sparse else 0,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse, UPCAST=_INTERPRET and cache.dtype != torch.float32,
-        PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", num_warps=tune["num_warps"], num_stages=tune["num_stages"])
+        PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", PDL=pdl.flag(q, "split"), num_warps=tune["num_warps"],
+        num_stages=tune["num_stages"], **pdl.launch_kwargs(q, "split"))
     return part, lse
 
 
@@ -201,7 +206,8 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, lengt
     block_d = min(rank, 128)
     _mla_merge_kernel[(t * h, rank // block_d)](
         part, lse, out, splits, h, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4)
+        out.stride(0), out.stride(1), BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, PDL=pdl.flag(part, "merge"), num_warps=4,
+        **pdl.launch_kwargs(part, "merge"))
     return out
 
 

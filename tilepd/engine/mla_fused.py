@@ -179,7 +179,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | BlockFp8, rows: int, norm_weigh
                                        norm_weight=norm_weight, eps=eps, residual=residual)
     from tilepd.engine import gemv_triton
 
-    return gemv_triton.launch(x, weight[:rows], norm_weight, eps, "norm" if norm_weight is not None else "none", residual)
+    return gemv_triton.launch(x, weight[:rows], norm_weight, eps, "norm" if norm_weight is not None else "none", residual, chain=True)
 
 
 def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:

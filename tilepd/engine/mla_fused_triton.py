@@ -28,11 +28,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tilepd.engine import pdl
 from tilepd.engine.tuning import env_int
 
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
@@ -97,11 +99,19 @@ if triton is not None:
                         s_qt, s_kvt, s_kxt, s_ct, s_c1, s_ict, s_ic1, s_cl, s_icl, s_ot, s_oh, s_xt, s_wp, s_wt,
                         H, QW, N_ABSORB, HIDDEN, NOPE: tl.constexpr,
                         RANK: tl.constexpr, ROPE: tl.constexpr, IDX_D: tl.constexpr, INTERLEAVED: tl.constexpr,
-                        IDX_INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ACT: tl.constexpr,
+                        IDX_INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ACT: tl.constexpr, NOPE_PAD: tl.constexpr,
                         BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                        UNROLL: tl.constexpr):
+                        UNROLL: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         t = tl.program_id(1)
         pid = tl.program_id(0)
+        if PREFETCH:  # before the wait (pdl.py): an absorb program's W_UK tile into L2, a 128-byte line an address
+            if pid < N_ABSORB:
+                n_pf = RANK // BLOCK_C
+                pf_c = (pid % n_pf) * BLOCK_C + tl.arange(0, (BLOCK_C * 2 + 127) // 128) * 64  # 2-byte weights
+                pf_d = tl.arange(0, NOPE_PAD)
+                prefetch_l2(WUK + ((pid // n_pf) * NOPE + pf_d).to(tl.int64)[:, None] * RANK + pf_c[None, :],
+                            (pf_d < NOPE)[:, None] & (pf_c < RANK)[None, :])
+        wait(PDL)
         offs_p = tl.arange(0, ROPE)
         cos = tl.load(CS + t * s_ct + offs_p).to(tl.float32)
         sin = tl.load(CS + t * s_ct + s_c1 + offs_p).to(tl.float32)
@@ -176,12 +186,17 @@ if triton is not None:
     @triton.jit
     def _merge_uv_kernel(O, LSE, WUV, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out,
                          RANK: tl.constexpr, ACT: tl.constexpr, LAT: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
+                         BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         row = tl.program_id(0)
         t = row // H
         h = row % H
         offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         vmask = offs_v < V
+        if PREFETCH:  # before the wait (pdl.py): the program's W_UV rows into L2, a 128-byte line an address
+            pf_c = tl.arange(0, (RANK * 2 + 127) // 128) * 64  # 2-byte weights
+            prefetch_l2(WUV + (h * V + offs_v).to(tl.int64)[:, None] * RANK + pf_c[None, :], vmask[:, None] & (pf_c < RANK)[None, :])
+        wait(PDL)
         offs_s = tl.arange(0, BLOCK_S)
         smask = offs_s < S
         lse = tl.load(LSE + t * s_lt + h * s_lh + offs_s, mask=smask, other=float("-inf"))
@@ -262,7 +277,8 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
         h, nope + rope, n_absorb, hidden, NOPE=nope,
         RANK=rank, ROPE=rope, IDX_D=idx_d, INTERLEAVED=interleaved, IDX_INTERLEAVED=idx_interleaved, HAS_INDEX=index is not None,
         HAS_WEIGHTS=wout is not None, ACT=_tl(q.dtype), BLOCK_C=block_c, BLOCK_D=TUNE["block_d"], BLOCK_K=1024, STAGES=TUNE["prep_stages"],
-        UNROLL=bool(TUNE["prep_unroll"]), num_warps=TUNE["prep_warps"])
+        UNROLL=bool(TUNE["prep_unroll"]), NOPE_PAD=triton.next_power_of_2(nope), PDL=pdl.flag(q, "prepare"),
+        PREFETCH=pdl.prefetch_flag(q, "prepare") and w_uk.element_size() == 2, num_warps=TUNE["prep_warps"], **pdl.launch_kwargs(q, "prepare"))
     return qout, wout
 
 
@@ -281,7 +297,8 @@ def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: tor
     _merge_uv_kernel[(t * h, triton.cdiv(v, block_v))](
         part, lse, w_uv, out, s, h, v, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
         RANK=rank, ACT=_tl(act), LAT=_tl(lat), BLOCK_S=max(2, triton.next_power_of_2(s)), BLOCK_V=block_v, CHUNK_C=chunk_c,
-        STAGES=TUNE["merge_stages"], UNROLL=bool(TUNE["merge_unroll"]), num_warps=TUNE["merge_warps"])
+        STAGES=TUNE["merge_stages"], UNROLL=bool(TUNE["merge_unroll"]), PDL=pdl.flag(part, "merge"),
+        PREFETCH=pdl.prefetch_flag(part, "merge") and w_uv.element_size() == 2, num_warps=TUNE["merge_warps"], **pdl.launch_kwargs(part, "merge"))
     return out
 
 

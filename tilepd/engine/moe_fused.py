@@ -62,5 +62,5 @@ def moe_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> torch.Tensor
     x = x if x.is_contiguous() else x.contiguous()
     h, ids, weights, _ = gate_route(x, w[p + "mlp_norm"], spec.rms_norm_eps, w[p + "gate"], w[p + "gate_bias"], spec.n_group, spec.topk_group, k,
                                     spec.norm_topk_prob, spec.routed_scaling_factor)
-    a = gate_up_act(h, w[p + "experts_w13"], w[p + "shared_w13"], ids)
-    return down_combine(a, w[p + "experts_w2"], w[p + "shared_w2"], ids, weights, x)
+    a = gate_up_act(h, w[p + "experts_w13"], w[p + "shared_w13"], ids, shared_last=True)
+    return down_combine(a, w[p + "experts_w2"], w[p + "shared_w2"], ids, weights, x, shared_last=True)

@@ -34,11 +34,13 @@ from __future__ import annotations
 import torch
 
 from tilepd.model_format.block_fp8 import BlockFp8
+from tilepd.engine import pdl
 from tilepd.engine.tuning import env_int
 
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 
     from tilepd.engine.route_triton import route_constants, route_row
@@ -79,7 +81,7 @@ if triton is not None:
                      K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                     N_SLOTS: tl.constexpr):
+                     N_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
         r = tl.program_id(0)
         pid_e = tl.program_id(1)
         act = H.dtype.element_ty
@@ -91,6 +93,7 @@ if triton is not None:
             cols = tl.arange(0, BLOCK_K)
             cmask = cols < K
             w = tl.load(w_rows + cols[None, :], mask=emask[:, None] & cmask[None, :], other=0.0)
+            wait(PDL)  # the weights are not the step's: their load is in flight before the wait (pdl.py), the row after
             xs = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
             g = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / K + eps)
@@ -99,6 +102,7 @@ if triton is not None:
                 tl.store(H + r * s_hr + cols, hn, mask=cmask)
             acc = tl.sum(w.to(tl.float32) * hn.to(tl.float32)[None, :], axis=1)
         else:
+            wait(PDL)
             rstd = row_rstd(x_row, K, eps, BLOCK_K)
             acc = tl.zeros([BLOCK_E], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -123,12 +127,21 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(X, W, S, WS, SS, IDS, A, I, K, s_xr, s_we, s_wn, s_se, s_sn, s_ar,
                         X_DIV: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                        PF_LINES: tl.constexpr = 1, ESIZE: tl.constexpr = 1):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         act = A.dtype.element_ty
         cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols_n < I
+        if PREFETCH:  # the last slot of each token is the shared expert (gate_route's ids): its rows are known before
+            if r % X_DIV == X_DIV - 1:  # the routing is, so its tile goes to L2 while the gate kernel runs (pdl.py)
+                pf = tl.arange(0, PF_LINES) * (128 // ESIZE)
+                pf_rows = WS + cols_n.to(tl.int64)[:, None] * s_wn + pf[None, :]
+                pf_mask = nmask[:, None] & (pf < K)[None, :]
+                prefetch_l2(pf_rows, pf_mask)
+                prefetch_l2(pf_rows + I * s_wn, pf_mask)
+        wait(PDL)
         e = tl.load(IDS + r).to(tl.int64)
         w_base = W + e * s_we
         s_base = S + e * s_se
@@ -170,16 +183,24 @@ if triton is not None:
     @triton.jit
     def _down_kernel(A, W, S, WS, SS, IDS, WTS, RES, Y, N, s_ar, s_we, s_wn, s_se, s_sn, s_it, s_wt, s_rr, s_yr,
                      K: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                     PREFETCH: tl.constexpr = False, PF_LINES: tl.constexpr = 1, ESIZE: tl.constexpr = 1, SHARED_FIRST: tl.constexpr = False):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         act = Y.dtype.element_ty
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
+        if PREFETCH:  # the shared expert's tile (the last slot, known before the routing) into L2 before the wait (pdl.py)
+            pf = tl.arange(0, PF_LINES) * (128 // ESIZE)
+            prefetch_l2(WS + rows.to(tl.int64)[:, None] * s_wn + pf[None, :], rmask[:, None] & (pf < K)[None, :])
+        wait(PDL)
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        e = tl.load(IDS + t * s_it).to(tl.int64)
-        for j in range(SLOTS):
-            e_next = tl.load(IDS + t * s_it + tl.minimum(j + 1, SLOTS - 1)).to(tl.int64)  # a row ahead: no wait on it
+        # SHARED_FIRST: the slots in the order S-1, 0, 1, .., S-2: the shared expert (prefetched) first
+        e = tl.load(IDS + t * s_it + (SLOTS - 1 if SHARED_FIRST else 0)).to(tl.int64)
+        for jj in range(SLOTS):
+            j = (jj + SLOTS - 1) % SLOTS if SHARED_FIRST else jj
+            j_next = jj if SHARED_FIRST else tl.minimum(jj + 1, SLOTS - 1)
+            e_next = tl.load(IDS + t * s_it + tl.minimum(j_next, SLOTS - 1)).to(tl.int64)  # a row ahead: no wait on it
             w_base = W + e * s_we
             s_base = S + e * s_se
             if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
@@ -246,7 +267,8 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
     _gate_kernel[(t, triton.cdiv(n_exp, block_e))](
         x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
         logits.stride(0), ids.stride(0), weights.stride(0), float(eps), float(routed_scaling_factor),
-        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, num_warps=TUNE["gate_num_warps"])
+        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, PDL=pdl.flag(x, "gate"), num_warps=TUNE["gate_num_warps"],
+        **pdl.launch_kwargs(x, "gate"))
     return h, ids, weights, logits
 
 
@@ -270,11 +292,18 @@ def _expert_parts(w: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, w
     return wt, st, wt, st, False, (1, 1)  # dense: the weights stand in for the unused scale pointers
 
 
-def gate_up_act(h: torch.Tensor, w13: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, ids: torch.Tensor) -> torch.Tensor:
+def _prefetch_lines(k: int, esize: int) -> int:
+    """128-byte lines of one weight row of k elements of esize bytes, rounded up to a power of two (the kernels mask the rest)."""
+    return triton.next_power_of_2(max(1, -(-k * esize // 128)))
+
+
+def gate_up_act(h: torch.Tensor, w13: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, ids: torch.Tensor,
+                shared_last: bool = False) -> torch.Tensor:
     """h [T, H] (the normed rows), the stacked [gate; up] weights w13 [E, 2I, H] and the shared expert's [2I, H] (both
     bf16/fp32 or both block-scaled fp8), ids [T, S] (id -1: the shared expert) -> a [T * S, I] in h's dtype, row
     t * S + j = silu(h[t] @ gate_e.T) * (h[t] @ up_e.T) for e = ids[t, j], rounded as the unfused GEMV + silu_mul, in one
-    launch."""
+    launch. shared_last: ids[:, -1] is -1 (gate_route's ids), so with PDL the shared expert's rows are prefetched before
+    the kernel waits for the routing."""
     if triton is None:
         raise RuntimeError("fused MoE gate-up kernel needs Triton, which is not importable here")
     wt, st, scale, s_scale, fp8, (bn, bk) = _expert_parts(w13, shared, "gate-up")
@@ -293,7 +322,8 @@ def gate_up_act(h: torch.Tensor, w13: torch.Tensor | BlockFp8, shared: torch.Ten
         h, wt, scale, st, s_scale, ids, a, inter, k, h.stride(0), wt.stride(0), wt.stride(1), scale.stride(0) if fp8 else 0,
         scale.stride(1) if fp8 else 0, a.stride(0),
         X_DIV=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0 and inter % bn == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=TUNE["up_num_warps"])
+        PDL=pdl.flag(h, "gate_up"), PREFETCH=shared_last and pdl.prefetch_flag(h, "gate_up"), PF_LINES=_prefetch_lines(k, wt.element_size()), ESIZE=wt.element_size(),
+        num_warps=TUNE["up_num_warps"], **pdl.launch_kwargs(h, "gate_up"))
     return a
 
 
@@ -310,10 +340,12 @@ def _down_tile(n: int, t: int, fp8: bool) -> tuple[int, int]:
 
 
 def down_combine(a: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, ids: torch.Tensor, weights: torch.Tensor,
-                 residual: torch.Tensor) -> torch.Tensor:
+                 residual: torch.Tensor, shared_last: bool = False) -> torch.Tensor:
     """a [T * S, I] (each token's S = k + 1 rows of silu(gate) * up, gate_up_act's output), the stacked down weights w2
     [E, H, I] and the shared expert's [H, I] (both bf16/fp32 or both block-scaled fp8), ids and weights [T, S] -> residual
-    + sum over the S rows of weight * down(a): [T, H] in a's dtype, in one launch."""
+    + sum over the S rows of weight * down(a): [T, H] in a's dtype, in one launch. shared_last: ids[:, -1] is -1
+    (gate_route's ids): with PDL the shared expert's tile is prefetched before the wait and summed first (the sum's
+    order changes by one term, within float32 rounding)."""
     if triton is None:
         raise RuntimeError("fused MoE down kernel needs Triton, which is not importable here")
     wt, st, scale, s_scale, fp8, (bn, bk) = _expert_parts(w2, shared, "down")
@@ -332,5 +364,6 @@ def down_combine(a: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Ten
         a, wt, scale, st, s_scale, ids, weights, residual, y, n, a.stride(0), wt.stride(0), wt.stride(1),
         scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, ids.stride(0), weights.stride(0), residual.stride(0), y.stride(0),
         K=k, SLOTS=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=TUNE["down_num_warps"])
+        PDL=pdl.flag(a, "down"), PREFETCH=shared_last and pdl.prefetch_flag(a, "down"), PF_LINES=_prefetch_lines(k, wt.element_size()), ESIZE=wt.element_size(),
+        SHARED_FIRST=shared_last and pdl.prefetch_flag(a, "down"), num_warps=TUNE["down_num_warps"], **pdl.launch_kwargs(a, "down"))
     return y

@@ -1,0 +1,125 @@
+"""Programmatic dependent launch (tilepd/engine/pdl.py): the switch's rules on CPU, and every kernel of the fused decode
+step compiled for sm_90 with it on (tests/engine/sm90_compile.py: Triton's own ptxas, no GPU), each with its
+griddepcontrol.wait (and the L2 prefetch of its weights where the kernel has one). The interpreter never runs that
+form; whether the kernels stay exact with it on is bench/*_gpu.py's and the GPU parity tests' (pytest -m gpu)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here")
+
+
+def test_off_on_cpu_and_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tilepd.engine import pdl
+
+    monkeypatch.setitem(pdl.SWITCH, "on", 1)
+    monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
+    x = torch.zeros(2)
+    assert not pdl.enabled(x) and pdl.launch_kwargs(x) == {} and not pdl.prefetch_flag(x) and pdl.flag(x) == 0
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.enabled(x)
+
+
+def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flag: 1 wait + early trigger, 2 wait only, 0 for a skipped kind; an unknown kind in TILEPD_PDL_SKIP is refused."""
+    import subprocess
+    import sys
+
+    from tilepd.engine import pdl
+
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    x = torch.zeros(2)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(pdl.SWITCH, "on", 1)
+    monkeypatch.setitem(pdl.SWITCH, "skip", frozenset({"down"}))
+    monkeypatch.setitem(pdl.SWITCH, "trigger", 1)
+    assert pdl.flag(x, "gate") == 1 and pdl.launch_kwargs(x, "gate") == {"launch_pdl": True}
+    assert pdl.flag(x, "down") == 0 and pdl.launch_kwargs(x, "down") == {}
+    monkeypatch.setitem(pdl.SWITCH, "trigger", 0)
+    assert pdl.flag(x, "gate") == 2
+    monkeypatch.setitem(pdl.SWITCH, "on", 0)
+    assert pdl.flag(x, "gate") == 0
+    env = {**os.environ, "TILEPD_PDL_SKIP": "gate,nonsense"}
+    res = subprocess.run([sys.executable, "-c", "import tilepd.engine.pdl"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "TILEPD_PDL_SKIP='gate,nonsense'" in res.stderr
+
+
+def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    from tests.engine.sm90_compile import compiling
+    from tilepd.engine import (dsa_indexer, dsa_topk, fp8_triton, gemv_triton, mla_attention, mla_fused_triton, moe_fused_triton, pdl)
+    from tilepd.model_format.block_fp8 import BlockFp8, quantize
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
+    monkeypatch.setitem(pdl.SWITCH, "trigger", 1)  # the widest form: early trigger, weights prefetched before the wait
+    monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+
+    def fp8(n: int, k: int) -> BlockFp8:
+        return quantize(torch.randn(n, k, generator=g), (128, 128))
+
+    def stacked(e: int, n: int, k: int) -> BlockFp8:
+        parts = [fp8(n, k) for _ in range(e)]
+        return BlockFp8(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), (128, 128))
+
+    h, t = 256, 1
+    x = torch.randn(t, h).to(bf)
+    with compiling() as done:
+        w = fp8(384, h)
+        fp8_triton.launch_fused(x, w.weight, w.scale, w.block, norm_weight=torch.ones(h, dtype=bf), eps=1e-6, residual=torch.zeros(t, 384, dtype=bf))
+        gemv_triton.launch(x, torch.randn(384, h).to(bf), torch.ones(h, dtype=bf), 1e-6, "norm", None, chain=True)
+        heads, nope, rank, rope = 4, 32, 64, 16
+        q = torch.randn(t, heads * (nope + rope)).to(bf)
+        cache = torch.zeros(8, 1, rank + rope, dtype=bf)
+        cs = torch.randn(t, 2, rope).to(bf)
+        icache = torch.zeros(8, 32, dtype=bf)
+        index = (torch.randn(t, 32).to(bf), torch.ones(32, dtype=bf), torch.zeros(32, dtype=bf), cs, icache, False)
+        mla_fused_triton.prepare(q, torch.randn(t, rank + rope).to(bf), torch.randn(heads, nope, rank).to(bf), torch.ones(rank, dtype=bf), 1e-6, cs,
+                                 torch.zeros(t, dtype=torch.int64), cache, rank, rope, False, index,
+                                 (x, torch.ones(h, dtype=bf), 1e-6, torch.randn(4, h).to(bf)))
+        qc = torch.randn(t, heads, rank + rope).to(bf)
+        part, lse = mla_attention.split_partials(qc, cache, rank, 0.1, 8, lo=torch.zeros(t, dtype=torch.int64), hi=torch.zeros(t, dtype=torch.int64))
+        mla_attention.split_partials(qc, cache, rank, 0.1, 8, idx=torch.zeros(t, 8, dtype=torch.int64), ok=torch.ones(t, 8, dtype=torch.bool))
+        mla_fused_triton.merge_uv(part, lse, torch.randn(heads, 32, rank).to(bf), bf, bf)
+        for n_group, topk_group in ((1, 1), (8, 4)):
+            hn, ids, wts, _ = moe_fused_triton.gate_route(x, torch.ones(h, dtype=bf), 1e-6, torch.randn(256, h), torch.zeros(256), n_group, topk_group,
+                                                          8, True, 2.5)
+        ids = torch.tensor([[3, 1, -1]])
+        wts = torch.ones(1, 3, dtype=bf)
+        a = moe_fused_triton.gate_up_act(x, stacked(4, 256, h), fp8(256, h), ids, shared_last=True)
+        moe_fused_triton.down_combine(torch.randn(3, 128).to(bf), stacked(4, h, 128), fp8(h, 128), ids, wts, x, shared_last=True)
+        moe_fused_triton.gate_up_act(x, torch.randn(4, 256, h).to(bf), torch.randn(256, h).to(bf), ids, shared_last=True)
+        del a
+        length = 4096
+        valid = torch.ones(t, length, dtype=torch.bool)
+        hist = dsa_topk.new_hist(t, torch.device("cpu"))
+        scores = dsa_indexer.index_scores(torch.randn(t, 4, 32).to(bf), cs, torch.ones(t, 4), torch.zeros(length, 32, dtype=bf), valid, rope, False,
+                                          hist=hist)
+        dsa_topk.topk_select(scores, valid, 2048, hist=hist)
+        dsa_topk.topk_select(torch.zeros(t, 2048 + 64), torch.ones(t, 2048 + 64, dtype=torch.bool), 2048)
+    return done
+
+
+@pytest.mark.skipif(os.environ.get("TILEPD_SKIP_SM90_COMPILE") == "1", reason="TILEPD_SKIP_SM90_COMPILE=1")
+def test_step_kernels_compile_for_sm90_with_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
+    done = _compile_step_kernels(monkeypatch)
+    names = {d["name"] for d in done}
+    expected = {"_fp8_gemv_kernel", "_dense_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_gate_kernel",
+                "_gate_up_kernel", "_down_kernel", "_index_scores_kernel", "_topk_split_kernel", "_topk_refine_kernel", "_topk_finish_kernel",
+                "_topk_one_program_kernel"}
+    assert expected <= names, expected - names
+    for d in done:
+        assert d["options"].get("launch_pdl") is True, d["name"]
+        assert "griddepcontrol.wait" in d["ptx"] and "griddepcontrol.launch_dependents" in d["ptx"], d["name"]
+        if d["constexprs"].get("PREFETCH"):
+            assert "prefetch.global.L2" in d["ptx"], d["name"]
+    prefetching = {d["name"] for d in done if d["constexprs"].get("PREFETCH")}
+    assert {"_fp8_gemv_kernel", "_dense_gemv_kernel", "_prepare_kernel", "_merge_uv_kernel", "_gate_up_kernel", "_down_kernel"} <= prefetching

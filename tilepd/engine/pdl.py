@@ -1,0 +1,112 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels: the switch and the device functions.
+
+Why: the step is a chain of ~9 dependent launches a layer replayed from a CUDA graph, and between two of them the
+GPU idles for the next launch and for the next kernel's first memory round trip (~1.8 us a boundary on an H200,
+docs/PERFORMANCE.md). With PDL (sm_90+) a kernel's programs are scheduled while the previous kernel finishes; each
+one waits (`griddepcontrol.wait`) before touching anything the step writes. Before that wait a program may only
+read what no kernel of the step writes (the weights): `prefetch_l2` pulls its first weight tile into L2 there, so
+the read that starts the kernel's work comes from L2, not HBM.
+
+The rule every kernel launched with `launch_kwargs()` follows (they take a `PDL` constexpr, `flag()`):
+
+  * `wait(PDL)` in every program before its first load of an activation, a cache, a routing result or a counter,
+    and before its first store (so it never overwrites what the previous kernel still reads); it also lets the
+    next kernel's programs be scheduled (`gdc_launch_dependents` right after the wait: a kernel can only trigger
+    once all of its programs have started, so the next kernel's programs take only slots left over);
+  * before the wait: loads of weights only (never written by the step), and L2 prefetches of them.
+
+A kernel launched without PDL after one that never triggers (torch's, cuBLAS's, a memset) starts when that one
+has completed, as without PDL; `griddepcontrol.wait` is a no-op in a kernel launched without it. So mixing is safe.
+
+The switches (env, read at import): TILEPD_PDL (1 on, default 0: off), TILEPD_PDL_TRIGGER (1: the next kernel may be
+scheduled right after this one's wait; default 0: wait only, the next kernel launches as this one completes),
+TILEPD_PDL_PREFETCH (the weight prefetch before the wait; default 0, it only pays with the early trigger), and
+TILEPD_PDL_SKIP (kernel kinds launched without it). Off by default because on one H200 (2026-12-03, docs/PERFORMANCE.md
+"Programmatic dependent launch on the decode step") GLM-5.1 fp8 at 78 layers, 1K, got slower with the early trigger
+(14.80 -> 16.48 ms/token; 16.26 without the prefetch) and was not measured faster with the wait alone; one TP8 rank's shard
+got faster with the early trigger and the prefetch (7.11 -> 6.86 ms a step). Always off under TRITON_INTERPRET=1, on a
+CPU tensor, below compute capability 9.0, or where this Triton has no griddepcontrol.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from tilepd.engine.tuning import env_int
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without Triton
+    triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _GDC = True
+except ImportError:  # pragma: no cover - a Triton without griddepcontrol: the kernels run, without PDL
+    _GDC = False
+
+# Read at import; tests and benches may set SWITCH's entries before the first launch of a kernel (each launch form is
+# compiled once per value: a CUDA graph captured with one value keeps it). trigger 1: gdc_launch_dependents right
+# after the wait (the next kernel's programs may be scheduled while this one runs); 0: no explicit trigger (the next
+# kernel is launched as this one completes: PDL then saves only the launch's own latency). skip: the kernel kinds
+# (KINDS) launched without PDL, e.g. TILEPD_PDL_SKIP=gate_up,down.
+KINDS = ("gemv", "prepare", "split", "merge", "gate", "gate_up", "down", "dsa")
+SWITCH: dict = {"on": env_int("TILEPD_PDL", 0), "prefetch": env_int("TILEPD_PDL_PREFETCH", 0), "trigger": env_int("TILEPD_PDL_TRIGGER", 0),
+                "skip": frozenset(k for k in os.environ.get("TILEPD_PDL_SKIP", "").split(",") if k)}
+if not SWITCH["skip"] <= set(KINDS):
+    raise ValueError(f"TILEPD_PDL_SKIP={os.environ.get('TILEPD_PDL_SKIP')!r}: kinds are {', '.join(KINDS)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports(index: int) -> bool:
+    major, _ = torch.cuda.get_device_capability(index)
+    return major >= 9
+
+
+def enabled(t: torch.Tensor, kind: str = "gemv") -> bool:
+    """PDL for a launch of a `kind` kernel whose tensors live where `t` does: switch on and the kind not skipped, a
+    CUDA tensor, sm_90+, not the interpreter."""
+    if triton is None or not _GDC or not SWITCH["on"] or kind in SWITCH["skip"] or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def flag(t: torch.Tensor, kind: str = "gemv") -> int:
+    """The kernels' PDL constexpr: 0 without PDL, 1 wait then trigger, 2 wait only (SWITCH["trigger"] 0)."""
+    if not enabled(t, kind):
+        return 0
+    return 1 if SWITCH["trigger"] else 2
+
+
+def prefetch_flag(t: torch.Tensor, kind: str = "gemv") -> bool:
+    """The kernels' PREFETCH constexpr: the L2 prefetch of weights before the wait (only with PDL, where it overlaps
+    the previous kernel's tail; without PDL it would only add instructions in front of the same loads)."""
+    return enabled(t, kind) and bool(SWITCH["prefetch"])
+
+
+def launch_kwargs(t: torch.Tensor, kind: str = "gemv") -> dict:
+    """The launch options that go with flag(t, kind): {"launch_pdl": True} or nothing."""
+    return {"launch_pdl": True} if enabled(t, kind) else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait(PDL: tl.constexpr):  # noqa: ANN201 - a Triton device function
+        """Before the first read of anything the step writes: the previous kernel has completed and its writes are
+        visible; then the next kernel may be scheduled."""
+        if PDL:
+            gdc_wait()
+            if PDL == 1:
+                gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(ptrs, mask):  # noqa: ANN001, ANN201 - a Triton device function
+        """prefetch.global.L2 of each address where mask is set (no registers written, nothing waits on it)."""
+        tl.inline_asm_elementwise(
+            asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
