@@ -25,6 +25,7 @@ import torch
 from tests.connector.dsa_drive import bare_connector, prefill, vllm_config_for, wait_sent
 from tests.handoff.stack import connector_config, decode, decode_config, reserve, start_decode
 from tests.connector.vllm_caches import dsa_caches
+from tilepd.control.cache_layout import CacheLayout
 from tilepd.contracts.fingerprint import Fingerprint, checkpoint_identity
 from tilepd.contracts.teacher_forced import judge
 from tilepd.dev.hf_reference import hf_reference, teacher_forced_scores, vllm_indexer_fp8_round_trip
@@ -79,8 +80,9 @@ def nodes(tiny, tmp_path_factory: pytest.TempPathFactory):
         n.server.stop()
 
 
-def _handoff(model: str, prompt: list[int], ref, path: Path, node, tid: str) -> list[int]:  # noqa: ANN001
-    """The prefill state through the real connector (its fingerprint in the hello) to `node`; the node's tokens."""
+def _handoff(prompt: list[int], ref, path: Path, node, tid: str) -> tuple[list[int], dict[str, int], CacheLayout]:  # noqa: ANN001
+    """The prefill state through the real connector (its fingerprint in the hello) to `node`: the node's tokens, the
+    connector's send counters and the cache layout it sent."""
     caches = dsa_caches(ref.state, block_size=BLOCK, num_blocks=8)
     vcfg = vllm_config_for(path, block_size=BLOCK)
     ccfg = connector_config("deepseek_v3", [node.endpoint], "tcp", max_seq_len=256)
@@ -94,8 +96,7 @@ def _handoff(model: str, prompt: list[int], ref, path: Path, node, tid: str) -> 
                 node.config.ctrl_port, chunk=CHUNK)
         r = decode(node, tid, ref.tokens[0], len(prompt), GEN)
         assert r.status_code == 200, r.text
-        wait_sent(worker)
-        return r.json()["tokens"]
+        return r.json()["tokens"], wait_sent(worker), worker._cache.layout
     finally:
         worker.shutdown()
 
@@ -111,7 +112,7 @@ def test_teacher_forced_verification_passes_the_sound_node_and_fails_a_perturbed
     ref = hf_reference(path, model, GEN, prompt_ids=ids, indexer_transform=vllm_indexer_fp8_round_trip)
     verdicts = {}
     for perturbed in (False, True):
-        got = _handoff(model, ids, ref, path, nodes(model, perturbed), f"dsa-verify-{model}-{perturbed}")
+        got, _, _ = _handoff(ids, ref, path, nodes(model, perturbed), f"dsa-verify-{model}-{perturbed}")
         tokens = [ref.tokens[0], *got]
         verdicts[perturbed] = judge(teacher_forced_scores(path, ids, tokens, indexer_transform=vllm_indexer_fp8_round_trip))
     assert verdicts[False].ok and verdicts[False].checked == GEN + 1, verdicts[False].describe()
@@ -129,30 +130,13 @@ def test_dsa_handoff_gives_hf_greedy_tokens(model: str, prompt: str, tiny, nodes
     # HF with vLLM's fp8 indexer keys (the cache holds fp8; see the module doc)
     ref = hf_reference(path, model, GEN, prompt_ids=ids, indexer_transform=vllm_indexer_fp8_round_trip)
     assert ref.state.indexer is not None
-    caches = dsa_caches(ref.state, block_size=BLOCK, num_blocks=8)
-    node = nodes(model)
-    vcfg = vllm_config_for(path, block_size=BLOCK)
-    ccfg = connector_config("deepseek_v3", [node.endpoint], "tcp", max_seq_len=256)
-    sched, worker = bare_connector(KVConnectorRole.SCHEDULER, ccfg, vcfg), bare_connector(KVConnectorRole.WORKER, ccfg, vcfg)
-    worker.register_kv_caches(caches.kv_caches)
-    try:
-        lay = worker._cache.layout
-        assert lay.indexer is not None and lay.indexer.block_size == BLOCK and lay.indexer.token_bytes == 132
-        assert lay.indexer.layers == [l for l, x in enumerate(ref.state.indexer) if x is not None]
-        tid = f"dsa-{model}-{prompt}"
-        reserve(node, tid)
-        prefill(sched, worker, caches.kv_caches, caches.latent_names, caches.block_ids, len(ids), tid, "127.0.0.1",
-                node.config.ctrl_port, chunk=CHUNK)
-        r = decode(node, tid, ref.tokens[0], len(ids), GEN)
-        assert r.status_code == 200, r.text
-        got = r.json()["tokens"]
-        assert got == ref.tokens[1:GEN + 1], f"{model}/{prompt}: decode node {got}, HF {ref.tokens[1:GEN + 1]}"
-        counters = wait_sent(worker)
-        # both segments travelled: latent blocks + indexer blocks, per their own block sizes
-        nb = lay.blocks_for(len(ids))
-        assert counters["bytes"] == len(ref.state.layers) * nb * lay.block_bytes + len(lay.indexer.layers) * nb * lay.indexer.block_bytes
-    finally:
-        worker.shutdown()
+    got, counters, lay = _handoff(ids, ref, path, nodes(model), f"dsa-{model}-{prompt}")
+    assert lay.indexer is not None and lay.indexer.block_size == BLOCK and lay.indexer.token_bytes == 132
+    assert lay.indexer.layers == [l for l, x in enumerate(ref.state.indexer) if x is not None]
+    assert got == ref.tokens[1:GEN + 1], f"{model}/{prompt}: decode node {got}, HF {ref.tokens[1:GEN + 1]}"
+    # both segments travelled: latent blocks + indexer blocks, per their own block sizes
+    nb = lay.blocks_for(len(ids))
+    assert counters["bytes"] == len(ref.state.layers) * nb * lay.block_bytes + len(lay.indexer.layers) * nb * lay.indexer.block_bytes
     assert len(set(ref.tokens)) >= 6  # a degenerate reference would prove little
 
 
