@@ -14,7 +14,6 @@ import pytest
 
 import httpx
 
-from tests.spinning_threads import renice_idle_spinners
 from tests.waiting import wait_until
 from tilepd.connector.launch import multi_with_nixl
 from tilepd.contracts.fingerprint import checkpoint_identity
@@ -43,8 +42,6 @@ def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, stock_gree
         extra = connector_config("llama", [node.endpoint, other.endpoint], "nixl")
         vllm = start_prefill(tiny_llama, work / "vllm.log", multi_with_nixl(extra))
         started.append(vllm)
-        # its NixlConnector's NIXL progress thread polls without pause: at nice 19 it leaves the cores to the tests
-        print(f"reniced the idle spinning threads of the prefill: {renice_idle_spinners(vllm.proc.pid)}")
         yield {"vllm": vllm, "node": node, "model": str(tiny_llama), "stock": stock, "other": other,
                "ids": (checkpoint_identity(tiny_llama).id, checkpoint_identity(other_ckpt).id)}
     finally:

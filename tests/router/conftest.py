@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from tests.reserved import reserve_http
-from tests.spinning_threads import renice_idle_spinners
 from tilepd.connector.launch import Server
 from tilepd.contracts.service_configs import DecodeEndpoint, RouterConfig
 
@@ -94,21 +93,13 @@ def router_stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         stack.prefill = start_prefill(tiny_llama, stack.workdir, [stack.endpoint, *stack.spares], with_nixl=True,
                                       otlp_endpoint=stack.otlp.url)
         stack.servers.append(stack.prefill)
-        _quiet(stack.prefill)
         stack.native = start_native_decode(tiny_llama, stack.workdir)
         stack.servers.append(stack.native)
-        _quiet(stack.native)
         _warm_up(stack)
         yield stack
     finally:
         stop_all(stack.servers)
         stack.otlp.close()
-
-
-def _quiet(server: Server) -> None:
-    """Its NixlConnector's NIXL progress thread polls without pause: at nice 19 it leaves the cores to the tests
-    (tests/spinning_threads.py)."""
-    print(f"reniced the idle spinning threads of {server.log_path.name}: {renice_idle_spinners(server.proc.pid)}")
 
 
 def _warm_up(stack: Stack) -> None:
