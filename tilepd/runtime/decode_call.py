@@ -243,13 +243,13 @@ class DecodeCall:
                     outcome = self.future.result()
                 except Exception as exc:  # noqa: BLE001
                     log.exception("event=decode_error transfer_id=%s", self.tid)
+                    finished = True  # the engine is done: a client leaving at the last line changes nothing
                     yield (json.dumps({"done": True, "finish_reason": "error", "error": {"code": "engine_error", "message": str(exc)}}) + "\n").encode()
-                    finished = True
                     return
                 timings = self.final_timings(outcome)
+                finished = True  # logged and counted once, whether or not the client reads the last line
                 yield (json.dumps({"done": True, "finish_reason": outcome.finish_reason,
                                    "completion_tokens": len(outcome.tokens), "timings": timings}) + "\n").encode()
-                finished = True
                 return
         finally:
             if not finished:  # the client went away: stop the engine at its next step
