@@ -15,7 +15,7 @@ import pytest
 from tilepd.contracts.service_configs import DecodeEndpoint
 from tilepd.router.health import MAX_UNJUDGED, probe_node
 from tilepd.router.leases import NodePool
-from tilepd.router.loop_lag import LoopLag
+from tilepd.router.loop_lag import INCONCLUSIVE_SHARE, LoopLag
 from tilepd.router.metrics import RouterMetrics
 from tilepd.router.upstream import Upstream
 
@@ -81,20 +81,31 @@ def test_a_probe_timed_out_across_the_routers_own_stall_is_not_held_against_the_
             assert node.consecutive_failures == 1 and not node.in_rotation and node.unjudged_probes == 0, node
             # and with the router running all along, a timeout is the node's (a longer check: on a loaded test box
             # the loop may lag a little by itself, and a quarter of 2 s of lag would make it inconclusive)
-            state.pool.set_in_rotation(node, True)
-            node.consecutive_failures = 0
+            # the test cannot stop another job on the box from holding its loop up: a check the loop lag made
+            # inconclusive by the rule (over INCONCLUSIVE_SHARE of the timeout) is tried again, bounded; the first one
+            # with the loop running must count against the node
             state.config.health_timeout_s = 2.0
-            started = time.monotonic()
-            await probe_node(state, node)
-            held = state.loop_lag.stalled_s(started)
-            assert node.consecutive_failures == 1 and not node.in_rotation and node.unjudged_probes == 0, (node, held)
+            tries: list[float] = []
+            while len(tries) < 5:
+                state.pool.set_in_rotation(node, True)
+                node.consecutive_failures = node.unjudged_probes = 0
+                started = time.monotonic()
+                await probe_node(state, node)
+                tries.append(state.loop_lag.stalled_s(started))
+                if tries[-1] < INCONCLUSIVE_SHARE * state.config.health_timeout_s:
+                    break
+                assert node.unjudged_probes == 1 and node.consecutive_failures == 0, (node, tries)
+            assert tries[-1] < INCONCLUSIVE_SHARE * state.config.health_timeout_s, f"the loop lagged on every try: {tries}"
+            assert node.consecutive_failures == 1 and not node.in_rotation and node.unjudged_probes == 0, (node, tries)
+            retried.append(len(tries) - 1)
         finally:
             watch.cancel()
             server.close()
             await state.client.aclose()
 
+    retried: list[int] = []
     with caplog.at_level(logging.WARNING, logger="tilepd.router"):
         asyncio.run(main())
     lines = [r.getMessage() for r in caplog.records if "event=probe_inconclusive" in r.getMessage()]
-    assert len(lines) == MAX_UNJUDGED and "node=d0 router_held_up_s=" in lines[0], lines
-    assert all(float(line.split("router_held_up_s=")[1].split()[0]) >= 1.0 for line in lines), lines
+    assert len(lines) == MAX_UNJUDGED + retried[0] and "node=d0 router_held_up_s=" in lines[0], lines
+    assert all(float(line.split("router_held_up_s=")[1].split()[0]) >= 1.0 for line in lines[:MAX_UNJUDGED]), lines
