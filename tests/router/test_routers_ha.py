@@ -24,6 +24,7 @@ import pytest
 from tilepd.connector.launch import Server
 from tilepd.contracts.decode_http import NODE_API_VERSION
 from tilepd.contracts.service_configs import DecodeEndpoint
+from tilepd.runtime.slot import LAPSE_GRACE_LEASES
 
 from tests.slot_log import check_one_at_a_time, slot_events
 
@@ -150,8 +151,9 @@ def test_a_killed_router_leaves_its_node_at_the_lease_deadline(router_stack: Sta
                                                               nodes: list[tuple[Server, DecodeEndpoint]],
                                                               start_router_proc) -> None:  # noqa: ANN001
     """router-c holds a node (its prefill's answer held in the relay: the KV reached the node, no decode joined yet)
-    and is SIGKILLed: nothing renews its reservation, and the node frees the slot at the lease deadline. A request
-    sent to router-a after the kill is served meanwhile."""
+    and is SIGKILLed: nothing renews its reservation, which lapses at the lease deadline (the next reservation would
+    take it) and is taken back by the node after the grace when nobody took it. A request sent to router-a after the
+    kill is served meanwhile."""
     relay = HeldRelay(int(str(router_stack.prefill.url).rsplit(":", 1)[1]), held=b"POST /v1/completions ")  # type: ignore[union-attr]
     cfg = router_config(router_stack.model, f"http://127.0.0.1:{relay.port}", [ep for _, ep in nodes], name="router-c",
                         queue_timeout_s=60.0, health_interval_s=0.5, health_timeout_s=5.0)
@@ -176,7 +178,8 @@ def test_a_killed_router_leaves_its_node_at_the_lease_deadline(router_stack: Sta
             srv, ep = by_name[name]
             after = _complete(routers[0], 11)  # served by the other node, or by this one once it is free
             assert after.status_code == 200, after.text
-            assert wait_until(lambda: not httpx.get(_node_url(ep) + "/status", timeout=5).json()["busy"], LEASE_S + 30)
+            assert wait_until(lambda: httpx.get(_node_url(ep) + "/status", timeout=5).json()["state"] == "free",
+                              LEASE_S * (1 + LAPSE_GRACE_LEASES) + 30)
             freed_after_s = time.monotonic() - t_kill
     finally:
         relay.close()
@@ -185,6 +188,57 @@ def test_a_killed_router_leaves_its_node_at_the_lease_deadline(router_stack: Sta
     expired = [line for line in log.splitlines() if "event=reservation_expired" in line and "holder=router-c" in line]
     assert len(expired) == 1, log[-3000:]
     print(f"node {name} freed {freed_after_s:.1f}s after router-c's SIGKILL (lease {LEASE_S:g}s): {expired[0]}")
+    check_one_at_a_time(log)
+
+
+def test_a_router_starved_past_its_lease_keeps_the_node_nobody_else_asked_for(router_stack: Stack,
+                                                                               nodes: list[tuple[Server, DecodeEndpoint]],
+                                                                               start_router_proc) -> None:  # noqa: ANN001
+    """router-s holds a node (its prefill's answer held in the relay: the KV reached the node, no decode joined yet) and
+    is SIGSTOPped past its lease, as a starved host does to a sleeping process: the reservation lapses (the next
+    reservation would take it), nobody asks for the node, and once running again router-s revives it and its request
+    is served by that node."""
+    relay = HeldRelay(int(str(router_stack.prefill.url).rsplit(":", 1)[1]), held=b"POST /v1/completions ")  # type: ignore[union-attr]
+    cfg = router_config(router_stack.model, f"http://127.0.0.1:{relay.port}", [ep for _, ep in nodes], name="router-s",
+                        queue_timeout_s=60.0, health_interval_s=0.5, health_timeout_s=5.0)
+    starved, _ = start_router_proc(cfg)
+    by_name = {ep.name: (srv, ep) for srv, ep in nodes}
+    answer: dict[str, httpx.Response] = {}
+    client = threading.Thread(target=lambda: answer.update(r=_complete(starved.url, 12)), daemon=True)
+    try:
+        with relay.holding():
+            client.start()
+
+            def held_by_s() -> str | None:
+                for _, ep in nodes:
+                    if str(httpx.get(_node_url(ep) + "/status", timeout=5).json().get("holder") or "").startswith("router-s"):
+                        return ep.name
+                return None
+
+            assert wait_until(lambda: held_by_s() is not None and relay.held_decodes > 0, 120), "router-s never held a node"
+            name = held_by_s()
+            assert name is not None
+            srv, ep = by_name[name]
+            os.kill(starved.proc.pid, signal.SIGSTOP)
+            try:
+                status = lambda: httpx.get(_node_url(ep) + "/status", timeout=5).json()  # noqa: E731
+                assert wait_until(lambda: status()["lapsed"], LEASE_S + 10), status()
+                st = status()
+                assert st["state"] != "free" and not st["busy"] and st["holder"].startswith("router-s"), st
+            finally:
+                os.kill(starved.proc.pid, signal.SIGCONT)
+        client.join(120)
+        r = answer["r"]
+        assert r.status_code == 200 and r.headers["x-tilepd-node"] == name, r.text
+    finally:
+        relay.close()
+        _kill_group(starved)
+    log = srv.log_text()
+    tid = next(t for kind, t, holder in slot_events(log) if kind == "reserved" and holder.startswith("router-s"))
+    mine = [line for line in log.splitlines() if tid in line]
+    assert any("event=reservation_lapsed" in line for line in mine), mine
+    assert any("event=reservation_revived" in line for line in mine), mine
+    assert not any("event=reservation_expired" in line for line in mine), mine
     check_one_at_a_time(log)
 
 

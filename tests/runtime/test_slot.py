@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.reserved import reserve_and_attach
-from tilepd.runtime.slot import Slot, SlotError, State
+from tilepd.runtime.slot import LAPSE_GRACE_LEASES, Slot, SlotError, State
 
 
 def _slot(**kw) -> tuple[Slot, list]:
@@ -88,22 +88,53 @@ def test_the_fence_guards_renew_decode_and_cancel() -> None:
     assert s.reserve("t2", "k", "b").reservation.fence > fence  # fences only grow
 
 
-def test_an_unrenewed_reservation_expires_and_frees_the_slot() -> None:
+def test_an_unrenewed_reservation_lapses_then_is_taken_back_after_the_grace() -> None:
     s, _ = _slot(lease_s=0.05)
     freed: list[int] = []
     s.on_free = lambda: freed.append(1)
     fence = s.reserve("t1", "k", "dead-router").reservation.fence
     s.expire_leases()
-    assert s.state == State.RESERVED  # within its lease
+    assert s.state == State.RESERVED and s.busy  # within its lease
     time.sleep(0.06)
+    s.expire_leases()  # lapsed: routers waiting for the slot hear of it; nobody took it yet
+    assert s.state == State.RESERVED and not s.busy and s.snapshot()["lapsed"] and freed == [1]
+    assert s.reservations_expired == 0
+    time.sleep(LAPSE_GRACE_LEASES * 0.05 + 0.01)
     s.expire_leases()
-    assert s.state == State.FREE and freed == [1] and s.reservations_expired == 1
+    assert s.state == State.FREE and freed == [1, 1] and s.reservations_expired == 1
     with pytest.raises(SlotError) as e:  # the KV of the dead router's prefill, arriving late
         s.admit("t1", "k", 10, 1, 100, None, conn_id=1)
     assert e.value.code == "unknown_transfer" and "lease_expired" in e.value.message
     with pytest.raises(SlotError) as e:
         s.attach_decode("t1", "k", fence)
     assert e.value.code == "reservation_lost"
+
+
+def test_a_lapsed_reservation_goes_to_the_next_router_or_back_to_its_own() -> None:
+    s, _ = _slot(lease_s=0.05)
+    fence = s.reserve("t1", "k", "stalled-router").reservation.fence
+    s.complete("t1", s.admit("t1", "k", 1, 1, 1, None, 1), True)  # its KV is here, its decode request not yet
+    time.sleep(0.06)
+    s.expire_leases()
+    assert s.state == State.COMPLETE and not s.busy
+    s.renew("t1", fence)  # the stalled router runs again: the reservation is its own again
+    assert s.busy and not s.snapshot()["lapsed"]
+    with pytest.raises(SlotError) as e:
+        s.reserve("t2", "k", "other-router")
+    assert e.value.code == "busy"
+    time.sleep(0.06)
+    s.expire_leases()
+    tr = s.attach_decode("t1", "k", fence)  # a late decode request revives it too, and runs
+    s.wait_complete(tr, 1)
+    s.release(tr)
+    fence = s.reserve("t3", "k", "stalled-router").reservation.fence
+    time.sleep(0.06)
+    s.expire_leases()
+    t4 = s.reserve("t4", "k", "other-router")  # another router's reservation takes the lapsed slot at once
+    assert s.current is t4 and s.reservations_expired == 1 and s._ended["t3"].reason == "lease_expired"
+    with pytest.raises(SlotError) as e:
+        s.renew("t3", fence)
+    assert e.value.code == "reservation_lost" and "lease_expired" in e.value.message
 
 
 def test_an_expired_lease_cancels_the_decode_and_fails_a_waiting_one() -> None:

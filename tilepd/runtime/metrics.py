@@ -21,7 +21,7 @@ class _SlotCollector:
         yield CounterMetricFamily("tilepd_decode_transfers", "KV transfers completed into the receive buffer", value=self.slot.transfers_total)
         yield CounterMetricFamily("tilepd_decode_transfer_bytes", "KV bytes received by completed transfers", value=self.slot.bytes_total)
         yield CounterMetricFamily("tilepd_decode_ctrl_bad_frames", "control frames refused (connection closed)", value=self.bad_frames())
-        yield GaugeMetricFamily("tilepd_decode_busy", "1 while the slot is not free", value=1.0 if self.slot.busy else 0.0)
+        yield GaugeMetricFamily("tilepd_decode_busy", "1 while a live reservation holds the slot (a lapsed one counts free)", value=1.0 if self.slot.busy else 0.0)
         yield CounterMetricFamily("tilepd_decode_reservations_expired", "router reservations whose lease ran out (the router died or "
                                   "was cut off): the slot was taken back", value=self.slot.reservations_expired)
 

@@ -8,7 +8,9 @@ its slot is free (or draining), or after N seconds: a router whose every node is
 and polls nothing.
 
 The holder renews (`POST /v1/renew`) while its request lives. A lease not renewed for `reservation_lease_s` (its
-router died, or lost the network) expires: the node frees the slot and cancels the orphaned decode. The lease is
+router died, or lost the network) expires: the node frees the slot and cancels the orphaned decode; before a decode
+request joined it only lapses, so that the next reservation takes the slot and a late renewal revives it (runtime.slot).
+A lapsed slot counts as free to `GET /v1/slot`. The lease is
 timed on the node's event loop, which also answers the renewals: when that loop was held up (no CPU, a stall), the
 time it lost is added to the lease, since renewals may be waiting unread in its sockets.
 """
@@ -118,7 +120,7 @@ def renew(svc: DecodeService, body: RenewBody) -> JSONResponse | dict[str, Any]:
 
 
 async def slot_view(svc: DecodeService, signal: SlotFreeSignal, wait_s: float) -> dict[str, Any]:
-    """The slot, once it is free or draining, or after `wait_s` (at most MAX_SLOT_WAIT_S) as it is then."""
+    """The slot, once it is free (or lapsed) or draining, or after `wait_s` (at most MAX_SLOT_WAIT_S) as it is then."""
     deadline = time.monotonic() + min(max(wait_s, 0.0), MAX_SLOT_WAIT_S)
     while True:
         snap = svc.slot.snapshot()

@@ -6,8 +6,13 @@ reserves it (`reserve`: its identity, a lease it renews, a fencing generation, t
 `fence`) before the prefill, and both the connector's admit and the router's decode
 request join that reservation, in either order, carrying its transfer id and token
 (the decode request its fence too). A second reservation while the slot is held is
-refused at once, `busy`, naming the holder; a reservation whose lease runs out (its
-router died or was cut off) frees the slot, cancelling a decode in progress.
+refused at once, `busy`, naming the holder. A reservation whose lease runs out (its
+router died, was cut off, or got no CPU) is taken back: at once when a decode is running
+or waiting for its KV (the decode is cancelled or fails); before its decode request
+joined it only lapses: the next reservation by anyone takes the slot, a late renewal or
+decode request of its holder revives it, and with neither it is taken back after
+LAPSE_GRACE_LEASES more leases. A router that merely stalled past its lease (a starved
+host) so keeps a request nobody else wanted the node for.
 Every admit gets a fresh generation number; the transport drops bytes of
 any other generation, and `done` for another generation is ignored, so late,
 duplicate and foreign writers cannot complete (or corrupt) someone else's slot.
@@ -62,6 +67,7 @@ class Reservation:
     lease_s: float
     deadline: float  # time.monotonic()
     expired: bool = False  # the lease ran out: the slot is being taken back
+    lapsed: bool = False  # the lease ran out before a decode joined: the next reservation takes the slot (module docstring)
 
 
 @dataclass
@@ -99,6 +105,8 @@ class Ended:
 
 ENDED_REMEMBERED = 4096  # transfer ids (~100 B each) kept to refuse late decode requests
 DEFAULT_LEASE_S = 10.0  # DecodeServerConfig.reservation_lease_s
+LAPSE_GRACE_LEASES = 2.0  # a lapsed reservation nobody claimed is taken back this many leases past its deadline
+LAPSING_STATES = frozenset({State.RESERVED, State.TRANSFERRING, State.COMPLETE})  # before a decode runs
 
 
 class Slot:
@@ -137,7 +145,9 @@ class Slot:
     # -- views ----------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return self.state != State.FREE
+        """Held: a reservation would be refused (a lapsed one is taken by the next reservation)."""
+        cur = self.current
+        return self.state != State.FREE and not (cur is not None and cur.reservation is not None and cur.reservation.lapsed)
 
     def snapshot(self) -> dict[str, Any]:
         with self._cv:
@@ -145,13 +155,18 @@ class Slot:
             held = cur.reservation if cur is not None else None
             return {"state": self.state.value, "busy": self.busy, "transfer_id": cur.transfer_id if cur else None,
                     "decode_joined": bool(cur and cur.http_joined), "holder": held.holder if held else None, "fence": held.fence if held else None,
-                    "lease_left_s": round(max(0.0, held.deadline - time.monotonic()), 3) if held else None}
+                    "lease_left_s": round(max(0.0, held.deadline - time.monotonic()), 3) if held else None,
+                    "lapsed": bool(held and held.lapsed)}
 
     # -- the router's reservation ---------------------------------------------------------
     def reserve(self, transfer_id: str, token: str, holder: str = "-") -> Transfer:
         """Hold the free slot for `holder`'s transfer; refuse at once (`busy`, naming the holder) while it is held."""
         with self._cv:
             cur = self.current
+            if cur is not None and cur.reservation is not None and cur.reservation.lapsed and not self.draining \
+                    and transfer_id not in self._ended:  # (an id that ended here is refused below, taking nothing)
+                self._take_back_locked(cur, cur.reservation, f"claimed by {holder}")
+                cur = self.current
             if self.state != State.FREE:
                 if self.draining:  # not `busy`: the router should not wait for this node, and should lease it no more
                     raise SlotError("draining", f"decode node is draining (finishing transfer {cur.transfer_id if cur else '?'}): it "
@@ -177,13 +192,14 @@ class Slot:
         """Extend the reservation's lease; the seconds it now has. A fence that holds the slot no more is refused."""
         with self._cv:
             held = self._held_by(transfer_id, fence)
+            self._revive_locked(transfer_id, held, "renewal")
             held.deadline = time.monotonic() + held.lease_s
             return held.lease_s
 
     def expire_leases(self, held_up_s: float = 0.0) -> None:
-        """Take the slot back from a reservation whose lease ran out, cancelling its decode. `held_up_s`: how long the
-        caller's clock tick was late (the node itself was held up): that time is added to the lease, since the
-        holder's renewals may be waiting unread."""
+        """Lapse or take back a reservation whose lease ran out (module docstring). `held_up_s`: how long the caller's
+        clock tick was late (the node itself was held up): that time is added to the lease, since the holder's
+        renewals may be waiting unread."""
         with self._cv:
             cur = self.current
             held = cur.reservation if cur is not None else None
@@ -191,22 +207,44 @@ class Slot:
                 return
             if held_up_s > 0:
                 held.deadline += held_up_s
-            if time.monotonic() < held.deadline:
+            now = time.monotonic()
+            if now < held.deadline:
                 return
-            held.expired = True
-            self.reservations_expired += 1
-            log.warning("event=reservation_expired transfer_id=%s holder=%s fence=%d state=%s lease_s=%g", cur.transfer_id,
-                        held.holder, held.fence, self.state.value, held.lease_s)
-            if self.state == State.DECODING:  # the engine stops at its next step; the decode's release frees the slot
-                cur.cancel.set()
-                self.state = State.CANCELLING
-            elif self.state != State.CANCELLING:
-                if cur.http_joined:  # its decode request waits for the KV: it fails with the reason
-                    self._fail_locked(f"the reservation of {held.holder} expired (not renewed for {held.lease_s:g} s)",
-                                      "reservation_lost")
-                else:
-                    self._free_locked("lease_expired")
-            self._cv.notify_all()
+            if not cur.http_joined and self.state in LAPSING_STATES:
+                grace_s = LAPSE_GRACE_LEASES * held.lease_s
+                if not held.lapsed:
+                    held.lapsed = True
+                    log.warning("event=reservation_lapsed transfer_id=%s holder=%s fence=%d state=%s lease_s=%g grace_s=%g "
+                                "(the next reservation takes the slot; a renewal revives it)", cur.transfer_id, held.holder,
+                                held.fence, self.state.value, held.lease_s, grace_s)
+                    self._cv.notify_all()
+                    self.on_free()  # routers waiting for the slot may take it now
+                if now < held.deadline + grace_s:
+                    return
+            self._take_back_locked(cur, held, "not renewed")
+
+    def _take_back_locked(self, cur: Transfer, held: Reservation, why: str) -> None:
+        """End a reservation whose lease ran out, cancelling or failing its decode."""
+        held.expired = True
+        self.reservations_expired += 1
+        log.warning("event=reservation_expired transfer_id=%s holder=%s fence=%d state=%s lease_s=%g why=%r", cur.transfer_id,
+                    held.holder, held.fence, self.state.value, held.lease_s, why)
+        if self.state == State.DECODING:  # the engine stops at its next step; the decode's release frees the slot
+            cur.cancel.set()
+            self.state = State.CANCELLING
+        elif self.state != State.CANCELLING:
+            if cur.http_joined:  # its decode request waits for the KV: it fails with the reason
+                self._fail_locked(f"the reservation of {held.holder} expired (not renewed for {held.lease_s:g} s)",
+                                  "reservation_lost")
+            else:
+                self._free_locked("lease_expired")
+        self._cv.notify_all()
+
+    def _revive_locked(self, transfer_id: str, held: Reservation, by: str) -> None:
+        if held.lapsed:
+            held.lapsed = False
+            log.warning("event=reservation_revived transfer_id=%s holder=%s fence=%d by=%s late_s=%.2f", transfer_id, held.holder,
+                        held.fence, by, time.monotonic() - held.deadline)
 
     # -- HTTP side ------------------------------------------------------------------
     def attach_decode(self, transfer_id: str, token: str, fence: int) -> Transfer:
@@ -228,11 +266,14 @@ class Slot:
                     raise SlotError("draining", f"decode node is draining (finishing transfer {cur.transfer_id}): it takes no new request")
                 owner = cur.reservation.holder if cur.reservation is not None else "?"
                 raise SlotError("busy", f"decode node busy: held by {owner} (transfer {cur.transfer_id}, {self.state.value})", holder=owner)
-            self._held_by(transfer_id, fence)
+            held = self._held_by(transfer_id, fence)
             if cur.token != token:
                 raise SlotError("bad_token", f"token does not match the one transfer {transfer_id} was reserved with")
             if cur.http_joined:
                 raise SlotError("duplicate", f"transfer {transfer_id} already has a decode request")
+            if held.lapsed:  # its router is back: the lease runs again from now
+                self._revive_locked(transfer_id, held, "decode_request")
+                held.deadline = time.monotonic() + held.lease_s
             cur.http_joined = True
             log.info("event=joined transfer_id=%s state=%s", transfer_id, self.state.value)
             return cur
