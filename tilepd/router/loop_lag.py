@@ -9,18 +9,23 @@ called every node it had a probe out to dead the moment it ran again).
 Failure detectors that must survive their own pauses do the same (pause detection: a timeout measured across the
 detector's pause is not held against the peer).
 
-A tick every `tick_s` notes each hold-up longer than `threshold_s`; `stalled_s(since)` says how much of the time
+A tick every `tick_s` notes each hold-up longer than `threshold_s` (one of LOGGED_STALL_S or more is logged, a
+warning: it explains a lease the router let lapse, a probe it did not judge); `stalled_s(since)` says how much of the time
 since an instant the loop spent held up, counting one still under way (a tick that has not run yet).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 
+log = logging.getLogger("tilepd.router")
+
 # a probe or wait that timed out is not held against the node when the router was itself held up this share of it
 INCONCLUSIVE_SHARE = 0.25
+LOGGED_STALL_S = 2.0
 
 
 class LoopLag:
@@ -42,6 +47,8 @@ class LoopLag:
         due = self._last + self.tick_s
         if now - due >= self.threshold_s:
             self._stalls.append((due, now))
+            if now - due >= LOGGED_STALL_S:
+                log.warning("event=router_loop_stalled held_up_s=%.2f (this router got no CPU, or its loop was blocked)", now - due)
         self._last = now
 
     def stalled_s(self, since: float, now: float | None = None) -> float:
