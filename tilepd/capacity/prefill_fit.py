@@ -10,13 +10,15 @@ So each sample is one request, read as the difference of the host's histograms a
 scraped, one probe prompt (random token ids: no prefix-cache hit; `max_tokens` 1, no tilepd marker: no decode node
 is involved) is sent, and the host is scraped again. A probe whose difference counts other than one request (other
 traffic meanwhile) is dropped, as is the host's very first request (its count was 0 before). The fit is least
-squares of `seconds = fixed + per_token * tokens` over probes of at least two lengths, both parts held >= 0, and
-says how many requests it rests on.
+squares of `seconds = fixed + per_token * tokens` over the median probe of each length (three per length: one probe
+slowed by anything else on the host, a burst of another job, a page fault storm, cannot move it), both parts held
+>= 0, and says how many requests it rests on.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from tilepd.capacity.sources import Scrape
 
 PREFILL_SECONDS = "vllm:request_prefill_time_seconds"
 PROMPT_TOKENS = "vllm:request_prompt_tokens"
-PROBE_REPEATS = 2  # probes per length (the spread between them is the fit's noise)
+PROBE_REPEATS = 3  # probes per length: the fit takes each length's median
 PROBE_TOKEN_IDS = (100, 300)  # ordinary ids of any real vocabulary (and the tiny test models', 512 wide)
 SETTLE_S = 2.0  # how long a probe's request may take to show in the host's metrics after its answer
 
@@ -66,24 +68,35 @@ def one_request(before: Scrape, after: Scrape) -> PrefillSample | None:
 
 
 def fit(samples: Sequence[PrefillSample]) -> PrefillFit:
-    """Least squares of seconds = fixed + per_token * tokens (each part at least 0); one length: all per token."""
+    """Least squares of seconds = fixed + per_token * tokens (each part at least 0) over each length's median sample;
+    one length: all per token."""
     if not samples:
         raise ValueError("no prefill request to fit on")
+    requests = len(samples)
+    samples = medians(samples)
     n = len(samples)
     mean_x = sum(s.tokens for s in samples) / n
     mean_y = sum(s.seconds for s in samples) / n
     sxx = sum((s.tokens - mean_x) ** 2 for s in samples)
     lengths = tuple(sorted({int(s.tokens) for s in samples}))
     if sxx <= 0:  # one length: the parts cannot be told apart
-        return PrefillFit(0.0, mean_y / mean_x if mean_x > 0 else 0.0, n, lengths)
+        return PrefillFit(0.0, mean_y / mean_x if mean_x > 0 else 0.0, requests, lengths)
     per_token = sum((s.tokens - mean_x) * (s.seconds - mean_y) for s in samples) / sxx
     fixed = mean_y - per_token * mean_x
     if per_token < 0:  # noise larger than the length effect: a fixed time alone
-        return PrefillFit(mean_y, 0.0, n, lengths)
+        return PrefillFit(mean_y, 0.0, requests, lengths)
     if fixed < 0:  # through the origin instead
         per_token = sum(s.tokens * s.seconds for s in samples) / sum(s.tokens ** 2 for s in samples)
         fixed = 0.0
-    return PrefillFit(fixed, per_token, n, lengths)
+    return PrefillFit(fixed, per_token, requests, lengths)
+
+
+def medians(samples: Sequence[PrefillSample]) -> list[PrefillSample]:
+    """One sample per prompt length: the median seconds of that length's probes."""
+    by_length: dict[float, list[float]] = {}
+    for s in samples:
+        by_length.setdefault(s.tokens, []).append(s.seconds)
+    return [PrefillSample(tokens, statistics.median(secs)) for tokens, secs in sorted(by_length.items())]
 
 
 def probe_lengths(prompt_tokens: int, max_seq_len: int) -> list[int]:
