@@ -20,7 +20,7 @@ def test_off_on_cpu_and_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(pdl.SWITCH, "on", 1)
     monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
     x = torch.zeros(2)
-    assert not pdl.enabled(x) and pdl.launch_kwargs(x) == {} and not pdl.prefetch_flag(x) and pdl.flag(x) == 0
+    assert not pdl.enabled(x) and pdl.launch_args(x) == {"PDL": 0} and not pdl.prefetch_flag(x) and pdl.flag(x) == 0
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.enabled(x)
 
@@ -40,8 +40,8 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(pdl.SWITCH, "on", 1)
     monkeypatch.setitem(pdl.SWITCH, "skip", frozenset({"down"}))
     monkeypatch.setitem(pdl.SWITCH, "trigger", 1)
-    assert pdl.flag(x, "gate") == 1 and pdl.launch_kwargs(x, "gate") == {"launch_pdl": True}
-    assert pdl.flag(x, "down") == 0 and pdl.launch_kwargs(x, "down") == {}
+    assert pdl.flag(x, "gate") == 1 and pdl.launch_args(x, "gate") == {"PDL": 1, "launch_pdl": True}
+    assert pdl.flag(x, "down") == 0 and pdl.launch_args(x, "down") == {"PDL": 0}
     monkeypatch.setitem(pdl.SWITCH, "trigger", 0)
     assert pdl.flag(x, "gate") == 2
     monkeypatch.setitem(pdl.SWITCH, "on", 0)

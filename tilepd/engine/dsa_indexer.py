@@ -136,7 +136,7 @@ def write_index_keys(kx: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tenso
         raise ValueError(f"DSA index keys: kx {tuple(kx.shape)}, cache {tuple(cache.shape)} (stride {cache.stride()}), "
                          f"cs stride {cs.stride()}: need matching, contiguous rows")
     _index_key_kernel[(t,)](kx, norm_w, norm_b, cs, positions, cache, 1e-6, kx.stride(0), cs.stride(0), cs.stride(1), cache.stride(0),
-                            D=d, ROPE=rope, INTERLEAVED=interleaved, num_warps=1, PDL=pdl.flag(kx, "dsa"), **pdl.launch_kwargs(kx, "dsa"))
+                            D=d, ROPE=rope, INTERLEAVED=interleaved, num_warps=1, **pdl.launch_args(kx, "dsa"))
 
 
 def score_chunk(length: int) -> int:
@@ -174,7 +174,7 @@ def index_scores(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys:
         0 if hist is None else hist.stride(0),
         D=d, ROPE=rope, INTERLEAVED=interleaved, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_L=TUNE["block_l"],
         PRECISION="ieee" if keys.dtype == torch.float32 else "tf32", UPCAST=_INTERPRET and keys.dtype != torch.float32,
-        WITH_HIST=hist is not None, num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"], PDL=pdl.flag(q, "dsa"), **pdl.launch_kwargs(q, "dsa"))
+        WITH_HIST=hist is not None, num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"], **pdl.launch_args(q, "dsa"))
     return out
 
 

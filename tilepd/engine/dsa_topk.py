@@ -309,20 +309,20 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.T
         cand = torch.empty(2, t, length, dtype=torch.int32, device=scores.device)  # scratch: candidate keys, slots
         _topk_one_program_kernel[(t,)](scores, valid_u8, idx, ok_u8, cand[0], cand[1], length, k,
                                        scores.stride(0), valid.stride(0), idx.stride(0), cand.stride(1),
-                                       BLOCK=TUNE["block"], num_warps=TUNE["num_warps"], PDL=pdl.flag(scores, "dsa"), **pdl.launch_kwargs(scores, "dsa"))
+                                       BLOCK=TUNE["block"], num_warps=TUNE["num_warps"], **pdl.launch_args(scores, "dsa"))
         return idx, ok
     chunk = TUNE["chunk"]
     grid = (triton.cdiv(length, chunk), t)
     if hist is None:
         hist = new_hist(t, scores.device)
         _topk_hist0_kernel[grid](scores, hist, length, chunk, scores.stride(0), hist.stride(0),
-                                 BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], PDL=pdl.flag(scores, "dsa"), **pdl.launch_kwargs(scores, "dsa"))
+                                 BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], **pdl.launch_args(scores, "dsa"))
     cand = torch.empty(4, t, length, dtype=torch.int32, device=scores.device)  # the split's candidates, the finish's
     _topk_split_kernel[grid](scores, valid_u8, hist, idx, ok_u8, cand[0], cand[1], length, k, chunk, scores.stride(0),
                              valid.stride(0), hist.stride(0), idx.stride(0), cand.stride(1),
-                             BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], PDL=pdl.flag(scores, "dsa"), **pdl.launch_kwargs(scores, "dsa"))
+                             BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], **pdl.launch_args(scores, "dsa"))
     _topk_refine_kernel[grid](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, chunk, valid.stride(0), hist.stride(0),
-                              idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], PDL=pdl.flag(valid_u8, "dsa"), **pdl.launch_kwargs(valid_u8, "dsa"))
+                              idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], **pdl.launch_args(valid_u8, "dsa"))
     _topk_finish_kernel[(t,)](valid_u8, hist, idx, ok_u8, cand[2], cand[3], k, valid.stride(0), hist.stride(0), idx.stride(0),
-                              cand.stride(1), BLOCK=TUNE["block"], num_warps=TUNE["num_warps"], PDL=pdl.flag(valid_u8, "dsa"), **pdl.launch_kwargs(valid_u8, "dsa"))
+                              cand.stride(1), BLOCK=TUNE["block"], num_warps=TUNE["num_warps"], **pdl.launch_args(valid_u8, "dsa"))
     return idx, ok

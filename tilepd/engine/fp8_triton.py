@@ -159,8 +159,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
         BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
         ROW_UNIFORM=block_n % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=shared is not None, X_DIV=x_div, NW=x, RES=x, eps=0.0, s_rr=0, NORM=False, HAS_RES=False,
-        PDL=pdl.flag(x), PREFETCH=pdl.prefetch_flag(x) and not has_ids and tile_k >= 128,
-        num_warps=TUNE["num_warps"], **extra, **pdl.launch_kwargs(x),
+        PREFETCH=pdl.prefetch_flag(x) and not has_ids and tile_k >= 128,
+        num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
     )
     return y
 
@@ -198,8 +198,8 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=False, X_DIV=1, NW=norm_weight if norm_weight is not None else x, RES=residual if residual is not None else x,
         eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
-        PDL=pdl.flag(x), PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
-        num_warps=TUNE["num_warps"], **extra, **pdl.launch_kwargs(x),
+        PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
+        num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
     )
     return y
 

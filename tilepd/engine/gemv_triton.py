@@ -133,8 +133,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
         x, weight, norm_weight if norm_weight is not None else x, residual if residual is not None else x, y, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         PROLOGUE=PROLOGUES.index(prologue), HAS_RES=residual is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
-        PDL=chain and pdl.flag(x), PREFETCH=chain and pdl.prefetch_flag(x) and weight.element_size() == 2 and tile_k >= 64,
-        num_warps=warps, **(pdl.launch_kwargs(x) if chain else {}),
+        PREFETCH=chain and pdl.prefetch_flag(x) and weight.element_size() == 2 and tile_k >= 64,
+        num_warps=warps, **(pdl.launch_args(x) if chain else pdl.OFF),
     )
     return y
 

@@ -193,8 +193,8 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
         q.stride(0), q.stride(1), rows.stride(0), idx.stride(0) if sparse else 0,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse, UPCAST=_INTERPRET and cache.dtype != torch.float32,
-        PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", PDL=pdl.flag(q, "split"), num_warps=tune["num_warps"],
-        num_stages=tune["num_stages"], **pdl.launch_kwargs(q, "split"))
+        PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", num_warps=tune["num_warps"],
+        num_stages=tune["num_stages"], **pdl.launch_args(q, "split"))
     return part, lse
 
 
@@ -206,8 +206,8 @@ def _launch(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, lengt
     block_d = min(rank, 128)
     _mla_merge_kernel[(t * h, rank // block_d)](
         part, lse, out, splits, h, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, PDL=pdl.flag(part, "merge"), num_warps=4,
-        **pdl.launch_kwargs(part, "merge"))
+        out.stride(0), out.stride(1), BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4,
+        **pdl.launch_args(part, "merge"))
     return out
 
 

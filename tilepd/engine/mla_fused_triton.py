@@ -277,8 +277,8 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
         h, nope + rope, n_absorb, hidden, NOPE=nope,
         RANK=rank, ROPE=rope, IDX_D=idx_d, INTERLEAVED=interleaved, IDX_INTERLEAVED=idx_interleaved, HAS_INDEX=index is not None,
         HAS_WEIGHTS=wout is not None, ACT=_tl(q.dtype), BLOCK_C=block_c, BLOCK_D=TUNE["block_d"], BLOCK_K=1024, STAGES=TUNE["prep_stages"],
-        UNROLL=bool(TUNE["prep_unroll"]), NOPE_PAD=triton.next_power_of_2(nope), PDL=pdl.flag(q, "prepare"),
-        PREFETCH=pdl.prefetch_flag(q, "prepare") and w_uk.element_size() == 2, num_warps=TUNE["prep_warps"], **pdl.launch_kwargs(q, "prepare"))
+        UNROLL=bool(TUNE["prep_unroll"]), NOPE_PAD=triton.next_power_of_2(nope),
+        PREFETCH=pdl.prefetch_flag(q, "prepare") and w_uk.element_size() == 2, num_warps=TUNE["prep_warps"], **pdl.launch_args(q, "prepare"))
     return qout, wout
 
 
@@ -297,8 +297,8 @@ def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: tor
     _merge_uv_kernel[(t * h, triton.cdiv(v, block_v))](
         part, lse, w_uv, out, s, h, v, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
         RANK=rank, ACT=_tl(act), LAT=_tl(lat), BLOCK_S=max(2, triton.next_power_of_2(s)), BLOCK_V=block_v, CHUNK_C=chunk_c,
-        STAGES=TUNE["merge_stages"], UNROLL=bool(TUNE["merge_unroll"]), PDL=pdl.flag(part, "merge"),
-        PREFETCH=pdl.prefetch_flag(part, "merge") and w_uv.element_size() == 2, num_warps=TUNE["merge_warps"], **pdl.launch_kwargs(part, "merge"))
+        STAGES=TUNE["merge_stages"], UNROLL=bool(TUNE["merge_unroll"]),
+        PREFETCH=pdl.prefetch_flag(part, "merge") and w_uv.element_size() == 2, num_warps=TUNE["merge_warps"], **pdl.launch_args(part, "merge"))
     return out
 
 

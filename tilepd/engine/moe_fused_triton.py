@@ -267,8 +267,8 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
     _gate_kernel[(t, triton.cdiv(n_exp, block_e))](
         x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
         logits.stride(0), ids.stride(0), weights.stride(0), float(eps), float(routed_scaling_factor),
-        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, PDL=pdl.flag(x, "gate"), num_warps=TUNE["gate_num_warps"],
-        **pdl.launch_kwargs(x, "gate"))
+        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, num_warps=TUNE["gate_num_warps"],
+        **pdl.launch_args(x, "gate"))
     return h, ids, weights, logits
 
 
@@ -322,8 +322,8 @@ def gate_up_act(h: torch.Tensor, w13: torch.Tensor | BlockFp8, shared: torch.Ten
         h, wt, scale, st, s_scale, ids, a, inter, k, h.stride(0), wt.stride(0), wt.stride(1), scale.stride(0) if fp8 else 0,
         scale.stride(1) if fp8 else 0, a.stride(0),
         X_DIV=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0 and inter % bn == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl.flag(h, "gate_up"), PREFETCH=shared_last and pdl.prefetch_flag(h, "gate_up"), PF_LINES=_prefetch_lines(k, wt.element_size()), ESIZE=wt.element_size(),
-        num_warps=TUNE["up_num_warps"], **pdl.launch_kwargs(h, "gate_up"))
+        PREFETCH=shared_last and pdl.prefetch_flag(h, "gate_up"), PF_LINES=_prefetch_lines(k, wt.element_size()), ESIZE=wt.element_size(),
+        num_warps=TUNE["up_num_warps"], **pdl.launch_args(h, "gate_up"))
     return a
 
 
@@ -364,6 +364,6 @@ def down_combine(a: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Ten
         a, wt, scale, st, s_scale, ids, weights, residual, y, n, a.stride(0), wt.stride(0), wt.stride(1),
         scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, ids.stride(0), weights.stride(0), residual.stride(0), y.stride(0),
         K=k, SLOTS=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl.flag(a, "down"), PREFETCH=shared_last and pdl.prefetch_flag(a, "down"), PF_LINES=_prefetch_lines(k, wt.element_size()), ESIZE=wt.element_size(),
-        SHARED_FIRST=shared_last and pdl.prefetch_flag(a, "down"), num_warps=TUNE["down_num_warps"], **pdl.launch_kwargs(a, "down"))
+        PREFETCH=shared_last and pdl.prefetch_flag(a, "down"), PF_LINES=_prefetch_lines(k, wt.element_size()), ESIZE=wt.element_size(),
+        SHARED_FIRST=shared_last and pdl.prefetch_flag(a, "down"), num_warps=TUNE["down_num_warps"], **pdl.launch_args(a, "down"))
     return y

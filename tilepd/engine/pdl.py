@@ -7,7 +7,7 @@ one waits (`griddepcontrol.wait`) before touching anything the step writes. Befo
 read what no kernel of the step writes (the weights): `prefetch_l2` pulls its first weight tile into L2 there, so
 the read that starts the kernel's work comes from L2, not HBM.
 
-The rule every kernel launched with `launch_kwargs()` follows (they take a `PDL` constexpr, `flag()`):
+The rule every kernel launched with `launch_args()` follows (they take the `PDL` constexpr it sets, `flag()`):
 
   * `wait(PDL)` in every program before its first load of an activation, a cache, a routing result or a counter,
     and before its first store (so it never overwrites what the previous kernel still reads); it also lets the
@@ -88,9 +88,13 @@ def prefetch_flag(t: torch.Tensor, kind: str = "gemv") -> bool:
     return enabled(t, kind) and bool(SWITCH["prefetch"])
 
 
-def launch_kwargs(t: torch.Tensor, kind: str = "gemv") -> dict:
-    """The launch options that go with flag(t, kind): {"launch_pdl": True} or nothing."""
-    return {"launch_pdl": True} if enabled(t, kind) else {}
+def launch_args(t: torch.Tensor, kind: str = "gemv") -> dict:
+    """A launch's PDL arguments, read once: the kernel's `PDL` constexpr (flag()) and, with PDL, `launch_pdl`."""
+    on = flag(t, kind)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": 0}
+
+
+OFF: dict = {"PDL": 0}  # a launch that never takes PDL (gemv_triton's unchained GEMVs)
 
 
 if triton is not None:
