@@ -4,9 +4,9 @@ Real processes: the stack's vLLM prefill, two CPU decode nodes (the stack's allo
 reservation lease) and two routers that share nothing but the nodes' answers. The nodes' own logs are the witness:
 every reservation a node granted was freed before it granted the next, and every decode it ran lies inside its own
 transfer's reservation, so no node ever served two requests at once. A router that finds both nodes held waits on
-their slot-free answers (one refused reservation per node, no polling), and a router killed while it holds a node
-leaves it at the lease deadline (the relay in front of its prefill holds its request there: a fault injector, every
-byte reaches the real vLLM).
+their slot-free answers (one refused reservation per node, no polling), a router killed while it holds a node
+leaves it at the lease deadline, and a router only starved past that deadline keeps it when nobody else asked (the
+relay in front of its prefill holds its request there: a fault injector, every byte reaches the real vLLM).
 """
 
 from __future__ import annotations
