@@ -137,7 +137,7 @@ def test_a_lapsed_reservation_goes_to_the_next_router_or_back_to_its_own() -> No
     assert e.value.code == "reservation_lost" and "lease_expired" in e.value.message
 
 
-def test_an_expired_lease_cancels_the_decode_and_fails_a_waiting_one() -> None:
+def test_a_lapsed_decode_is_cancelled_for_the_next_reservation_and_a_waiting_one_fails() -> None:
     s, _ = _slot(lease_s=0.05)
     tr = reserve_and_attach(s, "t1", "k")
     s.complete("t1", s.admit("t1", "k", 1, 1, 1, None, 1), True)
@@ -145,15 +145,33 @@ def test_an_expired_lease_cancels_the_decode_and_fails_a_waiting_one() -> None:
     s.start_decoding(tr)
     time.sleep(0.06)
     s.expire_leases()
-    assert tr.cancel.is_set() and s.state == State.CANCELLING  # the engine stops at its next step
+    assert not tr.cancel.is_set() and s.state == State.DECODING and not s.busy  # lapsed: nobody asked for the node yet
+    with pytest.raises(SlotError) as e:  # another router asks: the decode stops at its next step, the router waits
+        s.reserve("t2", "k", "other-router")
+    assert e.value.code == "busy" and tr.cancel.is_set() and s.state == State.CANCELLING and s.busy
     s.release(tr, "cancelled")
     assert s.state == State.FREE and s._ended["t1"].reason == "lease_expired"
-    tr = reserve_and_attach(s, "t2", "k")
+    tr = reserve_and_attach(s, "t3", "k")
     time.sleep(0.06)
     s.expire_leases()
-    with pytest.raises(SlotError) as e:  # its decode request waits for KV that no router will follow
+    s.reserve("t4", "k", "other-router")
+    with pytest.raises(SlotError) as e:  # its decode request waited for KV that another router's reservation took over
         s.wait_complete(tr, 1)
     assert e.value.code == "reservation_lost" and "not renewed" in e.value.message
+
+
+def test_a_lapsed_decode_is_cancelled_after_the_grace() -> None:
+    s, _ = _slot(lease_s=0.05)
+    tr = reserve_and_attach(s, "t1", "k")
+    s.complete("t1", s.admit("t1", "k", 1, 1, 1, None, 1), True)
+    s.wait_complete(tr, 1)
+    s.start_decoding(tr)
+    time.sleep(0.06)
+    s.expire_leases()
+    assert not tr.cancel.is_set()
+    time.sleep(LAPSE_GRACE_LEASES * 0.05 + 0.01)
+    s.expire_leases()
+    assert tr.cancel.is_set() and s.state == State.CANCELLING and s.reservations_expired == 1
 
 
 def test_time_the_node_was_held_up_is_added_to_the_lease() -> None:

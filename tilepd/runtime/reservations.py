@@ -8,9 +8,8 @@ its slot is free (or draining), or after N seconds: a router whose every node is
 and polls nothing.
 
 The holder renews (`POST /v1/renew`) while its request lives. A lease not renewed for `reservation_lease_s` (its
-router died, or lost the network) expires: the node frees the slot and cancels the orphaned decode; before a decode
-request joined it only lapses, so that the next reservation takes the slot and a late renewal revives it (runtime.slot).
-A lapsed slot counts as free to `GET /v1/slot`. The lease is
+router died, or lost the network) lapses: the next reservation takes the slot back, cancelling the orphaned decode,
+while a late renewal revives it (runtime.slot); a lapsed slot counts as free to `GET /v1/slot`. The lease is
 timed on the node's event loop, which also answers the renewals: when that loop was held up (no CPU, a stall), the
 time it lost is added to the lease, since renewals may be waiting unread in its sockets.
 """

@@ -7,9 +7,9 @@ reserves it (`reserve`: its identity, a lease it renews, a fencing generation, t
 request join that reservation, in either order, carrying its transfer id and token
 (the decode request its fence too). A second reservation while the slot is held is
 refused at once, `busy`, naming the holder. A reservation whose lease runs out (its
-router died, was cut off, or got no CPU) is taken back: at once when a decode is running
-or waiting for its KV (the decode is cancelled or fails); before its decode request
-joined it only lapses: the next reservation by anyone takes the slot, a late renewal or
+router died, was cut off, or got no CPU) lapses: the next reservation by any router takes
+the slot back (a decode in progress is cancelled at its next step, that reservation told
+`busy` until it has stopped; a decode request waiting for the KV fails), a late renewal or
 decode request of its holder revives it, and with neither it is taken back after
 LAPSE_GRACE_LEASES more leases. A router that merely stalled past its lease (a starved
 host) so keeps a request nobody else wanted the node for.
@@ -67,7 +67,7 @@ class Reservation:
     lease_s: float
     deadline: float  # time.monotonic()
     expired: bool = False  # the lease ran out: the slot is being taken back
-    lapsed: bool = False  # the lease ran out before a decode joined: the next reservation takes the slot (module docstring)
+    lapsed: bool = False  # the lease ran out: the next reservation takes the slot back (module docstring)
 
 
 @dataclass
@@ -106,7 +106,6 @@ class Ended:
 ENDED_REMEMBERED = 4096  # transfer ids (~100 B each) kept to refuse late decode requests
 DEFAULT_LEASE_S = 10.0  # DecodeServerConfig.reservation_lease_s
 LAPSE_GRACE_LEASES = 2.0  # a lapsed reservation nobody claimed is taken back this many leases past its deadline
-LAPSING_STATES = frozenset({State.RESERVED, State.TRANSFERRING, State.COMPLETE})  # before a decode runs
 
 
 class Slot:
@@ -210,7 +209,7 @@ class Slot:
             now = time.monotonic()
             if now < held.deadline:
                 return
-            if not cur.http_joined and self.state in LAPSING_STATES:
+            if self.state != State.CANCELLING:
                 grace_s = LAPSE_GRACE_LEASES * held.lease_s
                 if not held.lapsed:
                     held.lapsed = True
@@ -225,7 +224,7 @@ class Slot:
 
     def _take_back_locked(self, cur: Transfer, held: Reservation, why: str) -> None:
         """End a reservation whose lease ran out, cancelling or failing its decode."""
-        held.expired = True
+        held.expired, held.lapsed = True, False
         self.reservations_expired += 1
         log.warning("event=reservation_expired transfer_id=%s holder=%s fence=%d state=%s lease_s=%g why=%r", cur.transfer_id,
                     held.holder, held.fence, self.state.value, held.lease_s, why)

@@ -133,9 +133,8 @@ class DecodeNode(HostBase):
     kv_timeout_s: float = Field(default=30.0, gt=0, description="How long a reserved slot waits for the KV before it is freed.")
     reservation_lease_s: float = Field(
         default=10.0, ge=1, le=120, description="A router's reservation of this node lives this long past its last renewal (routers "
-        "renew every quarter of it): a router that dies frees the node within it, its decode cancelled (before its decode "
-        "joined, the reservation only lapses then: the next reservation takes the node, and with none the node takes it back two "
-        "leases later).",
+        "renew every quarter of it): a router that dies frees the node within it for the next reservation, its decode cancelled "
+        "(with no reservation coming, the node takes it back two leases later).",
     )
     cuda_graphs: bool = Field(default=True, description="Capture the decode step in CUDA graphs (GPU only).")
 
