@@ -63,6 +63,7 @@ def test_phases_add_up_to_the_clients_latency(traced: tuple[str, Receiver], rout
     with httpx.Client(timeout=300) as client:
         client.get(url + "/health")  # connect first: the measured time is the request's, as the router's is
         totals: list[tuple[float, float]] = []
+        others: list[float] = []  # router time in no phase, per request
         for i in range(5):
             t = time.perf_counter()
             r = client.post(url + "/v1/completions", json=body, headers={"x-request-id": f"e2e-tl-{i}"})
@@ -75,9 +76,12 @@ def test_phases_add_up_to_the_clients_latency(traced: tuple[str, Receiver], rout
             parts = sum(v["dur"] for k, v in st.items() if k not in ("total", "fallback"))
             assert parts == pytest.approx(st["total"]["dur"], abs=0.1 * len(st))  # each dur is rounded to 0.1 ms
             totals.append((st["total"]["dur"], client_ms))
-            assert st.get("other", {"dur": 0.0})["dur"] < 1.0
+            others.append(st.get("other", {"dur": 0.0})["dur"])
             assert st["decode"]["dur"] > 0 and st["prefill"]["dur"] > 0
         assert_total_is_the_clients(totals)
+        # a phase the timeline left out costs every request; a router descheduled between two phases (a loaded box) only
+        # the one it happened to: the smallest share of time in no phase is the check (as latency_gap's)
+        assert min(others) < 1.0, others
 
         # streamed: the headers carry the phases up to the first token, the log line the rest
         streamed: list[tuple[float, float]] = []
