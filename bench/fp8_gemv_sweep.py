@@ -39,6 +39,11 @@ SHAPES = [
     ("dsv3.q_a+kv_a", 2112, 7168), ("dsv3.q_b", 24576, 1536), ("dsv3.o", 7168, 16384),
     ("dsv3.shared_gate_up", 4096, 7168), ("dsv3.shared_down", 7168, 2048), ("dsv3.dense_gate_up", 36864, 7168),
 ]
+# (name, N, K, prologue/epilogue): GLM-5.1's attention GEMVs as the fused step launches them (mla_fused.py's G1 with the
+# norm in its prologue, G2 the same, wo with the residual add), for --prefetch
+FUSED_SHAPES = [("glm51.G1 q_a|idx_wk|kv_a", 2752, 6144, "norm"), ("glm51.G2 q_b", 16384, 2048, "norm"), ("glm51.wo", 6144, 16384, "res"),
+                ("dsv3.G1 q_a|kv_a", 2112, 7168, "norm"), ("dsv3.G2 q_b", 24576, 1536, "norm"), ("dsv3.wo", 7168, 16384, "res")]
+PF_AHEAD = (0, 1, 2, 3, 4, 6, 8)
 L2_BYTES = 256 << 20  # distinct weight bytes per timed graph: well past the H200's 50 MB L2
 
 
@@ -55,14 +60,71 @@ def configs_first_pass() -> list[dict[str, int]]:
     return out
 
 
+def prefetch_sweep(dev: torch.device) -> dict:
+    """Each fused shape at each prefetch distance, side by side in one process (distinct weight copies past L2, as
+    above); the output checked against the distance-0 launch first (the prefetch moves no data, so it must match)."""
+    default = dict(fp8_triton.TUNE)
+    g = torch.Generator(device=dev).manual_seed(0)
+    report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "default": default, "shapes": []}
+    print(f"device {report['device']}, torch {torch.__version__}, default TUNE {default}", flush=True)
+    for name, n, k, kind in FUSED_SHAPES:
+        copies = max(2, -(-L2_BYTES // (n * k)))
+        w0 = torch.randn(n, k, device=dev, generator=g) * 0.02
+        ws = [quantize(w0 * (1 + 0.01 * i)) for i in range(copies)]
+        del w0
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
+        nw = torch.rand(k, device=dev, generator=g).to(torch.bfloat16) + 0.5
+        res = torch.randn(1, n, device=dev, dtype=torch.bfloat16, generator=g)
+        extra = {"norm_weight": nw, "eps": 1e-6} if kind == "norm" else {"residual": res}
+
+        def run(w):
+            return fp8_triton.launch_fused(x, w.weight, w.scale, w.block, **extra)
+
+        times = {}
+        ref = None
+        for ahead in PF_AHEAD:
+            fp8_triton.TUNE["pf_ahead"] = ahead
+            try:
+                out = run(ws[0])
+                if ref is None:
+                    ref = out
+                elif not torch.equal(out, ref):
+                    raise SystemExit(f"{name}: pf_ahead {ahead} changed the output (max diff {(out.float() - ref.float()).abs().max().item()})")
+                times[ahead] = graph_ms(lambda: [run(w) for w in ws]) / len(ws)
+            finally:
+                fp8_triton.TUNE.clear()
+                fp8_triton.TUNE.update(default)
+        nbytes = ws[0].nbytes()
+        best = min(times, key=times.get)
+        entry = {"name": name, "n": n, "k": k, "kind": kind, "copies": copies,
+                 "us": {a: t * 1e3 for a, t in times.items()}, "gbs": {a: nbytes / t / 1e6 for a, t in times.items()}, "best": best}
+        report["shapes"].append(entry)
+        cells = "  ".join(f"{a}: {t * 1e3:6.1f} us {nbytes / t / 1e6:5.0f} GB/s" for a, t in times.items())
+        print(f"{name:26s} [{n}x{k}] {kind:4s} {cells}  best pf_ahead {best}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    sums = {a: sum(e["us"][a] for e in report["shapes"]) for a in PF_AHEAD}
+    report["summed_us"] = sums
+    print("summed: " + "  ".join(f"{a}: {v:.1f} us" for a, v in sums.items()), flush=True)
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--shapes", nargs="*", help="names from SHAPES (default all)")
+    ap.add_argument("--prefetch", action="store_true", help="instead: the default tile at each L2 prefetch distance (TUNE pf_ahead) "
+                    "on FUSED_SHAPES, launched as the fused step launches them")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
+    if args.prefetch:
+        report = prefetch_sweep(torch.device("cuda:0"))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))
+        return
     dev = torch.device("cuda:0")
     default = dict(fp8_triton.TUNE)
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, default TUNE {default}", flush=True)
