@@ -18,32 +18,7 @@ mkdir -p "$out"
 day=$(date -u +%F)
 py=${PYTHON:-python3}
 
-step() {  # step NAME SECONDS CMD...: one bench under a time limit (and the deadline), its log beside its JSON
-  local name=$1 limit=$2; shift 2
-  local left=$((deadline - SECONDS))
-  if [ "$left" -lt 20 ]; then echo "== $name: skipped (deadline)"; return; fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local t0=$SECONDS
-  echo "== $name: $*"
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
-  tail -n 8 "$out/$name.log"
-}
-
-glm() {  # glm TAG CONTEXTS...: GLM-5.1 fp8 at 78 layers, speed path, profiled
-  local tag=$1; shift
-  "$py" bench/decode_speed.py --model glm-5.1 --weights fp8 --no-hf --no-mtp --variants speed-path --contexts "$@" --tokens 64 \
-    --json --out "$out/glm-5.1_fp8_78L_decode_speed_${day}-${tag}.json"
-}
-dsv3() {
-  "$py" bench/decode_speed.py --model deepseek-v3 --weights fp8 --no-hf --no-mtp --variants speed-path --contexts 1024 --tokens 64 \
-    --json --out "$out/deepseek-v3_fp8_61L_decode_speed_${day}-$1.json"
-}
-tp8() {
-  "$py" bench/tp_shard_step.py --contexts 1024 131072 --tokens 128 --json --out "$out/tp-shard-step_glm51_fp8_tp8_h200_${day}-$1.json"
-}
-fns="$(declare -f glm dsv3 tp8); py=$py out=$out day=$day"  # a step runs one of them: env ... bash -c "$fns; glm TAG ..."
+source "$(dirname "${BASH_SOURCE[0]}")/steps.sh"
 
 before=(TILEPD_FP8_PF_AHEAD=0 TILEPD_MOE_FUSED_GATE_ROUTE_ROWS=0)
 case "$part" in
@@ -54,21 +29,21 @@ case "$part" in
     echo "== prefetch distance for the runs below: $pf"
     both=(TILEPD_FP8_PF_AHEAD="$pf" TILEPD_MOE_FUSED_GATE_ROUTE_ROWS=1)
     step moe-fused 120 env "${both[@]}" "$py" bench/moe_fused_gpu.py --trials 4 --no-sweep --out "$out/moe-fused-gpu_h200_${day}-rows.json"
-    step glm-1k-before 120 env "${before[@]}" bash -c "$fns; glm before 1024"
-    step glm-1k-both 120 env "${both[@]}" bash -c "$fns; glm both 1024"
+    step glm-1k-before 120 env "${before[@]}" bash -c "$(model_fns); glm before 1024"
+    step glm-1k-both 120 env "${both[@]}" bash -c "$(model_fns); glm both 1024"
     step parity 200 env "${both[@]}" "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
       tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
-    step glm-1k-rows 120 env TILEPD_FP8_PF_AHEAD=0 TILEPD_MOE_FUSED_GATE_ROUTE_ROWS=1 bash -c "$fns; glm rows 1024"
-    step glm-1k-pf 120 env TILEPD_FP8_PF_AHEAD="$pf" TILEPD_MOE_FUSED_GATE_ROUTE_ROWS=0 bash -c "$fns; glm pf 1024"
-    step tp8-before 100 env "${before[@]}" bash -c "$fns; tp8 before"
-    step tp8-both 100 env "${both[@]}" bash -c "$fns; tp8 both"
-    step dsv3-before 110 env "${before[@]}" bash -c "$fns; dsv3 before"
-    step dsv3-both 110 env "${both[@]}" bash -c "$fns; dsv3 both"
+    step glm-1k-rows 120 env TILEPD_FP8_PF_AHEAD=0 TILEPD_MOE_FUSED_GATE_ROUTE_ROWS=1 bash -c "$(model_fns); glm rows 1024"
+    step glm-1k-pf 120 env TILEPD_FP8_PF_AHEAD="$pf" TILEPD_MOE_FUSED_GATE_ROUTE_ROWS=0 bash -c "$(model_fns); glm pf 1024"
+    step tp8-before 100 env "${before[@]}" bash -c "$(model_fns); tp8 before"
+    step tp8-both 100 env "${both[@]}" bash -c "$(model_fns); tp8 both"
+    step dsv3-before 110 env "${before[@]}" bash -c "$(model_fns); dsv3 before"
+    step dsv3-both 110 env "${both[@]}" bash -c "$(model_fns); dsv3 both"
     ;;
   long)
     pf=${4:?prefetch distance}
     both=(TILEPD_FP8_PF_AHEAD="$pf" TILEPD_MOE_FUSED_GATE_ROUTE_ROWS=1)
-    step glm-long-both 300 env "${both[@]}" bash -c "$fns; glm both 32768 131072 200000"
+    step glm-long-both 300 env "${both[@]}" bash -c "$(model_fns); glm both 32768 131072 200000"
     step glm-bf16 150 env "${both[@]}" "$py" bench/decode_speed.py --model glm-5.1 --no-hf --no-mtp --variants speed-path \
       --contexts 1024 --tokens 64 --json --out "$out/glm-5.1_bf16_78L_decode_speed_${day}.json"
     step llama 120 env "${both[@]}" "$py" bench/decode_speed.py --model llama3-8b --no-hf --variants speed-path --contexts 1024 8192 \

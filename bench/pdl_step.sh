@@ -24,41 +24,13 @@ noprefetch=(TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=0)
 
 deadline=${3:-100000}  # seconds from the start after which no step runs on (part "one")
 
-step() {  # step NAME SECONDS CMD...: one bench under a time limit (and the deadline), its log beside its JSON
-  local name=$1 limit=$2; shift 2
-  local left=$((deadline - SECONDS))
-  if [ "$left" -lt 20 ]; then echo "== $name: skipped (deadline)"; return; fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local t0=$SECONDS
-  echo "== $name: $*"
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
-  tail -n 12 "$out/$name.log"
-}
-
-glm() {  # glm TAG CONTEXTS...: GLM-5.1 fp8 at 78 layers, speed path, profiled
-  local tag=$1; shift
-  "$py" bench/decode_speed.py --model glm-5.1 --weights fp8 --no-hf --no-mtp --variants speed-path --contexts "$@" --tokens 64 \
-    --json --out "$out/glm-5.1_fp8_78L_decode_speed_${day}-${tag}.json"
-}
-
-dsv3() {
-  local tag=$1
-  "$py" bench/decode_speed.py --model deepseek-v3 --weights fp8 --no-hf --no-mtp --variants speed-path --contexts 1024 --tokens 64 \
-    --json --out "$out/deepseek-v3_fp8_61L_decode_speed_${day}-${tag}.json"
-}
-
-tp8() {
-  local tag=$1
-  "$py" bench/tp_shard_step.py --contexts 1024 131072 --tokens 128 --json --out "$out/tp-shard-step_glm51_fp8_tp8_h200_${day}-${tag}.json"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/steps.sh"
 
 case "$part" in
   ab)
-    step glm-1k-off 150 env "${off[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-off 1024"
-    step glm-1k-on 150 env "${on[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-on 1024"
-    step glm-1k-noprefetch 150 env "${noprefetch[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-noprefetch 1024"
+    step glm-1k-off 150 env "${off[@]}" bash -c "$(model_fns); glm pdl-off 1024"
+    step glm-1k-on 150 env "${on[@]}" bash -c "$(model_fns); glm pdl-on 1024"
+    step glm-1k-noprefetch 150 env "${noprefetch[@]}" bash -c "$(model_fns); glm pdl-noprefetch 1024"
     step moe-fused 100 "$py" bench/moe_fused_gpu.py --trials 1 --no-sweep --out "$out/moe-fused-gpu_h200_${day}-pdl.json"
     ;;
   table)
@@ -66,23 +38,23 @@ case "$part" in
       tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
     for mode in off on; do
       envs=("${on[@]}"); [ "$mode" = off ] && envs=("${off[@]}")
-      step "glm-long-$mode" 300 env "${envs[@]}" TILEPD_X=1 bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-$mode 1024 32768 131072"
-      step "dsv3-$mode" 150 env "${envs[@]}" TILEPD_X=1 bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-$mode"
-      step "tp8-$mode" 150 env "${envs[@]}" TILEPD_X=1 bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-$mode"
+      step "glm-long-$mode" 300 env "${envs[@]}" TILEPD_X=1 bash -c "$(model_fns); glm pdl-$mode 1024 32768 131072"
+      step "dsv3-$mode" 150 env "${envs[@]}" TILEPD_X=1 bash -c "$(model_fns); dsv3 pdl-$mode"
+      step "tp8-$mode" 150 env "${envs[@]}" TILEPD_X=1 bash -c "$(model_fns); tp8 pdl-$mode"
     done
     ;;
   one)
-    step glm-on 200 env "${on[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-on 1024 32768 131072"
-    step glm-1k-off 110 env "${off[@]}" bash -c "$(declare -f glm); py=$py out=$out day=$day glm pdl-off 1024"
+    step glm-on 200 env "${on[@]}" bash -c "$(model_fns); glm pdl-on 1024 32768 131072"
+    step glm-1k-off 110 env "${off[@]}" bash -c "$(model_fns); glm pdl-off 1024"
     step parity 200 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
       tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
-    step tp8-on 100 env "${on[@]}" bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-on"
-    step dsv3-on 100 env "${on[@]}" bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-on"
-    step tp8-off 100 env "${off[@]}" bash -c "$(declare -f tp8); py=$py out=$out day=$day tp8 pdl-off"
-    step dsv3-off 100 env "${off[@]}" bash -c "$(declare -f dsv3); py=$py out=$out day=$day dsv3 pdl-off"
+    step tp8-on 100 env "${on[@]}" bash -c "$(model_fns); tp8 pdl-on"
+    step dsv3-on 100 env "${on[@]}" bash -c "$(model_fns); dsv3 pdl-on"
+    step tp8-off 100 env "${off[@]}" bash -c "$(model_fns); tp8 pdl-off"
+    step dsv3-off 100 env "${off[@]}" bash -c "$(model_fns); dsv3 pdl-off"
     ;;
   variants)  # GLM-5.1 1K under each switch setting (what makes PDL slower or faster), then GPU parity with PDL's widest form
-    v() { local tag=$1; shift; step "glm-1k-$tag" 60 env "$@" bash -c "$(declare -f glm); py=$py out=$out day=$day glm $tag 1024"; }
+    v() { local tag=$1; shift; step "glm-1k-$tag" 60 env "$@" bash -c "$(model_fns); glm $tag 1024"; }
     v off "${off[@]}"
     v on "${on[@]}"
     v noprefetch TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=0

@@ -137,7 +137,8 @@ def test_a_lapsed_reservation_goes_to_the_next_router_or_back_to_its_own() -> No
     assert e.value.code == "reservation_lost" and "lease_expired" in e.value.message
 
 
-def test_a_lapsed_decode_is_cancelled_for_the_next_reservation_and_a_waiting_one_fails() -> None:
+def _lapsed_decode() -> tuple:
+    """A slot (lease 0.05 s) whose reservation t1 is decoding and has just lapsed: (slot, t1's transfer)."""
     s, _ = _slot(lease_s=0.05)
     tr = reserve_and_attach(s, "t1", "k")
     s.complete("t1", s.admit("t1", "k", 1, 1, 1, None, 1), True)
@@ -145,6 +146,11 @@ def test_a_lapsed_decode_is_cancelled_for_the_next_reservation_and_a_waiting_one
     s.start_decoding(tr)
     time.sleep(0.06)
     s.expire_leases()
+    return s, tr
+
+
+def test_a_lapsed_decode_is_cancelled_for_the_next_reservation_and_a_waiting_one_fails() -> None:
+    s, tr = _lapsed_decode()
     assert not tr.cancel.is_set() and s.state == State.DECODING and not s.busy  # lapsed: nobody asked for the node yet
     with pytest.raises(SlotError) as e:  # another router asks: the decode stops at its next step, the router waits
         s.reserve("t2", "k", "other-router")
@@ -161,13 +167,7 @@ def test_a_lapsed_decode_is_cancelled_for_the_next_reservation_and_a_waiting_one
 
 
 def test_a_lapsed_decode_is_cancelled_after_the_grace() -> None:
-    s, _ = _slot(lease_s=0.05)
-    tr = reserve_and_attach(s, "t1", "k")
-    s.complete("t1", s.admit("t1", "k", 1, 1, 1, None, 1), True)
-    s.wait_complete(tr, 1)
-    s.start_decoding(tr)
-    time.sleep(0.06)
-    s.expire_leases()
+    s, tr = _lapsed_decode()
     assert not tr.cancel.is_set()
     time.sleep(LAPSE_GRACE_LEASES * 0.05 + 0.01)
     s.expire_leases()

@@ -1,0 +1,35 @@
+# Sourced by the device-call scripts (pdl_step.sh, l2_route_step.sh): one timed step, and issue 24's model rows.
+# The caller sets out (folder), day (date tag), py (python) and deadline (seconds from its start; 100000: none).
+
+step() {  # step NAME SECONDS CMD...: one bench under a time limit (and the deadline), its log beside its JSON
+  local name=$1 limit=$2; shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 20 ]; then echo "== $name: skipped (deadline)"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$SECONDS
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n 12 "$out/$name.log"
+}
+
+glm() {  # glm TAG CONTEXTS...: GLM-5.1 fp8 at 78 layers, speed path, profiled
+  local tag=$1; shift
+  "$py" bench/decode_speed.py --model glm-5.1 --weights fp8 --no-hf --no-mtp --variants speed-path --contexts "$@" --tokens 64 \
+    --json --out "$out/glm-5.1_fp8_78L_decode_speed_${day}-${tag}.json"
+}
+
+dsv3() {  # dsv3 TAG: DeepSeek-V3 fp8 at 61 layers, 1K
+  "$py" bench/decode_speed.py --model deepseek-v3 --weights fp8 --no-hf --no-mtp --variants speed-path --contexts 1024 --tokens 64 \
+    --json --out "$out/deepseek-v3_fp8_61L_decode_speed_${day}-$1.json"
+}
+
+tp8() {  # tp8 TAG: one TP8 rank's shard of GLM-5.1 fp8, 1K and 128K
+  "$py" bench/tp_shard_step.py --contexts 1024 131072 --tokens 128 --json --out "$out/tp-shard-step_glm51_fp8_tp8_h200_${day}-$1.json"
+}
+
+# a step runs one of the model functions under its own env: step NAME S env VAR=... bash -c "$(model_fns); glm TAG 1024"
+model_fns() {
+  echo "$(declare -f glm dsv3 tp8); py=$py out=$out day=$day"
+}
