@@ -19,6 +19,7 @@ each timed config's output against dequantise-then-matmul first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -60,6 +61,18 @@ def configs_first_pass() -> list[dict[str, int]]:
     return out
 
 
+@contextlib.contextmanager
+def tuned(cfg: dict[str, int]):
+    """fp8_triton.TUNE with cfg over its current values, put back after."""
+    saved = dict(fp8_triton.TUNE)
+    fp8_triton.TUNE.update(cfg)
+    try:
+        yield
+    finally:
+        fp8_triton.TUNE.clear()
+        fp8_triton.TUNE.update(saved)
+
+
 def prefetch_sweep(dev: torch.device) -> dict:
     """Each fused shape at each prefetch distance, side by side in one process (distinct weight copies past L2, as
     above); the output checked against the distance-0 launch first (the prefetch moves no data, so it must match)."""
@@ -83,17 +96,13 @@ def prefetch_sweep(dev: torch.device) -> dict:
         times = {}
         ref = None
         for ahead in PF_AHEAD:
-            fp8_triton.TUNE["pf_ahead"] = ahead
-            try:
+            with tuned({"pf_ahead": ahead}):
                 out = run(ws[0])
                 if ref is None:
                     ref = out
                 elif not torch.equal(out, ref):
                     raise SystemExit(f"{name}: pf_ahead {ahead} changed the output (max diff {(out.float() - ref.float()).abs().max().item()})")
                 times[ahead] = graph_ms(lambda: [run(w) for w in ws]) / len(ws)
-            finally:
-                fp8_triton.TUNE.clear()
-                fp8_triton.TUNE.update(default)
         nbytes = ws[0].nbytes()
         best = min(times, key=times.get)
         entry = {"name": name, "n": n, "k": k, "kind": kind, "copies": copies,
@@ -136,13 +145,8 @@ def main() -> None:
     counted: dict[str, int] = {}
 
     def timed(cfg: dict[str, int], ws, x) -> float:
-        fp8_triton.TUNE.clear()
-        fp8_triton.TUNE.update({**default, **cfg})
-        try:
+        with tuned(cfg):
             return graph_ms(lambda: [fp8_triton.launch(x, w.weight, w.scale, None, None, 128, 128) for w in ws]) / len(ws)
-        finally:
-            fp8_triton.TUNE.clear()
-            fp8_triton.TUNE.update(default)
 
     for name, n, k in shapes:
         copies = max(2, -(-L2_BYTES // (n * k)))
