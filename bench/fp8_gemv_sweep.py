@@ -40,11 +40,10 @@ SHAPES = [
     ("dsv3.q_a+kv_a", 2112, 7168), ("dsv3.q_b", 24576, 1536), ("dsv3.o", 7168, 16384),
     ("dsv3.shared_gate_up", 4096, 7168), ("dsv3.shared_down", 7168, 2048), ("dsv3.dense_gate_up", 36864, 7168),
 ]
-# (name, N, K, prologue/epilogue): GLM-5.1's attention GEMVs as the fused step launches them (mla_fused.py's G1 with the
-# norm in its prologue, G2 the same, wo with the residual add), for --prefetch
+# (name, N, K, prologue/epilogue): GLM-5.1's and DeepSeek-V3's attention GEMVs as the fused step launches them
+# (mla_fused.py's G1 with the norm in its prologue, G2 the same, wo with the residual add), for --fused
 FUSED_SHAPES = [("glm51.G1 q_a|idx_wk|kv_a", 2752, 6144, "norm"), ("glm51.G2 q_b", 16384, 2048, "norm"), ("glm51.wo", 6144, 16384, "res"),
                 ("dsv3.G1 q_a|kv_a", 2112, 7168, "norm"), ("dsv3.G2 q_b", 24576, 1536, "norm"), ("dsv3.wo", 7168, 16384, "res")]
-PF_AHEAD = (0, 1, 2, 3, 4, 6, 8)
 L2_BYTES = 256 << 20  # distinct weight bytes per timed graph: well past the H200's 50 MB L2
 
 
@@ -73,13 +72,24 @@ def tuned(cfg: dict[str, int]):
         fp8_triton.TUNE.update(saved)
 
 
-def prefetch_sweep(dev: torch.device) -> dict:
-    """Each fused shape at each prefetch distance, side by side in one process (distinct weight copies past L2, as
-    above); the output checked against the distance-0 launch first (the prefetch moves no data, so it must match)."""
+def fused_configs() -> list[dict[str, int]]:
+    """The tiles --fused tries: fewer output rows a program than the plain sweep (G1's 2752 rows make only 344
+    programs of 8), each chunk width (block_k_norm too: the norm-prologue launches' chunk), 4 or 8 warps; block_n 0 is
+    the picked tile."""
+    return [{"block_n": bn, "block_k": bk, "block_k_norm": bk, "num_warps": warps, "reduce_each": int(bk >= 1024)}
+            for bn, bk, warps in itertools.product((0, 2, 4, 16), (512, 1024, 2048), (4, 8))]
+
+
+def fused_sweep(dev: torch.device) -> dict:
+    """Each fused shape (norm prologue or residual epilogue, as the step launches it) at each tile of fused_configs(),
+    side by side in one process (distinct weight copies past L2, as above); each config's output checked against
+    rms_norm + dequantise-then-matmul (+ residual) first."""
     default = dict(fp8_triton.TUNE)
     g = torch.Generator(device=dev).manual_seed(0)
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "default": default, "shapes": []}
     print(f"device {report['device']}, torch {torch.__version__}, default TUNE {default}", flush=True)
+    configs = fused_configs()
+    summed: dict[str, float] = {}
     for name, n, k, kind in FUSED_SHAPES:
         copies = max(2, -(-L2_BYTES // (n * k)))
         w0 = torch.randn(n, k, device=dev, generator=g) * 0.02
@@ -89,32 +99,37 @@ def prefetch_sweep(dev: torch.device) -> dict:
         nw = torch.rand(k, device=dev, generator=g).to(torch.bfloat16) + 0.5
         res = torch.randn(1, n, device=dev, dtype=torch.bfloat16, generator=g)
         extra = {"norm_weight": nw, "eps": 1e-6} if kind == "norm" else {"residual": res}
+        xin = torch.nn.functional.rms_norm(x.float(), (k,), nw.float(), 1e-6) if kind == "norm" else x.float()
+        ref = xin @ dequantize(ws[0]).T + (0 if kind == "norm" else res.float())
 
         def run(w):
             return fp8_triton.launch_fused(x, w.weight, w.scale, w.block, **extra)
 
         times = {}
-        ref = None
-        for ahead in PF_AHEAD:
-            with tuned({"pf_ahead": ahead}):
-                out = run(ws[0])
-                if ref is None:
-                    ref = out
-                elif not torch.equal(out, ref):
-                    raise SystemExit(f"{name}: pf_ahead {ahead} changed the output (max diff {(out.float() - ref.float()).abs().max().item()})")
-                times[ahead] = graph_ms(lambda: [run(w) for w in ws]) / len(ws)
+        for cfg in configs:
+            key = json.dumps(cfg, sort_keys=True)
+            if not config_ok(fp8_triton.TUNE, cfg, lambda: run(ws[0]), ref, f"{name} {key}", 2e-2):
+                continue
+            with tuned(cfg):
+                times[key] = graph_ms(lambda: [run(w) for w in ws]) / len(ws)
+            summed[key] = summed.get(key, 0.0) + times[key]
         nbytes = ws[0].nbytes()
-        best = min(times, key=times.get)
-        entry = {"name": name, "n": n, "k": k, "kind": kind, "copies": copies,
-                 "us": {a: t * 1e3 for a, t in times.items()}, "gbs": {a: nbytes / t / 1e6 for a, t in times.items()}, "best": best}
+        ranked = sorted(times.items(), key=lambda kv: kv[1])
+        dflt = graph_ms(lambda: [run(w) for w in ws]) / len(ws)  # TUNE as the engine has it
+        entry = {"name": name, "n": n, "k": k, "kind": kind, "copies": copies, "default_us": dflt * 1e3,
+                 "top5": [{"us": t * 1e3, "gbs": nbytes / t / 1e6, "cfg": json.loads(kk)} for kk, t in ranked[:5]]}
         report["shapes"].append(entry)
-        cells = "  ".join(f"{a}: {t * 1e3:6.1f} us {nbytes / t / 1e6:5.0f} GB/s" for a, t in times.items())
-        print(f"{name:26s} [{n}x{k}] {kind:4s} {cells}  best pf_ahead {best}", flush=True)
+        best_ms = ranked[0][1]
+        print(f"{name:26s} [{n}x{k}] {kind:4s} default {dflt * 1e3:6.1f} us ({nbytes / dflt / 1e6:5.0f} GB/s)  best {best_ms * 1e3:6.1f} us ({nbytes / best_ms / 1e6:5.0f} GB/s) "
+              f"{ranked[0][0]}", flush=True)
+        for kk, t in ranked[1:4]:
+            print(f"{'':26s}   next {t * 1e3:6.1f} us {kk}", flush=True)
         del ws
         torch.cuda.empty_cache()
-    sums = {a: sum(e["us"][a] for e in report["shapes"]) for a in PF_AHEAD}
-    report["summed_us"] = sums
-    print("summed: " + "  ".join(f"{a}: {v:.1f} us" for a, v in sums.items()), flush=True)
+    complete = sorted((v, kk) for kk, v in summed.items())
+    report["summed_us"] = {kk: v * 1e3 for v, kk in complete}
+    for v, kk in complete[:5]:
+        print(f"one config for all fused shapes: {kk}: {v * 1e3:.1f} us summed", flush=True)
     return report
 
 
@@ -123,13 +138,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--shapes", nargs="*", help="names from SHAPES (default all)")
-    ap.add_argument("--prefetch", action="store_true", help="instead: the default tile at each L2 prefetch distance (TUNE pf_ahead) "
-                    "on FUSED_SHAPES, launched as the fused step launches them")
+    ap.add_argument("--fused", action="store_true", help="instead: FUSED_SHAPES launched as the fused step launches them "
+                    "(launch_fused), at each tile of fused_configs()")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
-    if args.prefetch:
-        report = prefetch_sweep(torch.device("cuda:0"))
+    if args.fused:
+        report = fused_sweep(torch.device("cuda:0"))
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1))

@@ -1,5 +1,8 @@
-# Sourced by the device-call scripts (pdl_step.sh, l2_route_step.sh): one timed step, and issue 24's model rows.
+# Sourced by the device-call scripts (pdl_step.sh, depth_step.sh): one timed step, and issue 24's model rows.
 # The caller sets out (folder), day (date tag), py (python) and deadline (seconds from its start; 100000: none).
+# gpu: the card's tag in result names (h200, h100), so a run on whichever card came is named for it.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -o 'H[0-9]\+' | tr 'H' 'h')
+gpu=${gpu:-gpu}
 
 step() {  # step NAME SECONDS CMD...: one bench under a time limit (and the deadline), its log beside its JSON
   local name=$1 limit=$2; shift 2
@@ -26,10 +29,10 @@ dsv3() {  # dsv3 TAG: DeepSeek-V3 fp8 at 61 layers, 1K
 }
 
 tp8() {  # tp8 TAG: one TP8 rank's shard of GLM-5.1 fp8, 1K and 128K
-  "$py" bench/tp_shard_step.py --contexts 1024 131072 --tokens 128 --json --out "$out/tp-shard-step_glm51_fp8_tp8_h200_${day}-$1.json"
+  "$py" bench/tp_shard_step.py --contexts 1024 131072 --tokens 128 --json --out "$out/tp-shard-step_glm51_fp8_tp8_${gpu}_${day}-$1.json"
 }
 
 # a step runs one of the model functions under its own env: step NAME S env VAR=... bash -c "$(model_fns); glm TAG 1024"
 model_fns() {
-  echo "$(declare -f glm dsv3 tp8); py=$py out=$out day=$day"
+  echo "$(declare -f glm dsv3 tp8); py=$py out=$out day=$day gpu=$gpu"
 }

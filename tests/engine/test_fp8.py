@@ -120,6 +120,22 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
                 fp8_triton.TUNE.clear(); fp8_triton.TUNE.update(saved)
             assert torch.allclose(y, want, atol=1e-4, rtol=1e-5), (tune, float((y - want).abs().max()))
             assert torch.allclose(ye, ref_e, atol=1e-4, rtol=1e-5), (tune, float((ye - ref_e).abs().max()))
+        # launch_fused with the norm in its prologue: its own chunk (block_k_norm, 2048) and block_k's, K past both
+        # with a masked tail, against the unfused ops (the normed row rounded, then times the norm weight, rounded)
+        hn = rnd((130, 4100), (128, 128)); xn = torch.randn(2, 4100, generator=g).bfloat16()
+        nw = (torch.rand(4100, generator=g) + 0.5).bfloat16()
+        rstd = torch.rsqrt(xn.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        want_n = ((xn.float() * rstd).bfloat16().float() * nw.float()).bfloat16().float() @ dequantize(hn).T
+        outs = []
+        for k_norm in (2048, 0):
+            saved = dict(fp8_triton.TUNE); fp8_triton.TUNE["block_k_norm"] = k_norm
+            try:
+                outs.append(fp8_triton.launch_fused(xn, hn.weight, hn.scale, hn.block, norm_weight=nw, eps=1e-6).float())
+            finally:
+                fp8_triton.TUNE.clear(); fp8_triton.TUNE.update(saved)
+            err = float((outs[-1] - want_n).abs().max() / want_n.abs().max())
+            assert outs[-1].shape == (2, 130) and err < 2e-2, (k_norm, err)  # bf16 output: ~1-2 ulps at the largest value
+        assert torch.allclose(outs[0], outs[1], rtol=2 ** -7, atol=1e-3), float((outs[0] - outs[1]).abs().max())
         print("kernel ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root)}

@@ -123,27 +123,3 @@ def test_step_kernels_compile_for_sm90_with_pdl(monkeypatch: pytest.MonkeyPatch)
             assert "prefetch.global.L2" in d["ptx"], d["name"]
     prefetching = {d["name"] for d in done if d["constexprs"].get("PREFETCH")}
     assert {"_fp8_gemv_kernel", "_dense_gemv_kernel", "_prepare_kernel", "_merge_uv_kernel", "_gate_up_kernel", "_down_kernel"} <= prefetching
-
-
-@pytest.mark.skipif(os.environ.get("TILEPD_SKIP_SM90_COMPILE") == "1", reason="TILEPD_SKIP_SM90_COMPILE=1")
-@pytest.mark.parametrize("ahead", [0, 2])
-def test_fp8_gemv_l2_prefetch_ahead_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch, ahead: int) -> None:
-    """fp8_triton's PF_AHEAD (TILEPD_FP8_PF_AHEAD, not PDL): `ahead` prefetches of the first chunks before the norm's row
-    pass plus one in the chunk loop; with 0 the kernel has none (PDL off). The interpreter cannot run the PTX, so CPU
-    launches force 0 (`_pf_ahead`)."""
-    from tests.engine.sm90_compile import compiling
-    from tilepd.engine import fp8_triton
-    from tilepd.model_format.block_fp8 import quantize
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert fp8_triton._pf_ahead(torch.zeros(1), 1024) == 0
-    monkeypatch.setattr(fp8_triton, "_pf_ahead", lambda x, tile_k: ahead)
-    bf = torch.bfloat16
-    h = 2048
-    w = quantize(torch.randn(384, h, generator=torch.Generator().manual_seed(0)), (128, 128))
-    with compiling() as done:
-        fp8_triton.launch_fused(torch.randn(1, h).to(bf), w.weight, w.scale, w.block, norm_weight=torch.ones(h, dtype=bf), eps=1e-6)
-    (d,) = done
-    assert d["constexprs"]["PF_AHEAD"] == ahead and d["constexprs"]["BLOCK_K"] == 1024
-    sites = d["ptx"].count("prefetch.global.L2")
-    assert sites == (0 if ahead == 0 else ahead + 1), (ahead, sites)

@@ -45,17 +45,19 @@ if triton is not None:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                          BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr,
                          NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_AHEAD: tl.constexpr = 0):
+                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         act = Y.dtype.element_ty
-        if PREFETCH and PF_AHEAD == 0:  # before the wait (pdl.py): the tile's first K chunk of weight bytes into L2
-            lines = tl.arange(0, BLOCK_K // 128) * 128  # one address per 128-byte line of a chunk's fp8 row
+        if PREFETCH:  # before the wait (pdl.py): the tile's first K chunk of weight bytes into L2, one address a line
+            lines = tl.arange(0, BLOCK_K // 128) * 128
             prefetch_l2(W + rows.to(tl.int64)[:, None] * s_wn + lines[None, :], rmask[:, None] & (lines < K)[None, :])
         wait(PDL)
         x_row = X + (r // X_DIV) * s_xr
+        if NORM:  # rms_norm(x) * NW in the prologue: the row's mean square first (x is a few KB, from L2)
+            rstd = row_rstd(x_row, K, eps, BLOCK_K)
         w_base = W
         s_base = S
         if HAS_IDS:
@@ -67,12 +69,6 @@ if triton is not None:
                     w_base = WS
                     s_base = SS
         w_rows = w_base + rows.to(tl.int64)[:, None] * s_wn
-        if PF_AHEAD:  # the first PF_AHEAD chunks on their way to L2 while the norm's row pass runs
-            lines = tl.arange(0, BLOCK_K // 128) * 128
-            for c in tl.static_range(PF_AHEAD):
-                prefetch_l2(w_rows + c * BLOCK_K + lines[None, :], rmask[:, None] & (c * BLOCK_K + lines < K)[None, :])
-        if NORM:  # rms_norm(x) * NW in the prologue: the row's mean square first (x is a few KB, from L2)
-            rstd = row_rstd(x_row, K, eps, BLOCK_K)
         if REDUCE_EACH:  # wide K chunks: a [BLOCK_N] accumulator (a [BLOCK_N, BLOCK_K] one would spill)
             acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
@@ -80,9 +76,6 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < K
-            if PF_AHEAD:  # chunk k0 + PF_AHEAD on its way to L2: PF_AHEAD + 1 chunks in flight, no registers held
-                ahead = k0 + PF_AHEAD * BLOCK_K + lines
-                prefetch_l2(w_rows + ahead[None, :], rmask[:, None] & (ahead < K)[None, :])
             if BITS_CVT:
                 # W holds the e4m3 bytes as uint8: sign to bit 15 and exponent+mantissa to bits 13..7 is the same
                 # number as fp16 times 2^-8 (normals and subnormals alike), two integer ops instead of cvt
@@ -124,14 +117,12 @@ if triton is not None:
 # (more bytes in flight per program); the bit-arithmetic conversion and deeper pipelining gained nothing.
 # bits_cvt: e4m3 -> fp16 by bit arithmetic instead of the convert instruction; reduce_each: reduce every K chunk
 # (needed for block_k >= 1024); num_stages: Triton's software pipelining of the chunk loads.
+# block_k_norm: the chunk of launch_fused's launches with the norm in their prologue (0: block_k): 2048 from
+# `bench/fp8_gemv_sweep.py --fused` on one H100 (2026-12-05): G1 11.5 -> 10.2 us (GLM-5.1) and 11.8 -> 11.0
+# (DeepSeek-V3), G2 15.5 -> 15.1 and 19.6 -> 18.7 (half as many trips through the loop after the row's rstd pass);
+# the residual-epilogue wo and the plain launches were no faster with it.
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
-                        "num_stages": 0, "pf_ahead": env_int("TILEPD_FP8_PF_AHEAD", 0)}
-
-
-def _pf_ahead(x: torch.Tensor, tile_k: int) -> int:
-    """The kernel's PF_AHEAD: TUNE's on a CUDA device (the L2 prefetch is PTX, which the interpreter does not run),
-    else 0; a chunk narrower than one 128-byte line has nothing to prefetch by lines."""
-    return TUNE["pf_ahead"] if x.is_cuda and tile_k >= 128 else 0
+                        "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048)}
 
 
 def _block_n(n: int, rows: int) -> int:
@@ -172,7 +163,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
         BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
         ROW_UNIFORM=block_n % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=shared is not None, X_DIV=x_div, NW=x, RES=x, eps=0.0, s_rr=0, NORM=False, HAS_RES=False,
-        PREFETCH=pdl.prefetch_flag(x) and not has_ids and tile_k >= 128, PF_AHEAD=_pf_ahead(x, tile_k),
+        PREFETCH=pdl.prefetch_flag(x) and not has_ids and tile_k >= 128,
         num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
     )
     return y
@@ -201,7 +192,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         raise ValueError(f"fp8 fused GEMV: norm weight {list(norm_weight.shape)}, expected [{k}]")
     y = torch.empty(r, n, dtype=x.dtype, device=x.device)
     tile_n = _block_n(n, r)
-    tile_k = min(TUNE["block_k"], triton.next_power_of_2(k))
+    tile_k = min((norm_weight is not None and TUNE["block_k_norm"]) or TUNE["block_k"], triton.next_power_of_2(k))
     bits = bool(TUNE["bits_cvt"])
     extra = {"num_stages": TUNE["num_stages"]} if TUNE["num_stages"] else {}
     _fp8_gemv_kernel[(r, triton.cdiv(n, tile_n))](
@@ -211,7 +202,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=False, X_DIV=1, NW=norm_weight if norm_weight is not None else x, RES=residual if residual is not None else x,
         eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
-        PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128, PF_AHEAD=_pf_ahead(x, tile_k),
+        PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
         num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
     )
     return y

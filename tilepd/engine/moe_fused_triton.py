@@ -9,8 +9,7 @@ first version read the row twice and the weights in 3 serial chunks: ~10 us for 
 writes the normed row, which the gate-up GEMV reads in place. Each program stores its logits, then takes a ticket from
 a device counter (a CTA barrier, then one acq_rel atomic: the pattern of CUDA's grid sync); the program that draws the
 last ticket routes every token (route_triton.route_row: noaux_tc with the deterministic tie rule, the shared slot id -1
-with weight 1; or route_row_rows, the same choice with fewer exchanges between the program's warps) from the logits, read
-past L1, and puts the counter back to 0 for the next launch.
+with weight 1) from the logits, read past L1, and puts the counter back to 0 for the next launch.
 
 Gate-up (`gate_up_act`): row r (a (token, slot) pair) computes BLOCK_N gate outputs and the BLOCK_N up outputs of the
 same columns of expert ids[r] (rows n and I + n of [gate; up], fp8 with block scales or bf16/fp32), each rounded to the
@@ -44,20 +43,18 @@ try:
     from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 
-    from tilepd.engine.route_triton import route_constants, route_row, route_row_rows, rows_constants
+    from tilepd.engine.route_triton import route_constants, route_row
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
 # gate_*: router experts per program, K chunk (>= H: one chunk), warps; up_*: activation columns per program (fp8 / dense
 # weights: 2x as many weight rows), K chunk, warps; down_*: output columns per program (0: picked, _down_tile), K chunk
-# (fp8: 0 picked with the columns), warps; gate_route_rows: the last program routes in the rows form (route_triton.route_row_rows:
-# a warp a row of experts, two exchanges across warps instead of one per pick) where the grouping fits its warps. Defaults from bench/moe_fused_gpu.py --sweep on one H200 (2026-12-03, GLM-5.1
+# (fp8: 0 picked with the columns), warps. Defaults from bench/moe_fused_gpu.py --sweep on one H200 (2026-12-03, GLM-5.1
 # and DeepSeek-V3 MoE layers, T = 1, bf16 and fp8; docs/PERFORMANCE.md); --sweep times the alternatives on the device.
 TUNE: dict[str, int] = {
     "gate_block_e": env_int("TILEPD_MOE_FUSED_GATE_BLOCK_E", 2),
     "gate_block_k": env_int("TILEPD_MOE_FUSED_GATE_BLOCK_K", 8192),
     "gate_num_warps": env_int("TILEPD_MOE_FUSED_GATE_WARPS", 8),
-    "gate_route_rows": env_int("TILEPD_MOE_FUSED_GATE_ROUTE_ROWS", 0),
     "up_block_n_fp8": env_int("TILEPD_MOE_FUSED_UP_BLOCK_N_FP8", 8),
     "up_block_n": env_int("TILEPD_MOE_FUSED_UP_BLOCK_N", 16),
     "up_block_k_fp8": env_int("TILEPD_MOE_FUSED_UP_BLOCK_K_FP8", 512),
@@ -84,9 +81,7 @@ if triton is not None:
                      K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                     N_SLOTS: tl.constexpr, SCRATCH, s_sc, R_ROWS: tl.constexpr = 0, R_L: tl.constexpr = 1, R_GS: tl.constexpr = 1,
-                     R_GROUPED: tl.constexpr = False, R_RK: tl.constexpr = 1, R_RK_PAD: tl.constexpr = 2, R_CW: tl.constexpr = 2,
-                     PDL: tl.constexpr = False):
+                     N_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
         r = tl.program_id(0)
         pid_e = tl.program_id(1)
         act = H.dtype.element_ty
@@ -124,13 +119,9 @@ if triton is not None:
         tl.debug_barrier()  # every thread's logits before the ticket's release
         ticket = tl.atomic_add(COUNTER, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program: all logits are out
-            for t in range(T):  # R_ROWS: the rows form (a warp a row, route_triton.route_row_rows), each token its own scratch
-                if R_ROWS:
-                    route_row_rows(LOGITS + t * s_lr, BIAS, IDS + t * s_ir, WTS + t * s_wr, scale, SCRATCH + t * s_sc, E, R_ROWS, R_L, R_GS,
-                                   R_GROUPED, TOPK_GROUP, TOP_K, R_RK, R_RK_PAD, R_CW, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
-                else:
-                    route_row(LOGITS + t * s_lr, BIAS, IDS + t * s_ir, WTS + t * s_wr, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
-                              G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
+            for t in range(T):
+                route_row(LOGITS + t * s_lr, BIAS, IDS + t * s_ir, WTS + t * s_wr, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
+                          G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
             tl.atomic_xchg(COUNTER, 0)
 
     @triton.jit
@@ -273,16 +264,11 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
         return h, ids, weights, logits
     block_e = TUNE["gate_block_e"]
     block_k = min(TUNE["gate_block_k"], triton.next_power_of_2(k))
-    warps = TUNE["gate_num_warps"]
-    rows = rows_constants(n_exp, n_group, topk_group, top_k, warps) if TUNE["gate_route_rows"] else None
-    scratch = {"SCRATCH": ids, "s_sc": 0}  # unread without the rows form
-    if rows is not None:  # the rows form's candidates (and group keys), [T, ROWS * RK_PAD + ROWS] int64
-        buf = torch.empty(t, rows["R_ROWS"] * (rows["R_RK_PAD"] + 1), dtype=torch.int64, device=x.device)
-        scratch = {"SCRATCH": buf, "s_sc": buf.stride(0), **rows}
     _gate_kernel[(t, triton.cdiv(n_exp, block_e))](
         x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
         logits.stride(0), ids.stride(0), weights.stride(0), float(eps), float(routed_scaling_factor),
-        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, **scratch, num_warps=warps, **pdl.launch_args(x, "gate"))
+        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, num_warps=TUNE["gate_num_warps"],
+        **pdl.launch_args(x, "gate"))
     return h, ids, weights, logits
 
 

@@ -92,78 +92,17 @@ if triton is not None:
             pick = _key_index(tl.max(tl.max(ekey, axis=1), axis=0))
             ekey = tl.where(e == pick, none, ekey)
             ids = tl.where(kk == i, pick, ids)
-        _store_route(row, ids[None, :], kk[None, :], kk[None, :] < N_SLOTS, ids_out, wts_out, scale, TOP_K, NORMALISE, SHARED_SLOT)
-
-    @triton.jit
-    def _store_route(row, ids, kk, smask, ids_out, wts_out, scale, TOP_K: tl.constexpr, NORMALISE: tl.constexpr,  # noqa: ANN001, ANN202
-                     SHARED_SLOT: tl.constexpr):
-        """ids [R, K_PAD] (every row the same choice, in descending order of choice score) -> the weights (the chosen
-        experts' sigmoid scores, normalised and scaled) and the shared slot, stored where smask is set (one row)."""
         kmask = kk < TOP_K
         wts = tl.where(kmask, tl.sigmoid(tl.load(row + ids, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)), 0.0)  # the chosen scores
         if NORMALISE:
-            wts = wts / (tl.sum(wts, axis=1)[:, None] + 1e-20)
+            wts = wts / (tl.sum(wts, axis=0) + 1e-20)
         wts = wts * scale
         if SHARED_SLOT:  # one more slot after the routed ones: id -1 (the shared expert), weight 1
             ids = tl.where(kk == TOP_K, -1, ids)
             wts = tl.where(kk == TOP_K, 1.0, wts)
+        smask = kk < N_SLOTS
         tl.store(ids_out + kk, ids, mask=smask)
         tl.store(wts_out + kk, wts.to(wts_out.dtype.element_ty), mask=smask)
-
-    @triton.jit
-    def route_row_rows(row, BIAS, ids_out, wts_out, scale, SCRATCH,  # noqa: ANN201 - a Triton device function
-                       E, ROWS: tl.constexpr, L: tl.constexpr, GS: tl.constexpr, GROUPED: tl.constexpr,
-                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, RK: tl.constexpr, RK_PAD: tl.constexpr, CW: tl.constexpr,
-                       K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr, N_SLOTS: tl.constexpr):
-        """route_row's result from a [ROWS, L] layout of the experts (expert r * GS + j at (r, j)), for a program of
-        ROWS warps: each row's RK best choice keys first (reductions along a row: one warp's shuffles, no shared memory),
-        then every row reads all ROWS * RK candidates back from SCRATCH (global, this program's own: a barrier between)
-        and picks the TOP_K best the same way, so only two exchanges cross warps instead of one per pick. GROUPED: the
-        rows are the groups (n_group == ROWS), the TOPK_GROUP best by their top-2 sums kept (a third exchange: the group
-        keys). Same choice, tie rule and order as route_row."""
-        ri = tl.arange(0, ROWS)
-        li = tl.arange(0, L)
-        e = ri[:, None] * GS + li[None, :]
-        valid = (li[None, :] < GS) & (e < E)
-        neg = float("-inf")
-        none = -9200000000000000000
-        scores = tl.sigmoid(tl.load(row + e, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32))
-        choice = tl.where(valid, scores + tl.load(BIAS + e, mask=valid, other=0.0).to(tl.float32), neg)
-        ekey = tl.where(valid, _key(choice, e), none)
-        c = tl.arange(0, RK_PAD)
-        if GROUPED:  # the group score: the sum of its two best choice scores; the TOPK_GROUP best groups by rank
-            best = tl.max(ekey, axis=1)
-            second = tl.max(tl.where(e == _key_index(best)[:, None], neg, choice), axis=1)
-            gkey = _key(_key_value(best) + second, ri)
-            tl.store(SCRATCH + ROWS * RK_PAD + ri, gkey)
-            tl.debug_barrier()
-            every = tl.load(SCRATCH + ROWS * RK_PAD + ri[None, :] + 0 * ri[:, None], cache_modifier=".cg")  # [ROWS, ROWS]
-            rank = tl.sum((every > gkey[:, None]).to(tl.int32), axis=1)
-            ekey = tl.where((rank < TOPK_GROUP)[:, None], ekey, none)
-        cand = tl.full([ROWS, RK_PAD], none, tl.int64)
-        for i in tl.static_range(RK):  # each row's RK best keys (keys are unique: index packed)
-            m = tl.max(ekey, axis=1)
-            ekey = tl.where(ekey == m[:, None], none, ekey)
-            cand = tl.where(c[None, :] == i, m[:, None], cand)
-        tl.store(SCRATCH + ri[:, None] * RK_PAD + c[None, :], cand)
-        tl.debug_barrier()
-        # all ROWS * RK_PAD candidates in each row, as one or two [ROWS, CW] halves: CW <= 32 keeps a row in one warp (Triton
-        # lays a [8, 64] tensor over 2 warps a row)
-        j = tl.arange(0, CW)
-        lo = tl.load(SCRATCH + j[None, :] + 0 * ri[:, None], cache_modifier=".cg")
-        if ROWS * RK_PAD > CW:
-            hi = tl.load(SCRATCH + CW + j[None, :] + 0 * ri[:, None], cache_modifier=".cg")
-        kk = tl.arange(0, K_PAD)
-        ids = tl.zeros([ROWS, K_PAD], dtype=tl.int64)
-        for i in tl.static_range(TOP_K):
-            m = tl.max(lo, axis=1)
-            if ROWS * RK_PAD > CW:
-                m = tl.maximum(m, tl.max(hi, axis=1))
-                hi = tl.where(hi == m[:, None], none, hi)
-            lo = tl.where(lo == m[:, None], none, lo)
-            ids = tl.where(kk[None, :] == i, _key_index(m)[:, None], ids)
-        kk2 = kk[None, :] + 0 * ri[:, None]
-        _store_route(row, ids, kk2, (ri[:, None] == 0) & (kk2 < N_SLOTS), ids_out, wts_out, scale, TOP_K, NORMALISE, SHARED_SLOT)
 
     @triton.jit
     def _route_kernel(LOGITS, BIAS, IDS, WEIGHTS, s_lt, s_it, s_wt, scale,
@@ -192,27 +131,6 @@ def route_constants(n_exp: int, n_group: int, topk_group: int, top_k: int, norm_
     return dict(N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, TOP_K=top_k, G_PAD=max(2, triton.next_power_of_2(n_group)),
                 GS_PAD=triton.next_power_of_2(group_size), K_PAD=max(2, triton.next_power_of_2(slots)), NORMALISE=bool(norm_topk_prob),
                 SHARED_SLOT=bool(shared_slot), N_SLOTS=slots)
-
-
-def rows_constants(n_exp: int, n_group: int, topk_group: int, top_k: int, rows: int) -> dict | None:
-    """route_row_rows's constants (R_ the gate kernel's names for them) for a program of `rows` warps, or None where that layout does not apply (then
-    route_row): GLM-5's single group with the experts split evenly over the rows, or one group per row (DeepSeek-V3's
-    8 groups in 8 warps)."""
-    if rows < 2 or rows & (rows - 1) or top_k < 1:
-        return None
-    if n_group == 1 and n_exp % rows == 0 and n_exp // rows >= 2:
-        gs = n_exp // rows
-        grouped = False
-    elif n_group == rows and n_exp % n_group == 0:
-        gs = n_exp // n_group
-        grouped = topk_group < n_group
-    else:
-        return None
-    rk = min(top_k, gs)
-    rk_pad = max(2, triton.next_power_of_2(rk))
-    if rows * rk_pad > 64:  # the second pass holds the candidates as at most two 32-wide halves
-        return None
-    return dict(R_ROWS=rows, R_L=triton.next_power_of_2(gs), R_GS=gs, R_GROUPED=grouped, R_RK=rk, R_RK_PAD=rk_pad, R_CW=min(32, rows * rk_pad))
 
 
 def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,

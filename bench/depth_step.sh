@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 24's rows at full depth on whichever card the device call got, in one call, with a deadline.
+#
+#   bash bench/depth_step.sh rows OUTDIR SECONDS   # the fused attention GEMVs' tile sweep (fp8_gemv_sweep --fused), GPU
+#                                                  # parity (DSA, MLA, fp8), GLM-5.1 fp8 78L 1K-200K, DeepSeek-V3 fp8 61L
+#                                                  # 1K/32K, the TP8 shard (layers aliased), MTP at 78 layers, GLM-5.1 bf16,
+#                                                  # llama3-8b
+#   bash bench/depth_step.sh ab OUTDIR SECONDS TAG VAR=VALUE...  # GLM-5.1 fp8 1K, DeepSeek-V3 fp8 1K and the TP8 shard 1K
+#                                                  # as the code stands and with the settings, then GPU parity as it stands
+#   bash bench/depth_step.sh ctx OUTDIR SECONDS CONTEXT TAG=VAR=VALUE[,VAR=VALUE]...  # GLM-5.1 fp8 at one context as
+#                                                  # the code stands, then under each tagged setting
+#
+# TILEPD_DSA_GPU_REFS: the DSA parity references made on a CPU box (tests/engine/test_dsa_gpu_parity.py, made with
+# the project's transformers) and carried; without them that file makes its own with the device's transformers.
+# Each step: its JSON and log under OUTDIR; a step past the deadline (seconds from the start) is skipped.
+set -u
+part=${1:?part: rows, ab or ctx}
+out=${2:?output folder}
+deadline=${3:-100000}
+mkdir -p "$out"
+day=$(date -u +%F)
+py=${PYTHON:-python3}
+
+source "$(dirname "${BASH_SOURCE[0]}")/steps.sh"
+
+parity() {  # parity NAME [VAR=VALUE...]: the three GPU parity files
+  local name=$1; shift
+  step "$name" 240 env "$@" "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
+    tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
+}
+
+case "$part" in
+  rows)
+    step fp8-fused-sweep 170 "$py" bench/fp8_gemv_sweep.py --fused --out "$out/fp8-fused-sweep_${gpu}_${day}.json"
+    parity parity
+    step glm 200 bash -c "$(model_fns); glm main 1024 32768 131072 200000"
+    step dsv3 90 "$py" bench/decode_speed.py --model deepseek-v3 --weights fp8 --no-hf --no-mtp --variants speed-path \
+      --contexts 1024 32768 --tokens 64 --json --out "$out/deepseek-v3_fp8_61L_decode_speed_${day}.json"
+    step tp8 80 "$py" bench/tp_shard_step.py --alias-layers --contexts 1024 131072 --tokens 128 --json \
+      --out "$out/tp-shard-step_glm51_fp8_tp8_${gpu}_${day}.json"
+    step mtp 150 "$py" bench/decode_speed.py --model glm-5.1 --weights fp8 --mtp-forced-accept --contexts 1024 --tokens 64 \
+      --json --out "$out/glm-5.1_fp8_78L_mtp_${day}.json"
+    step glm-bf16 80 "$py" bench/decode_speed.py --model glm-5.1 --weights bf16 --no-hf --no-mtp --variants speed-path \
+      --contexts 1024 --tokens 64 --json --out "$out/glm-5.1_bf16_78L_decode_speed_${day}.json"
+    step llama 100 "$py" bench/decode_speed.py --model llama3-8b --no-hf --variants speed-path --contexts 1024 8192 \
+      --tokens 128 --json --out "$out/llama3-8b_bf16_decode_speed_${day}.json"
+    ;;
+  ab)
+    tag=${4:?tag}; shift 4
+    for side in default "$tag"; do
+      if [ "$side" = default ]; then set_env=(); else set_env=("$@"); fi
+      step "glm-$side" 60 env "${set_env[@]}" bash -c "$(model_fns); glm $side 1024"
+      step "dsv3-$side" 60 env "${set_env[@]}" bash -c "$(model_fns); dsv3 $side"
+      step "tp8-$side" 60 env "${set_env[@]}" "$py" bench/tp_shard_step.py --alias-layers --contexts 1024 --tokens 128 --json \
+        --out "$out/tp-shard-step_glm51_fp8_tp8_${gpu}_${day}-$side.json"
+    done
+    parity parity
+    ;;
+  ctx)  # ctx OUTDIR SECONDS CONTEXT TAG=VAR=VALUE[,VAR=VALUE]...: GLM-5.1 fp8 at one context, default then each setting
+    ctx=${4:?context}; shift 4
+    step "glm-$ctx-default" 60 bash -c "$(model_fns); glm $ctx-default $ctx"
+    for setting in "$@"; do
+      name=${setting%%=*}; IFS=, read -r -a vars <<< "${setting#*=}"
+      step "glm-$ctx-$name" 60 env "${vars[@]}" bash -c "$(model_fns); glm $ctx-$name $ctx"
+    done
+    ;;
+  *) echo "unknown part $part (rows, ab or ctx)"; exit 2 ;;
+esac
