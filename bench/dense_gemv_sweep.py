@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kit import graph_replay_ms
-from sweep_check import config_ok
+from sweep_check import config_ok, tune_override
 from tilepd.engine import gemv_triton
 
 # (name, N, K, prologue, residual): Llama-3-8B's batch-1 GEMVs with what the speed path fuses into each
@@ -51,12 +51,8 @@ def main() -> None:
     counted: dict[str, int] = {}
 
     def timed(cfg: dict[str, int], ws, x, nw, res, prologue) -> float:
-        gemv_triton.TUNE.update(cfg)
-        try:
+        with tune_override(gemv_triton.TUNE, cfg):
             return graph_replay_ms(lambda: [gemv_triton.launch(x, w, nw, 1e-5, prologue, res) for w in ws], 20, batches=3) / len(ws)
-        finally:
-            gemv_triton.TUNE.clear()
-            gemv_triton.TUNE.update(default)
 
     for name, n, k, prologue, with_res in SHAPES:
         copies = max(2, -(-L2_BYTES // (2 * n * k)))

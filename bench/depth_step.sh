@@ -23,21 +23,13 @@ py=${PYTHON:-python3}
 
 source "$(dirname "${BASH_SOURCE[0]}")/steps.sh"
 
-parity() {  # parity NAME [VAR=VALUE...]: the three GPU parity files
-  local name=$1; shift
-  step "$name" 240 env "$@" "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
-    tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
-}
-
 case "$part" in
   rows)
     step fp8-fused-sweep 170 "$py" bench/fp8_gemv_sweep.py --fused --out "$out/fp8-fused-sweep_${gpu}_${day}.json"
-    parity parity
+    parity parity 240
     step glm 200 bash -c "$(model_fns); glm main 1024 32768 131072 200000"
-    step dsv3 90 "$py" bench/decode_speed.py --model deepseek-v3 --weights fp8 --no-hf --no-mtp --variants speed-path \
-      --contexts 1024 32768 --tokens 64 --json --out "$out/deepseek-v3_fp8_61L_decode_speed_${day}.json"
-    step tp8 80 "$py" bench/tp_shard_step.py --alias-layers --contexts 1024 131072 --tokens 128 --json \
-      --out "$out/tp-shard-step_glm51_fp8_tp8_${gpu}_${day}.json"
+    step dsv3 90 bash -c "$(model_fns); dsv3 main 1024 32768"
+    step tp8 80 bash -c "$(model_fns); tp8 main --alias-layers --contexts 1024 131072"
     step mtp 150 "$py" bench/decode_speed.py --model glm-5.1 --weights fp8 --mtp-forced-accept --contexts 1024 --tokens 64 \
       --json --out "$out/glm-5.1_fp8_78L_mtp_${day}.json"
     step glm-bf16 80 "$py" bench/decode_speed.py --model glm-5.1 --weights bf16 --no-hf --no-mtp --variants speed-path \
@@ -51,10 +43,9 @@ case "$part" in
       if [ "$side" = default ]; then set_env=(); else set_env=("$@"); fi
       step "glm-$side" 60 env "${set_env[@]}" bash -c "$(model_fns); glm $side 1024"
       step "dsv3-$side" 60 env "${set_env[@]}" bash -c "$(model_fns); dsv3 $side"
-      step "tp8-$side" 60 env "${set_env[@]}" "$py" bench/tp_shard_step.py --alias-layers --contexts 1024 --tokens 128 --json \
-        --out "$out/tp-shard-step_glm51_fp8_tp8_${gpu}_${day}-$side.json"
+      step "tp8-$side" 60 env "${set_env[@]}" bash -c "$(model_fns); tp8 $side --alias-layers --contexts 1024"
     done
-    parity parity
+    parity parity 240
     ;;
   ctx)  # ctx OUTDIR SECONDS CONTEXT TAG=VAR=VALUE[,VAR=VALUE]...: GLM-5.1 fp8 at one context, default then each setting
     ctx=${4:?context}; shift 4

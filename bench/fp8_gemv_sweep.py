@@ -19,7 +19,6 @@ each timed config's output against dequantise-then-matmul first.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import sys
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kit import graph_replay_ms
-from sweep_check import config_ok
+from sweep_check import config_ok, tune_override
 from tilepd.engine import fp8_triton
 from tilepd.model_format.block_fp8 import dequantize, quantize
 
@@ -58,18 +57,6 @@ def configs_first_pass() -> list[dict[str, int]]:
                     "num_stages": 0})
     out += [{"bits_cvt": b, "block_n": 8, "block_k": 256, "num_warps": 2, "reduce_each": 0, "num_stages": 0} for b in (0, 1)]
     return out
-
-
-@contextlib.contextmanager
-def tuned(cfg: dict[str, int]):
-    """fp8_triton.TUNE with cfg over its current values, put back after."""
-    saved = dict(fp8_triton.TUNE)
-    fp8_triton.TUNE.update(cfg)
-    try:
-        yield
-    finally:
-        fp8_triton.TUNE.clear()
-        fp8_triton.TUNE.update(saved)
 
 
 def fused_configs() -> list[dict[str, int]]:
@@ -110,7 +97,7 @@ def fused_sweep(dev: torch.device) -> dict:
             key = json.dumps(cfg, sort_keys=True)
             if not config_ok(fp8_triton.TUNE, cfg, lambda: run(ws[0]), ref, f"{name} {key}", 2e-2):
                 continue
-            with tuned(cfg):
+            with tune_override(fp8_triton.TUNE, cfg):
                 times[key] = graph_ms(lambda: [run(w) for w in ws]) / len(ws)
             summed[key] = summed.get(key, 0.0) + times[key]
         nbytes = ws[0].nbytes()
@@ -160,7 +147,7 @@ def main() -> None:
     counted: dict[str, int] = {}
 
     def timed(cfg: dict[str, int], ws, x) -> float:
-        with tuned(cfg):
+        with tune_override(fp8_triton.TUNE, cfg):
             return graph_ms(lambda: [fp8_triton.launch(x, w.weight, w.scale, None, None, 128, 128) for w in ws]) / len(ws)
 
     for name, n, k in shapes:

@@ -34,8 +34,7 @@ case "$part" in
     step moe-fused 100 "$py" bench/moe_fused_gpu.py --trials 1 --no-sweep --out "$out/moe-fused-gpu_h200_${day}-pdl.json"
     ;;
   table)
-    step parity 240 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
-      tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
+    parity parity 240
     for mode in off on; do
       envs=("${on[@]}"); [ "$mode" = off ] && envs=("${off[@]}")
       step "glm-long-$mode" 300 env "${envs[@]}" TILEPD_X=1 bash -c "$(model_fns); glm pdl-$mode 1024 32768 131072"
@@ -46,8 +45,7 @@ case "$part" in
   one)
     step glm-on 200 env "${on[@]}" bash -c "$(model_fns); glm pdl-on 1024 32768 131072"
     step glm-1k-off 110 env "${off[@]}" bash -c "$(model_fns); glm pdl-off 1024"
-    step parity 200 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
-      tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
+    parity parity 200
     step tp8-on 100 env "${on[@]}" bash -c "$(model_fns); tp8 pdl-on"
     step dsv3-on 100 env "${on[@]}" bash -c "$(model_fns); dsv3 pdl-on"
     step tp8-off 100 env "${off[@]}" bash -c "$(model_fns); tp8 pdl-off"
@@ -62,8 +60,7 @@ case "$part" in
     v small-only TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=1 TILEPD_PDL_SKIP=gemv,gate_up,down
     v no-moe-gemv TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=1 TILEPD_PDL_SKIP=gate_up,down
     v notrigger-small TILEPD_PDL=1 TILEPD_PDL_TRIGGER=0 TILEPD_PDL_PREFETCH=0 TILEPD_PDL_SKIP=gemv,gate_up,down
-    step parity 120 env "${on[@]}" "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
-      tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
+    parity parity 120 "${on[@]}"
     ;;
   *) echo "unknown part: $part (ab, table, one or variants)" >&2; exit 2 ;;
 esac
