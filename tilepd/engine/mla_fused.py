@@ -200,6 +200,7 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
                     cs: torch.Tensor, mask: DenseSpan | None, dsa: DSAStep | None, residual: bool = True) -> torch.Tensor:
     """x + attention(rms_norm(x)) for layer `p` (residual False: the attention output alone, which tensor parallelism
     all-reduces before its own add)."""
+    from tilepd.engine import l2_ahead
     from tilepd.engine.dsa import Selection
     from tilepd.engine.mla_attention import TUNE_SPARSE, split_partials
     from tilepd.engine.mla_fused_triton import merge_uv, prepare
@@ -217,8 +218,10 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
         idx_cs = cs if model.index_rope is model.rope else model.index_rope.index_select(0, positions)
         index = (a["idx_wk"], w[p + "idx_k_norm"], w[p + "idx_k_norm_bias"], idx_cs, keys, s.indexer_rope_interleave)
     head_weights = (x, w[p + "attn_norm"], eps, w[p + "idx_weights_proj"]) if scoring else None
+    wo = w[p + "wo"]
+    ahead = {**l2_ahead.regions(w[p + "w_uv"], ("prepare",)), **l2_ahead.regions(wo, ("split", "merge"))}  # {} unless switched on
     q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
-                             index, head_weights)
+                             index, head_weights, l2_region=ahead.get("prepare"))
     fits = dsa is not None and dsa.valid.shape[1] <= s.index_topk and isinstance(mask, DenseSpan)
     if dsa is not None and not fits:
         if scoring:
@@ -231,12 +234,12 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
             length = dsa.valid.shape[1]
             dsa.selection = Selection(torch.arange(length, device=x.device).expand(t, length).contiguous(), dsa.valid.contiguous())
         sel = dsa.selection
-        part, lse = split_partials(q_cat, cache, r, model.scale, sel.idx.shape[1], idx=sel.idx, ok=sel.ok)
+        part, lse = split_partials(q_cat, cache, r, model.scale, sel.idx.shape[1], idx=sel.idx, ok=sel.ok, l2_region=ahead.get("split"))
     else:  # dense MLA, or DSA while the window fits index_topk: every causal slot is selected, so the span is the
         # selection and the kernel reads rows by position (no index/ok loads in front of each row gather)
         if mask is None:
             raise ValueError("MLA fused attention: a dense layer needs its DenseSpan")
-        part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi, tune=TUNE_SPARSE if fits else None)
-    out = merge_uv(part, lse, w[p + "w_uv"], x.dtype, cache.dtype)
-    wo = w[p + "wo"]
+        part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi, tune=TUNE_SPARSE if fits else None,
+                                   l2_region=ahead.get("split"))
+    out = merge_uv(part, lse, w[p + "w_uv"], x.dtype, cache.dtype, l2_region=ahead.get("merge"))
     return gemv(out, wo, wo.shape[-2], residual=x if residual else None)
