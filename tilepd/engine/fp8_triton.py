@@ -40,11 +40,35 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _chunk_prod(w, x_row, NW, rstd, s_base, rows, rmask, row0, s_sn, cols, cmask, act, BN: tl.constexpr, BK: tl.constexpr,
+                    ROW_UNIFORM: tl.constexpr, BITS_CVT: tl.constexpr, NORM: tl.constexpr):
+        """One K chunk's products [BLOCK_N, BLOCK_K] in float32 from its weight tile w as loaded (e4m3, or its bytes);
+        row0: the tile's first row (ROW_UNIFORM: its row block's scales serve every row)."""
+        if BITS_CVT:
+            # W holds the e4m3 bytes as uint8: sign to bit 15 and exponent+mantissa to bits 13..7 is the same
+            # number as fp16 times 2^-8 (normals and subnormals alike), two integer ops instead of cvt
+            b = w.to(tl.uint16)
+            wf = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            wf = w.to(tl.float32)
+        x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        if NORM:  # rounded where the unfused path rounds (the normed row, then times the norm weight)
+            g = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+            x = ((x * rstd).to(act).to(tl.float32) * g).to(act).to(tl.float32)
+        if BITS_CVT:
+            x = x * 256.0
+        if ROW_UNIFORM:  # the tile's rows share one row block: fold the scales into x
+            s = tl.load(s_base + (row0 // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
+            return wf * (x * s)[None, :]
+        s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        return wf * s * x[None, :]
+
+    @triton.jit
     def _fp8_gemv_kernel(X, W, S, WS, SS, IDS, BIAS, Y, N, K, s_xr, s_we, s_wn, s_se, s_sn, s_yr,
                          BN: tl.constexpr, BK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                          BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr,
-                         NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                         NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EARLY: tl.constexpr = False,
                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -56,8 +80,6 @@ if triton is not None:
             prefetch_l2(W + rows.to(tl.int64)[:, None] * s_wn + lines[None, :], rmask[:, None] & (lines < K)[None, :])
         wait(PDL)
         x_row = X + (r // X_DIV) * s_xr
-        if NORM:  # rms_norm(x) * NW in the prologue: the row's mean square first (x is a few KB, from L2)
-            rstd = row_rstd(x_row, K, eps, BLOCK_K)
         w_base = W
         s_base = S
         if HAS_IDS:
@@ -73,28 +95,28 @@ if triton is not None:
             acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        start = 0
+        if NORM:  # rms_norm(x) * NW in the prologue: the row's mean square first (x is a few KB, from L2)
+            if EARLY:  # the first chunk's weights are loaded (not yet used) before that pass, so they are in flight during it
+                cols = tl.arange(0, BLOCK_K)
+                cmask = cols < K
+                w0 = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+                rstd = row_rstd(x_row, K, eps, BLOCK_K)
+                prod = _chunk_prod(w0, x_row, NW, rstd, s_base, rows, rmask, pid_n * BLOCK_N, s_sn, cols, cmask, act, BN, BK, ROW_UNIFORM, BITS_CVT, NORM)
+                if REDUCE_EACH:
+                    acc_rows += tl.sum(prod, axis=1)
+                else:
+                    acc += prod
+                start = BLOCK_K
+            else:
+                rstd = row_rstd(x_row, K, eps, BLOCK_K)
+        else:
+            rstd = 1.0
+        for k0 in range(start, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < K
-            if BITS_CVT:
-                # W holds the e4m3 bytes as uint8: sign to bit 15 and exponent+mantissa to bits 13..7 is the same
-                # number as fp16 times 2^-8 (normals and subnormals alike), two integer ops instead of cvt
-                b = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0).to(tl.uint16)
-                w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
-            else:
-                w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            if NORM:  # rounded where the unfused path rounds (the normed row, then times the norm weight)
-                g = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
-                x = ((x * rstd).to(act).to(tl.float32) * g).to(act).to(tl.float32)
-            if BITS_CVT:
-                x = x * 256.0
-            if ROW_UNIFORM:  # the tile's rows share one row block: fold the scales into x
-                s = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
-                prod = w * (x * s)[None, :]
-            else:  # per-row block scales (fused parts off block boundaries)
-                s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-                prod = w * s * x[None, :]
+            w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+            prod = _chunk_prod(w, x_row, NW, rstd, s_base, rows, rmask, pid_n * BLOCK_N, s_sn, cols, cmask, act, BN, BK, ROW_UNIFORM, BITS_CVT, NORM)
             if REDUCE_EACH:
                 acc_rows += tl.sum(prod, axis=1)
             else:
@@ -121,8 +143,12 @@ if triton is not None:
 # `bench/fp8_gemv_sweep.py --fused` on one H100 (2026-12-05): G1 11.5 -> 10.2 us (GLM-5.1) and 11.8 -> 11.0
 # (DeepSeek-V3), G2 15.5 -> 15.1 and 19.6 -> 18.7 (half as many trips through the loop after the row's rstd pass);
 # the residual-epilogue wo and the plain launches were no faster with it.
+# norm_early (env TILEPD_FP8_NORM_EARLY, default 0 until measured on the device): those launches load their first
+# chunk's weights before the row's rstd pass, so the weights' HBM round trip overlaps the pass's L2 reads instead of
+# following them (the same products, summed in the same order).
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
-                        "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048)}
+                        "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048),
+                        "norm_early": env_int("TILEPD_FP8_NORM_EARLY", 0)}
 
 
 def _block_n(n: int, rows: int) -> int:
@@ -202,7 +228,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=False, X_DIV=1, NW=norm_weight if norm_weight is not None else x, RES=residual if residual is not None else x,
         eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
-        PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
+        EARLY=norm_weight is not None and bool(TUNE["norm_early"]), PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
         num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
     )
     return y
