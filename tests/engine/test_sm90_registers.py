@@ -1,0 +1,86 @@
+"""The fused decode step's kernels at GLM-5.1's served shapes, built for sm_90 as a device launch builds them
+(tests/engine/sm90_compile.py: the launcher's own specialization, Triton's ptxas, no GPU): none spills registers to local
+memory, with the switches that are off by default (L2 look-ahead, the norm GEMVs' early first chunk, PDL's widest form)
+on as well. A spill in a bandwidth- or latency-bound kernel of the step costs more than the tile it bought; the
+interpreter never builds these forms, so this is the CPU's one look at them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here"),
+              pytest.mark.skipif(os.environ.get("TILEPD_SKIP_SM90_COMPILE") == "1", reason="TILEPD_SKIP_SM90_COMPILE=1")]
+
+
+def _step_kernels() -> list[dict]:
+    from tests.engine.sm90_compile import compiling
+    from tilepd.engine import fp8_triton, l2_ahead, mla_attention, mla_fused_triton, moe_fused_triton
+    from tilepd.model_format.block_fp8 import BlockFp8, quantize
+
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    t, hid, heads, nope, rank, rope, v, inter, experts = 1, 6144, 64, 192, 512, 64, 256, 2048, 8  # GLM-5.1 (8 of 256 experts built)
+
+    def fp8(n: int, k: int) -> BlockFp8:
+        return quantize(torch.randn(n, k, generator=g), (128, 128))
+
+    def stacked(n: int, k: int) -> BlockFp8:
+        parts = [fp8(n, k) for _ in range(experts)]
+        return BlockFp8(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), (128, 128))
+
+    x = torch.randn(t, hid).to(bf)
+    cs = torch.randn(t, 2, rope).to(bf)
+    cache = torch.zeros(1100, 1, rank + rope, dtype=bf)
+    index = (torch.randn(t, 128).to(bf), torch.ones(128, dtype=bf), torch.zeros(128, dtype=bf), cs, torch.zeros(1100, 128, dtype=bf), True)
+    w_uv, wo = torch.randn(heads, v, rank).to(bf), fp8(hid, heads * v)
+    ahead = {**l2_ahead.regions(w_uv, ("prepare",)), **l2_ahead.regions(wo, ("split", "merge"))}
+    with compiling() as done:
+        for norm in (6144, 2048):  # G1's and G2's K
+            g1 = fp8(2752 if norm == 6144 else 16384, norm)
+            fp8_triton.launch_fused(torch.randn(t, norm).to(bf), g1.weight, g1.scale, g1.block, norm_weight=torch.ones(norm, dtype=bf), eps=1e-6)
+        mla_fused_triton.prepare(torch.randn(t, heads * (nope + rope)).to(bf), torch.randn(t, rank + rope).to(bf), torch.randn(heads, nope, rank).to(bf),
+                                 torch.ones(rank, dtype=bf), 1e-6, cs, torch.zeros(t, dtype=torch.int64), cache, rank, rope, True, index,
+                                 l2_region=ahead.get("prepare"))
+        part, lse = mla_attention.split_partials(torch.randn(t, heads, rank + rope).to(bf), cache, rank, 0.1, 1024,
+                                                 lo=torch.zeros(t, dtype=torch.int64), hi=torch.full((t,), 1023, dtype=torch.int64),
+                                                 tune=mla_attention.TUNE_SPARSE, l2_region=ahead.get("split"))
+        mla_fused_triton.merge_uv(part, lse, w_uv, bf, bf, l2_region=ahead.get("merge"))
+        fp8_triton.launch_fused(torch.randn(t, heads * v).to(bf), wo.weight, wo.scale, wo.block, residual=x)
+        shared13 = fp8(2 * inter, hid)
+        moe_fused_triton.gate_route(x, torch.ones(hid, dtype=bf), 1e-6, torch.randn(256, hid), torch.zeros(256), 1, 1, 8, True, 2.5,
+                                    l2_region=l2_ahead.regions(shared13, ("gate",)).get("gate"))
+        ids = torch.tensor([[3, 1, 2, 4, 5, 6, 7, 0, -1]])
+        moe_fused_triton.gate_up_act(x, stacked(2 * inter, hid), shared13, ids, shared_last=True)
+        moe_fused_triton.down_combine(torch.randn(9, inter).to(bf), stacked(hid, inter), fp8(hid, inter), ids, torch.ones(1, 9, dtype=bf), x,
+                                      shared_last=True)
+    return done
+
+
+@pytest.mark.parametrize("switches", ["defaults", "all-on"])
+def test_the_step_kernels_do_not_spill_at_glm51_shapes(monkeypatch: pytest.MonkeyPatch, switches: str) -> None:
+    from tests.engine.sm90_compile import ptxas_info
+    from tilepd.engine import fp8_triton, l2_ahead, pdl
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if switches == "all-on":
+        monkeypatch.setattr(l2_ahead, "_enabled", lambda t: True)
+        monkeypatch.setitem(l2_ahead.SWITCH, "hosts", frozenset(l2_ahead.HOSTS))
+        monkeypatch.setitem(fp8_triton.TUNE, "norm_early", 1)
+        monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
+        monkeypatch.setitem(pdl.SWITCH, "trigger", 1)
+        monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
+    done = _step_kernels()
+    names = [d["name"] for d in done]
+    assert names == ["_fp8_gemv_kernel", "_fp8_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_fp8_gemv_kernel",
+                     "_gate_kernel", "_gate_up_kernel", "_down_kernel"], names
+    if switches == "all-on":
+        assert [d["constexprs"].get("AH") for d in done if "AH" in d["constexprs"]] == [1, 1, 1, 1]
+        assert [d["constexprs"]["EARLY"] for d in done[:2]] == [True, True]
+    report = {f"{i}:{d['name']}": ptxas_info(d["ptx"]) for i, d in enumerate(done)}
+    spilled = {k: r for k, r in report.items() if r["spill_stores"] or r["spill_loads"]}
+    assert not spilled, spilled
+    assert all(0 < r["registers"] <= 255 for r in report.values()), report
