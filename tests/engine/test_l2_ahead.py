@@ -1,5 +1,5 @@
 """L2 look-ahead (tilepd/engine/l2_ahead.py): the regions' byte windows, the pieces each program of a host takes (under
-Triton's interpreter: every byte of a region exactly once), the four host kernels compiled for sm_90 with the bulk
+Triton's interpreter: every byte of a region exactly once), the host kernels compiled for sm_90 with the bulk
 prefetch (tests/engine/sm90_compile.py: Triton's own ptxas, no GPU), and the MoE block handing its gate the shared
 expert. Whether the prefetch makes the step faster is the device's to say (bench/depth_step.sh ab, docs/PERFORMANCE.md);
 it never changes a result (no register is written, nothing waits on it)."""
@@ -62,7 +62,7 @@ def test_bad_switch_values_are_refused_by_name() -> None:
         res = subprocess.run([sys.executable, "-c", "import tilepd.engine.l2_ahead"], env={**os.environ, **env}, capture_output=True, text=True,
                              timeout=120)
         assert res.returncode != 0 and needle in res.stderr, res.stderr[-1000:]
-    for raw, want in (("all", "['gate', 'merge', 'prepare', 'split']"), ("split+merge", "['merge', 'split']"), ("", "[]")):
+    for raw, want in (("all", "['g1', 'g2', 'gate', 'merge', 'prepare', 'split']"), ("split+merge", "['merge', 'split']"), ("", "[]")):
         res = subprocess.run([sys.executable, "-c", "from tilepd.engine import l2_ahead as a; print(sorted(a.SWITCH['hosts']))"],
                              env={**os.environ, "TILEPD_L2_AHEAD": raw}, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0 and want in res.stdout, (raw, res.stdout, res.stderr[-1000:])
@@ -126,7 +126,8 @@ def _switched_on(monkeypatch: pytest.MonkeyPatch, evict_last: int = 0) -> None:
 @pytest.mark.parametrize("evict_last", [0, 1], ids=["evict-normal", "evict-last"])
 def test_hosts_compile_for_sm90_with_one_bulk_prefetch_a_thread(monkeypatch: pytest.MonkeyPatch, evict_last: int) -> None:
     from tests.engine.sm90_compile import compiling
-    from tilepd.engine import l2_ahead, mla_attention, mla_fused_triton, moe_fused_triton
+    from tilepd.engine import fp8_triton, l2_ahead, mla_attention, mla_fused_triton, moe_fused_triton
+    from tilepd.model_format.block_fp8 import quantize
 
     _switched_on(monkeypatch, evict_last)
     bf = torch.bfloat16
@@ -136,7 +137,9 @@ def test_hosts_compile_for_sm90_with_one_bulk_prefetch_a_thread(monkeypatch: pyt
     x = torch.randn(t, h).to(bf)
     cs = torch.randn(t, 2, rope).to(bf)
     cache = torch.zeros(8, 1, rank + rope, dtype=bf)
+    g1 = quantize(torch.randn(384, h), (128, 128))
     with compiling() as done:
+        fp8_triton.launch_fused(x, g1.weight, g1.scale, g1.block, norm_weight=torch.ones(h, dtype=bf), eps=1e-6, l2_host="g1", l2_region=region)
         mla_fused_triton.prepare(torch.randn(t, heads * (nope + rope)).to(bf), torch.randn(t, rank + rope).to(bf), torch.randn(heads, nope, rank).to(bf),
                                  torch.ones(rank, dtype=bf), 1e-6, cs, torch.zeros(t, dtype=torch.int64), cache, rank, rope, False, l2_region=region)
         qc = torch.randn(t, heads, rank + rope).to(bf)
@@ -144,7 +147,7 @@ def test_hosts_compile_for_sm90_with_one_bulk_prefetch_a_thread(monkeypatch: pyt
                                                  l2_region=region)
         mla_fused_triton.merge_uv(part, lse, torch.randn(heads, 32, rank).to(bf), bf, bf, l2_region=region)
         moe_fused_triton.gate_route(x, torch.ones(h, dtype=bf), 1e-6, torch.randn(256, h), torch.zeros(256), 8, 4, 8, True, 2.5, l2_region=region)
-    assert {d["name"] for d in done} == {"_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_gate_kernel"}
+    assert {d["name"] for d in done} == {"_fp8_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_gate_kernel"}
     for d in done:
         assert d["constexprs"]["AH"] == 1 and d["constexprs"]["AH_EVICT"] == evict_last, d["name"]
         assert d["ptx"].count("cp.async.bulk.prefetch.L2.global") == 1, (d["name"], d["ptx"].count("cp.async.bulk.prefetch.L2.global"))

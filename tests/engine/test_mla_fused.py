@@ -115,7 +115,9 @@ _FP8 = _FAST_TILES + textwrap.dedent("""
             runs[impl] = eng.decode(3, 8, SamplingParams(ignore_eos=True), lambda t: None).tokens
         assert runs["fused"] == runs["reference"] and len(set(runs["fused"])) > 2, (seq, runs)
         w, layer_ps = eng.model.w, [f"layers.{i}." for i in range(s.num_layers)]
-        want = {("prepare", w[p + "w_uv"].data_ptr()) for p in layer_ps} | {("split", w[p + "wo"].weight.data_ptr()) for p in layer_ps}
+        f = eng.model.fused
+        want = ({("prepare", w[p + "w_uv"].data_ptr()) for p in layer_ps} | {("split", w[p + "wo"].weight.data_ptr()) for p in layer_ps}
+                | {("g2", w[p + "w_uk"].data_ptr()) for p in layer_ps} | {("g1", f[p].b_groups[0].weight.weight.data_ptr()) for p in layer_ps})
         assert seen == want, (sorted(seen), sorted(want))  # small weights fit one host whole: merge gets none
         seen.clear()
         print("fp8", seq, "ok", flush=True)

@@ -39,10 +39,13 @@ def _step_kernels() -> list[dict]:
     w_uv, wo = torch.randn(heads, v, rank).to(bf), fp8(hid, heads * v)
     ahead = {**l2_ahead.regions(w_uv, ("prepare",)), **l2_ahead.regions(wo, ("split", "merge"))}
     with compiling() as done:
-        for norm in (6144, 2048):  # G1's and G2's K
-            g1 = fp8(2752 if norm == 6144 else 16384, norm)
-            fp8_triton.launch_fused(torch.randn(t, norm).to(bf), g1.weight, g1.scale, g1.block, norm_weight=torch.ones(norm, dtype=bf), eps=1e-6)
-        mla_fused_triton.prepare(torch.randn(t, heads * (nope + rope)).to(bf), torch.randn(t, rank + rope).to(bf), torch.randn(heads, nope, rank).to(bf),
+        w_uk = torch.randn(heads, nope, rank).to(bf)
+        g2 = fp8(16384, 2048)
+        for host, norm, weight, region in (("g1", 6144, fp8(2752, 6144), l2_ahead.regions(g2, ("g1",)).get("g1")),
+                                           ("g2", 2048, g2, l2_ahead.regions(w_uk, ("g2",)).get("g2"))):
+            fp8_triton.launch_fused(torch.randn(t, norm).to(bf), weight.weight, weight.scale, weight.block, norm_weight=torch.ones(norm, dtype=bf),
+                                    eps=1e-6, l2_host=host, l2_region=region)
+        mla_fused_triton.prepare(torch.randn(t, heads * (nope + rope)).to(bf), torch.randn(t, rank + rope).to(bf), w_uk,
                                  torch.ones(rank, dtype=bf), 1e-6, cs, torch.zeros(t, dtype=torch.int64), cache, rank, rope, True, index,
                                  l2_region=ahead.get("prepare"))
         part, lse = mla_attention.split_partials(torch.randn(t, heads, rank + rope).to(bf), cache, rank, 0.1, 1024,
@@ -78,7 +81,7 @@ def test_the_step_kernels_do_not_spill_at_glm51_shapes(monkeypatch: pytest.Monke
     assert names == ["_fp8_gemv_kernel", "_fp8_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_fp8_gemv_kernel",
                      "_gate_kernel", "_gate_up_kernel", "_down_kernel"], names
     if switches == "all-on":
-        assert [d["constexprs"].get("AH") for d in done if "AH" in d["constexprs"]] == [1, 1, 1, 1]
+        assert [d["constexprs"].get("AH", 0) for d in done] == [1, 1, 1, 1, 1, 0, 1, 0, 0]  # all but wo, gate-up and down host
         assert [d["constexprs"]["EARLY"] for d in done[:2]] == [True, True]
     report = {f"{i}:{d['name']}": ptxas_info(d["ptx"]) for i, d in enumerate(done)}
     spilled = {k: r for k, r in report.items() if r["spill_stores"] or r["spill_loads"]}

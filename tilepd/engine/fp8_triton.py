@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import torch
 
+from tilepd.engine import l2_ahead as ahead
 from tilepd.engine import pdl
 from tilepd.engine.tuning import env_int, pick_block_n
 
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.l2_ahead import issue as l2_ahead
     from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
@@ -68,8 +70,11 @@ if triton is not None:
                          BN: tl.constexpr, BK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                          BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr,
-                         NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EARLY: tl.constexpr = False,
+                         NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr, AH_PTR, ah_rows, ah_row_bytes, ah_stride,
+                         AH: tl.constexpr, AH_CHUNK: tl.constexpr, AH_NT: tl.constexpr, AH_EVICT: tl.constexpr, EARLY: tl.constexpr = False,
                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+        if AH:  # a later kernel's weight into L2 (l2_ahead.py; G1 and G2 read far below the bandwidth at batch 1)
+            l2_ahead(AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH_CHUNK, AH_NT, AH_EVICT)
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -190,20 +195,22 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
         ROW_UNIFORM=block_n % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=shared is not None, X_DIV=x_div, NW=x, RES=x, eps=0.0, s_rr=0, NORM=False, HAS_RES=False,
         PREFETCH=pdl.prefetch_flag(x) and not has_ids and tile_k >= 128,
-        num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
+        num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x), **ahead.launch_args("", None, x, 0, TUNE["num_warps"]),
     )
     return y
 
 
 def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], *, rows: int | None = None,
-                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+                 l2_host: str = "", l2_region: ahead.Region | None = None) -> torch.Tensor:
     """The dense (no expert ids) GEMV with the layer's small ops inside: y = (residual +) W[:rows] @ rms_norm(x) * g.
 
     x [R, K]; weight [N, K] fp8 with block scales; `rows` computes only the first rows of W (a prefix of a
     concatenated weight: DSA's indexer query rows are not needed while the window fits index_topk); `norm_weight`
     puts rms_norm(x, norm_weight, eps) in the prologue (each program sums x's squares itself); `residual` [R, rows]
     is added in the epilogue. Rounding as the unfused ops: the normed row and the product with the norm weight in
-    x's dtype, the GEMV's output in x's dtype before the add."""
+    x's dtype, the GEMV's output in x's dtype before the add. l2_host / l2_region: this launch as l2_ahead's host of
+    that kind, pulling the region into L2 while it runs."""
     if triton is None:
         raise RuntimeError("fp8 GEMV kernel needs Triton, which is not importable here")
     n = weight.shape[0] if rows is None else rows
@@ -221,7 +228,8 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     tile_k = min((norm_weight is not None and TUNE["block_k_norm"]) or TUNE["block_k"], triton.next_power_of_2(k))
     bits = bool(TUNE["bits_cvt"])
     extra = {"num_stages": TUNE["num_stages"]} if TUNE["num_stages"] else {}
-    _fp8_gemv_kernel[(r, triton.cdiv(n, tile_n))](
+    grid = (r, triton.cdiv(n, tile_n))
+    _fp8_gemv_kernel[grid](
         x, weight.view(torch.uint8) if bits else weight, scale, x, x, x, x, y, n, k,
         x.stride(0), 0, weight.stride(0), 0, scale.stride(0), y.stride(0),
         BN=block[0], BK=block[1], HAS_IDS=False, HAS_BIAS=False, BLOCK_N=tile_n, BLOCK_K=tile_k,
@@ -230,6 +238,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
         EARLY=norm_weight is not None and bool(TUNE["norm_early"]), PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
         num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
+        **ahead.launch_args(l2_host, l2_region, x, grid[0] * grid[1], TUNE["num_warps"]),
     )
     return y
 

@@ -1,7 +1,8 @@
 """L2 look-ahead: the decode step's latency-bound kernels pull a later kernel's weights into L2 while HBM idles.
 
 Why: at batch 1 a DeepSeek-family layer alternates bandwidth-bound GEMVs with four latency-bound kernels (prepare, the
-split MLA kernel, merge + W_UV, the MoE gate), each 8-10 us on an H100 for 0.4-5 us of bytes (docs/PERFORMANCE.md).
+split MLA kernel, merge + W_UV, the MoE gate), each 8-10 us on an H100 for 0.4-5 us of bytes, and the attention's norm
+GEMVs (G1, G2) spend half their time ramping up (docs/PERFORMANCE.md).
 While those run, HBM is mostly idle. Here each of them issues sm_90's bulk prefetch (`cp.async.bulk.prefetch.L2.global`:
 one instruction a byte range, no register written, nothing waits on it) over the first bytes of a weight that a kernel
 after it reads, so that kernel's first loads hit L2 instead of HBM. Weights only: no kernel of the step writes them,
@@ -9,6 +10,9 @@ so the prefetch needs no ordering and may run before pdl.py's wait, like any wei
 
 Hosts and what each pulls (`TARGETS`), chosen so that little is streamed through L2 between the prefetch and its use:
 
+  g1      -> G2's weight rows, their first bytes (G1: the fp8 GEMV over [wq_a | idx_wk | wkv_a], at ~55% of the
+             bandwidth at batch 1: a ramp, not a stream; fp8 weights only);
+  g2      -> W_UK (prepare's weight; G2 is the fp8 GEMV over [wq_b | idx_wq_b]);
   prepare -> W_UV (merge_uv's weight; the split kernel in between reads a few MB of latent rows);
   split   -> wo's rows, their first bytes;
   merge   -> wo's rows, the bytes after split's window (or the first bytes when split is not a host);
@@ -16,8 +20,8 @@ Hosts and what each pulls (`TARGETS`), chosen so that little is streamed through
 
 A region is bytes [skip, skip + n) of each of R rows at a byte stride (n capped so that a host pulls at most
 TILEPD_L2_AHEAD_MB); a contiguous weight that fits is one range. It is cut into CHUNK-byte prefetches spread over the
-host's programs, at most one a thread. The bandwidth-bound GEMVs host nothing: there HBM is busy and a prefetch only
-competes (the fp8 GEMV's own L2 prefetch-ahead measured up to 56% slower on an H100, 2026-12-05).
+host's programs, at most one a thread. The bandwidth-bound GEMVs (wo, gate-up, down) host nothing: there HBM is busy
+and a prefetch only competes (the fp8 GEMV's own L2 prefetch-ahead measured up to 56% slower on an H100, 2026-12-05).
 
 Switches (env, read at import; tests and benches may set SWITCH's entries):
   TILEPD_L2_AHEAD             host kinds separated by "," or "+" (depth_step.sh's settings split on commas), or "all";
@@ -46,8 +50,9 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without Triton
     triton = None
 
-HOSTS = ("prepare", "split", "merge", "gate")
-TARGETS = {"prepare": "W_UV", "split": "wo (first bytes)", "merge": "wo (after split's)", "gate": "shared expert [gate; up]"}
+HOSTS = ("g1", "g2", "prepare", "split", "merge", "gate")
+TARGETS = {"g1": "G2's weight", "g2": "W_UK", "prepare": "W_UV", "split": "wo (first bytes)", "merge": "wo (after split's)",
+           "gate": "shared expert [gate; up]"}
 
 
 def _hosts(raw: str) -> frozenset[str]:

@@ -151,6 +151,13 @@ def prepare_model(model: MlaModel) -> None:
     model.fused = fused
 
 
+def _rows_prefix(w: torch.Tensor | BlockFp8, rows: int) -> torch.Tensor | BlockFp8:
+    """The first `rows` rows of a GEMV weight (what a launch over a prefix of a concatenation reads)."""
+    if isinstance(w, BlockFp8):
+        return BlockFp8(w.weight[:rows], w.scale[: -(-rows // w.block[0])], w.block)
+    return w[:rows]
+
+
 def _kernels_available() -> bool:
     from tilepd.engine import fp8_triton, gemv_triton, mla_fused_triton
 
@@ -169,27 +176,29 @@ def applies(model: MlaModel, p: str, x: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor | BlockFp8, rows: int, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """(residual +) weight[:rows] @ (rms_norm(x) * norm_weight | x), one launch (fp8: fp8_triton; dense: gemv_triton)."""
+         residual: torch.Tensor | None = None, l2: tuple[str, object] | None = None) -> torch.Tensor:
+    """(residual +) weight[:rows] @ (rms_norm(x) * norm_weight | x), one launch (fp8: fp8_triton; dense: gemv_triton).
+    l2: (host kind, region) for l2_ahead (the fp8 launch only)."""
     if isinstance(weight, BlockFp8):
         from tilepd.engine import fp8_triton
 
         bn = weight.block[0]
+        host, region = l2 if l2 is not None else ("", None)
         return fp8_triton.launch_fused(x, weight.weight[:rows], weight.scale[: -(-rows // bn)], weight.block,
-                                       norm_weight=norm_weight, eps=eps, residual=residual)
+                                       norm_weight=norm_weight, eps=eps, residual=residual, l2_host=host, l2_region=region)
     from tilepd.engine import gemv_triton
 
     return gemv_triton.launch(x, weight[:rows], norm_weight, eps, "norm" if norm_weight is not None else "none", residual, chain=True)
 
 
-def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
-    """Each group's launch over the rows `need` asks for; the named parts as column views of the outputs."""
+def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torch.Tensor, eps: float,
+         l2: tuple[str, object] | None = None) -> dict[str, torch.Tensor]:
+    """Each group's launch over the rows `need` asks for; the named parts as column views of the outputs. l2: the last
+    launch's l2_ahead host kind and region."""
     out: dict[str, torch.Tensor] = {}
-    for g in groups:
-        rows = g.rows_for(need)
-        if rows == 0:
-            continue
-        y = gemv(x, g.weight, rows, norm_weight, eps)
+    launched = [(g, g.rows_for(need)) for g in groups if g.rows_for(need)]
+    for i, (g, rows) in enumerate(launched):
+        y = gemv(x, g.weight, rows, norm_weight, eps, l2=l2 if i == len(launched) - 1 else None)
         for name, (a, b) in g.parts.items():
             if b <= rows:
                 out[name] = y[:, a:b]
@@ -210,16 +219,22 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     keys = model.index_caches.get(p) if dsa is not None else None
     scoring = keys is not None and dsa.valid.shape[1] > s.index_topk  # past index_topk the indexer must choose
     need_a = {"wq_a", "wq", "wkv_a"} | ({"idx_wk"} if keys is not None else set())
-    a = _run(layer.a_groups, x, need_a, w[p + "attn_norm"], eps)
-    b = _run(layer.b_groups, a["wq_a"], {"wq_b"} | ({"idx_wq_b"} if scoring else set()), w[p + "q_a_norm"], eps) if s.q_lora_rank else {}
+    need_b = {"wq_b"} | ({"idx_wq_b"} if scoring else set())
+    wo = w[p + "wo"]
+    ahead = {**l2_ahead.regions(w[p + "w_uk"], ("g2",)), **l2_ahead.regions(w[p + "w_uv"], ("prepare",)),
+             **l2_ahead.regions(wo, ("split", "merge"))}  # {} unless switched on
+    if s.q_lora_rank and layer.b_groups:
+        first_b = next((g for g in layer.b_groups if g.rows_for(need_b)), None)
+        if first_b is not None:
+            ahead.update(l2_ahead.regions(_rows_prefix(first_b.weight, first_b.rows_for(need_b)), ("g1",)))
+    a = _run(layer.a_groups, x, need_a, w[p + "attn_norm"], eps, l2=("g1", ahead.get("g1")))
+    b = _run(layer.b_groups, a["wq_a"], need_b, w[p + "q_a_norm"], eps, l2=("g2", ahead.get("g2"))) if s.q_lora_rank else {}
     q = b["wq_b"] if s.q_lora_rank else a["wq"]
     index = None
     if keys is not None:
         idx_cs = cs if model.index_rope is model.rope else model.index_rope.index_select(0, positions)
         index = (a["idx_wk"], w[p + "idx_k_norm"], w[p + "idx_k_norm_bias"], idx_cs, keys, s.indexer_rope_interleave)
     head_weights = (x, w[p + "attn_norm"], eps, w[p + "idx_weights_proj"]) if scoring else None
-    wo = w[p + "wo"]
-    ahead = {**l2_ahead.regions(w[p + "w_uv"], ("prepare",)), **l2_ahead.regions(wo, ("split", "merge"))}  # {} unless switched on
     q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
                              index, head_weights, l2_region=ahead.get("prepare"))
     fits = dsa is not None and dsa.valid.shape[1] <= s.index_topk and isinstance(mask, DenseSpan)
