@@ -36,10 +36,10 @@ tp8() {  # tp8 TAG [ARGS...]: one TP8 rank's shard of GLM-5.1 fp8 (ARGS: tp_shar
   "$py" bench/tp_shard_step.py "$@" --tokens 128 --json --out "$out/tp-shard-step_glm51_fp8_tp8_${gpu}_${day}-${tag}.json"
 }
 
-parity() {  # parity NAME SECONDS [VAR=VALUE...]: the three GPU parity files (DSA, MLA, fp8), under the settings given
+parity() {  # parity NAME SECONDS [VAR=VALUE...]: the GPU parity files (DSA, MLA, fp8, the TP8 shard's fused MoE), under the settings given
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" env "$@" "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
-    tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py
+    tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py tests/engine/test_tp_shard_step.py
 }
 
 # a step runs one of the model functions under its own env: step NAME S env VAR=... bash -c "$(model_fns); glm TAG 1024"

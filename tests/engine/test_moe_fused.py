@@ -134,8 +134,14 @@ _KERNELS = textwrap.dedent("""
                     want = x + moe.moe_grouped(layers.rms_norm(x, w["l.mlp_norm"], 1e-6), w, "l.", spec)
                     err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
                     assert got.dtype == dtype and err < tol, (fp8, dtype, ng, t, err)
+                    alone = moe_fused.moe_block(x, w, "l.", spec, residual=False)  # tensor parallelism's form: no add
+                    want_alone = want - x if dtype == torch.float32 else moe.moe_grouped(layers.rms_norm(x, w["l.mlp_norm"], 1e-6), w, "l.", spec)
+                    err = float((alone.float() - want_alone.float()).abs().max() / want_alone.float().abs().max())
+                    assert alone.dtype == dtype and err < tol, ("no residual", fp8, dtype, ng, t, err)
+                    if dtype == torch.float32:  # no rounding in between: the add is the only difference
+                        assert torch.equal(alone + x, got), (fp8, ng, t)
                     moe.BLOCK_IMPL["moe"] = "triton"
-                    assert moe._use_fused_block(x, w, "l.", spec)
+                    assert moe.use_fused_block(x, w, "l.", spec)
                     assert torch.equal(moe.mlp_block(x, w, "l.", spec, True), got)
                     moe.BLOCK_IMPL["moe"] = "torch"
                     checked += 1

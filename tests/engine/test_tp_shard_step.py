@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,62 @@ def test_tiny_shard_step_gives_full_vocab_logits_over_an_eighth_of_the_heads(ben
     assert logits.shape == (1, v) and torch.isfinite(logits).all()
     assert torch.equal(logits[:, :n], logits[:, n:2 * n])  # the other ranks' slots repeat this rank's
     assert blocks["layers.3.experts_w2"] == DEFAULT_BLOCK and blocks["layers.3.wq_b"] == (1, DEFAULT_BLOCK[1])  # 32 rows: per-row
+
+
+_FUSED_MOE_ON_A_SHARD = textwrap.dedent("""
+    import importlib.util, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    device = torch.device(sys.argv[2])
+    spec_ = importlib.util.spec_from_file_location("tp_shard_step", sys.argv[1] + "/tp_shard_step.py")
+    bench = importlib.util.module_from_spec(spec_); spec_.loader.exec_module(bench)
+    from tilepd.engine import moe, moe_fused
+    from tilepd.engine.tp import NoCollectiveGroup, build_tp_model
+    from tilepd.model_format.model_spec import spec_from_hf_config
+    torch.set_num_threads(1)
+    spec = spec_from_hf_config(bench.TINY_GLM51)
+    built = spec.first_k_dense_replace + 1
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    weights, _ = bench.shard_weights(spec_from_hf_config({**bench.TINY_GLM51, "num_hidden_layers": built}), device, dtype, 0, 8, fp8=True)
+    bench.deepen(weights, built, spec.num_layers, alias=False)
+    model = build_tp_model(spec, weights, 64, device, dtype, NoCollectiveGroup(0, 8))
+    moe.EXPERT_IMPL["dense"], moe.ROUTE_IMPL["router"] = "triton", "triton"
+    calls, real = [], moe_fused.moe_block
+    def spy(*a, **k):
+        calls.append(k.get("residual", True))
+        return real(*a, **k)
+    moe_fused.moe_block = spy
+    out = {}
+    for impl in ("torch", "triton"):
+        moe.BLOCK_IMPL["moe"] = impl
+        with torch.no_grad():
+            out[impl], _ = model.forward(torch.tensor([3, 7], device=device), torch.tensor([0, 1], device=device), 16)
+    n_moe = spec.num_layers - spec.first_k_dense_replace
+    assert calls == [False] * n_moe, calls  # every MoE layer through the fused block, without its residual add
+    err = float((out["triton"] - out["torch"]).abs().max() / out["torch"].abs().max())
+    assert err < (1e-3 if dtype == torch.float32 else 3e-2), err
+    print("tp fused moe ok", n_moe, err)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here")
+def test_a_tp8_shard_runs_its_moe_layers_through_the_fused_block(repo_root: Path) -> None:
+    """TPDeepseekV3Model's MoE half on the speed path: the fused block (3 launches) over this rank's expert slices, its
+    output all-reduced before the residual add, as the unfused ops compute it (Triton's interpreter on CPU)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", _FUSED_MOE_ON_A_SHARD, str(BENCH.parent), "cpu"], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0 and "tp fused moe ok 2" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_a_tp8_shard_runs_its_moe_layers_through_the_fused_block_on_the_gpu(repo_root: Path) -> None:
+    """The same on the device, in bf16 (the compiled kernels, not the interpreter): bench/steps.sh's parity step runs it."""
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", _FUSED_MOE_ON_A_SHARD, str(BENCH.parent), "cuda"], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0 and "tp fused moe ok 2" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_glm51_tp8_shard_is_whole_128_blocks_and_an_eighth_of_the_heads(bench) -> None:

@@ -170,7 +170,8 @@ def moe(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> torch.Tensor:
 BLOCK_IMPL = {"moe": "torch"}
 
 
-def _use_fused_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
+def use_fused_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
+    """The MoE layer `p` runs as moe_fused.moe_block here: its switch and the two it stands on, and the block's own checks."""
     if BLOCK_IMPL["moe"] != "triton" or EXPERT_IMPL["dense"] != "triton" or ROUTE_IMPL["router"] != "triton":
         return False
     from tilepd.engine import moe_fused
@@ -181,7 +182,7 @@ def _use_fused_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
 def mlp_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec, is_moe: bool) -> torch.Tensor:
     """x + MLP(rms_norm(x, mlp_norm)) of layer `p` (x: the residual stream [T, H]): MoE layers in 3 launches on the speed
     path (moe_fused.moe_block), else the norm, moe() or the dense SwiGLU, and the add, in that order."""
-    if is_moe and _use_fused_block(x, w, p, spec):
+    if is_moe and use_fused_block(x, w, p, spec):
         from tilepd.engine.moe_fused import moe_block
 
         return moe_block(x, w, p, spec)

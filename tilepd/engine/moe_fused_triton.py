@@ -189,7 +189,8 @@ if triton is not None:
     def _down_kernel(A, W, S, WS, SS, IDS, WTS, RES, Y, N, s_ar, s_we, s_wn, s_se, s_sn, s_it, s_wt, s_rr, s_yr,
                      K: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False, PF_LINES: tl.constexpr = 1, ESIZE: tl.constexpr = 1, SHARED_FIRST: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = False, PF_LINES: tl.constexpr = 1, ESIZE: tl.constexpr = 1, SHARED_FIRST: tl.constexpr = False,
+                     HAS_RES: tl.constexpr = True):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         act = Y.dtype.element_ty
@@ -230,8 +231,10 @@ if triton is not None:
                     acc += tl.sum(w * a[None, :], axis=1)
             total += tl.load(WTS + t * s_wt + j).to(tl.float32) * acc.to(act).to(tl.float32)  # the expert's output, rounded
             e = e_next
-        out = total.to(act).to(tl.float32) + tl.load(RES + t * s_rr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(Y + t * s_yr + rows, out.to(act), mask=rmask)
+        out = total.to(act)
+        if HAS_RES:
+            out = (out.to(tl.float32) + tl.load(RES + t * s_rr + rows, mask=rmask, other=0.0).to(tl.float32)).to(act)
+        tl.store(Y + t * s_yr + rows, out, mask=rmask)
 
 
 def _counter(device: torch.device) -> torch.Tensor:
@@ -284,15 +287,17 @@ def _expert_parts(w: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, w
     """(weight, shared weight, scale, shared scale, fp8, block) of stacked experts [E, N, K] and the shared expert [N, K],
     after refusing by name a shared expert that is not one routed expert's shape, format and strides (it is read through
     the routed experts' strides)."""
+    def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:  # strides of size-1 dims never move a pointer
+        return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
     fp8 = isinstance(w, BlockFp8)
     if fp8 != isinstance(shared, BlockFp8):
         raise ValueError(f"fused MoE {what}: the routed and the shared expert weights must both be fp8 or both dense")
     wt, st = (w.weight, shared.weight) if fp8 else (w, shared)
-    if wt.dim() != 3 or st.shape != wt.shape[1:] or st.stride() != wt.stride()[1:] or st.dtype != wt.dtype or wt.stride(-1) != 1:
+    if wt.dim() != 3 or not same_layout(st, wt[0]) or st.dtype != wt.dtype or wt.stride(-1) != 1:
         raise ValueError(f"fused MoE {what}: shared expert {list(st.shape)} {st.dtype} strides {st.stride()} must match one routed expert "
                          f"{list(wt.shape[1:])} {wt.dtype} strides {wt.stride()[1:]}, contiguous along K")
-    if fp8 and (w.block != shared.block or shared.scale.shape != w.scale.shape[1:] or shared.scale.stride() != w.scale.stride()[1:]
-                or w.scale.stride(-1) != 1):
+    if fp8 and (w.block != shared.block or not same_layout(shared.scale, w.scale[0]) or w.scale.stride(-1) != 1):
         raise ValueError(f"fused MoE {what}: shared expert's scales {list(shared.scale.shape)} (block {list(shared.block)}) must match a "
                          f"routed expert's {list(w.scale.shape[1:])} (block {list(w.block)}) in shape and strides")
     if fp8:
@@ -348,10 +353,11 @@ def _down_tile(n: int, t: int, fp8: bool) -> tuple[int, int]:
 
 
 def down_combine(a: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, ids: torch.Tensor, weights: torch.Tensor,
-                 residual: torch.Tensor, shared_last: bool = False) -> torch.Tensor:
+                 residual: torch.Tensor | None, shared_last: bool = False) -> torch.Tensor:
     """a [T * S, I] (each token's S = k + 1 rows of silu(gate) * up, gate_up_act's output), the stacked down weights w2
     [E, H, I] and the shared expert's [H, I] (both bf16/fp32 or both block-scaled fp8), ids and weights [T, S] -> residual
-    + sum over the S rows of weight * down(a): [T, H] in a's dtype, in one launch. shared_last: ids[:, -1] is -1
+    + sum over the S rows of weight * down(a): [T, H] in a's dtype, in one launch (residual None: the sum alone, which
+    tensor parallelism all-reduces before its own add). shared_last: ids[:, -1] is -1
     (gate_route's ids): with PDL the shared expert's tile is prefetched before the wait and summed first (the sum's
     order changes by one term, within float32 rounding)."""
     if triton is None:
@@ -360,18 +366,21 @@ def down_combine(a: torch.Tensor, w2: torch.Tensor | BlockFp8, shared: torch.Ten
     t, slots = ids.shape
     n, k = wt.shape[1], wt.shape[2]
     if (a.dim() != 2 or a.shape != (t * slots, k) or a.stride(-1) != 1 or weights.shape != ids.shape
-            or residual.shape != (t, n) or residual.stride(-1) != 1):
+            or (residual is not None and (residual.shape != (t, n) or residual.stride(-1) != 1))):
         raise ValueError(f"fused MoE down: a {list(a.shape)}, ids {list(ids.shape)}, weights {list(weights.shape)}, residual "
-                         f"{list(residual.shape)} do not fit the [{n}, {k}] experts (a [T*S, I] contiguous, ids/weights [T, S], residual [T, H])")
+                         f"{None if residual is None else list(residual.shape)} do not fit the [{n}, {k}] experts (a [T*S, I] "
+                         "contiguous, ids/weights [T, S], residual [T, H])")
     y = torch.empty(t, n, dtype=a.dtype, device=a.device)
     if t == 0:
         return y
     block_n, block_k = _down_tile(n, t, fp8)
     block_k = min(block_k, triton.next_power_of_2(k))
     _down_kernel[(t, triton.cdiv(n, block_n))](
-        a, wt, scale, st, s_scale, ids, weights, residual, y, n, a.stride(0), wt.stride(0), wt.stride(1),
-        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, ids.stride(0), weights.stride(0), residual.stride(0), y.stride(0),
+        a, wt, scale, st, s_scale, ids, weights, residual if residual is not None else y, y, n, a.stride(0), wt.stride(0), wt.stride(1),
+        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, ids.stride(0), weights.stride(0),
+        residual.stride(0) if residual is not None else 0, y.stride(0),
         K=k, SLOTS=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0, BLOCK_N=block_n, BLOCK_K=block_k,
         PREFETCH=shared_last and pdl.prefetch_flag(a, "down"), PF_LINES=_prefetch_lines(k, wt.element_size()), ESIZE=wt.element_size(),
-        SHARED_FIRST=shared_last and pdl.prefetch_flag(a, "down"), num_warps=TUNE["down_num_warps"], **pdl.launch_args(a, "down"))
+        SHARED_FIRST=shared_last and pdl.prefetch_flag(a, "down"), HAS_RES=residual is not None, num_warps=TUNE["down_num_warps"],
+        **pdl.launch_args(a, "down"))
     return y

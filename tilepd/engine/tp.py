@@ -36,7 +36,7 @@ from tilepd.engine.deepseek_v3 import DeepseekV3Model
 from tilepd.engine import mla_fused
 from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.llama import LlamaModel
-from tilepd.engine.moe import moe
+from tilepd.engine.moe import moe, use_fused_block
 from tilepd.model_format.model_spec import ModelSpec
 
 
@@ -164,6 +164,10 @@ class TPDeepseekV3Model(DeepseekV3Model):
     def _layer(self, p, cache, x, positions, cs, mask, is_moe, dsa=None) -> torch.Tensor:  # noqa: ANN001 - same as the base
         s, w = self.spec, self.w
         x = self._attention_residual(p, cache, x, positions, cs, mask, dsa)
+        if is_moe and use_fused_block(x, w, p, s):  # this rank's expert slices in 3 launches, all-reduced before the add
+            from tilepd.engine.moe_fused import moe_block
+
+            return x + self.tp.all_reduce(moe_block(x, w, p, s, residual=False))
         h = rms_norm(x, w[p + "mlp_norm"], s.rms_norm_eps)
         return x + self.tp.all_reduce(moe(h, w, p, s) if is_moe else swiglu(h, w[p + "w13"], w[p + "w2"]))
 
