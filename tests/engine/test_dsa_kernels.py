@@ -24,10 +24,11 @@ _TOPK = textwrap.dedent("""
     M.TUNE.update(block=64, chunk=96, chunk_block=32)
     g = torch.Generator().manual_seed(0)
     def check(scores, valid, k, what):
-        for one_program_max in (1 << 30, 0):  # one program per row, then the chunked launches (split, refine, finish;
-            # the histogram brought by the scores kernel is test_indexer's)
-            M.TUNE["one_program_max"] = one_program_max
-            check_one(scores, valid, k, f"{what} one_program_max={one_program_max}")
+        # one program per row, then the chunked launches (split, refine, finish: its own launch, then the refine's last
+        # program of each row; the histogram brought by the scores kernel is test_indexer's)
+        for one_program_max, fused in ((1 << 30, 0), (0, 0), (0, 1)):
+            M.TUNE.update(one_program_max=one_program_max, fused_finish=fused)
+            check_one(scores, valid, k, f"{what} one_program_max={one_program_max} fused_finish={fused}")
     def check_one(scores, valid, k, what):
         idx, ok = M.topk_select(scores, valid, k)
         assert idx.shape == (scores.shape[0], k) and idx.dtype == torch.int64 and ok.dtype == torch.bool, what
@@ -99,13 +100,27 @@ _INDEXER = textwrap.dedent("""
                 keys = got.view(torch.int32) ^ ((got.view(torch.int32) >> 31) & 0x7FFFFFFF)
                 want_hist = torch.stack([torch.bincount(((r >> 24) + 128) & 255, minlength=256) for r in keys]).int()
                 assert torch.equal(hist[:, :256], want_hist), ("top-byte histogram", dtype, interleaved, t)
-                for k in (11, length):
-                    idx, ok = M.index_topk(q, cs, weights, cache, valid, ROPE, interleaved, k)
-                    ref = got.topk(k, dim=-1).values
-                    for r in range(t):
-                        assert len(set(idx[r].tolist())) == k, ("a slot chosen twice", k, r)
-                        assert torch.equal(got[r, idx[r]].sort(descending=True).values, ref[r]), ("index_topk set", dtype, k, r)
-                    assert torch.equal(ok, valid.gather(1, idx)), ("index_topk ok", k)
+                # the finish as its own launch or in the refine's last program; a fresh scratch a call or the kept one,
+                # twice in a row (its first use must leave it zero for the second)
+                for fused, kept in ((0, 0), (1, 0), (0, 1), (1, 1), (1, 1)):
+                    dsa_topk.TUNE.update(fused_finish=fused, scratch=kept)
+                    for k in (11, length):
+                        idx, ok = M.index_topk(q, cs, weights, cache, valid, ROPE, interleaved, k)
+                        ref = got.topk(k, dim=-1).values
+                        for r in range(t):
+                            assert len(set(idx[r].tolist())) == k, ("a slot chosen twice", k, r, fused, kept)
+                            assert torch.equal(got[r, idx[r]].sort(descending=True).values, ref[r]), ("index_topk set", dtype, k, r, fused, kept)
+                        assert torch.equal(ok, valid.gather(1, idx)), ("index_topk ok", k, fused, kept)
+                        if kept:
+                            assert not dsa_topk.scratch(t, cache.device).any(), ("the kept scratch left dirty", fused, k)
+                dsa_topk.TUNE.update(scratch=1)  # a select refused after the scores' histogram went in: the scratch is zeroed again
+                try:
+                    M.index_topk(q, cs, weights, cache, valid, ROPE, interleaved, length + 1)
+                    raise AssertionError("k past L was not refused")
+                except ValueError as e:
+                    assert "outside 1..L" in str(e), e
+                assert not dsa_topk.scratch(t, cache.device).any(), "the kept scratch left dirty by a refused select"
+                dsa_topk.TUNE.update(fused_finish=0, scratch=0)
     print("indexer ok")
 """)
 
@@ -205,3 +220,24 @@ def test_tiny_dsa_model_decodes_hfs_tokens_through_the_kernels(model: str, dsa_r
     torch.save(refs, tmp_path / "refs.pt")
     r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"))
     assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+@pytest.mark.skipif(os.environ.get("TILEPD_SKIP_SM90_COMPILE") == "1", reason="TILEPD_SKIP_SM90_COMPILE=1")
+def test_fused_finish_compiles_for_sm90_with_its_ticket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dsa_topk.TUNE["fused_finish"]: the refine's row ticket (an acq_rel atomic) and the refined count read past L1, in
+    the sm_90 build the interpreter never makes (tests/engine/sm90_compile.py); the finish kernel is not launched."""
+    from tests.engine.sm90_compile import compiling, ptxas_info
+    from tilepd.engine import dsa_topk
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(dsa_topk.TUNE, "fused_finish", 1)
+    t, length = 2, 32768
+    hist = dsa_topk.new_hist(t, torch.device("cpu"))
+    with compiling() as done:
+        dsa_topk.topk_select(torch.zeros(t, length), torch.ones(t, length, dtype=torch.bool), 2048, hist=hist, clean=True)
+    assert [d["name"] for d in done] == ["_topk_split_kernel", "_topk_refine_kernel"]
+    refine = done[1]
+    assert refine["constexprs"]["FINISH"] and refine["constexprs"]["CLEAN"]
+    assert "atom.global.gpu.acq_rel.add" in refine["ptx"] and "ld.global.cg" in refine["ptx"], "the ticket or the count's L1 bypass is missing"
+    info = ptxas_info(refine["ptx"])
+    assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info

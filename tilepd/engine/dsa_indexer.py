@@ -181,8 +181,15 @@ def index_scores(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys:
 def index_topk(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
                rope: int, interleaved: bool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """index_scores then dsa_topk.topk_select's k best slots (idx [T, k] int64, ok [T, k] bool), the select's first
-    radix pass fused into the scores kernel: 5 launches (memset, scores, split, refine, finish) whatever the window."""
-    from tilepd.engine.dsa_topk import new_hist, topk_select
+    radix pass fused into the scores kernel: 5 launches (memset, scores, split, refine, finish) whatever the window;
+    dsa_topk.TUNE's fused_finish and scratch take the finish and the memset out."""
+    from tilepd.engine import dsa_topk
 
-    hist = new_hist(q.shape[0], q.device)
-    return topk_select(index_scores(q, cs, weights, keys, valid, rope, interleaved, hist=hist), valid, k, hist=hist)
+    kept = bool(dsa_topk.TUNE["scratch"])
+    hist = dsa_topk.scratch(q.shape[0], q.device) if kept else dsa_topk.new_hist(q.shape[0], q.device)
+    try:
+        return dsa_topk.topk_select(index_scores(q, cs, weights, keys, valid, rope, interleaved, hist=hist), valid, k, hist=hist, clean=kept)
+    except BaseException:
+        if kept:  # a launch refused after the scores' histogram went in: the kept scratch must be zero for the next call
+            hist.zero_()
+        raise

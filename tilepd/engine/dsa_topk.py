@@ -16,7 +16,9 @@ for 4 bytes. Then every slot above the k-th key is written, and as many slots eq
     counters place them), compacts the bin's slots (the candidates) into a scratch and adds their second byte's
     histogram; a refine launch over the candidates writes those above the k-th's two top bytes and compacts those
     equal to them (a 256th of the bin); then one program per row finishes as above over these (the two low bytes'
-    histograms, the writes). With the scores' histogram fused: 3 launches plus the memset, whatever L. Order and the choice among ties vary between runs there, the set's values do not.
+    histograms, the writes): its own launch, or (TUNE fused_finish) the refine's last program of the row. With the
+    scores' histogram fused: 3 launches plus the memset, whatever L (2 with fused_finish, no memset with the kept
+    scratch). Order and the choice among ties vary between runs there, the set's values do not.
 The output always holds exactly k slots (k <= L); ties at the k-th value may be other slots of equal value than
 torch.topk's. Static shapes, no host sync: CUDA-graph safe. The reference is torch.topk (dsa.select_topk).
 """
@@ -50,6 +52,12 @@ TUNE: dict[str, int] = {
     "chunk": env_int("TILEPD_DSA_TOPK_CHUNK", 1024),
     "chunk_block": env_int("TILEPD_DSA_TOPK_CHUNK_BLOCK", 1024),
     "chunk_warps": env_int("TILEPD_DSA_TOPK_CHUNK_WARPS", 8),
+    # fused_finish: the refine launch's last program of a row (a ticket, as the MoE gate's) finishes that row, instead
+    # of a fourth launch; scratch: dsa_indexer.index_topk keeps one zeroed histogram scratch per device and row count,
+    # which the finishing program zeroes again after use, instead of a memset launch a layer. Both off until measured
+    # on the device (each takes one launch and its gap out of the long-context layer: 5 -> 3 with the scores').
+    "fused_finish": env_int("TILEPD_DSA_TOPK_FUSED_FINISH", 0),
+    "scratch": env_int("TILEPD_DSA_TOPK_SCRATCH", 0),
 }
 
 
@@ -233,10 +241,26 @@ if triton is not None:
         return prefix * 256 + j, n_above + above, k_rem - above
 
     @triton.jit
+    def _finish_row(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, t, s_vt, s_ht, s_it, s_ct, BLOCK: tl.constexpr, CLEAN: tl.constexpr):
+        """Row t's finish over the refined candidates (their count read past L1: other programs' atomics made it); CLEAN:
+        then the row's scratch zeroed for its next use."""
+        hrow = HIST + t * s_ht
+        prefix, n_out, k_rem = _two_top_bytes(hrow, K)
+        n_cand = tl.load(hrow + 2 * 256 + 2, cache_modifier=".cg")
+        _finish_candidates(CAND2_K + t * s_ct, CAND2_I + t * s_ct, n_cand, prefix, k_rem, n_out, VALID + t * s_vt, IDX + t * s_it,
+                           OK + t * s_it, BLOCK)
+        if CLEAN:
+            tl.debug_barrier()  # every thread's reads of the row are done
+            cols = tl.arange(0, 1024)
+            tl.store(hrow + cols, tl.zeros([1024], tl.int32), mask=cols < 2 * 256 + 4)
+
+    @triton.jit
     def _topk_refine_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, s_vt, s_ht, s_it, s_ct,
-                            BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK: tl.constexpr, FINISH: tl.constexpr = False, CLEAN: tl.constexpr = False, PDL: tl.constexpr = False):
         """Over the split's candidates in parallel (programs past their count do nothing): write those above the k-th
-        key's two top bytes, compact those equal to them (usually a few hundred) for the finish."""
+        key's two top bytes, compact those equal to them (usually a few hundred) for the finish. FINISH: each program
+        then takes a ticket of its row (a CTA barrier, one acq_rel atomic: the MoE gate's pattern) and the row's last
+        program finishes it (_finish_row), putting the ticket back to 0."""
         wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(1)
         hrow = HIST + t * s_ht
@@ -260,19 +284,26 @@ if triton is not None:
             cpos = cbase + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             tl.store(CAND2_K + t * s_ct + cpos, key, mask=keep)
             tl.store(CAND2_I + t * s_ct + cpos, slot, mask=keep)
+        if FINISH:
+            tl.debug_barrier()  # every thread's candidates and counts before the ticket's release
+            ticket = tl.atomic_add(hrow + 2 * 256 + 3, 1, sem="acq_rel")
+            if ticket == tl.num_programs(0) - 1:  # the row's last program: every candidate is out
+                _finish_row(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, t, s_vt, s_ht, s_it, s_ct, BLOCK, CLEAN)
+                if not CLEAN:
+                    tl.atomic_xchg(hrow + 2 * 256 + 3, 0)
 
     @triton.jit
-    def _topk_finish_kernel(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, s_vt, s_ht, s_it, s_ct, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        """One program per row over the refined candidates (the k-th key's two top bytes): _finish_candidates."""
+    def _topk_finish_kernel(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, s_vt, s_ht, s_it, s_ct, BLOCK: tl.constexpr,
+                            CLEAN: tl.constexpr = False, PDL: tl.constexpr = False):
+        """One program per row over the refined candidates (the k-th key's two top bytes): _finish_row."""
         wait(PDL)  # everything it reads is the step's (pdl.py)
-        t = tl.program_id(0)
-        hrow = HIST + t * s_ht
-        prefix, n_out, k_rem = _two_top_bytes(hrow, K)
-        _finish_candidates(CAND2_K + t * s_ct, CAND2_I + t * s_ct, tl.load(hrow + 2 * 256 + 2), prefix, k_rem, n_out,
-                           VALID + t * s_vt, IDX + t * s_it, OK + t * s_it, BLOCK)
+        _finish_row(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, tl.program_id(0), s_vt, s_ht, s_it, s_ct, BLOCK, CLEAN)
 
 
-HIST_COLS = 2 * 256 + 3  # a row's scratch: the two top bytes' histograms, then [slots written, candidates, refined candidates]
+# a row's scratch: the two top bytes' histograms, then [slots written, candidates, refined candidates, refine ticket]
+HIST_COLS = 2 * 256 + 4
+
+_SCRATCH: dict[tuple[torch.device, int], torch.Tensor] = {}  # TUNE["scratch"]: one per device and row count, zero between uses
 
 
 def new_hist(rows: int, device: torch.device) -> torch.Tensor:
@@ -280,13 +311,28 @@ def new_hist(rows: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(rows, HIST_COLS, dtype=torch.int32, device=device)
 
 
-def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def scratch(rows: int, device: torch.device) -> torch.Tensor:
+    """The device's kept scratch for `rows` rows (TUNE["scratch"]): zero between uses because topk_select(clean=True)
+    zeroes it again. Made at the first (uncaptured) call; one first made inside a CUDA-graph capture would be zeroed
+    only by the graph's replays, so that is refused by name (as the MoE gate's ticket counter)."""
+    key = (device, rows)
+    h = _SCRATCH.get(key)
+    if h is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("DSA top-k: its kept scratch is made by an uncaptured call; run the step once before capturing it")
+        h = _SCRATCH[key] = new_hist(rows, device)
+    return h
+
+
+def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.Tensor | None = None,
+                clean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best slots of each row of scores [T, L] (float32, invalid slots at -inf), k <= L, as idx [T, k]
     (int64, any order) and ok = valid.gather(1, idx) [T, k] (bool): dsa.Selection's fields.
 
     hist: new_hist(T)'s scratch with the scores' top-byte histogram already added (index_scores(..., hist=...)):
-    then the select is three launches whatever L (split, refine, finish). Without it rows up to one_program_max take
-    one launch, longer ones four (the first byte's histogram with its memset before the three)."""
+    then the select is three launches whatever L (split, refine, finish; two with TUNE["fused_finish"]). Without it
+    rows up to one_program_max take one launch, longer ones four (the first byte's histogram with its memset before the
+    three). clean: the finishing program zeroes hist's rows after use (a scratch kept between calls, scratch())."""
     if triton is None:
         raise RuntimeError("DSA top-k kernel needs Triton, which is not importable here")
     t, length = scores.shape
@@ -321,8 +367,11 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.T
     _topk_split_kernel[grid](scores, valid_u8, hist, idx, ok_u8, cand[0], cand[1], length, k, chunk, scores.stride(0),
                              valid.stride(0), hist.stride(0), idx.stride(0), cand.stride(1),
                              BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], **pdl.launch_args(scores, "dsa"))
+    fused = bool(TUNE["fused_finish"])
     _topk_refine_kernel[grid](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, chunk, valid.stride(0), hist.stride(0),
-                              idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], **pdl.launch_args(valid_u8, "dsa"))
-    _topk_finish_kernel[(t,)](valid_u8, hist, idx, ok_u8, cand[2], cand[3], k, valid.stride(0), hist.stride(0), idx.stride(0),
-                              cand.stride(1), BLOCK=TUNE["block"], num_warps=TUNE["num_warps"], **pdl.launch_args(valid_u8, "dsa"))
+                              idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], FINISH=fused, CLEAN=fused and clean,
+                              num_warps=TUNE["chunk_warps"], **pdl.launch_args(valid_u8, "dsa"))
+    if not fused:
+        _topk_finish_kernel[(t,)](valid_u8, hist, idx, ok_u8, cand[2], cand[3], k, valid.stride(0), hist.stride(0), idx.stride(0),
+                                  cand.stride(1), BLOCK=TUNE["block"], CLEAN=clean, num_warps=TUNE["num_warps"], **pdl.launch_args(valid_u8, "dsa"))
     return idx, ok
