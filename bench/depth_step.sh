@@ -6,7 +6,7 @@
 #                                                  # 1K/32K, the TP8 shard (layers aliased), MTP at 78 layers, GLM-5.1 bf16,
 #                                                  # llama3-8b
 #   bash bench/depth_step.sh ab OUTDIR SECONDS TAG VAR=VALUE...  # GLM-5.1 fp8 1K, DeepSeek-V3 fp8 1K and the TP8 shard 1K
-#                                                  # as the code stands and with the settings, then GPU parity as it stands
+#                                                  # as the code stands and with the settings, then GPU parity under the settings
 #   bash bench/depth_step.sh ctx OUTDIR SECONDS CONTEXT TAG=VAR=VALUE[,VAR=VALUE]...  # GLM-5.1 fp8 at one context as
 #                                                  # the code stands, then under each tagged setting
 #
@@ -45,7 +45,7 @@ case "$part" in
       step "dsv3-$side" 60 env "${set_env[@]}" bash -c "$(model_fns); dsv3 $side"
       step "tp8-$side" 60 env "${set_env[@]}" bash -c "$(model_fns); tp8 $side --alias-layers --contexts 1024"
     done
-    parity parity 240
+    parity parity 240 "$@"
     ;;
   ctx)  # ctx OUTDIR SECONDS CONTEXT TAG=VAR=VALUE[,VAR=VALUE]...: GLM-5.1 fp8 at one context, default then each setting
     ctx=${4:?context}; shift 4
