@@ -2,7 +2,9 @@
 (tests/engine/sm90_compile.py: the launcher's own specialization, Triton's ptxas, no GPU): none spills registers to local
 memory, with the switches that are off by default (L2 look-ahead, the norm GEMVs' early first chunk, PDL's widest form)
 on as well. A spill in a bandwidth- or latency-bound kernel of the step costs more than the tile it bought; the
-interpreter never builds these forms, so this is the CPU's one look at them."""
+interpreter never builds these forms, so this is the CPU's one look at them. It is the look of the Triton the project
+installs (3.9 here); the device's own (3.6 on the H200/H100 images, 2026-12) may allocate otherwise, so a kernel near
+the limit is the device's to confirm."""
 
 from __future__ import annotations
 

@@ -205,11 +205,24 @@ def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torc
     return out
 
 
+def _l2_plan(w: dict, p: str, layer: FusedLayer, need_b: set[str]) -> dict:
+    """l2_ahead's region for each host of layer p's attention half, {} unless switched on: G1 -> the rows of G2's first
+    launch, G2 -> W_UK, prepare -> W_UV, split and merge -> wo."""
+    from tilepd.engine import l2_ahead
+
+    wo = w[p + "wo"]
+    plan = {**l2_ahead.regions(w[p + "w_uk"], ("g2",)), **l2_ahead.regions(w[p + "w_uv"], ("prepare",)),
+            **l2_ahead.regions(wo, ("split", "merge"))}
+    first_b = next((g for g in layer.b_groups if g.rows_for(need_b)), None) if "g1" in l2_ahead.SWITCH["hosts"] else None
+    if first_b is not None:
+        plan.update(l2_ahead.regions(_rows_prefix(first_b.weight, first_b.rows_for(need_b)), ("g1",)))
+    return plan
+
+
 def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                     cs: torch.Tensor, mask: DenseSpan | None, dsa: DSAStep | None, residual: bool = True) -> torch.Tensor:
     """x + attention(rms_norm(x)) for layer `p` (residual False: the attention output alone, which tensor parallelism
     all-reduces before its own add)."""
-    from tilepd.engine import l2_ahead
     from tilepd.engine.dsa import Selection
     from tilepd.engine.mla_attention import TUNE_SPARSE, split_partials
     from tilepd.engine.mla_fused_triton import merge_uv, prepare
@@ -221,12 +234,7 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     need_a = {"wq_a", "wq", "wkv_a"} | ({"idx_wk"} if keys is not None else set())
     need_b = {"wq_b"} | ({"idx_wq_b"} if scoring else set())
     wo = w[p + "wo"]
-    ahead = {**l2_ahead.regions(w[p + "w_uk"], ("g2",)), **l2_ahead.regions(w[p + "w_uv"], ("prepare",)),
-             **l2_ahead.regions(wo, ("split", "merge"))}  # {} unless switched on
-    if s.q_lora_rank and layer.b_groups:
-        first_b = next((g for g in layer.b_groups if g.rows_for(need_b)), None)
-        if first_b is not None:
-            ahead.update(l2_ahead.regions(_rows_prefix(first_b.weight, first_b.rows_for(need_b)), ("g1",)))
+    ahead = _l2_plan(w, p, layer, need_b if s.q_lora_rank else set())
     a = _run(layer.a_groups, x, need_a, w[p + "attn_norm"], eps, l2=("g1", ahead.get("g1")))
     b = _run(layer.b_groups, a["wq_a"], need_b, w[p + "q_a_norm"], eps, l2=("g2", ahead.get("g2"))) if s.q_lora_rank else {}
     q = b["wq_b"] if s.q_lora_rank else a["wq"]
