@@ -9,12 +9,14 @@
 #                                                  # as the code stands and with the settings, then GPU parity under the settings
 #   bash bench/depth_step.sh ctx OUTDIR SECONDS CONTEXT TAG=VAR=VALUE[,VAR=VALUE]...  # GLM-5.1 fp8 at one context as
 #                                                  # the code stands, then under each tagged setting
+#   bash bench/depth_step.sh llama OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...  # llama3-8b 1K/8K as the code stands,
+#                                                  # then under each tagged setting
 #
 # TILEPD_DSA_GPU_REFS: the DSA parity references made on a CPU box (tests/engine/test_dsa_gpu_parity.py, made with
 # the project's transformers) and carried; without them that file makes its own with the device's transformers.
 # Each step: its JSON and log under OUTDIR; a step past the deadline (seconds from the start) is skipped.
 set -u
-part=${1:?part: rows, ab or ctx}
+part=${1:?part: rows, ab, ctx or llama}
 out=${2:?output folder}
 deadline=${3:-100000}
 mkdir -p "$out"
@@ -55,5 +57,13 @@ case "$part" in
       step "glm-$ctx-$name" 60 env "${vars[@]}" bash -c "$(model_fns); glm $ctx-$name $ctx"
     done
     ;;
-  *) echo "unknown part $part (rows, ab or ctx)"; exit 2 ;;
+  llama)  # llama OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...: llama3-8b, default then each setting
+    shift 3
+    step "llama-default" 100 bash -c "$(model_fns); llama default"
+    for setting in "$@"; do
+      name=${setting%%=*}; IFS=, read -r -a vars <<< "${setting#*=}"
+      step "llama-$name" 100 env "${vars[@]}" bash -c "$(model_fns); llama $name"
+    done
+    ;;
+  *) echo "unknown part $part (rows, ab, ctx or llama)"; exit 2 ;;
 esac

@@ -36,6 +36,13 @@ tp8() {  # tp8 TAG [ARGS...]: one TP8 rank's shard of GLM-5.1 fp8 (ARGS: tp_shar
   "$py" bench/tp_shard_step.py "$@" --tokens 128 --json --out "$out/tp-shard-step_glm51_fp8_tp8_${gpu}_${day}-${tag}.json"
 }
 
+llama() {  # llama TAG [CONTEXTS...]: llama3-8b bf16, speed path (default 1K and 8K)
+  local tag=$1; shift
+  [ $# -gt 0 ] || set -- 1024 8192
+  "$py" bench/decode_speed.py --model llama3-8b --no-hf --variants speed-path --contexts "$@" --tokens 128 \
+    --json --out "$out/llama3-8b_bf16_decode_speed_${gpu}_${day}-${tag}.json"
+}
+
 parity() {  # parity NAME SECONDS [VAR=VALUE...]: the GPU parity files (DSA, MLA, fp8, the TP8 shard's fused MoE), under the settings given
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" env "$@" "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
@@ -44,5 +51,5 @@ parity() {  # parity NAME SECONDS [VAR=VALUE...]: the GPU parity files (DSA, MLA
 
 # a step runs one of the model functions under its own env: step NAME S env VAR=... bash -c "$(model_fns); glm TAG 1024"
 model_fns() {
-  echo "$(declare -f glm dsv3 tp8); py=$py out=$out day=$day gpu=$gpu"
+  echo "$(declare -f glm dsv3 tp8 llama); py=$py out=$out day=$day gpu=$gpu"
 }

@@ -62,7 +62,8 @@ def test_bad_switch_values_are_refused_by_name() -> None:
         res = subprocess.run([sys.executable, "-c", "import tilepd.engine.l2_ahead"], env={**os.environ, **env}, capture_output=True, text=True,
                              timeout=120)
         assert res.returncode != 0 and needle in res.stderr, res.stderr[-1000:]
-    for raw, want in (("all", "['g1', 'g2', 'gate', 'merge', 'prepare', 'split']"), ("split+merge", "['merge', 'split']"), ("", "[]")):
+    for raw, want in (("all", "['attn', 'attn_merge', 'g1', 'g2', 'gate', 'merge', 'prepare', 'split']"), ("split+merge", "['merge', 'split']"),
+                      ("", "[]")):
         res = subprocess.run([sys.executable, "-c", "from tilepd.engine import l2_ahead as a; print(sorted(a.SWITCH['hosts']))"],
                              env={**os.environ, "TILEPD_L2_AHEAD": raw}, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0 and want in res.stdout, (raw, res.stdout, res.stderr[-1000:])
@@ -147,7 +148,13 @@ def test_hosts_compile_for_sm90_with_one_bulk_prefetch_a_thread(monkeypatch: pyt
                                                  l2_region=region)
         mla_fused_triton.merge_uv(part, lse, torch.randn(heads, 32, rank).to(bf), bf, bf, l2_region=region)
         moe_fused_triton.gate_route(x, torch.ones(h, dtype=bf), 1e-6, torch.randn(256, h), torch.zeros(256), 8, 4, 8, True, 2.5, l2_region=region)
-    assert {d["name"] for d in done} == {"_fp8_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_gate_kernel"}
+        from tilepd.engine.attention import split_kv_attention  # Llama's (imports Triton at the top: CUDA installs only)
+
+        kv = torch.zeros(64, 2, 2 * 64, dtype=bf)
+        split_kv_attention(torch.randn(1, 8, 64).to(bf), kv[..., :64], kv[..., 64:], torch.zeros(4, 64, dtype=bf), 0.125,
+                           l2={"attn": region, "attn_merge": region})
+    assert {d["name"] for d in done} == {"_fp8_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_gate_kernel",
+                                         "_split_kernel", "_merge_kernel"}
     for d in done:
         assert d["constexprs"]["AH"] == 1 and d["constexprs"]["AH_EVICT"] == evict_last, d["name"]
         assert d["ptx"].count("cp.async.bulk.prefetch.L2.global") == 1, (d["name"], d["ptx"].count("cp.async.bulk.prefetch.L2.global"))
@@ -201,3 +208,24 @@ def test_the_moe_block_hands_its_gate_the_shared_experts_rows(monkeypatch: pytes
     assert gate and gate[0]["constexprs"]["AH"] == 1
     regions = dict(seen)
     assert regions["gate"] is not None and regions["gate"].base.data_ptr() == w["l.shared_w13"].weight.data_ptr()
+
+
+def test_llama_hands_its_attention_the_output_projection(monkeypatch: pytest.MonkeyPatch, tiny_llama: Path) -> None:
+    """Llama's attention between its compiled halves (post_attn set, as compiled.accelerate leaves it) gets l2_ahead's
+    regions of each layer's wo for its two launches (on a CPU the attention is torch's and the regions go unused)."""
+    from tilepd.engine import l2_ahead, llama
+    from tilepd.engine.engine import load_engine
+
+    monkeypatch.setitem(l2_ahead.SWITCH, "hosts", frozenset(l2_ahead.HOSTS))
+    eng = load_engine(str(tiny_llama), device="cpu", max_seq_len=32, dtype="float32")
+    model = eng.model
+    model.post_attn = llama.post_attn  # the uncompiled form of what accelerate's compile leaves between the halves
+    seen: list[dict] = []
+    real = llama.cached_attention
+    monkeypatch.setattr(llama, "cached_attention", lambda *a, l2=None, **k: seen.append(l2) or real(*a, **k))
+    with torch.no_grad():
+        model.forward(torch.tensor([1, 2]), torch.tensor([0, 1]), 8)
+    wos = [lw[5] for lw in model.layer_weights]
+    assert len(seen) == len(wos)
+    for regions, wo in zip(seen, wos):
+        assert set(regions) <= {"attn", "attn_merge"} and regions["attn"].base.data_ptr() == wo.data_ptr(), regions

@@ -16,7 +16,8 @@ Hosts and what each pulls (`TARGETS`), chosen so that little is streamed through
   prepare -> W_UV (merge_uv's weight; the split kernel in between reads a few MB of latent rows);
   split   -> wo's rows, their first bytes;
   merge   -> wo's rows, the bytes after split's window (or the first bytes when split is not a host);
-  gate    -> the shared expert's [gate; up] rows, their first bytes (known before the routing; the routed ones are not).
+  gate    -> the shared expert's [gate; up] rows, their first bytes (known before the routing; the routed ones are not);
+  attn, attn_merge -> Llama's split-KV attention kernel and its merge (attention.py): wo's rows, as split and merge.
 
 A region is bytes [skip, skip + n) of each of R rows at a byte stride (n capped so that a host pulls at most
 TILEPD_L2_AHEAD_MB); a contiguous weight that fits is one range. It is cut into CHUNK-byte prefetches spread over the
@@ -50,9 +51,9 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without Triton
     triton = None
 
-HOSTS = ("g1", "g2", "prepare", "split", "merge", "gate")
+HOSTS = ("g1", "g2", "prepare", "split", "merge", "gate", "attn", "attn_merge")
 TARGETS = {"g1": "G2's weight", "g2": "W_UK", "prepare": "W_UV", "split": "wo (first bytes)", "merge": "wo (after split's)",
-           "gate": "shared expert [gate; up]"}
+           "gate": "shared expert [gate; up]", "attn": "Llama's wo (first bytes)", "attn_merge": "Llama's wo (after attn's)"}
 
 
 def _hosts(raw: str) -> frozenset[str]:
