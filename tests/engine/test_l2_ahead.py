@@ -58,7 +58,7 @@ def test_plan_keeps_one_prefetch_a_thread() -> None:
 
 def test_bad_switch_values_are_refused_by_name() -> None:
     for env, needle in (({"TILEPD_L2_AHEAD": "gate,nonsense"}, "TILEPD_L2_AHEAD='gate,nonsense'"),
-                        ({"TILEPD_L2_AHEAD_CHUNK": "100"}, "TILEPD_L2_AHEAD_CHUNK=100")):
+                        ({"TILEPD_L2_AHEAD_CHUNK": "100"}, "TILEPD_L2_AHEAD_CHUNK=100"), ({"TILEPD_L2_AHEAD_MB": "4096"}, "TILEPD_L2_AHEAD_MB=4096")):
         res = subprocess.run([sys.executable, "-c", "import tilepd.engine.l2_ahead"], env={**os.environ, **env}, capture_output=True, text=True,
                              timeout=120)
         assert res.returncode != 0 and needle in res.stderr, res.stderr[-1000:]

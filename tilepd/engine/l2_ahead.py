@@ -67,6 +67,8 @@ SWITCH: dict = {"hosts": _hosts(os.environ.get("TILEPD_L2_AHEAD", "")), "mb": en
                 "chunk": env_int("TILEPD_L2_AHEAD_CHUNK", 16384), "evict_last": env_int("TILEPD_L2_AHEAD_EVICT_LAST", 0)}
 if SWITCH["chunk"] < 16 or SWITCH["chunk"] % 16:
     raise ValueError(f"TILEPD_L2_AHEAD_CHUNK={SWITCH['chunk']}: a positive multiple of 16 bytes")
+if not 1 <= SWITCH["mb"] <= 1024:  # the kernels' byte arithmetic is 32-bit within a row
+    raise ValueError(f"TILEPD_L2_AHEAD_MB={SWITCH['mb']}: 1 to 1024 (MiB a host pulls at most)")
 
 
 @dataclass(frozen=True)
