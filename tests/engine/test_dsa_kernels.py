@@ -23,10 +23,11 @@ _TOPK = textwrap.dedent("""
     from tilepd.engine import dsa_topk as M
     M.TUNE.update(block=64, chunk=96, chunk_block=32)
     g = torch.Generator().manual_seed(0)
-    def check(scores, valid, k, what):
-        # one program per row, then the chunked launches (split, refine, finish: its own launch, then the refine's last
-        # program of each row; the histogram brought by the scores kernel is test_indexer's)
-        for one_program_max, fused in ((1 << 30, 0), (0, 0), (0, 1)):
+    def check(scores, valid, k, what, fused):
+        # one program per row, then the chunked launches (split, refine, finish: its own launch, or the refine's last
+        # program of each row, alternating over the cases so that each form meets every kind of row; the histogram
+        # brought by the scores kernel is test_indexer's)
+        for one_program_max in (1 << 30, 0):
             M.TUNE.update(one_program_max=one_program_max, fused_finish=fused)
             check_one(scores, valid, k, f"{what} one_program_max={one_program_max} fused_finish={fused}")
     def check_one(scores, valid, k, what):
@@ -39,7 +40,7 @@ _TOPK = textwrap.dedent("""
             assert torch.equal(got, ref[r]), (what, r, got[:8], ref[r][:8])
         assert torch.equal(ok, valid.gather(1, idx)), what
     n = 0
-    for length, k, t in ((300, 16, 1), (1000, 64, 2), (77, 77, 3), (64, 64, 1), (1, 1, 1), (513, 100, 4), (2000, 1999, 1)):
+    for shape, (length, k, t) in enumerate(((300, 16, 1), (1000, 64, 2), (77, 77, 3), (64, 64, 1), (1, 1, 1), (513, 100, 4), (2000, 1999, 1))):
         valid = torch.rand(t, length, generator=g) > 0.2
         normal = torch.randn(t, length, generator=g).masked_fill(~valid, float("-inf"))
         ties = torch.randint(0, 4, (t, length), generator=g).float().masked_fill(~valid, float("-inf"))
@@ -48,9 +49,10 @@ _TOPK = textwrap.dedent("""
         few_valid = valid.clone()
         few_valid[:, : length - k // 2] = False
         close = 1.0 + torch.randint(0, 3, (t, length), generator=g).float() * 2**-23  # keys differing in the last bits
-        for name, s, v in (("normal", normal, valid), ("ties", ties, valid), ("few-valid", few, few_valid), ("last-bits", close, valid),
-                           ("negative", -normal.abs() - 1, valid), ("all-invalid", torch.full((t, length), float("-inf")), torch.zeros(t, length, dtype=torch.bool))):
-            check(s.contiguous(), v, k, f"{name} L={length} k={k} T={t}")
+        for kind, (name, s, v) in enumerate((("normal", normal, valid), ("ties", ties, valid), ("few-valid", few, few_valid),
+                                              ("last-bits", close, valid), ("negative", -normal.abs() - 1, valid),
+                                              ("all-invalid", torch.full((t, length), float("-inf")), torch.zeros(t, length, dtype=torch.bool)))):
+            check(s.contiguous(), v, k, f"{name} L={length} k={k} T={t}", (shape + kind) % 2)
             n += 1
     print("topk ok", n)
 """)
@@ -65,6 +67,7 @@ _INDEXER = textwrap.dedent("""
     dsa_topk.TUNE.update(block=32, chunk=48, chunk_block=16)
     g = torch.Generator().manual_seed(0)
     D, ROPE, SLOTS = 128, 64, 200
+    turn = 0
     for dtype in (torch.float32, torch.bfloat16):
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         for interleaved in (True, False):
@@ -100,9 +103,12 @@ _INDEXER = textwrap.dedent("""
                 keys = got.view(torch.int32) ^ ((got.view(torch.int32) >> 31) & 0x7FFFFFFF)
                 want_hist = torch.stack([torch.bincount(((r >> 24) + 128) & 255, minlength=256) for r in keys]).int()
                 assert torch.equal(hist[:, :256], want_hist), ("top-byte histogram", dtype, interleaved, t)
-                # the finish as its own launch or in the refine's last program; a fresh scratch a call or the kept one,
-                # twice in a row (its first use must leave it zero for the second)
-                for fused, kept in ((0, 0), (1, 0), (0, 1), (1, 1), (1, 1)):
+                # the finish as its own launch or in the refine's last program, a fresh scratch a call or the kept one
+                # (twice in a row: its first use must leave it zero for the second); the three other forms take turns
+                # over the cases beside the default
+                turn += 1
+                other = ((1, 0), (0, 1), (1, 1))[turn % 3]
+                for fused, kept in ((0, 0), other) + ((other,) if other[1] else ()):
                     dsa_topk.TUNE.update(fused_finish=fused, scratch=kept)
                     for k in (11, length):
                         idx, ok = M.index_topk(q, cs, weights, cache, valid, ROPE, interleaved, k)
