@@ -27,7 +27,9 @@ times it (a greedy decode of --tokens tokens after a warm-up decode that capture
 Per context: ms/step, us/layer (ms/step over the layer count), the shard's floor = (its weights read once per
 step: embedding one row, 8 of 256 routed expert slices, everything else whole; plus the replicated latent rows DSA
 selects and all indexer keys at that context) / the measured read bandwidth (decode_speed.step_read_bytes), % of
-floor, and issue 24's target beside it (<= 2.3 ms per step at 1K, <= 2.8 ms at 128K).
+floor, and issue 24's target beside it (<= 2.3 ms per step at 1K, <= 2.8 ms at 128K). On CUDA each row also
+carries a profiled decode over the graph replays (step_profile.profile_decode: launches and gaps per layer, the 16
+largest kernels; --no-profile skips it), so the shard's fixed cost can be read kernel by kernel.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kit import GLM51 as GLM51_WITH_MTP, emit_report, read_bandwidth, step_read_bytes, time_engine
+from kit import GLM51 as GLM51_WITH_MTP, emit_report, random_state, read_bandwidth, step_read_bytes, time_engine
 from tilepd.dev.synthetic import hf_tensor_shapes, random_source
 from tilepd.engine.engine import engine_for
 from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bw-gib", type=float, default=None, help="size of the read-bandwidth probe (default 4 GiB)")
     ap.add_argument("--no-graph", action="store_true", help="eager steps (no CUDA graph)")
     ap.add_argument("--plain-graph", action="store_true", help="CUDA graph of the plain step (no speed path)")
+    ap.add_argument("--no-profile", action="store_true", help="CUDA rows: skip the profiled decode (launches, gaps, the largest kernels)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON report to this file")
     args = ap.parse_args(argv)
@@ -236,6 +239,13 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             row.update({"ms_per_step": ms, "us_per_layer": ms * 1e3 / spec.num_layers, "pct_of_floor": 100 * floor_ms / ms,
                         "within_target": None if row["target_ms"] is None else ms <= row["target_ms"]})
+            if device.type == "cuda" and not args.no_profile:  # where the shard's ~95 us a layer goes, kernel by kernel
+                from step_profile import profile_decode
+
+                try:
+                    row["profile"] = profile_decode(engine, random_state(model.spec, c, device, dtype), 16, spec.num_layers, top=16)
+                except Exception as e:  # noqa: BLE001 - the timing stands without its profile
+                    row["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if gs is None:
             row["graph"] = "none (eager)"
         elif not gs.capture:
@@ -271,6 +281,10 @@ def print_report(r: dict) -> None:
         mark = "" if row["within_target"] is None else (" met" if row["within_target"] else " MISSED")
         print(f"{row['context']:>8} {row['ms_per_step']:8.3f} {row['us_per_layer']:8.1f} {row['floor_ms']:8.3f} "
               f"{row['pct_of_floor']:7.1f}% {target:>9}{mark}  {row['graph']} / {row['path']}")
+        if "profile" in row:
+            from step_profile import profile_line
+
+            print(f"{'':>8} profiled: {profile_line(row['profile'])}")
 
 
 if __name__ == "__main__":
