@@ -109,8 +109,8 @@ def test_a_tp8_shard_runs_its_moe_layers_through_the_fused_block(repo_root: Path
 @pytest.mark.gpu
 def test_a_tp8_shard_runs_its_moe_layers_through_the_fused_block_on_the_gpu(repo_root: Path) -> None:
     """The same on the device, in bf16 (the compiled kernels, not the interpreter): bench/steps.sh's parity step runs it."""
-    env = {**os.environ, "PYTHONPATH": str(repo_root)}
-    env.pop("TRITON_INTERPRET", None)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(repo_root), os.environ.get("PYTHONPATH", "")) if p)}
+    env.pop("TRITON_INTERPRET", None)  # (the device's packages may come on PYTHONPATH: kept behind the checkout)
     r = subprocess.run([sys.executable, "-c", _FUSED_MOE_ON_A_SHARD, str(BENCH.parent), "cuda"], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0 and "tp fused moe ok 2" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
