@@ -104,11 +104,11 @@ _INDEXER = textwrap.dedent("""
                 want_hist = torch.stack([torch.bincount(((r >> 24) + 128) & 255, minlength=256) for r in keys]).int()
                 assert torch.equal(hist[:, :256], want_hist), ("top-byte histogram", dtype, interleaved, t)
                 # the finish as its own launch or in the refine's last program, a fresh scratch a call or the kept one
-                # (twice in a row: its first use must leave it zero for the second); the three other forms take turns
-                # over the cases beside the default
+                # (twice in a row: its first use must leave it zero for the second); the default (both) every case,
+                # the three other forms taking turns over the cases beside it
                 turn += 1
-                other = ((1, 0), (0, 1), (1, 1))[turn % 3]
-                for fused, kept in ((0, 0), other) + ((other,) if other[1] else ()):
+                other = ((0, 0), (1, 0), (0, 1))[turn % 3]
+                for fused, kept in ((1, 1), (1, 1), other):
                     dsa_topk.TUNE.update(fused_finish=fused, scratch=kept)
                     for k in (11, length):
                         idx, ok = M.index_topk(q, cs, weights, cache, valid, ROPE, interleaved, k)
@@ -126,7 +126,7 @@ _INDEXER = textwrap.dedent("""
                 except ValueError as e:
                     assert "outside 1..L" in str(e), e
                 assert not dsa_topk.scratch(t, cache.device).any(), "the kept scratch left dirty by a refused select"
-                dsa_topk.TUNE.update(fused_finish=0, scratch=0)
+                dsa_topk.TUNE.update(fused_finish=1, scratch=1)
     print("indexer ok")
 """)
 

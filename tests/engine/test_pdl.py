@@ -103,7 +103,9 @@ def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
         hist = dsa_topk.new_hist(t, torch.device("cpu"))
         scores = dsa_indexer.index_scores(torch.randn(t, 4, 32).to(bf), cs, torch.ones(t, 4), torch.zeros(length, 32, dtype=bf), valid, rope, False,
                                           hist=hist)
-        dsa_topk.topk_select(scores, valid, 2048, hist=hist)
+        for fused in (1, 0):  # the finish in the refine's last program (the default), then as its own launch
+            monkeypatch.setitem(dsa_topk.TUNE, "fused_finish", fused)
+            dsa_topk.topk_select(scores, valid, 2048, hist=hist.clone())
         dsa_topk.topk_select(torch.zeros(t, 2048 + 64), torch.ones(t, 2048 + 64, dtype=torch.bool), 2048)
     return done
 
