@@ -147,6 +147,14 @@ class TPDeepseekV3Model(DeepseekV3Model):
         super().__init__(spec, weights, max_seq_len, device, cache_dtype)
         self.tp = tp
 
+    @property
+    def adds_residual(self) -> bool:
+        """Whether this rank's fused blocks add the residual stream in their last kernel's epilogue: rank 0 only, so the
+        all-reduce's sum is x + the ranks' partials with no add launch of its own (two launches and their gaps a layer
+        fewer than `x + all_reduce(partial)`; the sum's bf16 rounding order differs from that one's, as any all-reduce's
+        does from one order to another)."""
+        return self.tp.rank == 0
+
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_embed(tokens, self.w["embed"], self.tp)
 
@@ -157,17 +165,17 @@ class TPDeepseekV3Model(DeepseekV3Model):
         return self.tp.all_reduce(super()._attention(p, cache, x, positions, cs, mask, dsa=dsa))
 
     def _attention_residual(self, p, cache, x, positions, cs, mask, dsa) -> torch.Tensor:  # noqa: ANN001 - same as the base
-        if mla_fused.applies(self, p, x):  # this rank's heads' output, all-reduced before the residual add
-            return x + self.tp.all_reduce(mla_fused.attention_block(self, p, cache, x, positions, cs, mask, dsa, residual=False))
+        if mla_fused.applies(self, p, x):  # this rank's heads' output, the residual folded into rank 0's, all-reduced
+            return self.tp.all_reduce(mla_fused.attention_block(self, p, cache, x, positions, cs, mask, dsa, residual=self.adds_residual))
         return super()._attention_residual(p, cache, x, positions, cs, mask, dsa)
 
     def _layer(self, p, cache, x, positions, cs, mask, is_moe, dsa=None) -> torch.Tensor:  # noqa: ANN001 - same as the base
         s, w = self.spec, self.w
         x = self._attention_residual(p, cache, x, positions, cs, mask, dsa)
-        if is_moe and use_fused_block(x, w, p, s):  # this rank's expert slices in 3 launches, all-reduced before the add
+        if is_moe and use_fused_block(x, w, p, s):  # this rank's expert slices in 3 launches, the residual as above
             from tilepd.engine.moe_fused import moe_block
 
-            return x + self.tp.all_reduce(moe_block(x, w, p, s, residual=False))
+            return self.tp.all_reduce(moe_block(x, w, p, s, residual=self.adds_residual))
         h = rms_norm(x, w[p + "mlp_norm"], s.rms_norm_eps)
         return x + self.tp.all_reduce(moe(h, w, p, s) if is_moe else swiglu(h, w[p + "w13"], w[p + "w2"]))
 
