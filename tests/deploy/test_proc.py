@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -293,3 +294,48 @@ def test_the_state_records_boot_id_and_a_marker_every_process_of_the_service_car
     assert state["start_ticks"] == int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     members = proc._group_members(pid)
     assert len(members) == 3 and all(proc._carries_token(p, state["owner_token"]) for p in members)
+
+
+def _fake_environ(monkeypatch: pytest.MonkeyPatch, reads: list[bytes]) -> list[int]:
+    """Makes `_carries_token` read `reads` in turn (the last one for good); returns the pids it was asked for."""
+    asked: list[int] = []
+
+    def read(pid: int) -> bytes:
+        asked.append(pid)
+        return reads[min(len(asked), len(reads)) - 1]
+
+    monkeypatch.setattr(proc, "_read_environ", read)
+    return asked
+
+
+def test_an_empty_environ_is_read_again_as_a_process_mid_exec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a process execs (logpipe execs the service in the pid `start` returned) the kernel shows an empty
+    /proc/PID/environ; read then, the service looked gone and `wait_healthy` failed it ("main process N was gone").
+    The reads here are a fake: the kernel's exec window cannot be produced on demand. The pid is this live process."""
+    marker = f"{proc.OWNER_ENV}=tok".encode()
+    asked = _fake_environ(monkeypatch, [b"", b"", marker + b"\0PATH=/bin\0"])
+    assert proc._carries_token(os.getpid(), "tok") is True and len(asked) == 3
+    # a non-empty environ without the marker is not ours at once, without another read
+    asked = _fake_environ(monkeypatch, [b"PATH=/bin\0" + f"{proc.OWNER_ENV}=other".encode() + b"\0"])
+    assert proc._carries_token(os.getpid(), "tok") is False and len(asked) == 1
+
+    def unreadable(pid: int) -> bytes:
+        raise PermissionError(pid)
+
+    monkeypatch.setattr(proc, "_read_environ", unreadable)
+    assert proc._carries_token(os.getpid(), "tok") is False
+
+
+def test_an_environ_that_stays_empty_is_not_ours_within_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live process whose environ stays empty (a fake read, as above) is not ours once the exec's grace is over;
+    a process that is gone (or a zombie: its memory is released, its environ empty) is not ours at once."""
+    monkeypatch.setattr(proc, "ENVIRON_EXEC_WAIT_S", 0.3)
+    asked = _fake_environ(monkeypatch, [b""])
+    t0 = time.monotonic()
+    assert proc._carries_token(os.getpid(), "tok") is False
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 10 and len(asked) >= 2, (took, len(asked))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: the pid names nothing (a reuse within this test is next to impossible)
+    asked = _fake_environ(monkeypatch, [b""])
+    assert proc._carries_token(gone.pid, "tok") is False and len(asked) == 1

@@ -89,6 +89,9 @@ BALANCER_MARK_TIMEOUT_S = 15.0
 # the ownership marker every process a start spawns carries in its environment (value: the state file's owner_token)
 OWNER_ENV = "TILEPD_OWNER"
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+# an empty /proc/PID/environ is a process in the middle of an exec (see _carries_token): read again this often, this long
+ENVIRON_RETRY_S = 0.015
+ENVIRON_EXEC_WAIT_S = 2.0
 
 
 class ServiceSpec(BaseModel):
@@ -172,13 +175,33 @@ def boot_id() -> str:
         return ""
 
 
+def _read_environ(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/environ").read_bytes()
+
+
 def _carries_token(pid: int, token: str) -> bool:
-    """Whether the process has our ownership marker in its environment (False when environ cannot be read)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return f"{OWNER_ENV}={token}".encode() in environ.split(b"\0")
+    """Whether the process has our ownership marker in its environment (False when environ cannot be read).
+
+    An empty read is not an answer: while a process execs (logpipe execs the service in the pid `start` returns, so
+    `wait_healthy` reads it right then) the kernel shows an empty environ between replacing its memory and laying
+    out the new stack, and a process of ours always has the marker in it. So an empty read is read again, every
+    ENVIRON_RETRY_S, for at most ENVIRON_EXEC_WAIT_S, while the pid still runs with the same start time; a
+    non-empty environ without the marker, an unreadable one, and a process that ends or turns zombie meanwhile
+    (its memory is gone, its environ stays empty) are not ours at once."""
+    marker = f"{OWNER_ENV}={token}".encode()
+    deadline, ticks = time.monotonic() + ENVIRON_EXEC_WAIT_S, None
+    while True:
+        try:
+            environ = _read_environ(pid)
+        except OSError:
+            return False
+        if environ:
+            return marker in environ.split(b"\0")
+        st = _proc_stat(pid)
+        if st is None or st[0] in ("Z", "X") or ticks not in (None, st[2]) or time.monotonic() >= deadline:
+            return False
+        ticks = st[2]
+        time.sleep(ENVIRON_RETRY_S)
 
 
 def not_ours(state: dict[str, Any] | None) -> str | None:
