@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -168,3 +169,60 @@ def test_a_blocked_log_cannot_wedge_the_loop(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     n = int(out.stdout.split("loop_iterations=")[1])
     assert n >= 10, out.stdout  # 2 s of 50 ms sleeps: ~40 on a quiet box; a wedged loop makes none
+
+
+
+def test_a_sigcont_handled_after_the_loop_resumed_is_still_counted(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The kernel hands a SIGCONT to any thread of the process; on a loaded box the one that got it may run its
+    handler after the loop has resumed, and the stall line then said `sigcont=0` for a node that was stopped and
+    continued. The line waits for the count: here the SIGCONT is sent (a real one, to this process) 0.2 s after the
+    blocked loop resumed. A stall without one waits out the bound, and that wait is not counted into the next gap."""
+    from tilepd.runtime import stall_watch
+
+    seen: list[tuple[float, int]] = []  # (lag, stalls begun before it)
+
+    def gap(line: str) -> float:
+        return float(line.split("gap_s=")[1].split()[0])
+
+    async def main() -> tuple[StallWatch, list[str], int]:
+        watch = StallWatch("n0", tick_s=0.05, warn_after_s=1.0, dump_after_s=30.0,
+                           observe=lambda lag: seen.append((lag, watch.stalls)))
+        task = asyncio.get_running_loop().create_task(watch.run())
+
+        async def stall_line(start: int) -> tuple[str, int]:
+            """The first stall line from the `start`th on that is the test's own (the box may stall the loop too)."""
+            t0 = time.monotonic()
+            while True:
+                lines = [r.getMessage() for r in caplog.records if "event=loop_stall" in r.getMessage()][start:]
+                mine = [line for line in lines if gap(line) >= 1.5]
+                if mine:
+                    return mine[0], watch.stalls
+                assert time.monotonic() - t0 < 30, f"no stall line: {lines}"
+                await asyncio.sleep(0.02)
+
+        def logged() -> int:
+            return sum("event=loop_stall" in r.getMessage() for r in caplog.records)
+
+        await asyncio.sleep(0.2)
+        monkeypatch.setattr(stall_watch, "SIGCONT_WAIT_S", 30.0)  # the test's own bound: the count moves long before
+        start = logged()
+        time.sleep(1.6)  # the stall, on the loop's own thread; the SIGCONT comes after it
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGCONT)).start()
+        continued, _ = await stall_line(start)
+        monkeypatch.setattr(stall_watch, "SIGCONT_WAIT_S", 2.0)
+        start = logged()
+        time.sleep(1.6)  # a stall without a SIGCONT: its line comes after the whole 2 s
+        plain, number = await stall_line(start)
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return watch, [continued, plain], number
+
+    with caplog.at_level(logging.WARNING, logger="tilepd.runtime"):
+        watch, (continued, plain), number = asyncio.run(main())
+    assert watch.continued == 1 and " sigcont=1 " in continued and " sigcont=0 " in plain, (continued, plain)
+    # the tick after the second line measures its gap from the line, not from before the 2 s wait for a SIGCONT
+    after = [lag for lag, stalls in seen if stalls == number]
+    assert after and after[0] < 1.5, (number, seen)

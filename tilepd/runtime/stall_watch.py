@@ -11,7 +11,9 @@ the router, and its own log is silent about why. Two witnesses close that gap:
   CPU by thread (from /proc/self/task, so a thread burning the GIL is named), the machine's idle, iowait and steal
   time (a process that got no CPU on an idle box was blocked; one that got none on a busy box was crowded out or
   paging; steal means the VM itself was descheduled), and how many SIGCONTs it received (`sigcont=1`: it was
-  stopped, by SIGSTOP or a freezer, and continued: nothing in the process was at fault).
+  stopped, by SIGSTOP or a freezer, and continued: nothing in the process was at fault). The kernel may hand the
+  SIGCONT to any thread, which on a loaded box may run its handler after the loop has resumed, so the line waits
+  (awaiting, up to `SIGCONT_WAIT_S`) for the count to move before it is written.
 
 A tick costs two small reads (/proc/self/stat and the first line of /proc/stat) on the serving loop; the per-thread
 counts (one read per thread) are taken only every `threads_every_s`, so a stall line's thread figures cover the
@@ -48,6 +50,9 @@ log = logging.getLogger("tilepd.runtime")
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MAX_DUMP_FRAMES = 40  # per thread, innermost first, as faulthandler's 100 but shorter
+# how long a stall line waits for a SIGCONT's count to move (see `StallWatch.run`), and how often it looks
+SIGCONT_WAIT_S = 1.0
+SIGCONT_POLL_S = 0.01
 
 
 def _stat_fields(raw: str) -> list[str]:
@@ -194,11 +199,15 @@ class StallWatch:
             previous = None
         witness = self.witness = _StackWitness(self.dump_after_s, min(self.tick_s, self.dump_after_s / 4), self.dump_file)
         witness.start()
+
+        def beat() -> None:
+            witness.last_tick, witness.ticks = time.monotonic(), witness.ticks + 1
+            if self.on_tick is not None:
+                self.on_tick()
+
         try:
             while True:
-                witness.last_tick, witness.ticks = time.monotonic(), witness.ticks + 1
-                if self.on_tick is not None:
-                    self.on_tick()
+                beat()
                 await asyncio.sleep(self.tick_s)
                 now = time.monotonic()
                 lag = max(0.0, now - last - self.tick_s)
@@ -208,15 +217,25 @@ class StallWatch:
                 if lag >= self.warn_after_s:
                     self.stalls += 1
                     new_threads = thread_cpu_seconds()
-                    await asyncio.sleep(0)  # a SIGCONT's handler runs on this thread: let it count first
-                    # the stack dump names threads by ident only: the map lets a reader put names on it
-                    idents = ",".join(f"{t.ident:#x}:{t.name.replace(' ', '_')}" for t in threading.enumerate() if t.ident)
-                    log.warning("event=loop_stall node=%s %s thread_idents=%s", self.node,
-                                describe_gap(now - last, new_cpu - cpu, _spent(threads, new_threads), now - threads_at,
-                                             _spent(machine, new_machine, keep_zero=True), new_faults - faults,
-                                             self.continued - conts),
-                                idents)
+                    # a SIGCONT's Python handler runs on this thread, but only once the thread the kernel gave the
+                    # signal to has run its C handler, which on a loaded box can come after this line: give it time
+                    # (a stall without a SIGCONT waits the whole bound; the loop serves and beats meanwhile)
+                    deadline = time.monotonic() + SIGCONT_WAIT_S
+                    try:
+                        while self.continued == conts and time.monotonic() < deadline:
+                            await asyncio.sleep(SIGCONT_POLL_S)
+                            beat()
+                    finally:  # cancelled meanwhile (the node stops): the line is written all the same
+                        # the stack dump names threads by ident only: the map lets a reader put names on it
+                        idents = ",".join(f"{t.ident:#x}:{t.name.replace(' ', '_')}" for t in threading.enumerate() if t.ident)
+                        log.warning("event=loop_stall node=%s %s thread_idents=%s", self.node,
+                                    describe_gap(now - last, new_cpu - cpu, _spent(threads, new_threads), now - threads_at,
+                                                 _spent(machine, new_machine, keep_zero=True), new_faults - faults,
+                                                 self.continued - conts),
+                                    idents)
                     threads, threads_at = new_threads, now
+                    # the next gap starts here, not before the wait for a SIGCONT
+                    (new_cpu, new_faults), new_machine, now = process_cpu_and_faults(), machine_cpu_seconds(), time.monotonic()
                 elif now - threads_at >= self.threads_every_s:
                     threads, threads_at = thread_cpu_seconds(), now
                 cpu, faults, machine, last, conts = new_cpu, new_faults, new_machine, now, self.continued
