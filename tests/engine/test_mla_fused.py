@@ -91,14 +91,6 @@ _FP8 = _FAST_TILES + textwrap.dedent("""
     torch.set_num_threads(1)
     eng = load_engine(sys.argv[1], device="cpu", max_seq_len=64, dtype="float32", num_speculative_tokens=0)
     s = eng.config
-    from tilepd.engine import l2_ahead  # every host on: the regions are made for the real weights (no prefetch on a CPU)
-    l2_ahead.SWITCH["hosts"] = frozenset(l2_ahead.HOSTS)
-    seen, real = set(), l2_ahead.launch_args
-    def spy(kind, region, *a):
-        if region is not None:
-            seen.add((kind, region.base.data_ptr()))
-        return real(kind, region, *a)
-    l2_ahead.launch_args = spy
     g = torch.Generator().manual_seed(0)
     for seq in (6, 40):  # below and above index_topk (16)
         state = KVState(seq, [torch.randn(seq, s.cache_heads, s.cache_entry_width, generator=g) for _ in range(s.num_layers)])
@@ -114,12 +106,6 @@ _FP8 = _FAST_TILES + textwrap.dedent("""
             eng.inject(state)
             runs[impl] = eng.decode(3, 8, SamplingParams(ignore_eos=True), lambda t: None).tokens
         assert runs["fused"] == runs["reference"] and len(set(runs["fused"])) > 2, (seq, runs)
-        w, layer_ps = eng.model.w, [f"layers.{i}." for i in range(s.num_layers)]
-        f = eng.model.fused
-        want = ({("prepare", w[p + "w_uv"].data_ptr()) for p in layer_ps} | {("split", w[p + "wo"].weight.data_ptr()) for p in layer_ps}
-                | {("g2", w[p + "w_uk"].data_ptr()) for p in layer_ps} | {("g1", f[p].b_groups[0].weight.weight.data_ptr()) for p in layer_ps})
-        assert seen == want, (sorted(seen), sorted(want))  # small weights fit one host whole: merge gets none
-        seen.clear()
         print("fp8", seq, "ok", flush=True)
     print("fp8 ok")
 """)

@@ -1,10 +1,9 @@
 """The fused decode step's kernels at GLM-5.1's served shapes, built for sm_90 as a device launch builds them
 (tests/engine/sm90_compile.py: the launcher's own specialization, Triton's ptxas, no GPU): none spills registers to local
-memory, with the switches that are off by default (L2 look-ahead, the norm GEMVs' early first chunk, PDL's widest form)
-on as well. A spill in a bandwidth- or latency-bound kernel of the step costs more than the tile it bought; the
-interpreter never builds these forms, so this is the CPU's one look at them. It is the look of the Triton the project
-installs (3.9 here); the device's own (3.6 on the H200/H100 images, 2026-12) may allocate otherwise, so a kernel near
-the limit is the device's to confirm."""
+memory, with the switch that is off by default (PDL's widest form) on as well. A spill in a bandwidth- or latency-bound
+kernel of the step costs more than the tile it bought; the interpreter never builds these forms, so this is the CPU's
+one look at them. It is the look of the Triton the project installs (3.9 here); the device's own (3.6 on the H200/H100
+images, 2026-12) may allocate otherwise, so a kernel near the limit is the device's to confirm."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
 
 def _step_kernels() -> list[dict]:
     from tests.engine.sm90_compile import compiling
-    from tilepd.engine import fp8_triton, l2_ahead, mla_attention, mla_fused_triton, moe_fused_triton
+    from tilepd.engine import fp8_triton, mla_attention, mla_fused_triton, moe_fused_triton
     from tilepd.model_format.block_fp8 import BlockFp8, quantize
 
     bf = torch.bfloat16
@@ -39,25 +38,21 @@ def _step_kernels() -> list[dict]:
     cache = torch.zeros(1100, 1, rank + rope, dtype=bf)
     index = (torch.randn(t, 128).to(bf), torch.ones(128, dtype=bf), torch.zeros(128, dtype=bf), cs, torch.zeros(1100, 128, dtype=bf), True)
     w_uv, wo = torch.randn(heads, v, rank).to(bf), fp8(hid, heads * v)
-    ahead = {**l2_ahead.regions(w_uv, ("prepare",)), **l2_ahead.regions(wo, ("split", "merge"))}
     with compiling() as done:
         w_uk = torch.randn(heads, nope, rank).to(bf)
         g2 = fp8(16384, 2048)
-        for host, norm, weight, region in (("g1", 6144, fp8(2752, 6144), l2_ahead.regions(g2, ("g1",)).get("g1")),
-                                           ("g2", 2048, g2, l2_ahead.regions(w_uk, ("g2",)).get("g2"))):
+        for norm, weight in ((6144, fp8(2752, 6144)), (2048, g2)):
             fp8_triton.launch_fused(torch.randn(t, norm).to(bf), weight.weight, weight.scale, weight.block, norm_weight=torch.ones(norm, dtype=bf),
-                                    eps=1e-6, l2_host=host, l2_region=region)
+                                    eps=1e-6)
         mla_fused_triton.prepare(torch.randn(t, heads * (nope + rope)).to(bf), torch.randn(t, rank + rope).to(bf), w_uk,
-                                 torch.ones(rank, dtype=bf), 1e-6, cs, torch.zeros(t, dtype=torch.int64), cache, rank, rope, True, index,
-                                 l2_region=ahead.get("prepare"))
+                                 torch.ones(rank, dtype=bf), 1e-6, cs, torch.zeros(t, dtype=torch.int64), cache, rank, rope, True, index)
         part, lse = mla_attention.split_partials(torch.randn(t, heads, rank + rope).to(bf), cache, rank, 0.1, 1024,
                                                  lo=torch.zeros(t, dtype=torch.int64), hi=torch.full((t,), 1023, dtype=torch.int64),
-                                                 tune=mla_attention.TUNE_SPARSE, l2_region=ahead.get("split"))
-        mla_fused_triton.merge_uv(part, lse, w_uv, bf, bf, l2_region=ahead.get("merge"))
+                                                 tune=mla_attention.TUNE_SPARSE)
+        mla_fused_triton.merge_uv(part, lse, w_uv, bf, bf)
         fp8_triton.launch_fused(torch.randn(t, heads * v).to(bf), wo.weight, wo.scale, wo.block, residual=x)
         shared13 = fp8(2 * inter, hid)
-        moe_fused_triton.gate_route(x, torch.ones(hid, dtype=bf), 1e-6, torch.randn(256, hid), torch.zeros(256), 1, 1, 8, True, 2.5,
-                                    l2_region=l2_ahead.regions(shared13, ("gate",)).get("gate"))
+        moe_fused_triton.gate_route(x, torch.ones(hid, dtype=bf), 1e-6, torch.randn(256, hid), torch.zeros(256), 1, 1, 8, True, 2.5)
         ids = torch.tensor([[3, 1, 2, 4, 5, 6, 7, 0, -1]])
         moe_fused_triton.gate_up_act(x, stacked(2 * inter, hid), shared13, ids, shared_last=True)
         moe_fused_triton.down_combine(torch.randn(9, inter).to(bf), stacked(hid, inter), fp8(hid, inter), ids, torch.ones(1, 9, dtype=bf), x,
@@ -68,13 +63,10 @@ def _step_kernels() -> list[dict]:
 @pytest.mark.parametrize("switches", ["defaults", "all-on"])
 def test_the_step_kernels_do_not_spill_at_glm51_shapes(monkeypatch: pytest.MonkeyPatch, switches: str) -> None:
     from tests.engine.sm90_compile import ptxas_info
-    from tilepd.engine import fp8_triton, l2_ahead, pdl
+    from tilepd.engine import pdl
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if switches == "all-on":
-        monkeypatch.setattr(l2_ahead, "_enabled", lambda t: True)
-        monkeypatch.setitem(l2_ahead.SWITCH, "hosts", frozenset(l2_ahead.HOSTS))
-        monkeypatch.setitem(fp8_triton.TUNE, "norm_early", 1)
         monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
         monkeypatch.setitem(pdl.SWITCH, "trigger", 1)
         monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
@@ -82,9 +74,6 @@ def test_the_step_kernels_do_not_spill_at_glm51_shapes(monkeypatch: pytest.Monke
     names = [d["name"] for d in done]
     assert names == ["_fp8_gemv_kernel", "_fp8_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_fp8_gemv_kernel",
                      "_gate_kernel", "_gate_up_kernel", "_down_kernel"], names
-    if switches == "all-on":
-        assert [d["constexprs"].get("AH", 0) for d in done] == [1, 1, 1, 1, 1, 0, 1, 0, 0]  # all but wo, gate-up and down host
-        assert [d["constexprs"]["EARLY"] for d in done[:2]] == [True, True]
     report = {f"{i}:{d['name']}": ptxas_info(d["ptx"]) for i, d in enumerate(done)}
     spilled = {k: r for k, r in report.items() if r["spill_stores"] or r["spill_loads"]}
     assert not spilled, spilled

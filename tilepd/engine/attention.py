@@ -17,20 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tilepd.engine import l2_ahead as ahead
-from tilepd.engine.l2_ahead import issue as l2_ahead
-
 _TARGET_PROGRAMS = 2 * 132  # ~2 waves on an H200 (132 SMs); more splits only add merge work
 
 
 @triton.jit
 def _split_kernel(Q, K, V, B, O, LSE, L, M, CHUNK, scale,
                   s_qh, s_qm, s_kl, s_kh, s_vl, s_vh, s_bm, s_oh, s_os, s_om, s_lh, s_ls,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr,
-                  AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH: tl.constexpr, AH_CHUNK: tl.constexpr, AH_NT: tl.constexpr,
-                  AH_EVICT: tl.constexpr):
-    if AH:  # the output projection's weight into L2 while this latency-bound launch runs (l2_ahead.py)
-        l2_ahead(AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH_CHUNK, AH_NT, AH_EVICT)
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr):
     h = tl.program_id(0)
     s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -68,10 +61,7 @@ def _split_kernel(Q, K, V, B, O, LSE, L, M, CHUNK, scale,
 
 @triton.jit
 def _merge_kernel(O, LSE, OUT, S, M, s_oh, s_os, s_om, s_lh, s_ls, s_ph, s_pm,
-                  BLOCK_S: tl.constexpr, DV: tl.constexpr, AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH: tl.constexpr,
-                  AH_CHUNK: tl.constexpr, AH_NT: tl.constexpr, AH_EVICT: tl.constexpr):
-    if AH:
-        l2_ahead(AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH_CHUNK, AH_NT, AH_EVICT)
+                  BLOCK_S: tl.constexpr, DV: tl.constexpr):
     row = tl.program_id(0)
     h = row // M
     m = row % M
@@ -92,10 +82,8 @@ def supports(dk: int, dv: int) -> bool:
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
-                       block_n: int = 64, l2: dict[str, ahead.Region] | None = None) -> torch.Tensor:
-    """Drop-in for `layers.cached_attention` on CUDA (see the module docstring). Returns [T, H, Dv]. l2: l2_ahead's
-    regions for the hosts "attn" (the split kernel) and "attn_merge" (the merge)."""
-    l2 = l2 or {}
+                       block_n: int = 64) -> torch.Tensor:
+    """Drop-in for `layers.cached_attention` on CUDA (see the module docstring). Returns [T, H, Dv]."""
     t, h, dk = q.shape
     length, hkv, dv = v.shape
     g = h // hkv
@@ -113,9 +101,8 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: 
         qg.stride(0), qg.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), bias.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, DK=dk, DV=dv, PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2, **ahead.launch_args("attn", l2.get("attn"), qg, hkv * splits, 4))
+        num_warps=4, num_stages=2)
     _merge_kernel[(hkv * m,)](
         part, lse, out, splits, m, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), BLOCK_S=max(2, triton.next_power_of_2(splits)), DV=dv, num_warps=4,
-        **ahead.launch_args("attn_merge", l2.get("attn_merge"), part, hkv * m, 4))
+        out.stride(0), out.stride(1), BLOCK_S=max(2, triton.next_power_of_2(splits)), DV=dv, num_warps=4)
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h, dv)

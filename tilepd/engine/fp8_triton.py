@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from tilepd.engine import l2_ahead as ahead
 from tilepd.engine import pdl
 from tilepd.engine.tuning import env_int, pick_block_n
 
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.l2_ahead import issue as l2_ahead
     from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
@@ -70,11 +68,8 @@ if triton is not None:
                          BN: tl.constexpr, BK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                          BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr,
-                         NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr, AH_PTR, ah_rows, ah_row_bytes, ah_stride,
-                         AH: tl.constexpr, AH_CHUNK: tl.constexpr, AH_NT: tl.constexpr, AH_EVICT: tl.constexpr, EARLY: tl.constexpr = False,
+                         NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
-        if AH:  # a later kernel's weight into L2 (l2_ahead.py; G1 and G2 read far below the bandwidth at batch 1)
-            l2_ahead(AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH_CHUNK, AH_NT, AH_EVICT)
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,24 +95,11 @@ if triton is not None:
             acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        start = 0
         if NORM:  # rms_norm(x) * NW in the prologue: the row's mean square first (x is a few KB, from L2)
-            if EARLY:  # the first chunk's weights are loaded (not yet used) before that pass, so they are in flight during it
-                cols = tl.arange(0, BLOCK_K)
-                cmask = cols < K
-                w0 = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-                rstd = row_rstd(x_row, K, eps, BLOCK_K)
-                prod = _chunk_prod(w0, x_row, NW, rstd, s_base, rows, rmask, pid_n * BLOCK_N, s_sn, cols, cmask, act, BN, BK, ROW_UNIFORM, BITS_CVT, NORM)
-                if REDUCE_EACH:
-                    acc_rows += tl.sum(prod, axis=1)
-                else:
-                    acc += prod
-                start = BLOCK_K
-            else:
-                rstd = row_rstd(x_row, K, eps, BLOCK_K)
+            rstd = row_rstd(x_row, K, eps, BLOCK_K)
         else:
             rstd = 1.0
-        for k0 in range(start, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < K
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
@@ -148,12 +130,8 @@ if triton is not None:
 # `bench/fp8_gemv_sweep.py --fused` on one H100 (2026-12-05): G1 11.5 -> 10.2 us (GLM-5.1) and 11.8 -> 11.0
 # (DeepSeek-V3), G2 15.5 -> 15.1 and 19.6 -> 18.7 (half as many trips through the loop after the row's rstd pass);
 # the residual-epilogue wo and the plain launches were no faster with it.
-# norm_early (env TILEPD_FP8_NORM_EARLY, default 0 until measured on the device): those launches load their first
-# chunk's weights before the row's rstd pass, so the weights' HBM round trip overlaps the pass's L2 reads instead of
-# following them (the same products, summed in the same order).
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
-                        "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048),
-                        "norm_early": env_int("TILEPD_FP8_NORM_EARLY", 0)}
+                        "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048)}
 
 
 def _block_n(n: int, rows: int) -> int:
@@ -195,22 +173,20 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
         ROW_UNIFORM=block_n % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=shared is not None, X_DIV=x_div, NW=x, RES=x, eps=0.0, s_rr=0, NORM=False, HAS_RES=False,
         PREFETCH=pdl.prefetch_flag(x) and not has_ids and tile_k >= 128,
-        num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x), **ahead.launch_args("", None, x, 0, TUNE["num_warps"]),
+        num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
     )
     return y
 
 
 def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], *, rows: int | None = None,
-                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-                 l2_host: str = "", l2_region: ahead.Region | None = None) -> torch.Tensor:
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The dense (no expert ids) GEMV with the layer's small ops inside: y = (residual +) W[:rows] @ rms_norm(x) * g.
 
     x [R, K]; weight [N, K] fp8 with block scales; `rows` computes only the first rows of W (a prefix of a
     concatenated weight: DSA's indexer query rows are not needed while the window fits index_topk); `norm_weight`
     puts rms_norm(x, norm_weight, eps) in the prologue (each program sums x's squares itself); `residual` [R, rows]
     is added in the epilogue. Rounding as the unfused ops: the normed row and the product with the norm weight in
-    x's dtype, the GEMV's output in x's dtype before the add. l2_host / l2_region: this launch as l2_ahead's host of
-    that kind, pulling the region into L2 while it runs."""
+    x's dtype, the GEMV's output in x's dtype before the add."""
     if triton is None:
         raise RuntimeError("fp8 GEMV kernel needs Triton, which is not importable here")
     n = weight.shape[0] if rows is None else rows
@@ -228,17 +204,15 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     tile_k = min((norm_weight is not None and TUNE["block_k_norm"]) or TUNE["block_k"], triton.next_power_of_2(k))
     bits = bool(TUNE["bits_cvt"])
     extra = {"num_stages": TUNE["num_stages"]} if TUNE["num_stages"] else {}
-    grid = (r, triton.cdiv(n, tile_n))
-    _fp8_gemv_kernel[grid](
+    _fp8_gemv_kernel[(r, triton.cdiv(n, tile_n))](
         x, weight.view(torch.uint8) if bits else weight, scale, x, x, x, x, y, n, k,
         x.stride(0), 0, weight.stride(0), 0, scale.stride(0), y.stride(0),
         BN=block[0], BK=block[1], HAS_IDS=False, HAS_BIAS=False, BLOCK_N=tile_n, BLOCK_K=tile_k,
         ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=False, X_DIV=1, NW=norm_weight if norm_weight is not None else x, RES=residual if residual is not None else x,
         eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
-        EARLY=norm_weight is not None and bool(TUNE["norm_early"]), PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
+        PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
         num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
-        **ahead.launch_args(l2_host, l2_region, x, grid[0] * grid[1], TUNE["num_warps"]),
     )
     return y
 

@@ -80,20 +80,19 @@ ATTENTION_IMPL = {"default": "sdpa", "mla": "reference"}
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
-                     impl: str | None = None, l2: dict | None = None) -> torch.Tensor:
+                     impl: str | None = None) -> torch.Tensor:
     """Grouped attention of T queries over a static cache window.
 
     q [T, H, Dk]; k [L, Hkv, Dk] and v [L, Hkv, Dv] may be strided views of the cache (no copy);
     bias [g*T, L] from attention_bias. Query heads of one KV group are stacked as query rows (GQA as MQA
     per group), so each K/V head is read once and no per-head copy of the cache is made. Returns [T, H, Dv].
-    l2: l2_ahead's regions for the split-KV kernel's launches (a later weight pulled into L2 while they run).
     """
     impl = impl or ATTENTION_IMPL["default"]
     if impl == "triton" and q.is_cuda:  # split-KV kernel (attention.py); set by compiled.accelerate on CUDA
         from tilepd.engine.attention import split_kv_attention, supports
 
         if supports(q.shape[-1], v.shape[-1]):
-            return split_kv_attention(q, k, v, bias, scale, l2=l2)
+            return split_kv_attention(q, k, v, bias, scale)
     if impl == "triton":
         impl = "sdpa"
     t, h, dk = q.shape

@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine import l2_ahead
 from tilepd.engine.layers import linear, linear_add, attention_bias, cached_attention, length_mask, norm_linear, rms_norm, silu_mul_linear_add
 from tilepd.engine.rope import apply_rope_neox, rope_table
 from tilepd.model_format.model_spec import ModelSpec
@@ -100,8 +99,8 @@ class LlamaModel:
             window = cache[:attn_len]
             if self.post_attn is None:
                 x = self.attn_out_mlp(x, q, window, mask, wo, mn, w13, w2, self.scale, eps, hd)
-            else:  # uncompiled here: the attention's launches may pull wo into L2 for the compiled half (l2_ahead)
-                out = cached_attention(q, window[..., :hd], window[..., hd:], mask, self.scale, l2=l2_ahead.regions(wo, ("attn", "attn_merge")))
+            else:
+                out = cached_attention(q, window[..., :hd], window[..., hd:], mask, self.scale)
                 x = self.post_attn(x, out, wo, mn, w13, w2, eps)
         h = rms_norm(x, self.w["norm"], eps)
         return linear(h, self.lm_head).float(), h

@@ -26,14 +26,12 @@ import os
 
 import torch
 
-from tilepd.engine import l2_ahead as ahead
 from tilepd.engine import pdl
 from tilepd.engine.tuning import env_int
 
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.l2_ahead import issue as l2_ahead
     from tilepd.engine.pdl import wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
@@ -87,10 +85,7 @@ if triton is not None:
     def _mla_split_kernel(Q, C, IDX, OK, LO, HI, O, LSE, H, L, CHUNK, qk_scale,
                           s_qt, s_qh, s_cl, s_it, s_ot, s_oh, s_os, s_lt, s_lh,
                           RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SPARSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, AH_PTR, ah_rows, ah_row_bytes, ah_stride,
-                          AH: tl.constexpr, AH_CHUNK: tl.constexpr, AH_NT: tl.constexpr, AH_EVICT: tl.constexpr, PDL: tl.constexpr = False):
-        if AH:  # a later kernel's weight into L2 while this latency-bound launch runs (l2_ahead.py)
-            l2_ahead(AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH_CHUNK, AH_NT, AH_EVICT)
+                          SPARSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         wait(PDL)  # everything this kernel reads (query, cache, selection) is the step's (pdl.py)
         pid = tl.program_id(0)
         s = tl.program_id(1)
@@ -166,12 +161,10 @@ if triton is not None:
 
 def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, length: int, *, idx: torch.Tensor | None = None,
                    ok: torch.Tensor | None = None, lo: torch.Tensor | None = None,
-                   hi: torch.Tensor | None = None, tune: dict[str, int] | None = None,
-                   l2_region: ahead.Region | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   hi: torch.Tensor | None = None, tune: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel alone: (partials [T, H, S, rank] float32, their log-sum-exp [T, H, S] in log2 units), for a
     merge that does more than merge (mla_fused_triton.merge_uv applies W_UV in the same launch). tune: the tiles
-    (default TUNE_SPARSE with idx, else TUNE; a DSA model's span while its window fits index_topk takes TUNE_SPARSE).
-    l2_region: a later kernel's weight bytes to pull into L2 while this runs (l2_ahead, host "split")."""
+    (default TUNE_SPARSE with idx, else TUNE; a DSA model's span while its window fits index_topk takes TUNE_SPARSE)."""
     if triton is None:
         raise RuntimeError("MLA attention kernel needs Triton, which is not importable here")
     t, h, width = q.shape
@@ -201,8 +194,7 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse, UPCAST=_INTERPRET and cache.dtype != torch.float32,
         PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", num_warps=tune["num_warps"],
-        num_stages=tune["num_stages"], **pdl.launch_args(q, "split"),
-        **ahead.launch_args("split", l2_region, q, groups * splits, tune["num_warps"]))
+        num_stages=tune["num_stages"], **pdl.launch_args(q, "split"))
     return part, lse
 
 

@@ -151,13 +151,6 @@ def prepare_model(model: MlaModel) -> None:
     model.fused = fused
 
 
-def _rows_prefix(w: torch.Tensor | BlockFp8, rows: int) -> torch.Tensor | BlockFp8:
-    """The first `rows` rows of a GEMV weight (what a launch over a prefix of a concatenation reads)."""
-    if isinstance(w, BlockFp8):
-        return BlockFp8(w.weight[:rows], w.scale[: -(-rows // w.block[0])], w.block)
-    return w[:rows]
-
-
 def _kernels_available() -> bool:
     from tilepd.engine import fp8_triton, gemv_triton, mla_fused_triton
 
@@ -176,47 +169,31 @@ def applies(model: MlaModel, p: str, x: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor | BlockFp8, rows: int, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None, l2: tuple[str, object] | None = None) -> torch.Tensor:
-    """(residual +) weight[:rows] @ (rms_norm(x) * norm_weight | x), one launch (fp8: fp8_triton; dense: gemv_triton).
-    l2: (host kind, region) for l2_ahead (the fp8 launch only)."""
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """(residual +) weight[:rows] @ (rms_norm(x) * norm_weight | x), one launch (fp8: fp8_triton; dense: gemv_triton)."""
     if isinstance(weight, BlockFp8):
         from tilepd.engine import fp8_triton
 
         bn = weight.block[0]
-        host, region = l2 if l2 is not None else ("", None)
         return fp8_triton.launch_fused(x, weight.weight[:rows], weight.scale[: -(-rows // bn)], weight.block,
-                                       norm_weight=norm_weight, eps=eps, residual=residual, l2_host=host, l2_region=region)
+                                       norm_weight=norm_weight, eps=eps, residual=residual)
     from tilepd.engine import gemv_triton
 
     return gemv_triton.launch(x, weight[:rows], norm_weight, eps, "norm" if norm_weight is not None else "none", residual, chain=True)
 
 
-def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torch.Tensor, eps: float,
-         l2: tuple[str, object] | None = None) -> dict[str, torch.Tensor]:
-    """Each group's launch over the rows `need` asks for; the named parts as column views of the outputs. l2: the last
-    launch's l2_ahead host kind and region."""
+def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
+    """Each group's launch over the rows `need` asks for; the named parts as column views of the outputs."""
     out: dict[str, torch.Tensor] = {}
-    launched = [(g, g.rows_for(need)) for g in groups if g.rows_for(need)]
-    for i, (g, rows) in enumerate(launched):
-        y = gemv(x, g.weight, rows, norm_weight, eps, l2=l2 if i == len(launched) - 1 else None)
+    for g in groups:
+        rows = g.rows_for(need)
+        if rows == 0:
+            continue
+        y = gemv(x, g.weight, rows, norm_weight, eps)
         for name, (a, b) in g.parts.items():
             if b <= rows:
                 out[name] = y[:, a:b]
     return out
-
-
-def _l2_plan(w: dict, p: str, layer: FusedLayer, need_b: set[str]) -> dict:
-    """l2_ahead's region for each host of layer p's attention half, {} unless switched on: G1 -> the rows of G2's first
-    launch, G2 -> W_UK, prepare -> W_UV, split and merge -> wo."""
-    from tilepd.engine import l2_ahead
-
-    wo = w[p + "wo"]
-    plan = {**l2_ahead.regions(w[p + "w_uk"], ("g2",)), **l2_ahead.regions(w[p + "w_uv"], ("prepare",)),
-            **l2_ahead.regions(wo, ("split", "merge"))}
-    first_b = next((g for g in layer.b_groups if g.rows_for(need_b)), None) if "g1" in l2_ahead.SWITCH["hosts"] else None
-    if first_b is not None:
-        plan.update(l2_ahead.regions(_rows_prefix(first_b.weight, first_b.rows_for(need_b)), ("g1",)))
-    return plan
 
 
 def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
@@ -232,11 +209,8 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     keys = model.index_caches.get(p) if dsa is not None else None
     scoring = keys is not None and dsa.valid.shape[1] > s.index_topk  # past index_topk the indexer must choose
     need_a = {"wq_a", "wq", "wkv_a"} | ({"idx_wk"} if keys is not None else set())
-    need_b = {"wq_b"} | ({"idx_wq_b"} if scoring else set())
-    wo = w[p + "wo"]
-    ahead = _l2_plan(w, p, layer, need_b if s.q_lora_rank else set())
-    a = _run(layer.a_groups, x, need_a, w[p + "attn_norm"], eps, l2=("g1", ahead.get("g1")))
-    b = _run(layer.b_groups, a["wq_a"], need_b, w[p + "q_a_norm"], eps, l2=("g2", ahead.get("g2"))) if s.q_lora_rank else {}
+    a = _run(layer.a_groups, x, need_a, w[p + "attn_norm"], eps)
+    b = _run(layer.b_groups, a["wq_a"], {"wq_b"} | ({"idx_wq_b"} if scoring else set()), w[p + "q_a_norm"], eps) if s.q_lora_rank else {}
     q = b["wq_b"] if s.q_lora_rank else a["wq"]
     index = None
     if keys is not None:
@@ -244,7 +218,7 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
         index = (a["idx_wk"], w[p + "idx_k_norm"], w[p + "idx_k_norm_bias"], idx_cs, keys, s.indexer_rope_interleave)
     head_weights = (x, w[p + "attn_norm"], eps, w[p + "idx_weights_proj"]) if scoring else None
     q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
-                             index, head_weights, l2_region=ahead.get("prepare"))
+                             index, head_weights)
     fits = dsa is not None and dsa.valid.shape[1] <= s.index_topk and isinstance(mask, DenseSpan)
     if dsa is not None and not fits:
         if scoring:
@@ -257,12 +231,12 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
             length = dsa.valid.shape[1]
             dsa.selection = Selection(torch.arange(length, device=x.device).expand(t, length).contiguous(), dsa.valid.contiguous())
         sel = dsa.selection
-        part, lse = split_partials(q_cat, cache, r, model.scale, sel.idx.shape[1], idx=sel.idx, ok=sel.ok, l2_region=ahead.get("split"))
+        part, lse = split_partials(q_cat, cache, r, model.scale, sel.idx.shape[1], idx=sel.idx, ok=sel.ok)
     else:  # dense MLA, or DSA while the window fits index_topk: every causal slot is selected, so the span is the
         # selection and the kernel reads rows by position (no index/ok loads in front of each row gather)
         if mask is None:
             raise ValueError("MLA fused attention: a dense layer needs its DenseSpan")
-        part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi, tune=TUNE_SPARSE if fits else None,
-                                   l2_region=ahead.get("split"))
-    out = merge_uv(part, lse, w[p + "w_uv"], x.dtype, cache.dtype, l2_region=ahead.get("merge"))
+        part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi, tune=TUNE_SPARSE if fits else None)
+    out = merge_uv(part, lse, w[p + "w_uv"], x.dtype, cache.dtype)
+    wo = w[p + "wo"]
     return gemv(out, wo, wo.shape[-2], residual=x if residual else None)

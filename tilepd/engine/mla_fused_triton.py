@@ -28,14 +28,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tilepd.engine import l2_ahead as ahead
 from tilepd.engine import pdl
 from tilepd.engine.tuning import env_int
 
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.l2_ahead import issue as l2_ahead
     from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
@@ -103,12 +101,9 @@ if triton is not None:
                         RANK: tl.constexpr, ROPE: tl.constexpr, IDX_D: tl.constexpr, INTERLEAVED: tl.constexpr,
                         IDX_INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ACT: tl.constexpr, NOPE_PAD: tl.constexpr,
                         BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                        UNROLL: tl.constexpr, AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH: tl.constexpr, AH_CHUNK: tl.constexpr,
-                        AH_NT: tl.constexpr, AH_EVICT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                        UNROLL: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         t = tl.program_id(1)
         pid = tl.program_id(0)
-        if AH:  # a later kernel's weight into L2 while this latency-bound launch runs (l2_ahead.py)
-            l2_ahead(AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH_CHUNK, AH_NT, AH_EVICT)
         if PREFETCH:  # before the wait (pdl.py): an absorb program's W_UK tile into L2, a 128-byte line an address
             if pid < N_ABSORB:
                 n_pf = RANK // BLOCK_C
@@ -192,10 +187,7 @@ if triton is not None:
     def _merge_uv_kernel(O, LSE, WUV, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out,
                          RANK: tl.constexpr, ACT: tl.constexpr, LAT: tl.constexpr, BLOCK_S: tl.constexpr,
                          BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
-                         AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH: tl.constexpr, AH_CHUNK: tl.constexpr, AH_NT: tl.constexpr,
-                         AH_EVICT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
-        if AH:  # a later kernel's weight into L2 while this latency-bound launch runs (l2_ahead.py)
-            l2_ahead(AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH_CHUNK, AH_NT, AH_EVICT)
+                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         row = tl.program_id(0)
         t = row // H
         h = row % H
@@ -235,8 +227,7 @@ def _tl(dtype: torch.dtype) -> object:
 def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torch.Tensor, eps: float, cs: torch.Tensor,
             positions: torch.Tensor, cache: torch.Tensor, rank: int, rope: int, interleaved: bool,
             index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None,
-            head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None,
-            l2_region: ahead.Region | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch: the attention query [T, H, rank + rope] (q_lat | roped q_pe, cache dtype), the tokens' cache rows,
     (index given) their indexer keys, and (head_weights given) the indexer's head weights [T, heads] float32.
 
@@ -244,8 +235,7 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
     [H, nope, rank]; cs [T, 2, rope] the rope table at the tokens' positions; cache [max_seq_len, 1, rank + rope].
     index = (kx [T, D] wk's output, LayerNorm weight, bias, indexer cs [T, 2, rope], indexer-key cache
     [max_seq_len, D], interleaved). head_weights = (x [T, hidden] the layer's input, its attn_norm weight and eps,
-    weights_proj [heads, hidden]): weights_proj(rms_norm(x).float()) as HF computes it (one program a head).
-    l2_region: a later kernel's weight bytes to pull into L2 while this runs (l2_ahead, host "prepare")."""
+    weights_proj [heads, hidden]): weights_proj(rms_norm(x).float()) as HF computes it (one program a head)."""
     if triton is None:
         raise RuntimeError("MLA fused kernels need Triton, which is not importable here")
     t = q.shape[0]
@@ -288,16 +278,13 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
         RANK=rank, ROPE=rope, IDX_D=idx_d, INTERLEAVED=interleaved, IDX_INTERLEAVED=idx_interleaved, HAS_INDEX=index is not None,
         HAS_WEIGHTS=wout is not None, ACT=_tl(q.dtype), BLOCK_C=block_c, BLOCK_D=TUNE["block_d"], BLOCK_K=1024, STAGES=TUNE["prep_stages"],
         UNROLL=bool(TUNE["prep_unroll"]), NOPE_PAD=triton.next_power_of_2(nope),
-        PREFETCH=pdl.prefetch_flag(q, "prepare") and w_uk.element_size() == 2, num_warps=TUNE["prep_warps"], **pdl.launch_args(q, "prepare"),
-        **ahead.launch_args("prepare", l2_region, q, grid[0] * grid[1], TUNE["prep_warps"]))
+        PREFETCH=pdl.prefetch_flag(q, "prepare") and w_uk.element_size() == 2, num_warps=TUNE["prep_warps"], **pdl.launch_args(q, "prepare"))
     return qout, wout
 
 
-def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: torch.dtype, lat: torch.dtype,
-             l2_region: ahead.Region | None = None) -> torch.Tensor:
+def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: torch.dtype, lat: torch.dtype) -> torch.Tensor:
     """The split-KV partials part [T, H, S, rank] (fp32) and lse [T, H, S] (log2 units) merged, rounded to `lat`
-    (the cache dtype, as the merge stores it) and to `act`, times W_UV [H, v, rank]: [T, H * v] in `act`. l2_region:
-    a later kernel's weight bytes to pull into L2 while this runs (l2_ahead, host "merge")."""
+    (the cache dtype, as the merge stores it) and to `act`, times W_UV [H, v, rank]: [T, H * v] in `act`."""
     if triton is None:
         raise RuntimeError("MLA fused kernels need Triton, which is not importable here")
     t, h, s, rank = part.shape
@@ -307,13 +294,11 @@ def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: tor
         raise ValueError(f"MLA merge_uv: partials {list(part.shape)}, W_UV {list(w_uv.shape)} (contiguous, rank a power of two)")
     out = torch.empty(t, h * v, dtype=act, device=part.device)
     block_v = TUNE["block_v"]
-    grid = (t * h, triton.cdiv(v, block_v))
-    _merge_uv_kernel[grid](
+    _merge_uv_kernel[(t * h, triton.cdiv(v, block_v))](
         part, lse, w_uv, out, s, h, v, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
         RANK=rank, ACT=_tl(act), LAT=_tl(lat), BLOCK_S=max(2, triton.next_power_of_2(s)), BLOCK_V=block_v, CHUNK_C=chunk_c,
         STAGES=TUNE["merge_stages"], UNROLL=bool(TUNE["merge_unroll"]),
-        PREFETCH=pdl.prefetch_flag(part, "merge") and w_uv.element_size() == 2, num_warps=TUNE["merge_warps"], **pdl.launch_args(part, "merge"),
-        **ahead.launch_args("merge", l2_region, part, grid[0] * grid[1], TUNE["merge_warps"]))
+        PREFETCH=pdl.prefetch_flag(part, "merge") and w_uv.element_size() == 2, num_warps=TUNE["merge_warps"], **pdl.launch_args(part, "merge"))
     return out
 
 

@@ -57,13 +57,11 @@ def applies(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
 def moe_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec, residual: bool = True) -> torch.Tensor:
     """x + moe(rms_norm(x, mlp_norm)) for the MoE layer `p` in 3 launches (call where `applies`); residual False:
     moe(rms_norm(x)) alone, which tensor parallelism all-reduces (each rank's expert slices) before its own add."""
-    from tilepd.engine import l2_ahead
     from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_up_act
 
     k = spec.num_experts_per_tok
     x = x if x.is_contiguous() else x.contiguous()
-    ahead = l2_ahead.regions(w[p + "shared_w13"], ("gate",))  # the shared expert's first bytes a row ({} unless switched on)
     h, ids, weights, _ = gate_route(x, w[p + "mlp_norm"], spec.rms_norm_eps, w[p + "gate"], w[p + "gate_bias"], spec.n_group, spec.topk_group, k,
-                                    spec.norm_topk_prob, spec.routed_scaling_factor, l2_region=ahead.get("gate"))
+                                    spec.norm_topk_prob, spec.routed_scaling_factor)
     a = gate_up_act(h, w[p + "experts_w13"], w[p + "shared_w13"], ids, shared_last=True)
     return down_combine(a, w[p + "experts_w2"], w[p + "shared_w2"], ids, weights, x if residual else None, shared_last=True)

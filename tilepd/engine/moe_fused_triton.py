@@ -34,14 +34,12 @@ from __future__ import annotations
 import torch
 
 from tilepd.model_format.block_fp8 import BlockFp8
-from tilepd.engine import l2_ahead as ahead
 from tilepd.engine import pdl
 from tilepd.engine.tuning import env_int
 
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.l2_ahead import issue as l2_ahead
     from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 
@@ -83,10 +81,7 @@ if triton is not None:
                      K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                     N_SLOTS: tl.constexpr, AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH: tl.constexpr, AH_CHUNK: tl.constexpr,
-                     AH_NT: tl.constexpr, AH_EVICT: tl.constexpr, PDL: tl.constexpr = False):
-        if AH:  # a later kernel's weight into L2 while this latency-bound launch runs (l2_ahead.py)
-            l2_ahead(AH_PTR, ah_rows, ah_row_bytes, ah_stride, AH_CHUNK, AH_NT, AH_EVICT)
+                     N_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
         r = tl.program_id(0)
         pid_e = tl.program_id(1)
         act = H.dtype.element_ty
@@ -249,13 +244,11 @@ def _counter(device: torch.device) -> torch.Tensor:
 
 
 def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
-               top_k: int, norm_topk_prob: bool, routed_scaling_factor: float,
-               l2_region: ahead.Region | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               top_k: int, norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] (the residual stream), the MLP norm's weight [H], the router gate [E, H] (float32) and correction bias [E]
     -> (normed rows h [T, H] in x's dtype, ids [T, top_k + 1] int64 ending in the shared slot -1, weights [T, top_k + 1] in
     x's dtype ending in 1, router logits [T, E] float32), in one launch. The normed row is rounded once, as torch's
-    rms_norm (layers.rms_norm) rounds it; HF's module rounds twice (after the scaling and after the weight). l2_region:
-    a later kernel's weight bytes to pull into L2 while this runs (l2_ahead, host "gate")."""
+    rms_norm (layers.rms_norm) rounds it; HF's module rounds twice (after the scaling and after the weight)."""
     if triton is None:
         raise RuntimeError("fused MoE gate kernel needs Triton, which is not importable here")
     if x.dim() != 2 or gate.dim() != 2 or gate.shape[1] != x.shape[1] or norm_weight.shape != (x.shape[1],) or bias.shape != (gate.shape[0],):
@@ -274,12 +267,11 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
         return h, ids, weights, logits
     block_e = TUNE["gate_block_e"]
     block_k = min(TUNE["gate_block_k"], triton.next_power_of_2(k))
-    grid = (t, triton.cdiv(n_exp, block_e))
-    _gate_kernel[grid](
+    _gate_kernel[(t, triton.cdiv(n_exp, block_e))](
         x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
         logits.stride(0), ids.stride(0), weights.stride(0), float(eps), float(routed_scaling_factor),
         K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, num_warps=TUNE["gate_num_warps"],
-        **pdl.launch_args(x, "gate"), **ahead.launch_args("gate", l2_region, x, grid[0] * grid[1], TUNE["gate_num_warps"]))
+        **pdl.launch_args(x, "gate"))
     return h, ids, weights, logits
 
 
