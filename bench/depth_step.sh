@@ -33,11 +33,11 @@ case "$part" in
     step dsv3 90 bash -c "$(model_fns); dsv3 main 1024 32768"
     step tp8 80 bash -c "$(model_fns); tp8 main --alias-layers --contexts 1024 131072"
     step mtp 150 "$py" bench/decode_speed.py --model glm-5.1 --weights fp8 --mtp-forced-accept --contexts 1024 --tokens 64 \
-      --json --out "$out/glm-5.1_fp8_78L_mtp_${day}.json"
+      --json --out "$out/glm-5.1_fp8_78L_mtp_${gpu}_${day}.json"
     step glm-bf16 80 "$py" bench/decode_speed.py --model glm-5.1 --weights bf16 --no-hf --no-mtp --variants speed-path \
-      --contexts 1024 --tokens 64 --json --out "$out/glm-5.1_bf16_78L_decode_speed_${day}.json"
+      --contexts 1024 --tokens 64 --json --out "$out/glm-5.1_bf16_78L_decode_speed_${gpu}_${day}.json"
     step llama 100 "$py" bench/decode_speed.py --model llama3-8b --no-hf --variants speed-path --contexts 1024 8192 \
-      --tokens 128 --json --out "$out/llama3-8b_bf16_decode_speed_${day}.json"
+      --tokens 128 --json --out "$out/llama3-8b_bf16_decode_speed_${gpu}_${day}.json"
     ;;
   ab)
     tag=${4:?tag}; shift 4

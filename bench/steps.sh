@@ -20,14 +20,14 @@ step() {  # step NAME SECONDS CMD...: one bench under a time limit (and the dead
 glm() {  # glm TAG CONTEXTS...: GLM-5.1 fp8 at 78 layers, speed path, profiled
   local tag=$1; shift
   "$py" bench/decode_speed.py --model glm-5.1 --weights fp8 --no-hf --no-mtp --variants speed-path --contexts "$@" --tokens 64 \
-    --json --out "$out/glm-5.1_fp8_78L_decode_speed_${day}-${tag}.json"
+    --json --out "$out/glm-5.1_fp8_78L_decode_speed_${gpu}_${day}-${tag}.json"
 }
 
 dsv3() {  # dsv3 TAG [CONTEXTS...]: DeepSeek-V3 fp8 at 61 layers (default 1K)
   local tag=$1; shift
   [ $# -gt 0 ] || set -- 1024
   "$py" bench/decode_speed.py --model deepseek-v3 --weights fp8 --no-hf --no-mtp --variants speed-path --contexts "$@" --tokens 64 \
-    --json --out "$out/deepseek-v3_fp8_61L_decode_speed_${day}-${tag}.json"
+    --json --out "$out/deepseek-v3_fp8_61L_decode_speed_${gpu}_${day}-${tag}.json"
 }
 
 tp8() {  # tp8 TAG [ARGS...]: one TP8 rank's shard of GLM-5.1 fp8 (ARGS: tp_shard_step.py's; default --contexts 1024 131072)
