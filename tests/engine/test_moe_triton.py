@@ -78,6 +78,18 @@ _CASES = textwrap.dedent("""
     ref = torch.stack([x[r // 3] @ deq[r].T for r in range(6)])
     err = float((y - ref).abs().max())
     assert err < 1e-4, err
+    # one block an expert (a TP shard's slice: scales [1, 1]) with the shared expert's scale a view of other strides
+    # on those size-1 dims: read right, not refused
+    parts = [quantize(torch.randn(8, 16, generator=g), (8, 16)) for _ in range(3)]
+    ew, es = torch.stack([q.weight for q in parts]), torch.stack([q.scale for q in parts])
+    sh = quantize(torch.randn(8, 16, generator=g), (8, 16))
+    odd_scale = sh.scale.repeat(3, 5)[:1, :1]
+    assert odd_scale.stride() != es.stride()[1:]
+    x = torch.randn(1, 16, generator=g)
+    ids = torch.tensor([2, -1])
+    y = fp8_triton.launch(x, ew, es, ids, None, 8, 16, shared=(sh.weight, odd_scale), x_div=2)
+    ref = torch.stack([x[0] @ dequantize(parts[2], torch.float32).T, x[0] @ dequantize(sh, torch.float32).T])
+    assert float((y - ref).abs().max()) < 1e-4
     print("moe kernel ok")
 """)
 
@@ -115,3 +127,14 @@ def test_expert_gemv_on_cuda_matches_fp32_reference() -> None:
     got = expert_gemv(x, w13, ids)
     want = torch.einsum("rk,rnk->rn", x.float(), w13[ids].float())
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
+
+
+def test_same_layout_ignores_the_strides_of_size_1_dims() -> None:
+    import torch
+
+    from tilepd.engine.fp8_triton import same_layout
+
+    routed = torch.zeros(4, 1, 1)
+    assert same_layout(torch.zeros(6, 2)[:1, :1], routed[0])  # strides (2, 1) against (1, 1), both [1, 1]
+    assert not same_layout(torch.zeros(2, 3).t(), torch.zeros(3, 2))  # a real stride difference
+    assert not same_layout(torch.zeros(1, 2), routed[0])

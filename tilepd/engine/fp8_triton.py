@@ -138,6 +138,12 @@ def _block_n(n: int, rows: int) -> int:
     return pick_block_n(n, rows, forced=TUNE["block_n"], programs=TUNE["programs"], smallest=8)
 
 
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same strides where a dim is longer than 1: a kernel reading `a` through `b`'s strides reads
+    it right (a size-1 dim's stride never moves a pointer, and TP shards or slices leave arbitrary ones there)."""
+    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
 def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None, bias: torch.Tensor | None,
            block_n: int, block_k: int, shared: tuple[torch.Tensor, torch.Tensor] | None = None, x_div: int = 1) -> torch.Tensor:
     """x [R, K]; weight [N, K] (or [E, N, K] with ids [R]); scale [(E,) nb_n, nb_k] float32 -> [R, N] in x's dtype.
@@ -153,8 +159,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
     n = weight.shape[-2]
     if weight.stride(-1) != 1 or x.stride(-1) != 1 or scale.stride(-1) != 1:
         raise ValueError("fp8 GEMV kernel: weight, scale and x must be contiguous along K")
-    if shared is not None and any(a.shape != b.shape[1:] or a.stride() != b.stride()[1:] or a.dtype != b.dtype
-                                  for a, b in ((shared[0], weight), (shared[1], scale))):
+    if shared is not None and any(not same_layout(a, b[0]) or a.dtype != b.dtype for a, b in ((shared[0], weight), (shared[1], scale))):
         raise ValueError(f"fp8 GEMV kernel: shared expert {list(shared[0].shape)} (scales {list(shared[1].shape)}) must match one routed "
                          f"expert {list(weight.shape[1:])} (scales {list(scale.shape[1:])}) in shape, strides and dtype")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)

@@ -35,6 +35,7 @@ import torch
 
 from tilepd.model_format.block_fp8 import BlockFp8
 from tilepd.engine import pdl
+from tilepd.engine.fp8_triton import same_layout
 from tilepd.engine.tuning import env_int
 
 try:
@@ -279,9 +280,6 @@ def _expert_parts(w: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, w
     """(weight, shared weight, scale, shared scale, fp8, block) of stacked experts [E, N, K] and the shared expert [N, K],
     after refusing by name a shared expert that is not one routed expert's shape, format and strides (it is read through
     the routed experts' strides)."""
-    def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:  # strides of size-1 dims never move a pointer
-        return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
-
     fp8 = isinstance(w, BlockFp8)
     if fp8 != isinstance(shared, BlockFp8):
         raise ValueError(f"fused MoE {what}: the routed and the shared expert weights must both be fp8 or both dense")
