@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Issue 24's rows at full depth on whichever card the device call got, in one call, with a deadline.
 #
-#   bash bench/depth_step.sh rows OUTDIR SECONDS   # the fused attention GEMVs' tile sweep (fp8_gemv_sweep --fused), GPU
-#                                                  # parity (DSA, MLA, fp8), GLM-5.1 fp8 78L 1K-200K, DeepSeek-V3 fp8 61L
-#                                                  # 1K/32K, the TP8 shard (layers aliased), MTP at 78 layers, GLM-5.1 bf16,
-#                                                  # llama3-8b
-#   bash bench/depth_step.sh table OUTDIR SECONDS  # the same rows without the sweep, model rows first, then parity, MTP,
-#                                                  # llama3-8b and GLM-5.1 bf16
+#   bash bench/depth_step.sh rows OUTDIR SECONDS   # the fused attention GEMVs' tile sweep (fp8_gemv_sweep --fused), then
+#                                                  # the table's rows
+#   bash bench/depth_step.sh table OUTDIR SECONDS  # the TP8 shard (layers aliased), GLM-5.1 fp8 78L 1K-200K, DeepSeek-V3
+#                                                  # fp8 61L 1K/32K, GPU parity (DSA, MLA, fp8, TP8 shard), MTP at 78
+#                                                  # layers, llama3-8b, GLM-5.1 bf16
 #   bash bench/depth_step.sh ab OUTDIR SECONDS TAG VAR=VALUE...  # GLM-5.1 fp8 1K, DeepSeek-V3 fp8 1K and the TP8 shard 1K
 #                                                  # as the code stands and with the settings, then GPU parity under the settings
 #   bash bench/depth_step.sh ctx OUTDIR SECONDS CONTEXT TAG=VAR=VALUE[,VAR=VALUE]...  # GLM-5.1 fp8 at one context as
@@ -30,26 +29,16 @@ source "$(dirname "${BASH_SOURCE[0]}")/steps.sh"
 case "$part" in
   rows)
     step fp8-fused-sweep 170 "$py" bench/fp8_gemv_sweep.py --fused --out "$out/fp8-fused-sweep_${gpu}_${day}.json"
-    parity parity 240
+    ;&  # then the table's rows
+  table)  # issue 24's rows without the tile sweep, the model rows first (2026-12-06's call 3 took ~300 s on an H100)
+    step tp8 80 bash -c "$(model_fns); tp8 main --alias-layers --contexts 1024 131072"
     step glm 200 bash -c "$(model_fns); glm main 1024 32768 131072 200000"
     step dsv3 90 bash -c "$(model_fns); dsv3 main 1024 32768"
-    step tp8 80 bash -c "$(model_fns); tp8 main --alias-layers --contexts 1024 131072"
+    parity parity 240
     step mtp 150 "$py" bench/decode_speed.py --model glm-5.1 --weights fp8 --mtp-forced-accept --contexts 1024 --tokens 64 \
       --json --out "$out/glm-5.1_fp8_78L_mtp_${gpu}_${day}.json"
+    step llama 100 bash -c "$(model_fns); llama main"
     step glm-bf16 80 "$py" bench/decode_speed.py --model glm-5.1 --weights bf16 --no-hf --no-mtp --variants speed-path \
-      --contexts 1024 --tokens 64 --json --out "$out/glm-5.1_bf16_78L_decode_speed_${gpu}_${day}.json"
-    step llama 100 "$py" bench/decode_speed.py --model llama3-8b --no-hf --variants speed-path --contexts 1024 8192 \
-      --tokens 128 --json --out "$out/llama3-8b_bf16_decode_speed_${gpu}_${day}.json"
-    ;;
-  table)  # issue 24's rows without the tile sweep, the model rows first (2026-12-06's call 3, ~300 s on an H100)
-    step tp8 60 bash -c "$(model_fns); tp8 final --alias-layers --contexts 1024 131072"
-    step glm 120 bash -c "$(model_fns); glm final 1024 32768 131072 200000"
-    step dsv3 60 bash -c "$(model_fns); dsv3 final 1024 32768"
-    parity parity 240
-    step mtp 120 "$py" bench/decode_speed.py --model glm-5.1 --weights fp8 --mtp-forced-accept --contexts 1024 --tokens 64 \
-      --json --out "$out/glm-5.1_fp8_78L_mtp_${gpu}_${day}.json"
-    step llama 60 bash -c "$(model_fns); llama final"
-    step glm-bf16 60 "$py" bench/decode_speed.py --model glm-5.1 --weights bf16 --no-hf --no-mtp --variants speed-path \
       --contexts 1024 --tokens 64 --json --out "$out/glm-5.1_bf16_78L_decode_speed_${gpu}_${day}.json"
     ;;
   ab)

@@ -171,7 +171,6 @@ def test_a_blocked_log_cannot_wedge_the_loop(tmp_path: Path) -> None:
     assert n >= 10, out.stdout  # 2 s of 50 ms sleeps: ~40 on a quiet box; a wedged loop makes none
 
 
-
 def test_a_sigcont_handled_after_the_loop_resumed_is_still_counted(monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """The kernel hands a SIGCONT to any thread of the process; on a loaded box the one that got it may run its
