@@ -31,8 +31,6 @@ they also run on CPU tensors, which is how tests/engine/test_moe_fused.py checks
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tilepd.model_format.block_fp8 import BlockFp8
@@ -73,7 +71,6 @@ TUNE: dict[str, int] = {
     "gate_up_fused": env_int("TILEPD_MOE_GATE_UP_FUSED", 0),
     "fused_gate_block_e": env_int("TILEPD_MOE_FUSED_GATE_UP_BLOCK_E", 2),
     "fused_gate_block_k": env_int("TILEPD_MOE_FUSED_GATE_UP_BLOCK_K", 2048),
-    "fused_spin_ns": env_int("TILEPD_MOE_FUSED_GATE_UP_SPIN_NS", 256),
 }
 _DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
 
@@ -226,16 +223,11 @@ if triton is not None:
         tl.store(A + r * s_ar + cols_n, (a * up).to(act), mask=nmask)  # times up, rounded as the product
 
     @triton.jit
-    def _await(flag, target, SLEEP_NS: tl.constexpr):  # noqa: ANN001, ANN201 - a Triton device function
+    def _await(flag, target):  # noqa: ANN001, ANN201 - a Triton device function
         """Spin until the int32 at flag reaches target (raised by programs of this launch that are already running: they
-        drew lower tickets), then acquire it, so what they stored before their release is visible. Between two polls a
-        program sleeps SLEEP_NS (0: none), so ~1,000 waiting programs do not hammer the flag's L2 slice, which the
-        programs they wait on read through."""
+        drew lower tickets), then acquire it, so what they stored before their release is visible."""
         seen = tl.load(flag, volatile=True)  # plain polling reads: ~2,000 programs may wait, an atomic each would queue
         while seen < target:
-            if SLEEP_NS > 0:
-                seen += tl.inline_asm_elementwise("{ nanosleep.u32 $1; mov.u32 $0, 0; }", "=r,r", [seen * 0 + SLEEP_NS], dtype=tl.int32,
-                                                  is_pure=False, pack=1)
             seen = tl.load(flag, volatile=True)
         while tl.atomic_add(flag, 0, sem="acquire") < target:  # passes at once; its result used, so the compiler keeps it
             pass
@@ -246,7 +238,7 @@ if triton is not None:
                               N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                               G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
                               N_SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLEEP_NS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
         # SYNC (int32, 0 between launches): [0] role tickets, [1] normed rows out, [2] gate tickets, [3] routed, [4] gate-up done
         wait(PDL)  # before the first atomic: the counters are the step's (pdl.py)
         ticket = tl.atomic_add(SYNC, 1, sem="relaxed")
@@ -279,14 +271,14 @@ if triton is not None:
                 t = u // n_cols
                 pid_n = u % n_cols
                 slot = tl.full([], N_SLOTS - 1, tl.int32)
-                _await(SYNC + 1, T, SLEEP_NS)
+                _await(SYNC + 1, T)
                 e = tl.full([], -1, tl.int64)
             else:
                 v = u - T * n_cols
                 pid_n = v % n_cols
                 t = (v // n_cols) // (N_SLOTS - 1)
                 slot = (v // n_cols) % (N_SLOTS - 1)
-                _await(SYNC + 3, 1, SLEEP_NS)
+                _await(SYNC + 3, 1)
                 e = tl.load(IDS + t * s_ir + slot, cache_modifier=".cg").to(tl.int64)
             _gate_up_row(H, W, S, WS, SS, e, A, t * N_SLOTS + slot, pid_n, I, K, s_hr, s_we, s_wn, s_se, s_sn, s_ar, N_SLOTS, FP8, BN, BK,
                          ROW_UNIFORM, BLOCK_N, BLOCK_K, True)
@@ -431,8 +423,8 @@ def gate_route_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: 
         x.stride(0), h.stride(0), gate.stride(0), logits.stride(0), ids.stride(0), weights.stride(0), wt.stride(0), wt.stride(1),
         scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, a.stride(0), float(eps), float(routed_scaling_factor),
         K=k, GATE_BLOCK_E=block_e, GATE_BLOCK_K=block_k, **consts, FP8=fp8, BN=bn, BK=bk,
-        ROW_UNIFORM=fp8 and bn % block_n == 0 and inter % bn == 0, BLOCK_N=block_n, BLOCK_K=up_block_k,
-        SLEEP_NS=0 if os.environ.get("TRITON_INTERPRET") == "1" else TUNE["fused_spin_ns"], num_warps=TUNE["up_num_warps"], **pdl.launch_args(x, "gate_up"))
+        ROW_UNIFORM=fp8 and bn % block_n == 0 and inter % bn == 0, BLOCK_N=block_n, BLOCK_K=up_block_k, num_warps=TUNE["up_num_warps"],
+        **pdl.launch_args(x, "gate_up"))
     return h, ids, weights, logits, a
 
 
