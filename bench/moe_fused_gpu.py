@@ -165,29 +165,7 @@ def kernel_calls(x: torch.Tensor, w: dict, s: SimpleNamespace) -> dict:
             return expert_gemv(h, w13, ids.view(-1), shared=s13, x_div=k + 1)
     a = moe_fused_triton.gate_up_act(h, w13, s13, ids)
     return {"gate": lambda: moe_fused_triton.gate_route(*args), "gate_up": lambda: moe_fused_triton.gate_up_act(h, w13, s13, ids),
-            "gate_and_gate_up": lambda: moe_fused_triton.gate_route_up(*args, w13, s13),
             "down": lambda: moe_fused_triton.down_combine(a, w["l.experts_w2"], w["l.shared_w2"], ids, weights, x), "gate_up_grouped": grouped}
-
-
-def one_launch(x: torch.Tensor, w: dict, s: SimpleNamespace, dev: torch.device) -> dict:
-    """The block with the gate and the gate-up in one launch (TUNE["gate_up_fused"]): its time, and against the block's
-    three-launch form on the same rows: routed sets that differ (float32 order of the router sums: its gate programs sum
-    the row in 2048-wide chunks) and the output's max abs difference where they agree."""
-    saved = moe_fused_triton.TUNE["gate_up_fused"]
-    k = s.num_experts_per_tok
-    args = (x, w["l.mlp_norm"], s.rms_norm_eps, w["l.gate"], w["l.gate_bias"], s.n_group, s.topk_group, k, s.norm_topk_prob, s.routed_scaling_factor)
-    try:
-        moe_fused_triton.TUNE["gate_up_fused"] = 1
-        one_us = _time_us(lambda: fused(x, w, s), dev)
-        got = fused(x, w, s).float()
-        _, one_ids, _, _, _ = moe_fused_triton.gate_route_up(*args, w["l.experts_w13"], w["l.shared_w13"])
-    finally:
-        moe_fused_triton.TUNE["gate_up_fused"] = saved
-    want = fused(x, w, s).float()
-    _, ids, _, _ = moe_fused_triton.gate_route(*args)
-    same = (one_ids.sort(-1)[0] == ids.sort(-1)[0]).all(-1)
-    diff = (got - want).abs()[same]
-    return {"one_launch_us": one_us, "one_launch_id_mismatches": int((~same).sum()), "one_launch_max_abs": float(diff.max()) if diff.numel() else 0.0}
 
 
 def _best(times: dict) -> str:
@@ -259,7 +237,6 @@ def run_case(model: str, fmt: str, args, dev: torch.device, dtype: torch.dtype) 
                     row[f"{name}_MB"] = nbytes / 1e6
                     row[f"{name}_GBps"] = nbytes / (row[f"{name}_us"] * 1e-6) / 1e9
                     row[f"{name}_pct_bw"] = 100 * row[f"{name}_GBps"] / args.read_GBps if args.read_GBps else None
-            row.update(one_launch(x, w, s, dev))
             row["fused_launches"] = count_launches(lambda: fused(x, w, s), dev)
             row["today_launches"] = count_launches(lambda: today(x, w, s), dev)
             if t == 1 and args.sweep and dev.type == "cuda":

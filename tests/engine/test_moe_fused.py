@@ -54,7 +54,7 @@ _KERNELS = textwrap.dedent("""
             assert torch.equal(a, b), (name, dtype, ids.tolist(), want_ids.tolist())
             torch.testing.assert_close(w[:, :k].float().gather(1, ib), want_w.to(dtype).float().gather(1, ia), rtol=tol, atol=tol)
             assert ids[:, k].tolist() == [-1] * t and w[:, k].tolist() == [1.0] * t  # the shared slot
-            assert not K._COUNTERS[cpu].any(), "the ticket counter is back to 0 for the next launch"
+            assert int(K._COUNTERS[cpu]) == 0, "the ticket counter is back to 0 for the next launch"
             checked += 1
     # ties: equal logits (a zero gate) and no bias -> groups 0..3, then experts 0..7, equal weights
     _, ids, w, _ = K.gate_route(torch.randn(2, 40, generator=g), torch.ones(40), 1e-6, torch.zeros(256, 40), torch.zeros(256), 8, 4, 8, True, 2.5)
@@ -140,12 +140,6 @@ _KERNELS = textwrap.dedent("""
                     assert alone.dtype == dtype and err < tol, ("no residual", fp8, dtype, ng, t, err)
                     if dtype == torch.float32:  # no rounding in between: the add is the only difference
                         assert torch.equal(alone + x, got), (fp8, ng, t)
-                    # the gate and the gate-up in one launch (role tickets): the same values, the counters back at 0
-                    K.TUNE.update(gate_up_fused=1, fused_gate_block_k=K.TUNE["gate_block_k"], fused_gate_block_e=4)
-                    for _ in range(2):
-                        assert torch.equal(moe_fused.moe_block(x, w, "l.", spec), got), ("gate + gate-up fused", fp8, dtype, ng, t)
-                        assert not K._COUNTERS[cpu].any()
-                    K.TUNE["gate_up_fused"] = 0
                     moe.BLOCK_IMPL["moe"] = "triton"
                     assert moe.use_fused_block(x, w, "l.", spec)
                     assert torch.equal(moe.mlp_block(x, w, "l.", spec, True), got)
@@ -162,7 +156,7 @@ def test_fused_moe_kernels_match_the_torch_ops_under_interpreter(repo_root: Path
 
 
 def test_fused_moe_refuses_bad_shapes_by_name() -> None:
-    from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_route_up, gate_up_act
+    from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_up_act
     from tilepd.model_format.block_fp8 import quantize
 
     x, nw, gate, bias = torch.zeros(1, 16), torch.ones(16), torch.zeros(8, 16), torch.zeros(8)
@@ -181,12 +175,6 @@ def test_fused_moe_refuses_bad_shapes_by_name() -> None:
         gate_up_act(torch.zeros(1, 12), torch.zeros(3, 8, 16), torch.zeros(8, 16), ids)
     with pytest.raises(ValueError, match="both be fp8 or both dense"):
         gate_up_act(torch.zeros(1, 16), torch.zeros(3, 8, 16), quantize(torch.zeros(8, 16)), ids)
-    with pytest.raises(ValueError, match="do not fit the 8 stacked"):
-        gate_route_up(x, nw, 1e-6, gate, bias, 1, 1, 2, True, 1.0, torch.zeros(8, 8, 12), torch.zeros(8, 12))
-    with pytest.raises(ValueError, match="do not fit the 3 stacked"):
-        gate_route_up(x, nw, 1e-6, gate, bias, 1, 1, 2, True, 1.0, torch.zeros(3, 8, 16), torch.zeros(8, 16))
-    with pytest.raises(ValueError, match="must match one routed expert"):
-        gate_route_up(x, nw, 1e-6, gate, bias, 1, 1, 2, True, 1.0, torch.zeros(8, 8, 16), torch.zeros(6, 16))
 
 
 def test_mlp_block_off_the_switch_is_the_unfused_ops() -> None:

@@ -94,12 +94,9 @@ def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
                                                           8, True, 2.5)
         ids = torch.tensor([[3, 1, -1]])
         wts = torch.ones(1, 3, dtype=bf)
-        w13 = stacked(4, 256, h)  # gate_route_up below reads it as 256 experts (one router row each), stride 0: compiled, not run
-        a = moe_fused_triton.gate_up_act(x, w13, fp8(256, h), ids, shared_last=True)
+        a = moe_fused_triton.gate_up_act(x, stacked(4, 256, h), fp8(256, h), ids, shared_last=True)
         moe_fused_triton.down_combine(torch.randn(3, 128).to(bf), stacked(4, h, 128), fp8(h, 128), ids, wts, x, shared_last=True)
         moe_fused_triton.gate_up_act(x, torch.randn(4, 256, h).to(bf), torch.randn(256, h).to(bf), ids, shared_last=True)
-        moe_fused_triton.gate_route_up(x, torch.ones(h, dtype=bf), 1e-6, torch.randn(256, h), torch.zeros(256), 8, 4, 2, True, 2.5,
-                                       BlockFp8(*(v[:1].expand(256, *v.shape[1:]) for v in (w13.weight, w13.scale)), w13.block), fp8(256, h))
         del a
         length = 4096
         valid = torch.ones(t, length, dtype=torch.bool)
@@ -118,7 +115,7 @@ def test_step_kernels_compile_for_sm90_with_pdl(monkeypatch: pytest.MonkeyPatch)
     done = _compile_step_kernels(monkeypatch)
     names = {d["name"] for d in done}
     expected = {"_fp8_gemv_kernel", "_dense_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_gate_kernel",
-                "_gate_up_kernel", "_gate_up_fused_kernel", "_down_kernel", "_index_scores_kernel", "_topk_split_kernel", "_topk_refine_kernel", "_topk_finish_kernel",
+                "_gate_up_kernel", "_down_kernel", "_index_scores_kernel", "_topk_split_kernel", "_topk_refine_kernel", "_topk_finish_kernel",
                 "_topk_one_program_kernel"}
     assert expected <= names, expected - names
     for d in done:

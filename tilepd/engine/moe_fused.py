@@ -6,8 +6,7 @@ microseconds plus a gap. Here:
 
 1. gate (moe_fused_triton.gate_route): the MLP norm, the float32 router GEMV from the normed row and the noaux_tc
    routing, fused with a last-program ticket; it also writes the normed row h (bf16) and the routed ids with the shared
-   slot (id -1, weight 1). With TUNE["gate_up_fused"] (env TILEPD_MOE_GATE_UP_FUSED=1) 1 and 2 are one launch
-   (moe_fused_triton.gate_route_up: role tickets, the shared expert's rows start before the routing is out).
+   slot (id -1, weight 1).
 2. gate-up (moe_fused_triton.gate_up_act): the grouped GEMV over each token's k routed experts and the shared one,
    reading h in place by its k+1 rows, each program computing the gate and the up outputs of the same columns, with
    silu(gate) * up in its epilogue. The norm is computed once in 1. instead of in this launch's ~2,300 programs (each
@@ -58,15 +57,11 @@ def applies(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
 def moe_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec, residual: bool = True) -> torch.Tensor:
     """x + moe(rms_norm(x, mlp_norm)) for the MoE layer `p` in 3 launches (call where `applies`); residual False:
     moe(rms_norm(x)) alone, which tensor parallelism all-reduces (each rank's expert slices) before its own add."""
-    from tilepd.engine.moe_fused_triton import TUNE, down_combine, gate_route, gate_route_up, gate_up_act
+    from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_up_act
 
     k = spec.num_experts_per_tok
     x = x if x.is_contiguous() else x.contiguous()
-    gate_args = (x, w[p + "mlp_norm"], spec.rms_norm_eps, w[p + "gate"], w[p + "gate_bias"], spec.n_group, spec.topk_group, k,
-                 spec.norm_topk_prob, spec.routed_scaling_factor)
-    if TUNE["gate_up_fused"]:  # 1 and 2 in one launch
-        _, ids, weights, _, a = gate_route_up(*gate_args, w[p + "experts_w13"], w[p + "shared_w13"])
-    else:
-        h, ids, weights, _ = gate_route(*gate_args)
-        a = gate_up_act(h, w[p + "experts_w13"], w[p + "shared_w13"], ids, shared_last=True)
+    h, ids, weights, _ = gate_route(x, w[p + "mlp_norm"], spec.rms_norm_eps, w[p + "gate"], w[p + "gate_bias"], spec.n_group, spec.topk_group, k,
+                                    spec.norm_topk_prob, spec.routed_scaling_factor)
+    a = gate_up_act(h, w[p + "experts_w13"], w[p + "shared_w13"], ids, shared_last=True)
     return down_combine(a, w[p + "experts_w2"], w[p + "shared_w2"], ids, weights, x if residual else None, shared_last=True)

@@ -65,18 +65,10 @@ TUNE: dict[str, int] = {
     "down_block_k_fp8": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K_FP8", 0),
     "down_block_k": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K", 1024),
     "down_num_warps": env_int("TILEPD_MOE_FUSED_DOWN_WARPS", 4),
-    # the gate and the gate-up GEMV in one launch (gate_route_up; moe_fused.moe_block takes it where 1), and its gate
-    # programs' tile: router experts a program, K chunk (the row in chunks: these programs share the gate-up's warps and
-    # registers; 2 x 2048 builds for sm_90 in the gate-up's 72 registers at GLM-5.1's shapes, 2 x 4096 takes 122)
-    "gate_up_fused": env_int("TILEPD_MOE_GATE_UP_FUSED", 0),
-    "fused_gate_block_e": env_int("TILEPD_MOE_FUSED_GATE_UP_BLOCK_E", 2),
-    "fused_gate_block_k": env_int("TILEPD_MOE_FUSED_GATE_UP_BLOCK_K", 2048),
 }
 _DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
 
-# per device, all 0 between launches: [0] the gate kernel's ticket counter, [1:6] the fused gate + gate-up kernel's (its SYNC)
-_COUNTER_SLOTS = 8
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # one ticket counter per device, always 0 between launches
 
 
 def available() -> bool:
@@ -84,41 +76,6 @@ def available() -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _gate_chunks(x_row, NW, w_rows, emask, h_row, rstd, store_h, K, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-        """BLOCK_E router logits (float32) over the row's K chunks, the normed row (x * rstd * norm weight, rounded once to
-        h_row's dtype) made chunk by chunk and stored at h_row where store_h."""
-        act = h_row.dtype.element_ty
-        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            xs = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            g = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
-            hn = (xs * rstd * g).to(act)
-            if store_h:
-                tl.store(h_row + cols, hn, mask=cmask)
-            w = tl.load(w_rows + cols[None, :], mask=emask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * hn.to(tl.float32)[None, :], axis=1)
-        return acc
-
-    @triton.jit
-    def _route_last(LOGITS, BIAS, IDS, WTS, COUNTER, n_programs, T, s_lr, s_ir, s_wr, scale,  # noqa: ANN201 - a Triton device function
-                    N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, G_PAD: tl.constexpr,
-                    GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr, N_SLOTS: tl.constexpr):
-        """After a program's logits are stored: its ticket from COUNTER (a CTA barrier, then one acq_rel atomic: the
-        pattern of CUDA's grid sync); the program that draws the last of n_programs routes every token and puts the
-        counter back to 0. Returns whether this program routed."""
-        tl.debug_barrier()  # every thread's logits before the ticket's release
-        ticket = tl.atomic_add(COUNTER, 1, sem="acq_rel")
-        last = ticket == n_programs - 1
-        if last:  # the last program: all logits are out
-            for t in range(T):
-                route_row(LOGITS + t * s_lr, BIAS, IDS + t * s_ir, WTS + t * s_wr, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
-                          G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
-            tl.atomic_xchg(COUNTER, 0)
-        return last
 
     @triton.jit
     def _gate_kernel(X, NW, GATE, BIAS, H, LOGITS, COUNTER, IDS, WTS, T, E, s_xr, s_hr, s_ge, s_lr, s_ir, s_wr, eps, scale,
@@ -148,10 +105,25 @@ if triton is not None:
         else:
             wait(PDL)
             rstd = row_rstd(x_row, K, eps, BLOCK_K)
-            acc = _gate_chunks(x_row, NW, w_rows, emask, H + r * s_hr, rstd, pid_e == 0, K, BLOCK_E, BLOCK_K)
+            acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                cmask = cols < K
+                xs = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+                g = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+                hn = (xs * rstd * g).to(act)
+                if pid_e == 0:
+                    tl.store(H + r * s_hr + cols, hn, mask=cmask)
+                w = tl.load(w_rows + cols[None, :], mask=emask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * hn.to(tl.float32)[None, :], axis=1)
         tl.store(LOGITS + r * s_lr + experts, acc, mask=emask)
-        _route_last(LOGITS, BIAS, IDS, WTS, COUNTER, tl.num_programs(0) * tl.num_programs(1), T, s_lr, s_ir, s_wr, scale, N_GROUP, GROUP_SIZE,
-                    TOPK_GROUP, TOP_K, G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
+        tl.debug_barrier()  # every thread's logits before the ticket's release
+        ticket = tl.atomic_add(COUNTER, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program: all logits are out
+            for t in range(T):
+                route_row(LOGITS + t * s_lr, BIAS, IDS + t * s_ir, WTS + t * s_wr, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
+                          G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
+            tl.atomic_xchg(COUNTER, 0)
 
     @triton.jit
     def _gate_up_kernel(X, W, S, WS, SS, IDS, A, I, K, s_xr, s_we, s_wn, s_se, s_sn, s_ar,
@@ -160,6 +132,7 @@ if triton is not None:
                         PF_LINES: tl.constexpr = 1, ESIZE: tl.constexpr = 1):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
+        act = A.dtype.element_ty
         cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols_n < I
         if PREFETCH:  # the last slot of each token is the shared expert (gate_route's ids): its rows are known before
@@ -170,18 +143,7 @@ if triton is not None:
                 prefetch_l2(pf_rows, pf_mask)
                 prefetch_l2(pf_rows + I * s_wn, pf_mask)
         wait(PDL)
-        _gate_up_row(X, W, S, WS, SS, tl.load(IDS + r).to(tl.int64), A, r, pid_n, I, K, s_xr, s_we, s_wn, s_se, s_sn, s_ar, X_DIV, FP8, BN, BK,
-                     ROW_UNIFORM, BLOCK_N, BLOCK_K, False)
-
-    @triton.jit
-    def _gate_up_row(X, W, S, WS, SS, e, A, r, pid_n, I, K, s_xr, s_we, s_wn, s_se, s_sn, s_ar,  # noqa: ANN201 - a Triton device function
-                     X_DIV: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_CG: tl.constexpr):
-        """Row r's BLOCK_N columns from pid_n of silu(gate) * up for expert e (-1: the shared one) from the normed row
-        r // X_DIV (read past L1 where X_CG: another program of the same launch wrote it)."""
-        act = A.dtype.element_ty
-        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = cols_n < I
+        e = tl.load(IDS + r).to(tl.int64)
         w_base = W + e * s_we
         s_base = S + e * s_se
         if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
@@ -198,10 +160,7 @@ if triton is not None:
             wmask = nmask[:, None] & cmask[None, :]
             wg = tl.load(g_rows + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
             wu = tl.load(u_rows + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
-            if X_CG:
-                x = tl.load(x_row + cols, mask=cmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            else:
-                x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
             if FP8:
                 if ROW_UNIFORM:  # the tile's gate rows share one row block, so do its up rows: scales fold into x
                     sg = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
@@ -221,72 +180,6 @@ if triton is not None:
         up = acc_u.to(act).to(tl.float32)
         a = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32)  # silu, rounded as F.silu's output
         tl.store(A + r * s_ar + cols_n, (a * up).to(act), mask=nmask)  # times up, rounded as the product
-
-    @triton.jit
-    def _await(flag, target):  # noqa: ANN001, ANN201 - a Triton device function
-        """Spin until the int32 at flag reaches target (raised by programs of this launch that are already running: they
-        drew lower tickets), then acquire it, so what they stored before their release is visible."""
-        seen = tl.load(flag, volatile=True)  # plain polling reads: ~2,000 programs may wait, an atomic each would queue
-        while seen < target:
-            seen = tl.load(flag, volatile=True)
-        while tl.atomic_add(flag, 0, sem="acquire") < target:  # passes at once; its result used, so the compiler keeps it
-            pass
-
-    @triton.jit
-    def _gate_up_fused_kernel(X, NW, GATE, BIAS, H, LOGITS, SYNC, IDS, WTS, W, S, WS, SS, A, T, E, I, s_xr, s_hr, s_ge, s_lr, s_ir, s_wr,
-                              s_we, s_wn, s_se, s_sn, s_ar, eps, scale, K: tl.constexpr, GATE_BLOCK_E: tl.constexpr, GATE_BLOCK_K: tl.constexpr,
-                              N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                              G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                              N_SLOTS: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-        # SYNC (int32, 0 between launches): [0] role tickets, [1] normed rows out, [2] gate tickets, [3] routed, [4] gate-up done
-        wait(PDL)  # before the first atomic: the counters are the step's (pdl.py)
-        ticket = tl.atomic_add(SYNC, 1, sem="relaxed")
-        n_e = tl.cdiv(E, GATE_BLOCK_E)
-        n_gate = T * n_e
-        n_cols = tl.cdiv(I, BLOCK_N)
-        n_up = T * N_SLOTS * n_cols
-        if ticket == n_gate + n_up - 1:  # every ticket drawn
-            tl.atomic_xchg(SYNC, 0)
-        if ticket < n_gate:  # gate role: BLOCK_E logits of token r, and (first tile) the token's normed row
-            r = ticket // n_e
-            pid_e = ticket % n_e
-            x_row = X + r * s_xr
-            experts = pid_e * GATE_BLOCK_E + tl.arange(0, GATE_BLOCK_E)
-            emask = experts < E
-            rstd = row_rstd(x_row, K, eps, GATE_BLOCK_K)
-            acc = _gate_chunks(x_row, NW, GATE + experts.to(tl.int64)[:, None] * s_ge, emask, H + r * s_hr, rstd, pid_e == 0, K, GATE_BLOCK_E,
-                               GATE_BLOCK_K)
-            tl.store(LOGITS + r * s_lr + experts, acc, mask=emask)
-            if pid_e == 0:  # the normed row is out: the shared expert's programs wait on this, not on the routing
-                tl.debug_barrier()  # every thread's part of the row before the release
-                tl.atomic_add(SYNC + 1, 1, sem="release")
-            if _route_last(LOGITS, BIAS, IDS, WTS, SYNC + 2, n_gate, T, s_lr, s_ir, s_wr, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
-                           G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS):
-                tl.debug_barrier()  # every thread's ids and weights before the release
-                tl.atomic_xchg(SYNC + 3, 1, sem="release")
-        else:  # gate-up role: the shared expert's rows first (they need only the normed rows), then the routed ones
-            u = ticket - n_gate
-            if u < T * n_cols:
-                t = u // n_cols
-                pid_n = u % n_cols
-                slot = tl.full([], N_SLOTS - 1, tl.int32)
-                _await(SYNC + 1, T)
-                e = tl.full([], -1, tl.int64)
-            else:
-                v = u - T * n_cols
-                pid_n = v % n_cols
-                t = (v // n_cols) // (N_SLOTS - 1)
-                slot = (v // n_cols) % (N_SLOTS - 1)
-                _await(SYNC + 3, 1)
-                e = tl.load(IDS + t * s_ir + slot, cache_modifier=".cg").to(tl.int64)
-            _gate_up_row(H, W, S, WS, SS, e, A, t * N_SLOTS + slot, pid_n, I, K, s_hr, s_we, s_wn, s_se, s_sn, s_ar, N_SLOTS, FP8, BN, BK,
-                         ROW_UNIFORM, BLOCK_N, BLOCK_K, True)
-            tl.debug_barrier()  # every thread past its reads of the flags before the count
-            if tl.atomic_add(SYNC + 4, 1, sem="acq_rel") == n_up - 1:  # the last gate-up program: nobody waits any more
-                tl.atomic_xchg(SYNC + 1, 0)
-                tl.atomic_xchg(SYNC + 3, 0)
-                tl.atomic_xchg(SYNC + 4, 0)
 
     @triton.jit
     def _down_kernel(A, W, S, WS, SS, IDS, WTS, RES, Y, N, s_ar, s_we, s_wn, s_se, s_sn, s_it, s_wt, s_rr, s_yr,
@@ -347,28 +240,8 @@ def _counter(device: torch.device) -> torch.Tensor:
     if c is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fused MoE gate: its ticket counter is made by an uncaptured call; run the step once before capturing it")
-        c = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+        c = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return c
-
-
-def _gate_outputs(x: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
-                  top_k: int, norm_topk_prob: bool) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(routing constants, h, ids, weights, logits) for the gate of x, after refusing by name what does not fit."""
-    if triton is None:
-        raise RuntimeError("fused MoE gate kernel needs Triton, which is not importable here")
-    if x.dim() != 2 or gate.dim() != 2 or gate.shape[1] != x.shape[1] or norm_weight.shape != (x.shape[1],) or bias.shape != (gate.shape[0],):
-        raise ValueError(f"fused MoE gate: x {list(x.shape)}, norm weight {list(norm_weight.shape)}, gate {list(gate.shape)}, bias "
-                         f"{list(bias.shape)} do not fit (x [T, H], norm [H], gate [E, H], bias [E])")
-    if x.stride(-1) != 1 or gate.stride(-1) != 1 or not norm_weight.is_contiguous() or not bias.is_contiguous():
-        raise ValueError("fused MoE gate: x and gate must be contiguous along H, the norm weight and the bias contiguous")
-    t = x.shape[0]
-    n_exp = gate.shape[0]
-    consts = route_constants(n_exp, n_group, topk_group, top_k, norm_topk_prob, shared_slot=True)
-    h = torch.empty_like(x, memory_format=torch.contiguous_format)
-    logits = torch.empty(t, n_exp, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t, consts["N_SLOTS"], dtype=torch.int64, device=x.device)
-    weights = torch.empty(t, consts["N_SLOTS"], dtype=x.dtype, device=x.device)
-    return consts, h, ids, weights, logits
 
 
 def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
@@ -377,9 +250,20 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
     -> (normed rows h [T, H] in x's dtype, ids [T, top_k + 1] int64 ending in the shared slot -1, weights [T, top_k + 1] in
     x's dtype ending in 1, router logits [T, E] float32), in one launch. The normed row is rounded once, as torch's
     rms_norm (layers.rms_norm) rounds it; HF's module rounds twice (after the scaling and after the weight)."""
-    consts, h, ids, weights, logits = _gate_outputs(x, norm_weight, gate, bias, n_group, topk_group, top_k, norm_topk_prob)
+    if triton is None:
+        raise RuntimeError("fused MoE gate kernel needs Triton, which is not importable here")
+    if x.dim() != 2 or gate.dim() != 2 or gate.shape[1] != x.shape[1] or norm_weight.shape != (x.shape[1],) or bias.shape != (gate.shape[0],):
+        raise ValueError(f"fused MoE gate: x {list(x.shape)}, norm weight {list(norm_weight.shape)}, gate {list(gate.shape)}, bias "
+                         f"{list(bias.shape)} do not fit (x [T, H], norm [H], gate [E, H], bias [E])")
+    if x.stride(-1) != 1 or gate.stride(-1) != 1 or not norm_weight.is_contiguous() or not bias.is_contiguous():
+        raise ValueError("fused MoE gate: x and gate must be contiguous along H, the norm weight and the bias contiguous")
     t, k = x.shape
     n_exp = gate.shape[0]
+    consts = route_constants(n_exp, n_group, topk_group, top_k, norm_topk_prob, shared_slot=True)
+    h = torch.empty_like(x, memory_format=torch.contiguous_format)
+    logits = torch.empty(t, n_exp, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, consts["N_SLOTS"], dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, consts["N_SLOTS"], dtype=x.dtype, device=x.device)
     if t == 0:
         return h, ids, weights, logits
     block_e = TUNE["gate_block_e"]
@@ -390,42 +274,6 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
         K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, num_warps=TUNE["gate_num_warps"],
         **pdl.launch_args(x, "gate"))
     return h, ids, weights, logits
-
-
-def gate_route_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
-                  top_k: int, norm_topk_prob: bool, routed_scaling_factor: float, w13: torch.Tensor | BlockFp8,
-                  shared: torch.Tensor | BlockFp8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gate_route and then gate_up_act(h, w13, shared, ids) in one launch: (h, ids, weights, logits, a), equal to the two.
-
-    Why: the gate is ~8 us a layer for ~1.5 us of bytes (its last program routes alone) plus a launch gap before the
-    gate-up GEMV, whose shared expert does not depend on the routing. Here every program draws a role ticket: the first
-    ones are the gate's (norm, logits, the last routes), then the shared expert's gate-up rows, which start as soon as
-    the normed rows are out, then the routed rows, which start when the routing is. A program only ever waits on
-    programs that drew lower tickets, so are already running: no launch order or co-residency is assumed."""
-    consts, h, ids, weights, logits = _gate_outputs(x, norm_weight, gate, bias, n_group, topk_group, top_k, norm_topk_prob)
-    wt, st, scale, s_scale, fp8, (bn, bk) = _expert_parts(w13, shared, "gate-up")
-    t, k = x.shape
-    n_exp, slots = gate.shape[0], consts["N_SLOTS"]
-    two_i = wt.shape[1]
-    if wt.shape[2] != k or two_i % 2 or wt.shape[0] != n_exp:
-        raise ValueError(f"fused MoE gate-up: x {list(x.shape)} and the gate's {n_exp} experts do not fit the {wt.shape[0]} stacked "
-                         f"[{two_i}, {wt.shape[2]}] experts (an even number of rows, one stacked expert a router row)")
-    inter = two_i // 2
-    a = torch.empty(t * slots, inter, dtype=x.dtype, device=x.device)
-    if t == 0:
-        return h, ids, weights, logits, a
-    block_e, block_k = TUNE["fused_gate_block_e"], min(TUNE["fused_gate_block_k"], triton.next_power_of_2(k))
-    block_n = TUNE["up_block_n_fp8" if fp8 else "up_block_n"]
-    up_block_k = min(TUNE["up_block_k_fp8" if fp8 else "up_block_k"], triton.next_power_of_2(k))
-    n_programs = t * triton.cdiv(n_exp, block_e) + t * slots * triton.cdiv(inter, block_n)
-    _gate_up_fused_kernel[(n_programs,)](
-        x, norm_weight, gate, bias, h, logits, _counter(x.device)[1:], ids, weights, wt, scale, st, s_scale, a, t, n_exp, inter,
-        x.stride(0), h.stride(0), gate.stride(0), logits.stride(0), ids.stride(0), weights.stride(0), wt.stride(0), wt.stride(1),
-        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, a.stride(0), float(eps), float(routed_scaling_factor),
-        K=k, GATE_BLOCK_E=block_e, GATE_BLOCK_K=block_k, **consts, FP8=fp8, BN=bn, BK=bk,
-        ROW_UNIFORM=fp8 and bn % block_n == 0 and inter % bn == 0, BLOCK_N=block_n, BLOCK_K=up_block_k, num_warps=TUNE["up_num_warps"],
-        **pdl.launch_args(x, "gate_up"))
-    return h, ids, weights, logits, a
 
 
 def _expert_parts(w: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, what: str) -> tuple:
