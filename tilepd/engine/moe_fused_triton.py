@@ -44,7 +44,7 @@ try:
     from tilepd.engine.pdl import prefetch_l2, wait
     from tilepd.engine.triton_rows import row_rstd
 
-    from tilepd.engine.route_triton import route_constants, route_row
+    from tilepd.engine.route_triton import route_constants, route_logits, route_row
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -65,6 +65,9 @@ TUNE: dict[str, int] = {
     "down_block_k_fp8": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K_FP8", 0),
     "down_block_k": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K", 1024),
     "down_num_warps": env_int("TILEPD_MOE_FUSED_DOWN_WARPS", 4),
+    # 1: the gate kernel stops at the logits (no ticket, no routing tail in its last program) and route_triton's one-warp
+    # kernel routes them as a launch of its own (an A/B of the tail against a launch; off until measured)
+    "route_apart": env_int("TILEPD_MOE_ROUTE_APART", 0),
 }
 _DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
 
@@ -82,7 +85,7 @@ if triton is not None:
                      K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                      G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                     N_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
+                     N_SLOTS: tl.constexpr, ROUTE: tl.constexpr = True, PDL: tl.constexpr = False):
         r = tl.program_id(0)
         pid_e = tl.program_id(1)
         act = H.dtype.element_ty
@@ -117,13 +120,14 @@ if triton is not None:
                 w = tl.load(w_rows + cols[None, :], mask=emask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
                 acc += tl.sum(w * hn.to(tl.float32)[None, :], axis=1)
         tl.store(LOGITS + r * s_lr + experts, acc, mask=emask)
-        tl.debug_barrier()  # every thread's logits before the ticket's release
-        ticket = tl.atomic_add(COUNTER, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program: all logits are out
-            for t in range(T):
-                route_row(LOGITS + t * s_lr, BIAS, IDS + t * s_ir, WTS + t * s_wr, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
-                          G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
-            tl.atomic_xchg(COUNTER, 0)
+        if ROUTE:  # else route_triton's one-warp kernel routes the logits as the next launch
+            tl.debug_barrier()  # every thread's logits before the ticket's release
+            ticket = tl.atomic_add(COUNTER, 1, sem="acq_rel")
+            if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program: all logits are out
+                for t in range(T):
+                    route_row(LOGITS + t * s_lr, BIAS, IDS + t * s_ir, WTS + t * s_wr, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
+                              G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
+                tl.atomic_xchg(COUNTER, 0)
 
     @triton.jit
     def _gate_up_kernel(X, W, S, WS, SS, IDS, A, I, K, s_xr, s_we, s_wn, s_se, s_sn, s_ar,
@@ -271,8 +275,11 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
     _gate_kernel[(t, triton.cdiv(n_exp, block_e))](
         x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
         logits.stride(0), ids.stride(0), weights.stride(0), float(eps), float(routed_scaling_factor),
-        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, num_warps=TUNE["gate_num_warps"],
+        K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, ROUTE=not TUNE["route_apart"], num_warps=TUNE["gate_num_warps"],
         **pdl.launch_args(x, "gate"))
+    if TUNE["route_apart"]:
+        ids, weights = route_logits(logits, bias, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor, shared_slot=True,
+                                    weights_dtype=x.dtype)
     return h, ids, weights, logits
 
 
