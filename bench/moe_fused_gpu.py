@@ -6,7 +6,7 @@
 For GLM-5.1's and DeepSeek-V3's MoE layer (shapes from bench/decode_speed.py's table: 256 experts, top-8, one shared
 expert; GLM-5.1 one group, DeepSeek-V3 8 groups best 4), bf16 and block-scaled fp8 experts, random weights:
 
-1. parity, T = 1, 2, 4 (MTP verify rows), --trials random rows each: the fused block (3 launches) against today's
+1. parity, T = 1, 2, 4 (MTP verify rows), --trials random rows each: the fused block (4 launches) against today's
    speed path for the same half layer, rms_norm + moe.moe_grouped + the residual add. Per case: tokens whose expert set
    differs (with the reference's gap between its k-th and (k+1)-th choice score there: a near-tie flipped by float32
    summation order or by a normed-row element rounded the other way; above NEAR_TIE it fails), normed-row elements that
@@ -148,7 +148,7 @@ def _time_us(fn, dev: torch.device) -> float:  # noqa: ANN001 - a callable
 
 
 def kernel_calls(x: torch.Tensor, w: dict, s: SimpleNamespace) -> dict:
-    """The fused block's three launches as separate calls on one batch (each reads the previous one's outputs), and the
+    """The fused block's kernels as separate calls (the gate with its route launch) on one batch (each reads the previous one's outputs), and the
     unfused path's grouped gate-up GEMV (no silu-mul) on the same rows for comparison."""
     from tilepd.engine import fp8_triton
     from tilepd.engine.moe_triton import expert_gemv

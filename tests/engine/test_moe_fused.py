@@ -1,6 +1,6 @@
 """The fused MoE block (tilepd/engine/moe_fused.py and its kernels, moe_fused_triton.py), run by Triton's CPU interpreter,
-against the torch ops it replaces: the gate kernel (norm, float32 router GEMV, noaux_tc routing with the shared slot)
-with DeepSeek-V3's grouping and GLM-5's, T = 1 and 4, the row in one K chunk and in several, ties; the gate-up kernel
+against the torch ops it replaces: the gate kernel (norm, float32 router GEMV, noaux_tc routing with the shared slot,
+routed apart and in its last program, the two equal) with DeepSeek-V3's grouping and GLM-5's, T = 1 and 4, the row in one K chunk and in several, ties; the gate-up kernel
 (grouped GEMV, silu-mul) and the down kernel (grouped GEMV, weighted sum, residual) with dense and fp8 weights (scales
 per row block and per row); the whole block against rms_norm + moe_grouped + the add; mlp_block through the switches. HF's greedy tokens through the whole speed path (this block included) are
 test_dsa_kernels.py's engine test.
@@ -54,6 +54,10 @@ _KERNELS = textwrap.dedent("""
             assert torch.equal(a, b), (name, dtype, ids.tolist(), want_ids.tolist())
             torch.testing.assert_close(w[:, :k].float().gather(1, ib), want_w.to(dtype).float().gather(1, ia), rtol=tol, atol=tol)
             assert ids[:, k].tolist() == [-1] * t and w[:, k].tolist() == [1.0] * t  # the shared slot
+            K.TUNE["route_apart"] = 1 - K.TUNE["route_apart"]  # the other form: routed by the gate's last program / apart
+            other = K.gate_route(x, nw, 1e-6, gate, bias, ng, tg, k, spec.norm_topk_prob, 2.5)
+            K.TUNE["route_apart"] = 1 - K.TUNE["route_apart"]
+            assert all(torch.equal(u, v) for u, v in zip((hn, ids, w, logits), other)), (name, dtype, chunk, "the two routing forms")
             assert int(K._COUNTERS[cpu]) == 0, "the ticket counter is back to 0 for the next launch"
             checked += 1
     # ties: equal logits (a zero gate) and no bias -> groups 0..3, then experts 0..7, equal weights

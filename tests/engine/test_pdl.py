@@ -89,7 +89,8 @@ def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
         part, lse = mla_attention.split_partials(qc, cache, rank, 0.1, 8, lo=torch.zeros(t, dtype=torch.int64), hi=torch.zeros(t, dtype=torch.int64))
         mla_attention.split_partials(qc, cache, rank, 0.1, 8, idx=torch.zeros(t, 8, dtype=torch.int64), ok=torch.ones(t, 8, dtype=torch.bool))
         mla_fused_triton.merge_uv(part, lse, torch.randn(heads, 32, rank).to(bf), bf, bf)
-        for n_group, topk_group in ((1, 1), (8, 4)):
+        for n_group, topk_group, apart in ((1, 1, 1), (8, 4, 1), (8, 4, 0)):  # routed by route_triton's kernel (default) / the last program
+            monkeypatch.setitem(moe_fused_triton.TUNE, "route_apart", apart)
             hn, ids, wts, _ = moe_fused_triton.gate_route(x, torch.ones(h, dtype=bf), 1e-6, torch.randn(256, h), torch.zeros(256), n_group, topk_group,
                                                           8, True, 2.5)
         ids = torch.tensor([[3, 1, -1]])
@@ -115,7 +116,7 @@ def test_step_kernels_compile_for_sm90_with_pdl(monkeypatch: pytest.MonkeyPatch)
     done = _compile_step_kernels(monkeypatch)
     names = {d["name"] for d in done}
     expected = {"_fp8_gemv_kernel", "_dense_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_gate_kernel",
-                "_gate_up_kernel", "_down_kernel", "_index_scores_kernel", "_topk_split_kernel", "_topk_refine_kernel", "_topk_finish_kernel",
+                "_route_kernel", "_gate_up_kernel", "_down_kernel", "_index_scores_kernel", "_topk_split_kernel", "_topk_refine_kernel", "_topk_finish_kernel",
                 "_topk_one_program_kernel"}
     assert expected <= names, expected - names
     for d in done:

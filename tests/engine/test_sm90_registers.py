@@ -73,7 +73,7 @@ def test_the_step_kernels_do_not_spill_at_glm51_shapes(monkeypatch: pytest.Monke
     done = _step_kernels()
     names = [d["name"] for d in done]
     assert names == ["_fp8_gemv_kernel", "_fp8_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_fp8_gemv_kernel",
-                     "_gate_kernel", "_gate_up_kernel", "_down_kernel"], names
+                     "_gate_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel"], names
     report = {f"{i}:{d['name']}": ptxas_info(d["ptx"]) for i, d in enumerate(done)}
     spilled = {k: r for k, r in report.items() if r["spill_stores"] or r["spill_loads"]}
     assert not spilled, spilled

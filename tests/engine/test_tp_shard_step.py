@@ -98,7 +98,7 @@ _FUSED_MOE_ON_A_SHARD = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not importable here")
 def test_a_tp8_shard_runs_its_moe_layers_through_the_fused_block(repo_root: Path) -> None:
-    """TPDeepseekV3Model's MoE half on the speed path: the fused block (3 launches) over this rank's expert slices, its
+    """TPDeepseekV3Model's MoE half on the speed path: the fused block (4 launches) over this rank's expert slices, its
     output all-reduced before the residual add, as the unfused ops compute it (Triton's interpreter on CPU)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", _FUSED_MOE_ON_A_SHARD, str(BENCH.parent), "cpu"], capture_output=True, text=True, env=env,

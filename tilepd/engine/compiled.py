@@ -7,7 +7,7 @@ DeepSeek-family latent attention (dense and DSA) through the MLA kernel (mla_att
 routed experts with dense weights through the grouped GEMV that reads them in place (moe_triton.py), the MoE
 router after its gate GEMV as one kernel (route_triton.py; with the expert GEMV also on, the shared expert runs as one
 more row of the routed experts' launches, moe.moe_grouped; with both on, a MoE layer's norm, MoE and residual add run as
-3 launches, moe_fused.py), and the per-layer element-wise work fused by torch.compile, with the cache-reading
+4 launches, moe_fused.py), and the per-layer element-wise work fused by torch.compile, with the cache-reading
 attention left outside the compiled code (so one compilation serves every cache-window bucket and the
 cache is never copied). Compilation and Triton builds only happen at the first graph capture; if that
 fails, GraphStep applies the returned fallbacks one at a time (first drop torch.compile, then the

@@ -9,7 +9,7 @@ is the portable path and the kernel's test oracle. With both kernels on and one 
 shape (DeepSeek-V3, GLM-5), moe_grouped runs the layer in 8 launches instead of ~30: the shared expert is one more
 row (id -1) of the grouped gate-up and down GEMVs (bf16: moe_triton; fp8: fp8_triton), each token's activation is
 read in place by its k+1 rows, and the weighted sum is one batched product. mlp_block is a DeepSeek-family layer's
-whole MLP half (norm, MoE or dense MLP, residual add); with BLOCK_IMPL "triton" too, a MoE layer's half is 3 launches
+whole MLP half (norm, MoE or dense MLP, residual add); with BLOCK_IMPL "triton" too, a MoE layer's half is 4 launches
 (moe_fused.py).
 """
 
@@ -165,7 +165,7 @@ def moe(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> torch.Tensor:
 
 
 # "torch": the MLP half of a DeepSeek-family layer as separate ops (rms_norm, moe, the add); "triton": the MoE layers'
-# half in 3 launches (moe_fused.py), set by compiled.accelerate(moe_fused=True). It stands on the grouped path's two
+# half in 4 launches (moe_fused.py), set by compiled.accelerate(moe_fused=True). It stands on the grouped path's two
 # switches (EXPERT_IMPL and ROUTE_IMPL "triton"): with either off the half runs as before.
 BLOCK_IMPL = {"moe": "torch"}
 
@@ -180,7 +180,7 @@ def use_fused_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
 
 
 def mlp_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec, is_moe: bool) -> torch.Tensor:
-    """x + MLP(rms_norm(x, mlp_norm)) of layer `p` (x: the residual stream [T, H]): MoE layers in 3 launches on the speed
+    """x + MLP(rms_norm(x, mlp_norm)) of layer `p` (x: the residual stream [T, H]): MoE layers in 4 launches on the speed
     path (moe_fused.moe_block), else the norm, moe() or the dense SwiGLU, and the add, in that order."""
     if is_moe and use_fused_block(x, w, p, spec):
         from tilepd.engine.moe_fused import moe_block

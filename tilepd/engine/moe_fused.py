@@ -1,12 +1,13 @@
-"""The MoE half of a DeepSeek-family layer, x + moe(rms_norm(x)), in 3 launches (moe.mlp_block's speed path).
+"""The MoE half of a DeepSeek-family layer, x + moe(rms_norm(x)), in 4 launches (moe.mlp_block's speed path).
 
 Today's speed path spends ~10 launches on it (the norm, the float cast, the cuBLAS router GEMV, the router kernel, the
 grouped gate-up GEMV, silu, mul, the grouped down GEMV, the weighted sum as a bmm, the residual add), each a few
 microseconds plus a gap. Here:
 
-1. gate (moe_fused_triton.gate_route): the MLP norm, the float32 router GEMV from the normed row and the noaux_tc
-   routing, fused with a last-program ticket; it also writes the normed row h (bf16) and the routed ids with the shared
-   slot (id -1, weight 1).
+1. gate (moe_fused_triton.gate_route): the MLP norm and the float32 router GEMV from the normed row, then the noaux_tc
+   routing in route_triton's one-warp kernel (a launch of its own: measured faster than routing in the gate's last
+   program, TUNE["route_apart"]); it also writes the normed row h (bf16) and the routed ids with the shared slot (id
+   -1, weight 1).
 2. gate-up (moe_fused_triton.gate_up_act): the grouped GEMV over each token's k routed experts and the shared one,
    reading h in place by its k+1 rows, each program computing the gate and the up outputs of the same columns, with
    silu(gate) * up in its epilogue. The norm is computed once in 1. instead of in this launch's ~2,300 programs (each
@@ -55,7 +56,7 @@ def applies(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
 
 
 def moe_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec, residual: bool = True) -> torch.Tensor:
-    """x + moe(rms_norm(x, mlp_norm)) for the MoE layer `p` in 3 launches (call where `applies`); residual False:
+    """x + moe(rms_norm(x, mlp_norm)) for the MoE layer `p` in 4 launches (call where `applies`); residual False:
     moe(rms_norm(x)) alone, which tensor parallelism all-reduces (each rank's expert slices) before its own add."""
     from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_up_act
 

@@ -6,10 +6,12 @@ router: float32 logits of the normed bf16 row against the float32 gate weight). 
 served shapes: H 6144 / 7168 in an 8192 chunk) a program issues its gate rows' load first, then reads the row once for
 both its RMS statistics and the dot, so the ~24 KB a program reads are in flight together (the chunked loop of the
 first version read the row twice and the weights in 3 serial chunks: ~10 us for 1.5 us of bytes). Program (t, 0) also
-writes the normed row, which the gate-up GEMV reads in place. Each program stores its logits, then takes a ticket from
-a device counter (a CTA barrier, then one acq_rel atomic: the pattern of CUDA's grid sync); the program that draws the
-last ticket routes every token (route_triton.route_row: noaux_tc with the deterministic tie rule, the shared slot id -1
-with weight 1) from the logits, read past L1, and puts the counter back to 0 for the next launch.
+writes the normed row, which the gate-up GEMV reads in place. Each program stores its logits; route_triton's one-warp
+kernel then routes them (noaux_tc with the deterministic tie rule, the shared slot id -1 with weight 1) as the next
+launch (TUNE["route_apart"], the default). With route_apart 0 each program takes a ticket from a device counter
+instead (a CTA barrier, then one acq_rel atomic: the pattern of CUDA's grid sync) and the program that draws the last
+ticket routes every token (route_triton.route_row) from the logits, read past L1, and puts the counter back to 0 for
+the next launch: one launch fewer, but its 8-warp routing tail measured slower than the launch (docs/PERFORMANCE.md).
 
 Gate-up (`gate_up_act`): row r (a (token, slot) pair) computes BLOCK_N gate outputs and the BLOCK_N up outputs of the
 same columns of expert ids[r] (rows n and I + n of [gate; up], fp8 with block scales or bf16/fp32), each rounded to the
@@ -66,8 +68,10 @@ TUNE: dict[str, int] = {
     "down_block_k": env_int("TILEPD_MOE_FUSED_DOWN_BLOCK_K", 1024),
     "down_num_warps": env_int("TILEPD_MOE_FUSED_DOWN_WARPS", 4),
     # 1: the gate kernel stops at the logits (no ticket, no routing tail in its last program) and route_triton's one-warp
-    # kernel routes them as a launch of its own (an A/B of the tail against a launch; off until measured)
-    "route_apart": env_int("TILEPD_MOE_ROUTE_APART", 0),
+    # kernel routes them as a launch of its own; 0: the last program routes (8 warps). 1 measured faster on one H100
+    # (2026-12-06, three paired runs, 1K: GLM-5.1 fp8 78L 17.47-17.53 -> 17.40 ms/token, gate + route 8.7 -> 7.1 us a
+    # layer; TP8 shard 6.03-6.08 -> 5.93-6.04 ms a step; DeepSeek-V3 fp8 61L even, one run); docs/PERFORMANCE.md
+    "route_apart": env_int("TILEPD_MOE_ROUTE_APART", 1),
 }
 _DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
 

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from tilepd.engine import pdl
+
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.pdl import wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -108,7 +111,8 @@ if triton is not None:
     def _route_kernel(LOGITS, BIAS, IDS, WEIGHTS, s_lt, s_it, s_wt, scale,
                       N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                       G_PAD: tl.constexpr, GS_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALISE: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                      N_SLOTS: tl.constexpr):
+                      N_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
+        wait(PDL)  # everything it reads but the bias is the step's (pdl.py)
         t = tl.program_id(0)
         route_row(LOGITS + t * s_lt, BIAS, IDS + t * s_it, WEIGHTS + t * s_wt, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
                   G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
@@ -154,5 +158,5 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
     if t == 0:
         return ids, weights
     _route_kernel[(t,)](logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(routed_scaling_factor),
-                        **consts, num_warps=1)  # one warp: every reduction is warp shuffles, no shared-memory round trip
+                        **consts, num_warps=1, **pdl.launch_args(logits, "gate"))  # one warp: every reduction is warp shuffles
     return ids, weights

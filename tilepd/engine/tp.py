@@ -172,7 +172,7 @@ class TPDeepseekV3Model(DeepseekV3Model):
     def _layer(self, p, cache, x, positions, cs, mask, is_moe, dsa=None) -> torch.Tensor:  # noqa: ANN001 - same as the base
         s, w = self.spec, self.w
         x = self._attention_residual(p, cache, x, positions, cs, mask, dsa)
-        if is_moe and use_fused_block(x, w, p, s):  # this rank's expert slices in 3 launches, the residual as above
+        if is_moe and use_fused_block(x, w, p, s):  # this rank's expert slices in 4 launches, the residual as above
             from tilepd.engine.moe_fused import moe_block
 
             return self.tp.all_reduce(moe_block(x, w, p, s, residual=self.adds_residual))
