@@ -70,7 +70,7 @@ TUNE: dict[str, int] = {
     # 1: the gate kernel stops at the logits (no ticket, no routing tail in its last program) and route_triton's one-warp
     # kernel routes them as a launch of its own; 0: the last program routes (8 warps). 1 measured faster on one H100
     # (2026-12-06, three paired runs, 1K: GLM-5.1 fp8 78L 17.47-17.53 -> 17.40 ms/token, gate + route 8.7 -> 7.1 us a
-    # layer; TP8 shard 6.03-6.08 -> 5.93-6.04 ms a step; DeepSeek-V3 fp8 61L even, one run); docs/PERFORMANCE.md
+    # layer; TP8 shard 6.03-6.08 -> 5.93-6.04 ms a step; DeepSeek-V3 fp8 61L level, one run); docs/PERFORMANCE.md
     "route_apart": env_int("TILEPD_MOE_ROUTE_APART", 1),
 }
 _DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
