@@ -13,7 +13,8 @@ the router, and its own log is silent about why. Two witnesses close that gap:
   paging; steal means the VM itself was descheduled), and how many SIGCONTs it received (`sigcont=1`: it was
   stopped, by SIGSTOP or a freezer, and continued: nothing in the process was at fault). The kernel may hand the
   SIGCONT to any thread, which on a loaded box may run its handler after the loop has resumed, so the line waits
-  (awaiting, up to `SIGCONT_WAIT_S`) for the count to move before it is written.
+  (awaiting, `SIGCONT_WAIT_S` and as many looks as fit in it, longer on a starved box) for the count to move before it
+  is written.
 
 A tick costs two small reads (/proc/self/stat and the first line of /proc/stat) on the serving loop; the per-thread
 counts (one read per thread) are taken only every `threads_every_s`, so a stall line's thread figures cover the
@@ -50,9 +51,13 @@ log = logging.getLogger("tilepd.runtime")
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MAX_DUMP_FRAMES = 40  # per thread, innermost first, as faulthandler's 100 but shorter
-# how long a stall line waits for a SIGCONT's count to move (see `StallWatch.run`), and how often it looks
+# how long a stall line waits for a SIGCONT's count to move (see `StallWatch.run`), and how often it looks: at least
+# SIGCONT_WAIT_S of wall time and as many looks as fit in it at SIGCONT_POLL_S (on a box whose cores are all taken the
+# loop gets few of them in that time, and neither does the thread the kernel gave the signal to), at most
+# SIGCONT_WAIT_MAX_FACTOR times SIGCONT_WAIT_S
 SIGCONT_WAIT_S = 1.0
 SIGCONT_POLL_S = 0.01
+SIGCONT_WAIT_MAX_FACTOR = 10
 
 
 def _stat_fields(raw: str) -> list[str]:
@@ -220,10 +225,14 @@ class StallWatch:
                     # a SIGCONT's Python handler runs on this thread, but only once the thread the kernel gave the
                     # signal to has run its C handler, which on a loaded box can come after this line: give it time
                     # (a stall without a SIGCONT waits the whole bound; the loop serves and beats meanwhile)
-                    deadline = time.monotonic() + SIGCONT_WAIT_S
+                    begun, looks, polls = time.monotonic(), 0, SIGCONT_WAIT_S / SIGCONT_POLL_S
                     try:
-                        while self.continued == conts and time.monotonic() < deadline:
+                        while self.continued == conts:
+                            waited = time.monotonic() - begun
+                            if (waited >= SIGCONT_WAIT_S and looks >= polls) or waited >= SIGCONT_WAIT_S * SIGCONT_WAIT_MAX_FACTOR:
+                                break
                             await asyncio.sleep(SIGCONT_POLL_S)
+                            looks += 1
                             beat()
                     finally:  # cancelled meanwhile (the node stops): the line is written all the same
                         # the stack dump names threads by ident only: the map lets a reader put names on it
