@@ -12,12 +12,14 @@
 #                                                  # the code stands, then under each tagged setting
 #   bash bench/depth_step.sh llama OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...  # llama3-8b 1K/8K as the code stands,
 #                                                  # then under each tagged setting
+#   bash bench/depth_step.sh long OUTDIR SECONDS   # dense MLA's long-window tiles (mla_dense_long.py picks TUNE_LONG),
+#                                                  # then DeepSeek-V3 fp8 61L at 32K as the code stands and with the pick
 #
 # TILEPD_DSA_GPU_REFS: the DSA parity references made on a CPU box (tests/engine/test_dsa_gpu_parity.py, made with
 # the project's transformers) and carried; without them that file makes its own with the device's transformers.
 # Each step: its JSON and log under OUTDIR; a step past the deadline (seconds from the start) is skipped.
 set -u
-part=${1:?part: rows, table, ab, ctx or llama}
+part=${1:?part: rows, table, ab, ctx, llama or long}
 out=${2:?output folder}
 deadline=${3:-100000}
 mkdir -p "$out"
@@ -67,5 +69,13 @@ case "$part" in
       step "llama-$name" 100 env "${vars[@]}" bash -c "$(model_fns); llama $name"
     done
     ;;
-  *) echo "unknown part $part (rows, table, ab, ctx or llama)"; exit 2 ;;
+  long)
+    step mla-long 240 "$py" bench/mla_dense_long.py --out "$out/mla-dense-long_${gpu}_${day}.json" --best-env "$out/long.env"
+    [ -s "$out/long.env" ] && cat "$out/long.env"
+    step dsv3-32k-default 100 bash -c "$(model_fns); dsv3 32k-default 32768"
+    if [ -s "$out/long.env" ]; then
+      step dsv3-32k-long 100 bash -c "source $out/long.env; $(model_fns); dsv3 32k-long 32768"
+    fi
+    ;;
+  *) echo "unknown part $part (rows, table, ab, ctx, llama or long)"; exit 2 ;;
 esac

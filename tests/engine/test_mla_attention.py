@@ -25,6 +25,7 @@ _CASES = textwrap.dedent("""
     assert M._INTERPRET
     for tune in (M.TUNE, M.TUNE_SPARSE):  # several chunks per case, dense and sparse
         tune.update(block_n=16, block_h=16, min_blocks=1, programs=8)
+    M.TUNE_LONG.update({"from": 150, "block_n": 32, "block_h": 16, "min_blocks": 1, "programs": 4})  # windows 150 and 300 take it
     g = torch.Generator().manual_seed(0)
     RANK, ROPE, SLOTS, SCALE = 64, 16, 300, 0.125
     def close(out, ref, dtype, what):

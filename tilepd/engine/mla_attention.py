@@ -17,7 +17,8 @@ gathered by index. Static shapes, no host sync: both run inside a CUDA graph.
 
 Only imported where Triton is; the CPU reference is dsa.sparse_mla_attention / layers.cached_attention.
 Tile sizes are in TUNE (env TILEPD_MLA_BLOCK_N, _BLOCK_H, _NUM_WARPS, _NUM_STAGES, _PROGRAMS override them),
-so bench/decode_speed.py --sweep can try configurations in one command.
+TUNE_LONG (dense windows from TILEPD_MLA_LONG_FROM rows, env TILEPD_MLA_LONG_*) and TUNE_SPARSE (TILEPD_MLA_SPARSE_*),
+so bench/decode_speed.py --sweep and bench/mla_dense_long.py can try configurations in one command.
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ TUNE: dict[str, int] = {
     "num_stages": env_int("TILEPD_MLA_NUM_STAGES", 2),
     "programs": env_int("TILEPD_MLA_PROGRAMS", 132),
     "min_blocks": env_int("TILEPD_MLA_MIN_BLOCKS", 1),
+}
+# TUNE_LONG: dense MLA over a long window (length >= its "from"), where the kernel is no longer latency-bound: all
+# heads share each cache row, so 128 heads make a window of L rows ~2.2 * L * 576 * 128 FLOPs (DeepSeek-V3 at 32K: 9
+# GFLOPs a layer, against 38 MB of rows), and TUNE's 32-head programs run their dots as mma.sync from registers and spill
+# (sm_90 resource report: 255 registers + 124 B a thread); 64-head programs of 8 warps build as wgmma (8 B of spill at
+# 32-row blocks). Until measured on the device these are TUNE's tiles (bench/mla_dense_long.py picks them).
+TUNE_LONG: dict[str, int] = {
+    "from": env_int("TILEPD_MLA_LONG_FROM", 8192),
+    "block_n": env_int("TILEPD_MLA_LONG_BLOCK_N", 64),
+    "block_h": env_int("TILEPD_MLA_LONG_BLOCK_H", 32),
+    "num_warps": env_int("TILEPD_MLA_LONG_NUM_WARPS", 4),
+    "num_stages": env_int("TILEPD_MLA_LONG_NUM_STAGES", 2),
+    "programs": env_int("TILEPD_MLA_LONG_PROGRAMS", 132),
+    "min_blocks": env_int("TILEPD_MLA_LONG_MIN_BLOCKS", 1),
 }
 TUNE_SPARSE: dict[str, int] = {
     "block_n": env_int("TILEPD_MLA_SPARSE_BLOCK_N", 32),
@@ -164,7 +179,8 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
                    hi: torch.Tensor | None = None, tune: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel alone: (partials [T, H, S, rank] float32, their log-sum-exp [T, H, S] in log2 units), for a
     merge that does more than merge (mla_fused_triton.merge_uv applies W_UV in the same launch). tune: the tiles
-    (default TUNE_SPARSE with idx, else TUNE; a DSA model's span while its window fits index_topk takes TUNE_SPARSE)."""
+    (default TUNE_SPARSE with idx, else TUNE_LONG for a window of at least its "from" rows, else TUNE; a DSA model's
+    span while its window fits index_topk takes TUNE_SPARSE)."""
     if triton is None:
         raise RuntimeError("MLA attention kernel needs Triton, which is not importable here")
     t, h, width = q.shape
@@ -177,7 +193,8 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
     q = q.to(cache.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    tune = tune if tune is not None else TUNE_SPARSE if idx is not None else TUNE
+    if tune is None:
+        tune = TUNE_SPARSE if idx is not None else TUNE_LONG if length >= TUNE_LONG["from"] else TUNE
     block_n, block_h = tune["block_n"], max(16, min(tune["block_h"], triton.next_power_of_2(h)))
     groups = t * triton.cdiv(h, block_h)
     want = max(1, tune["programs"] // groups)
