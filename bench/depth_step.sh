@@ -12,6 +12,8 @@
 #                                                  # the code stands, then under each tagged setting
 #   bash bench/depth_step.sh llama OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...  # llama3-8b 1K/8K as the code stands,
 #                                                  # then under each tagged setting
+#   bash bench/depth_step.sh tp8x OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...  # the TP8 shard at 1K as the code
+#                                                  # stands, then under each tagged setting
 #   bash bench/depth_step.sh long OUTDIR SECONDS   # dense MLA's long-window tiles (mla_dense_long.py picks TUNE_LONG),
 #                                                  # then DeepSeek-V3 fp8 61L at 32K as the code stands and with the pick
 #
@@ -19,7 +21,7 @@
 # the project's transformers) and carried; without them that file makes its own with the device's transformers.
 # Each step: its JSON and log under OUTDIR; a step past the deadline (seconds from the start) is skipped.
 set -u
-part=${1:?part: rows, table, ab, ctx, llama or long}
+part=${1:?part: rows, table, ab, ctx, llama, tp8x or long}
 out=${2:?output folder}
 deadline=${3:-100000}
 mkdir -p "$out"
@@ -69,6 +71,14 @@ case "$part" in
       step "llama-$name" 100 env "${vars[@]}" bash -c "$(model_fns); llama $name"
     done
     ;;
+  tp8x)  # tp8x OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...: the TP8 shard at 1K, default then each setting
+    shift 3
+    step "tp8-default" 60 bash -c "$(model_fns); tp8 default --alias-layers --contexts 1024"
+    for setting in "$@"; do
+      name=${setting%%=*}; IFS=, read -r -a vars <<< "${setting#*=}"
+      step "tp8-$name" 60 env "${vars[@]}" bash -c "$(model_fns); tp8 $name --alias-layers --contexts 1024"
+    done
+    ;;
   long)
     step mla-long 240 "$py" bench/mla_dense_long.py --out "$out/mla-dense-long_${gpu}_${day}.json" --best-env "$out/long.env"
     [ -s "$out/long.env" ] && cat "$out/long.env"
@@ -77,5 +87,5 @@ case "$part" in
       step dsv3-32k-long 100 bash -c "source $out/long.env; $(model_fns); dsv3 32k-long 32768"
     fi
     ;;
-  *) echo "unknown part $part (rows, table, ab, ctx, llama or long)"; exit 2 ;;
+  *) echo "unknown part $part (rows, table, ab, ctx, llama, tp8x or long)"; exit 2 ;;
 esac
