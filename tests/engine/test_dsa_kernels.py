@@ -165,9 +165,8 @@ _ENGINE = textwrap.dedent("""
     import sys
     import torch
     from tilepd.engine import KVState, SamplingParams, dsa_topk, fp8_triton, gemv_triton, layers, load_engine, mla_fused, moe, moe_fused
-    from tilepd.engine import mla_attention, mla_fused_triton, moe_fused_triton, moe_triton
+    from tilepd.engine import mla_attention, moe_fused_triton, moe_triton
     torch.set_num_threads(1)
-    mla_fused_triton.TUNE["absorb_rides"] = int(sys.argv[3])  # past index_topk the absorb rides the select's refine, or not
     # few programs a launch: the interpreter pays per program
     gemv_triton.TUNE["block_n"], fp8_triton.TUNE["block_n"], moe_triton.TUNE["block_n"] = 256, 128, 64
     moe_fused_triton.TUNE.update(gate_block_e=16, up_block_n=64, up_block_n_fp8=64, down_block_n=64)
@@ -212,22 +211,20 @@ _ENGINE = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "rides"), [("glm5", 1), ("dsv32", 0)], ids=["glm5-absorb-rides", "dsv32"])
-def test_tiny_dsa_model_decodes_hfs_tokens_through_the_kernels(model: str, rides: int, dsa_ref, request: pytest.FixtureRequest,
-                                                                repo_root: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["glm5", "dsv32"])
+def test_tiny_dsa_model_decodes_hfs_tokens_through_the_kernels(model: str, dsa_ref, request: pytest.FixtureRequest, repo_root: Path,
+                                                                tmp_path: Path) -> None:
     """HF's prefill state (a short prompt below index_topk, a long one 5x above it; both decodes outgrow it): the speed
     path's kernels under the interpreter (the DSA indexer and top-k, the MLA kernel, the fused attention half-layer,
     the fused MoE block) decode HF's greedy tokens, through the graph step's static body across windows (short prompt),
-    the eager step and the MTP speculative step (long prompt); glm5 with the query's absorb riding the select's refine
-    launch past index_topk (mla_fused_triton.AbsorbRider), dsv32 in prepare. The reference path's parity with HF is
-    test_dsa.py's."""
+    the eager step and the MTP speculative step (long prompt). The reference path's parity with HF is test_dsa.py's."""
     refs = {}
     for prompt, modes in (("short", ["graph"]), ("long", ["eager", "mtp"])):
         ref = dsa_ref(model, prompt)
         refs[f"{model}/{prompt}"] = {"seq_len": ref.state.seq_len, "layers": ref.state.layers, "indexer": ref.state.indexer,
                                      "tokens": ref.tokens[:13], "modes": modes}
     torch.save(refs, tmp_path / "refs.pt")
-    r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"), str(rides))
+    r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"))
     assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
@@ -248,31 +245,5 @@ def test_fused_finish_compiles_for_sm90_with_its_ticket(monkeypatch: pytest.Monk
     refine = done[1]
     assert refine["constexprs"]["FINISH"] and refine["constexprs"]["CLEAN"]
     assert "atom.global.gpu.acq_rel.add" in refine["ptx"] and "ld.global.cg" in refine["ptx"], "the ticket or the count's L1 bypass is missing"
-    info = ptxas_info(refine["ptx"])
-    assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
-
-
-@pytest.mark.skipif(os.environ.get("TILEPD_SKIP_SM90_COMPILE") == "1", reason="TILEPD_SKIP_SM90_COMPILE=1")
-def test_refine_with_the_absorb_rider_compiles_for_sm90_without_spills(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The refine launch carrying the MLA query's absorb (mla_fused_triton.AbsorbRider) at GLM-5.1's shapes (64 heads,
-    W_UK [64, 192, 512], rope 64, bf16): its sm_90 build keeps the row ticket and spills nothing, and its grid is the
-    chunks' programs plus the riders'."""
-    from tests.engine.sm90_compile import compiling, ptxas_info
-    from tilepd.engine import dsa_topk
-    from tilepd.engine.mla_fused_triton import AbsorbRider
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setitem(dsa_topk.TUNE, "fused_finish", 1)
-    bf = torch.bfloat16
-    t, length, heads, nope, rank, rope = 1, 32768, 64, 192, 512, 64
-    rider = AbsorbRider(torch.zeros(t, heads * (nope + rope), dtype=bf), torch.zeros(heads, nope, rank, dtype=bf), torch.zeros(t, 2, rope, dtype=bf),
-                        torch.zeros(t, heads, rank + rope, dtype=bf), rope, True)
-    with compiling() as done:
-        dsa_topk.topk_select(torch.zeros(t, length), torch.ones(t, length, dtype=torch.bool), 2048, hist=dsa_topk.new_hist(t, torch.device("cpu")),
-                             clean=True, rider=rider)
-    refine = done[1]
-    assert refine["name"] == "_topk_refine_kernel" and refine["constexprs"]["ABSORB"] and refine["constexprs"]["A_RANK"] == rank
-    assert rider.programs == heads * rank // 64
-    assert "atom.global.gpu.acq_rel.add" in refine["ptx"]
     info = ptxas_info(refine["ptx"])
     assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info

@@ -80,55 +80,6 @@ _KERNELS = textwrap.dedent("""
     print("kernels ok", n)
 """)
 
-_RIDER = textwrap.dedent("""
-    import torch
-    from tilepd.engine import dsa_indexer, dsa_topk
-    from tilepd.engine import mla_fused_triton as M
-    from tilepd.engine.rope import rope_table
-    dsa_indexer.TUNE.update(block_l=16, programs=2)
-    dsa_topk.TUNE.update(block=32, chunk=48, chunk_block=16)  # 100 keys: 3 chunks a row, so the riders follow several refiners
-    g = torch.Generator().manual_seed(1)
-    n = 0
-    for dtype in (torch.float32, torch.bfloat16):
-        for interleaved, t, h, nope, rank, rope, fused in ((True, 1, 2, 32, 128, 64, 1), (False, 2, 3, 48, 64, 32, 0), (True, 3, 2, 40, 128, 64, 1)):
-            dsa_topk.TUNE.update(fused_finish=fused)
-            slots, length, d, heads, k = 120, 100, 128, 4, 11
-            table = rope_table(rope, 10000.0, None, 4096, slots, torch.device("cpu"), dtype, interleaved=interleaved)
-            positions = torch.arange(length - t, length)
-            cs = table.index_select(0, positions)
-            q = torch.randn(t, h * (nope + rope), generator=g).to(dtype)
-            kv = torch.randn(t, rank + rope, generator=g).to(dtype)
-            w_uk = (torch.randn(h, nope, rank, generator=g) * 0.1).to(dtype)
-            kvn = (1 + 0.1 * torch.randn(rank, generator=g)).to(dtype)
-            x = torch.randn(t, 300, generator=g).to(dtype)
-            head_weights = (x, (1 + 0.1 * torch.randn(300, generator=g)).to(dtype), 1e-5, torch.randn(heads, 300, generator=g))
-            kx = torch.randn(t, d, generator=g).to(dtype)
-            kn, kb = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype), (0.1 * torch.randn(d, generator=g)).to(dtype)
-            cache0, ic0 = torch.randn(slots, 1, rank + rope, generator=g).to(dtype), torch.randn(slots, d, generator=g).to(dtype)
-            qi = torch.randn(t, heads, d, generator=g).to(dtype)
-            valid = torch.rand(t, length, generator=g) > 0.3
-            runs = {}
-            for rides in (False, True):
-                cache, ic = cache0.clone(), ic0.clone()
-                qout, wout = M.prepare(q, kv, w_uk, kvn, 1e-6, cs, positions, cache, rank, rope, interleaved, (kx, kn, kb, cs, ic, interleaved),
-                                       head_weights, absorb=not rides)
-                if rides:
-                    qout.fill_(float("nan"))  # only the riders write it
-                rider = M.AbsorbRider(q, w_uk, cs, qout, rope, interleaved) if rides else None
-                idx, ok = dsa_indexer.index_topk(qi, cs, wout, ic, valid, rope, interleaved, k, rider=rider)
-                runs[rides] = (qout, wout, cache, ic, idx.sort(dim=-1).values, ok.gather(1, idx.sort(dim=-1).indices))
-            for name, a, b in zip(("query", "head weights", "cache", "index cache", "idx", "ok"), runs[False], runs[True]):
-                assert torch.equal(a, b), (name, dtype, interleaved, t, fused)
-            assert not dsa_topk.scratch(t, q.device).any(), "the kept scratch left dirty"
-            n += 1
-    try:
-        dsa_topk.topk_select(torch.zeros(1, 8), torch.ones(1, 8, dtype=torch.bool), 2, rider=rider)
-        raise AssertionError("a rider without the histogram was not refused")
-    except ValueError as e:
-        assert "rides the refine launch" in str(e), e
-    print("rider ok", n)
-""")
-
 # Few programs per launch: the interpreter pays per program, not per element.
 _FAST_TILES = "from tilepd.engine import fp8_triton, gemv_triton\ngemv_triton.TUNE['block_n'] = 256\nfp8_triton.TUNE['block_n'] = 128\n"
 
@@ -169,15 +120,6 @@ def _interpret(code: str, repo_root: Path, *args: str, timeout: int = 900) -> su
 def test_kernels_match_the_model_ops_under_interpreter(repo_root: Path) -> None:
     r = _interpret(_KERNELS, repo_root)
     assert r.returncode == 0 and "kernels ok 16" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
-
-
-@pytest.mark.slow
-def test_absorb_riding_the_select_gives_prepares_query_and_the_same_selection(repo_root: Path) -> None:
-    """mla_fused_triton.AbsorbRider: prepare without its absorb programs, then the same programs in the DSA select's
-    refine launch (past its chunks' programs, fused finish or not) write the query prepare writes, bitwise, and the
-    select chooses the same slots (fp32 and bf16, both RoPE layouts, T = 1-3)."""
-    r = _interpret(_RIDER, repo_root)
-    assert r.returncode == 0 and "rider ok 6" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 @pytest.mark.slow

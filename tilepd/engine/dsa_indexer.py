@@ -22,14 +22,9 @@ import os
 
 import torch
 
-from typing import TYPE_CHECKING
-
 from tilepd.engine import pdl
 
 from tilepd.engine.tuning import env_int
-
-if TYPE_CHECKING:
-    from tilepd.engine.mla_fused_triton import AbsorbRider
 
 try:
     import triton
@@ -184,18 +179,16 @@ def index_scores(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys:
 
 
 def index_topk(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-               rope: int, interleaved: bool, k: int, rider: AbsorbRider | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               rope: int, interleaved: bool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """index_scores then dsa_topk.topk_select's k best slots (idx [T, k] int64, ok [T, k] bool), the select's first
     radix pass fused into the scores kernel: 5 launches (memset, scores, split, refine, finish) whatever the window;
-    dsa_topk.TUNE's fused_finish and scratch take the finish and the memset out. rider: the MLA query's absorb
-    programs, carried by the select's refine launch (mla_fused_triton.AbsorbRider)."""
+    dsa_topk.TUNE's fused_finish and scratch take the finish and the memset out."""
     from tilepd.engine import dsa_topk
 
     kept = bool(dsa_topk.TUNE["scratch"])
     hist = dsa_topk.scratch(q.shape[0], q.device) if kept else dsa_topk.new_hist(q.shape[0], q.device)
     try:
-        return dsa_topk.topk_select(index_scores(q, cs, weights, keys, valid, rope, interleaved, hist=hist), valid, k, hist=hist, clean=kept,
-                                    rider=rider)
+        return dsa_topk.topk_select(index_scores(q, cs, weights, keys, valid, rope, interleaved, hist=hist), valid, k, hist=hist, clean=kept)
     except BaseException:
         if kept:  # a launch refused after the scores' histogram went in: the kept scratch must be zero for the next call
             hist.zero_()

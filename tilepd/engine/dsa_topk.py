@@ -27,19 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from typing import TYPE_CHECKING
-
 from tilepd.engine import pdl
 
 from tilepd.engine.tuning import env_int
 
-if TYPE_CHECKING:
-    from tilepd.engine.mla_fused_triton import AbsorbRider
-
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.mla_fused_triton import _absorb_role
     from tilepd.engine.pdl import wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
@@ -262,37 +256,16 @@ if triton is not None:
             tl.store(hrow + cols, tl.zeros([1024], tl.int32), mask=cols < 2 * 256 + 4)
 
     @triton.jit
-    def _topk_refine_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, N_CHUNKS, s_vt, s_ht, s_it, s_ct,
-                            AQ, AWUK, ACS, AQOUT, a_s_qt, a_s_ct, a_s_c1, a_s_ot, a_s_oh, A_QW,
-                            BLOCK: tl.constexpr, FINISH: tl.constexpr = False, CLEAN: tl.constexpr = False, ABSORB: tl.constexpr = False,
-                            A_NOPE: tl.constexpr = 16, A_RANK: tl.constexpr = 16, A_ROPE: tl.constexpr = 16, A_INTERLEAVED: tl.constexpr = False,
-                            A_ACT: tl.constexpr = tl.float32, A_BLOCK_C: tl.constexpr = 16, A_BLOCK_D: tl.constexpr = 16,
-                            A_STAGES: tl.constexpr = 1, A_UNROLL: tl.constexpr = False, PDL: tl.constexpr = False):
-        """The first N_CHUNKS programs of each row refine (_refine_chunk); ABSORB: the programs past them are the MLA
-        query's absorb (mla_fused_triton.AbsorbRider), which only the attention after this launch reads."""
-        wait(PDL)  # everything it reads is the step's (pdl.py)
-        pid = tl.program_id(0)
-        t = tl.program_id(1)
-        if ABSORB:
-            if pid >= N_CHUNKS:
-                _absorb_role(pid - N_CHUNKS, t, AQ, AWUK, ACS, AQOUT, a_s_qt, a_s_ct, a_s_c1, a_s_ot, a_s_oh, A_QW, A_NOPE, A_RANK, A_ROPE,
-                             A_INTERLEAVED, A_ACT, A_BLOCK_C, A_BLOCK_D, A_STAGES, A_UNROLL)
-            else:
-                _refine_chunk(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, N_CHUNKS, s_vt, s_ht, s_it, s_ct, pid, t,
-                              BLOCK, FINISH, CLEAN)
-        else:
-            _refine_chunk(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, N_CHUNKS, s_vt, s_ht, s_it, s_ct, pid, t,
-                          BLOCK, FINISH, CLEAN)
-
-    @triton.jit
-    def _refine_chunk(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, N_CHUNKS, s_vt, s_ht, s_it, s_ct, pid, t,
-                      BLOCK: tl.constexpr, FINISH: tl.constexpr, CLEAN: tl.constexpr):
+    def _topk_refine_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, s_vt, s_ht, s_it, s_ct,
+                            BLOCK: tl.constexpr, FINISH: tl.constexpr = False, CLEAN: tl.constexpr = False, PDL: tl.constexpr = False):
         """Over the split's candidates in parallel (programs past their count do nothing): write those above the k-th
         key's two top bytes, compact those equal to them (usually a few hundred) for the finish. FINISH: each program
         then takes a ticket of its row (a CTA barrier, one acq_rel atomic: the MoE gate's pattern) and the row's last
-        of the N_CHUNKS programs finishes it (_finish_row), putting the ticket back to 0."""
+        program finishes it (_finish_row), putting the ticket back to 0."""
+        wait(PDL)  # everything it reads is the step's (pdl.py)
+        t = tl.program_id(1)
         hrow = HIST + t * s_ht
-        start = pid * CHUNK
+        start = tl.program_id(0) * CHUNK
         end = tl.minimum(start + CHUNK, tl.load(hrow + 2 * 256 + 1))
         prefix, _, _ = _two_top_bytes(hrow, K)
         offs = tl.arange(0, BLOCK)
@@ -315,7 +288,7 @@ if triton is not None:
         if FINISH:
             tl.debug_barrier()  # every thread's candidates and counts before the ticket's release
             ticket = tl.atomic_add(hrow + 2 * 256 + 3, 1, sem="acq_rel")
-            if ticket == N_CHUNKS - 1:  # the row's last program: every candidate is out
+            if ticket == tl.num_programs(0) - 1:  # the row's last program: every candidate is out
                 _finish_row(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, t, s_vt, s_ht, s_it, s_ct, BLOCK, CLEAN)
                 if not CLEAN:
                     tl.atomic_xchg(hrow + 2 * 256 + 3, 0)
@@ -353,15 +326,14 @@ def scratch(rows: int, device: torch.device) -> torch.Tensor:
 
 
 def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.Tensor | None = None,
-                clean: bool = False, rider: AbsorbRider | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                clean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best slots of each row of scores [T, L] (float32, invalid slots at -inf), k <= L, as idx [T, k]
     (int64, any order) and ok = valid.gather(1, idx) [T, k] (bool): dsa.Selection's fields.
 
     hist: new_hist(T)'s scratch with the scores' top-byte histogram already added (index_scores(..., hist=...)):
     then the select is three launches whatever L (split, refine, finish; two with TUNE["fused_finish"]). Without it
     rows up to one_program_max take one launch, longer ones four (the first byte's histogram with its memset before the
-    three). clean: the finishing program zeroes hist's rows after use (a scratch kept between calls, scratch()).
-    rider (with hist): the MLA query's absorb programs ride the refine launch (mla_fused_triton.AbsorbRider)."""
+    three). clean: the finishing program zeroes hist's rows after use (a scratch kept between calls, scratch())."""
     if triton is None:
         raise RuntimeError("DSA top-k kernel needs Triton, which is not importable here")
     t, length = scores.shape
@@ -380,8 +352,6 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.T
     idx = torch.empty(t, k, dtype=torch.int64, device=scores.device)
     ok = torch.empty(t, k, dtype=torch.bool, device=scores.device)
     valid_u8, ok_u8 = valid.view(torch.uint8), ok.view(torch.uint8)
-    if rider is not None and hist is None:
-        raise ValueError("DSA top-k: an absorb rider rides the refine launch, which runs with the scores' histogram (hist)")
     if hist is None and length <= TUNE["one_program_max"]:
         cand = torch.empty(2, t, length, dtype=torch.int32, device=scores.device)  # scratch: candidate keys, slots
         _topk_one_program_kernel[(t,)](scores, valid_u8, idx, ok_u8, cand[0], cand[1], length, k,
@@ -399,15 +369,9 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.T
                              valid.stride(0), hist.stride(0), idx.stride(0), cand.stride(1),
                              BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], **pdl.launch_args(scores, "dsa"))
     fused = bool(TUNE["fused_finish"])
-    if rider is not None:
-        a_args, a_consts = rider.kernel_args()
-        refine_grid = (grid[0] + rider.programs, t)
-    else:
-        a_args, a_consts, refine_grid = [valid_u8] * 4 + [0] * 6, {}, grid
-    _topk_refine_kernel[refine_grid](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, chunk, grid[0], valid.stride(0),
-                                     hist.stride(0), idx.stride(0), cand.stride(1), *a_args, BLOCK=TUNE["chunk_block"], FINISH=fused,
-                                     CLEAN=fused and clean, ABSORB=rider is not None, **a_consts, num_warps=TUNE["chunk_warps"],
-                                     **pdl.launch_args(valid_u8, "dsa"))
+    _topk_refine_kernel[grid](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, chunk, valid.stride(0), hist.stride(0),
+                              idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], FINISH=fused, CLEAN=fused and clean,
+                              num_warps=TUNE["chunk_warps"], **pdl.launch_args(valid_u8, "dsa"))
     if not fused:
         _topk_finish_kernel[(t,)](valid_u8, hist, idx, ok_u8, cand[2], cand[3], k, valid.stride(0), hist.stride(0), idx.stride(0),
                                   cand.stride(1), BLOCK=TUNE["block"], CLEAN=clean, num_warps=TUNE["num_warps"], **pdl.launch_args(valid_u8, "dsa"))

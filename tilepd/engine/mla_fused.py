@@ -202,7 +202,7 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     all-reduces before its own add)."""
     from tilepd.engine.dsa import Selection
     from tilepd.engine.mla_attention import TUNE_SPARSE, split_partials
-    from tilepd.engine.mla_fused_triton import TUNE, AbsorbRider, merge_uv, prepare
+    from tilepd.engine.mla_fused_triton import merge_uv, prepare
 
     s, w, layer = model.spec, model.w, model.fused[p]
     t, r, rope, eps = x.shape[0], s.kv_lora_rank, s.qk_rope_head_dim, s.rms_norm_eps
@@ -217,10 +217,8 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
         idx_cs = cs if model.index_rope is model.rope else model.index_rope.index_select(0, positions)
         index = (a["idx_wk"], w[p + "idx_k_norm"], w[p + "idx_k_norm_bias"], idx_cs, keys, s.indexer_rope_interleave)
     head_weights = (x, w[p + "attn_norm"], eps, w[p + "idx_weights_proj"]) if scoring else None
-    rides = scoring and bool(TUNE["absorb_rides"])  # past index_topk the absorb can ride the select's refine launch
     q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
-                             index, head_weights, absorb=not rides)
-    rider = AbsorbRider(q, w[p + "w_uk"], cs, q_cat, rope, s.rope_interleave) if rides else None
+                             index, head_weights)
     fits = dsa is not None and dsa.valid.shape[1] <= s.index_topk and isinstance(mask, DenseSpan)
     if dsa is not None and not fits:
         if scoring:
@@ -228,7 +226,7 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
 
             nh, d = s.index_n_heads, s.index_head_dim
             dsa.selection = Selection(*index_topk(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope,
-                                                  s.indexer_rope_interleave, min(s.index_topk, dsa.valid.shape[1]), rider=rider))
+                                                  s.indexer_rope_interleave, min(s.index_topk, dsa.valid.shape[1])))
         elif dsa.selection is None:  # the window fits index_topk but no span came: every causal slot, by index
             length = dsa.valid.shape[1]
             dsa.selection = Selection(torch.arange(length, device=x.device).expand(t, length).contiguous(), dsa.valid.contiguous())

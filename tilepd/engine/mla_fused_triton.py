@@ -25,8 +25,6 @@ references below (the same ops the model's reference path runs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -63,9 +61,6 @@ TUNE: dict[str, int] = {
     "merge_stages": env_int("TILEPD_MLA_FUSED_MERGE_STAGES", 1),
     "merge_warps": env_int("TILEPD_MLA_FUSED_MERGE_WARPS", 8),
     "merge_unroll": env_int("TILEPD_MLA_FUSED_MERGE_UNROLL", 1),
-    # absorb_rides: past index_topk, prepare's absorb programs ride the DSA select's refine launch (AbsorbRider)
-    # instead of prepare's, which the indexer's scores wait for; off until measured on the device
-    "absorb_rides": env_int("TILEPD_MLA_ABSORB_RIDES", 0),
 }
 
 
@@ -100,32 +95,6 @@ if triton is not None:
         return tl.sum(w.to(tl.float32) * qn[:, None], axis=0)
 
     @triton.jit
-    def _absorb_role(pid, t, Q, WUK, CS, QOUT, s_qt, s_ct, s_c1, s_ot, s_oh, QW, NOPE: tl.constexpr, RANK: tl.constexpr,
-                     ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                     STAGES: tl.constexpr, UNROLL: tl.constexpr):
-        """Absorb program `pid` of token t: one head, one tile of latent columns of q_lat, and (its head's first tile)
-        RoPE(q_pe) behind them, in the attention kernel's query row. prepare's first role, or a rider of another launch."""
-        n_ct = RANK // BLOCK_C
-        h = pid // n_ct
-        offs_c = (pid % n_ct) * BLOCK_C + tl.arange(0, BLOCK_C)
-        q_head = Q + t * s_qt + h * QW
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        if UNROLL:  # every W_UK tile of the head's NOPE rows in flight at once (one memory round trip)
-            for d0 in tl.static_range(0, NOPE, BLOCK_D):
-                acc += _absorb_tile(q_head, WUK, h, d0, offs_c, NOPE, RANK, BLOCK_D)
-        else:
-            for d0 in tl.range(0, NOPE, BLOCK_D, num_stages=STAGES):
-                acc += _absorb_tile(q_head, WUK, h, d0, offs_c, NOPE, RANK, BLOCK_D)
-        out_row = QOUT + t * s_ot + h * s_oh
-        tl.store(out_row + offs_c, acc.to(ACT).to(QOUT.dtype.element_ty))
-        if pid % n_ct == 0:
-            offs_p = tl.arange(0, ROPE)
-            cos = tl.load(CS + t * s_ct + offs_p).to(tl.float32)
-            sin = tl.load(CS + t * s_ct + s_c1 + offs_p).to(tl.float32)
-            q_pe = _rope_rounded(q_head + NOPE, offs_p, cos, sin, ROPE, INTERLEAVED, ACT)
-            tl.store(out_row + RANK + offs_p, q_pe.to(QOUT.dtype.element_ty))
-
-    @triton.jit
     def _prepare_kernel(Q, KV, KX, WUK, KVN, KN, KB, CS, ICS, POS, C, IC, QOUT, X, XN, WP, WOUT, eps, x_eps,
                         s_qt, s_kvt, s_kxt, s_ct, s_c1, s_ict, s_ic1, s_cl, s_icl, s_ot, s_oh, s_xt, s_wp, s_wt,
                         H, QW, N_ABSORB, HIDDEN, NOPE: tl.constexpr,
@@ -148,8 +117,22 @@ if triton is not None:
         sin = tl.load(CS + t * s_ct + s_c1 + offs_p).to(tl.float32)
         slot = tl.load(POS + t).to(tl.int64)
         if pid < N_ABSORB:  # absorb: one head, one tile of latent columns
-            _absorb_role(pid, t, Q, WUK, CS, QOUT, s_qt, s_ct, s_c1, s_ot, s_oh, QW, NOPE, RANK, ROPE, INTERLEAVED, ACT, BLOCK_C, BLOCK_D,
-                         STAGES, UNROLL)
+            n_ct = RANK // BLOCK_C
+            h = pid // n_ct
+            offs_c = (pid % n_ct) * BLOCK_C + tl.arange(0, BLOCK_C)
+            q_head = Q + t * s_qt + h * QW
+            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            if UNROLL:  # every W_UK tile of the head's NOPE rows in flight at once (one memory round trip)
+                for d0 in tl.static_range(0, NOPE, BLOCK_D):
+                    acc += _absorb_tile(q_head, WUK, h, d0, offs_c, NOPE, RANK, BLOCK_D)
+            else:
+                for d0 in tl.range(0, NOPE, BLOCK_D, num_stages=STAGES):
+                    acc += _absorb_tile(q_head, WUK, h, d0, offs_c, NOPE, RANK, BLOCK_D)
+            out_row = QOUT + t * s_ot + h * s_oh
+            tl.store(out_row + offs_c, acc.to(ACT).to(QOUT.dtype.element_ty))
+            if pid % n_ct == 0:
+                q_pe = _rope_rounded(q_head + NOPE, offs_p, cos, sin, ROPE, INTERLEAVED, ACT)
+                tl.store(out_row + RANK + offs_p, q_pe.to(QOUT.dtype.element_ty))
         elif pid == N_ABSORB:  # the token's latent and k_pe into its cache slot
             offs_r = tl.arange(0, RANK)
             c = tl.load(KV + t * s_kvt + offs_r).to(tl.float32)
@@ -244,11 +227,9 @@ def _tl(dtype: torch.dtype) -> object:
 def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torch.Tensor, eps: float, cs: torch.Tensor,
             positions: torch.Tensor, cache: torch.Tensor, rank: int, rope: int, interleaved: bool,
             index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None,
-            head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None,
-            absorb: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+            head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch: the attention query [T, H, rank + rope] (q_lat | roped q_pe, cache dtype), the tokens' cache rows,
     (index given) their indexer keys, and (head_weights given) the indexer's head weights [T, heads] float32.
-    absorb False: the query is only allocated; its programs ride a later launch (absorb_rider, dsa_topk's refine).
 
     q [T, H * (nope + rope)] (wq_b's output); kv [T, rank + rope] (wkv_a's output, may be a strided view); w_uk
     [H, nope, rank]; cs [T, 2, rope] the rope table at the tokens' positions; cache [max_seq_len, 1, rank + rope].
@@ -287,7 +268,7 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
         n_heads, hidden = wp.shape[0], x.shape[1]
     else:
         x, xn, x_eps, wp, n_heads, hidden = q, kv_norm, 0.0, q, 0, 1
-    n_absorb = h * (rank // block_c) if absorb else 0
+    n_absorb = h * (rank // block_c)
     grid = (n_absorb + 1 + (index is not None) + n_heads, t)
     _prepare_kernel[grid](
         q, kv, kx, w_uk, kv_norm, kn, kb, cs, ics, positions, rows, icache, qout, x, xn, wp, wout if wout is not None else qout, eps, x_eps,
@@ -299,38 +280,6 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
         UNROLL=bool(TUNE["prep_unroll"]), NOPE_PAD=triton.next_power_of_2(nope),
         PREFETCH=pdl.prefetch_flag(q, "prepare") and w_uk.element_size() == 2, num_warps=TUNE["prep_warps"], **pdl.launch_args(q, "prepare"))
     return qout, wout
-
-
-@dataclass
-class AbsorbRider:
-    """prepare's absorb role (q_lat = q_nope . W_UK, then RoPE(q_pe), into the query row) as programs of another
-    launch: past index_topk the query is read only by the attention after DSA's select, so its absorb can run beside
-    the select's refine (dsa_topk.topk_select(rider=...)), whose programs mostly exit early and whose row finish is
-    one program's serial tail, instead of lengthening prepare, which the indexer's scores wait for. Same tiles and
-    rounding as prepare's role, bitwise the same query."""
-
-    q: torch.Tensor
-    w_uk: torch.Tensor
-    cs: torch.Tensor
-    qout: torch.Tensor
-    rope: int
-    interleaved: bool
-
-    @property
-    def programs(self) -> int:
-        """Absorb programs a token (the rider's share of the host launch's first grid axis)."""
-        h, _, rank = self.w_uk.shape
-        return h * (rank // min(TUNE["block_c"], rank))
-
-    def kernel_args(self) -> tuple[list, dict]:
-        """(the host kernel's runtime arguments AQ .. A_QW, its A_* constexprs), in _absorb_role's order."""
-        h, nope, rank = self.w_uk.shape
-        args = [self.q, self.w_uk, self.cs, self.qout, self.q.stride(0), self.cs.stride(0), self.cs.stride(1), self.qout.stride(0),
-                self.qout.stride(1), nope + self.rope]
-        consts = {"A_NOPE": nope, "A_RANK": rank, "A_ROPE": self.rope, "A_INTERLEAVED": self.interleaved, "A_ACT": _tl(self.q.dtype),
-                  "A_BLOCK_C": min(TUNE["block_c"], rank), "A_BLOCK_D": TUNE["block_d"], "A_STAGES": TUNE["prep_stages"],
-                  "A_UNROLL": bool(TUNE["prep_unroll"])}
-        return args, consts
 
 
 def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: torch.dtype, lat: torch.dtype) -> torch.Tensor:
