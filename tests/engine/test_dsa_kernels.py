@@ -169,7 +169,7 @@ _ENGINE = textwrap.dedent("""
     torch.set_num_threads(1)
     # few programs a launch: the interpreter pays per program
     gemv_triton.TUNE["block_n"], fp8_triton.TUNE["block_n"], moe_triton.TUNE["block_n"] = 256, 128, 64
-    moe_fused_triton.TUNE.update(gate_block_e=16, up_block_n=64, up_block_n_fp8=64, down_block_n=64)
+    moe_fused_triton.TUNE.update(gate_block_e=16, up_block_n=64, up_block_n_fp8=64, down_block_n=64, up_few=0)
     calls = {"topk": 0, "attention": 0, "moe": 0}
     def spy(module, name, key):  # a spy, not a stand-in: counts that the kernel path ran
         real = getattr(module, name)

@@ -78,3 +78,29 @@ def test_the_step_kernels_do_not_spill_at_glm51_shapes(monkeypatch: pytest.Monke
     spilled = {k: r for k, r in report.items() if r["spill_stores"] or r["spill_loads"]}
     assert not spilled, spilled
     assert all(0 < r["registers"] <= 255 for r in report.values()), report
+
+
+def test_a_tp8_shards_gate_up_takes_the_narrow_tile_without_spills(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM-5.1's experts at TP8 (256 rows a shard: 288 programs at the wide tile) take moe_fused_triton's few-programs
+    tile (4 rows, 1024-wide chunks), and its sm_90 build spills nothing."""
+    from tests.engine.sm90_compile import compiling, ptxas_info
+    from tilepd.engine import moe_fused_triton
+    from tilepd.model_format.block_fp8 import BlockFp8, quantize
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(0)
+    hid, inter, experts = 6144, 256, 8
+
+    def fp8(n: int, k: int) -> BlockFp8:
+        return quantize(torch.randn(n, k, generator=g), (128, 128))
+
+    parts = [fp8(2 * inter, hid) for _ in range(experts)]
+    stacked = BlockFp8(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), (128, 128))
+    with compiling() as done:
+        moe_fused_triton.gate_up_act(torch.randn(1, hid).to(torch.bfloat16), stacked, fp8(2 * inter, hid),
+                                     torch.tensor([[3, 1, 2, 4, 5, 6, 7, 0, -1]]), shared_last=True)
+    (up,) = done
+    assert up["constexprs"]["BLOCK_N"] == moe_fused_triton.TUNE["up_block_n_fp8_few"]
+    assert up["constexprs"]["BLOCK_K"] == moe_fused_triton.TUNE["up_block_k_fp8_few"]
+    info = ptxas_info(up["ptx"])
+    assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
