@@ -30,6 +30,16 @@ py=${PYTHON:-python3}
 
 source "$(dirname "${BASH_SOURCE[0]}")/steps.sh"
 
+each() {  # each NAME SECONDS FN TAG_PREFIX "ARGS" TAG=VAR=VALUE[,VAR=VALUE]...: a model function as the code stands, then
+  # under each tagged setting (its steps NAME-default, NAME-TAG; its results tagged TAG_PREFIX + default / TAG)
+  local name=$1 limit=$2 fn=$3 prefix=$4 args=$5 setting tag vars; shift 5
+  step "$name-default" "$limit" bash -c "$(model_fns); $fn ${prefix}default $args"
+  for setting in "$@"; do
+    tag=${setting%%=*}; IFS=, read -r -a vars <<< "${setting#*=}"
+    step "$name-$tag" "$limit" env "${vars[@]}" bash -c "$(model_fns); $fn $prefix$tag $args"
+  done
+}
+
 case "$part" in
   rows)
     step fp8-fused-sweep 170 "$py" bench/fp8_gemv_sweep.py --fused --out "$out/fp8-fused-sweep_${gpu}_${day}.json"
@@ -57,27 +67,15 @@ case "$part" in
     ;;
   ctx)  # ctx OUTDIR SECONDS CONTEXT TAG=VAR=VALUE[,VAR=VALUE]...: GLM-5.1 fp8 at one context, default then each setting
     ctx=${4:?context}; shift 4
-    step "glm-$ctx-default" 60 bash -c "$(model_fns); glm $ctx-default $ctx"
-    for setting in "$@"; do
-      name=${setting%%=*}; IFS=, read -r -a vars <<< "${setting#*=}"
-      step "glm-$ctx-$name" 60 env "${vars[@]}" bash -c "$(model_fns); glm $ctx-$name $ctx"
-    done
+    each "glm-$ctx" 60 glm "$ctx-" "$ctx" "$@"
     ;;
   llama)  # llama OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...: llama3-8b, default then each setting
     shift 3
-    step "llama-default" 100 bash -c "$(model_fns); llama default"
-    for setting in "$@"; do
-      name=${setting%%=*}; IFS=, read -r -a vars <<< "${setting#*=}"
-      step "llama-$name" 100 env "${vars[@]}" bash -c "$(model_fns); llama $name"
-    done
+    each llama 100 llama "" "" "$@"
     ;;
   tp8x)  # tp8x OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...: the TP8 shard at 1K, default then each setting
     shift 3
-    step "tp8-default" 60 bash -c "$(model_fns); tp8 default --alias-layers --contexts 1024"
-    for setting in "$@"; do
-      name=${setting%%=*}; IFS=, read -r -a vars <<< "${setting#*=}"
-      step "tp8-$name" 60 env "${vars[@]}" bash -c "$(model_fns); tp8 $name --alias-layers --contexts 1024"
-    done
+    each tp8 60 tp8 "" "--alias-layers --contexts 1024" "$@"
     ;;
   long)
     step mla-long 240 "$py" bench/mla_dense_long.py --out "$out/mla-dense-long_${gpu}_${day}.json" --best-env "$out/long.env"
