@@ -225,3 +225,50 @@ def test_a_sigcont_handled_after_the_loop_resumed_is_still_counted(monkeypatch: 
     # the tick after the second line measures its gap from the line, not from before the 2 s wait for a SIGCONT
     after = [lag for lag, stalls in seen if stalls == number]
     assert after and after[0] < 1.5, (number, seen)
+
+
+def test_a_stop_inside_a_tick_counts_for_the_gap_it_ends(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A stop that lands inside a tick, after the tick took its time (the /proc reads take longest on a starved box),
+    ends a gap that only the next tick measures; its SIGCONT's handler ran inside the first tick. Read as a count at
+    the tick's end, that SIGCONT went to the gap before it and the stall line said `sigcont=0` (a fresh-clone run's
+    test_liveness on a saturated box, twice). Fault injected here: the tick's /proc read blocks the loop's thread for
+    1.6 s (standing for the stop, which the loop sees the same way) while a real SIGCONT comes to this process."""
+    from tilepd.runtime import stall_watch
+
+    real = stall_watch.process_cpu_and_faults
+    armed = {"now": False}
+
+    def reads_then_stopped() -> tuple[float, int]:
+        out = real()
+        if armed["now"]:
+            armed["now"] = False
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGCONT)).start()
+            time.sleep(1.6)  # the "stop": the handler runs in here, when the SIGCONT comes
+        return out
+
+    monkeypatch.setattr(stall_watch, "process_cpu_and_faults", reads_then_stopped)
+    monkeypatch.setattr(stall_watch, "SIGCONT_WAIT_S", 30.0)  # a miscounted SIGCONT would hold the line 30 s, then say 0
+
+    async def main() -> tuple[StallWatch, str, float]:
+        watch = StallWatch("n0", tick_s=0.05, warn_after_s=1.0, dump_after_s=30.0)
+        task = asyncio.get_running_loop().create_task(watch.run())
+        await asyncio.sleep(0.3)
+        armed["now"] = True
+        t0 = time.monotonic()
+        while True:
+            lines = [r.getMessage() for r in caplog.records if "event=loop_stall" in r.getMessage()]
+            mine = [line for line in lines if float(line.split("gap_s=")[1].split()[0]) >= 1.5]
+            if mine:
+                break
+            assert time.monotonic() - t0 < 20, f"no stall line within 20 s (the SIGCONT was not counted for its gap): {lines}"
+            await asyncio.sleep(0.02)
+        took = time.monotonic() - t0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return watch, mine[0], took
+
+    with caplog.at_level(logging.WARNING, logger="tilepd.runtime"):
+        watch, line, took = asyncio.run(main())
+    assert watch.continued == 1 and " sigcont=1 " in line, line
+    assert took < 10, took  # the line came at the tick after the gap, with no wait for a count that had already moved

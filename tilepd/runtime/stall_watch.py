@@ -14,7 +14,8 @@ the router, and its own log is silent about why. Two witnesses close that gap:
   stopped, by SIGSTOP or a freezer, and continued: nothing in the process was at fault). The kernel may hand the
   SIGCONT to any thread, which on a loaded box may run its handler after the loop has resumed, so the line waits
   (awaiting, `SIGCONT_WAIT_S` and as many looks as fit in it, longer on a starved box) for the count to move before it
-  is written.
+  is written. A SIGCONT counts for the gap it ends by when its handler ran (after the gap's start), not by when the
+  tick read the count: a stop that lands inside a tick, after it took its time, ends a gap the next tick measures.
 
 A tick costs two small reads (/proc/self/stat and the first line of /proc/stat) on the serving loop; the per-thread
 counts (one read per thread) are taken only every `threads_every_s`, so a stall line's thread figures cover the
@@ -43,6 +44,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from types import FrameType
 from typing import IO, Callable
@@ -190,14 +192,19 @@ class StallWatch:
         self.witness: _StackWitness | None = None
         self.stalls = 0
         self.continued = 0  # SIGCONTs received: a process stopped and continued (SIGSTOP, a debugger, a freezer) knows it so
+        self._continued_at: deque[float] = deque(maxlen=64)  # when their handlers ran (monotonic)
 
     def _on_sigcont(self, _signum: int, _frame: object) -> None:
+        self._continued_at.append(time.monotonic())
         self.continued += 1
+
+    def _continued_since(self, start: float) -> int:
+        """SIGCONTs handled after `start` (list() copies the deque in one C call: no handler runs inside it)."""
+        return sum(at > start for at in list(self._continued_at))
 
     async def run(self) -> None:
         (cpu, faults), machine, last = process_cpu_and_faults(), machine_cpu_seconds(), time.monotonic()
         threads, threads_at = thread_cpu_seconds(), last
-        conts = self.continued
         try:
             previous = signal.signal(signal.SIGCONT, self._on_sigcont)
         except ValueError:  # not the main thread: go without
@@ -227,7 +234,7 @@ class StallWatch:
                     # (a stall without a SIGCONT waits the whole bound; the loop serves and beats meanwhile)
                     begun, looks, polls = time.monotonic(), 0, SIGCONT_WAIT_S / SIGCONT_POLL_S
                     try:
-                        while self.continued == conts:
+                        while not self._continued_since(last):
                             waited = time.monotonic() - begun
                             if (waited >= SIGCONT_WAIT_S and looks >= polls) or waited >= SIGCONT_WAIT_S * SIGCONT_WAIT_MAX_FACTOR:
                                 break
@@ -240,14 +247,14 @@ class StallWatch:
                         log.warning("event=loop_stall node=%s %s thread_idents=%s", self.node,
                                     describe_gap(now - last, new_cpu - cpu, _spent(threads, new_threads), now - threads_at,
                                                  _spent(machine, new_machine, keep_zero=True), new_faults - faults,
-                                                 self.continued - conts),
+                                                 self._continued_since(last)),
                                     idents)
                     threads, threads_at = new_threads, now
                     # the next gap starts here, not before the wait for a SIGCONT
                     (new_cpu, new_faults), new_machine, now = process_cpu_and_faults(), machine_cpu_seconds(), time.monotonic()
                 elif now - threads_at >= self.threads_every_s:
                     threads, threads_at = thread_cpu_seconds(), now
-                cpu, faults, machine, last, conts = new_cpu, new_faults, new_machine, now, self.continued
+                cpu, faults, machine, last = new_cpu, new_faults, new_machine, now
         finally:
             witness.stop.set()
             if previous is not None:
