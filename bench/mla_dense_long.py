@@ -34,7 +34,7 @@ from tilepd.engine import mla_attention as A
 # Triton 3.9: 36-88 B of spill at 64-row blocks, 8 B at 32), and 32-head tiles of 8 warps (mma.sync without spill)
 TILES = [(32, 64, 4, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 1), (64, 64, 8, 1), (64, 64, 8, 2), (64, 16, 8, 2), (64, 16, 8, 3),
          (32, 32, 8, 2), (32, 64, 8, 2)]
-POLICIES = [(132, 1), (264, 1), (66, 1)]  # (programs aimed for, min_blocks)
+POLICIES = [(132, 1), (264, 1)]  # (programs aimed for, min_blocks)
 WINDOWS = (4096, 8192, 32768, 131072)
 LONG = (32768, 131072)  # the windows the pick is made on
 TINY_TILES, TINY_POLICIES, TINY_WINDOWS, TINY_LONG = [(16, 16, 4, 1), (16, 32, 4, 1)], [(4, 1)], (64, 256), (256,)
