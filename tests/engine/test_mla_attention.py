@@ -186,3 +186,19 @@ def test_mla_kernel_on_cuda_matches_fp32_reference(length: int, live: int, t: in
         want = cached_attention(q.float(), cache.float(), cache[..., :r].float(), bias, 0.07, impl="bmm")
     assert got.shape == (t, h, r) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_mla_dense_long_bench_runs_on_tiny_shapes_under_interpreter(repo_root: Path, tmp_path: Path) -> None:
+    """bench/mla_dense_long.py's code on a tiny dense shape (CPU, float32), so the GPU bench cannot rot: TUNE's tile and
+    each swept tile run through TUNE_LONG and match the float32 reference."""
+    import json
+
+    from tests.engine.interpret import interpret
+
+    out = tmp_path / "long.json"
+    r = interpret([str(repo_root / "bench" / "mla_dense_long.py"), "--device", "cpu", "--tiny", "--out", str(out)], repo_root, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert len(rows) == 3 and rows[0]["tile"] == report["baseline"]["tile"], rows
+    assert all(row["rel_err"] < 1e-5 and row["64"] > 0 and row["256"] > 0 for row in rows), rows
