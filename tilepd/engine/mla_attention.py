@@ -65,7 +65,7 @@ TUNE: dict[str, int] = {
 # heads share each cache row, so 128 heads make a window of L rows ~2.2 * L * 576 * 128 FLOPs (DeepSeek-V3 at 32K: 9
 # GFLOPs a layer, against 38 MB of rows), and TUNE's 32-head programs run their dots as mma.sync from registers and spill
 # (sm_90 resource report: 255 registers + 124 B a thread); 64-head programs of 8 warps build as wgmma. Picked by
-# `bench/mla_dense_long.py` on an H100 (2026-12-06, 21 tile x policy rows, split + merge_uv, caches past the L2): 64
+# `bench/mla_dense_long.py` on an H100 (2026-12-06, 20 tile x policy rows, split + merge_uv, caches past the L2): 64
 # heads, 64-row blocks, 8 warps, 2 stages: 77.5 -> 62.9 us at 32K, 237.9 -> 168.2 at 128K, but slower than TUNE at 4K
 # and 8K (26.2 / 33.4 against 21.4 / 30.6 us), hence from 32K; DeepSeek-V3 fp8 61 layers at 32K 19.33 -> 18.78 ms/token.
 TUNE_LONG: dict[str, int] = {
