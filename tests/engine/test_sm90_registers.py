@@ -17,21 +17,34 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
               pytest.mark.skipif(os.environ.get("TILEPD_SKIP_SM90_COMPILE") == "1", reason="TILEPD_SKIP_SM90_COMPILE=1")]
 
 
+def _fp8(g: torch.Generator, n: int, k: int) -> object:
+    """A random [n, k] weight quantised to 128x128-block fp8 (BlockFp8)."""
+    from tilepd.model_format.block_fp8 import quantize
+
+    return quantize(torch.randn(n, k, generator=g), (128, 128))
+
+
+def _stacked(g: torch.Generator, n: int, k: int, experts: int) -> object:
+    """`experts` random [n, k] fp8 weights stacked as the MoE kernels take them (BlockFp8 of [E, n, k])."""
+    from tilepd.model_format.block_fp8 import BlockFp8
+
+    parts = [_fp8(g, n, k) for _ in range(experts)]
+    return BlockFp8(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), (128, 128))
+
+
 def _step_kernels() -> list[dict]:
     from tests.engine.sm90_compile import compiling
     from tilepd.engine import fp8_triton, mla_attention, mla_fused_triton, moe_fused_triton
-    from tilepd.model_format.block_fp8 import BlockFp8, quantize
 
     bf = torch.bfloat16
     g = torch.Generator().manual_seed(0)
     t, hid, heads, nope, rank, rope, v, inter, experts = 1, 6144, 64, 192, 512, 64, 256, 2048, 8  # GLM-5.1 (8 of 256 experts built)
 
-    def fp8(n: int, k: int) -> BlockFp8:
-        return quantize(torch.randn(n, k, generator=g), (128, 128))
+    def fp8(n: int, k: int) -> object:
+        return _fp8(g, n, k)
 
-    def stacked(n: int, k: int) -> BlockFp8:
-        parts = [fp8(n, k) for _ in range(experts)]
-        return BlockFp8(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), (128, 128))
+    def stacked(n: int, k: int) -> object:
+        return _stacked(g, n, k, experts)
 
     x = torch.randn(t, hid).to(bf)
     cs = torch.randn(t, 2, rope).to(bf)
@@ -85,19 +98,12 @@ def test_a_tp8_shards_gate_up_takes_the_narrow_tile_without_spills(monkeypatch: 
     tile (4 rows, 1024-wide chunks), and its sm_90 build spills nothing."""
     from tests.engine.sm90_compile import compiling, ptxas_info
     from tilepd.engine import moe_fused_triton
-    from tilepd.model_format.block_fp8 import BlockFp8, quantize
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     g = torch.Generator().manual_seed(0)
     hid, inter, experts = 6144, 256, 8
-
-    def fp8(n: int, k: int) -> BlockFp8:
-        return quantize(torch.randn(n, k, generator=g), (128, 128))
-
-    parts = [fp8(2 * inter, hid) for _ in range(experts)]
-    stacked = BlockFp8(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), (128, 128))
     with compiling() as done:
-        moe_fused_triton.gate_up_act(torch.randn(1, hid).to(torch.bfloat16), stacked, fp8(2 * inter, hid),
+        moe_fused_triton.gate_up_act(torch.randn(1, hid).to(torch.bfloat16), _stacked(g, 2 * inter, hid, experts), _fp8(g, 2 * inter, hid),
                                      torch.tensor([[3, 1, 2, 4, 5, 6, 7, 0, -1]]), shared_last=True)
     (up,) = done
     assert up["constexprs"]["BLOCK_N"] == moe_fused_triton.TUNE["up_block_n_fp8_few"]
