@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kit import read_bandwidth
-from mla_fused_gpu import DSV3, TINY, attention, attention_case, attention_reference, rel, time_attention
+from mla_fused_gpu import DSV3, TINY, attention, attention_case, attention_reference, cache_copies, rel, time_attention
 from tilepd.engine import mla_attention as A
 
 # (block_h, block_n, num_warps, num_stages): TUNE's tile, then 64-head programs of 8 warps (wgmma on sm_90; ptxas with
@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda":
         report["gpu"], report["read_GBps"] = torch.cuda.get_device_name(), read_bandwidth(dev, 2.0)["sum_read_GBps"]
     row_bytes = (shape["rank"] + shape["rope"]) * torch.finfo(dtype).bits // 8
-    copies = lambda rows: 1 if dev.type != "cuda" else max(1, min(64, -(-150_000_000 // (rows * row_bytes))))  # noqa: E731
-    cases = {w: attention_case(shape, 1, w, w, "dense", dev, dtype, copies(w)) for w in windows}
+    cases = {w: attention_case(shape, 1, w, w, "dense", dev, dtype, cache_copies(w, row_bytes, dev, 64)) for w in windows}
     if report.get("read_GBps"):
         report["rows_floor_us"] = {w: round(w * row_bytes / report["read_GBps"] * 1e-3, 2) for w in windows}
     reps = args.reps if dev.type == "cuda" else 1

@@ -53,6 +53,12 @@ TINY_TILES, TINY_POLICIES = [(16, 16, 4, 1)], [(8, 1)]
 SCORING_CONTEXTS = (32768, 131072, 200000)
 
 
+def cache_copies(rows: int, row_bytes: int, dev: torch.device, most: int) -> int:
+    """How many copies of a `rows`-row cache to rotate over so each call reads its rows from HBM (~150 MB, past the
+    L2), at most `most`; one off CUDA."""
+    return 1 if dev.type != "cuda" else max(1, min(most, -(-150_000_000 // (rows * row_bytes))))
+
+
 def poison(dev: torch.device) -> None:
     """Fill the caching allocator's free memory with NaN, so a kernel's torch.empty outputs start poisoned."""
     if dev.type == "cuda":
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     env: dict[str, int] = {}
 
     # the attention at short windows: split kernel + merge_uv, caches rotated past the L2 (as the step's layers read them)
-    copies = lambda rows: 1 if dev.type != "cuda" else max(1, min(128, -(-150_000_000 // (rows * 1152))))  # noqa: E731
+    copies = lambda rows: cache_copies(rows, 1152, dev, 128)  # noqa: E731
     if args.tiny:
         cases = {"tiny 200 dense": attention_case(shape, 1, 200, 200, "dense", dev, dtype),
                  "tiny 48 of 300 sparse": attention_case(shape, 1, 48, 300, "sparse", dev, dtype)}
