@@ -14,8 +14,10 @@
 #                                                  # then under each tagged setting
 #   bash bench/depth_step.sh tp8x OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...  # the TP8 shard at 1K as the code
 #                                                  # stands, then under each tagged setting
-#   bash bench/depth_step.sh long OUTDIR SECONDS   # dense MLA's long-window tiles (mla_dense_long.py picks TUNE_LONG),
-#                                                  # then DeepSeek-V3 fp8 61L at 32K as the code stands and with the pick
+#   bash bench/depth_step.sh long OUTDIR SECONDS   # dense MLA's long-window tiles (mla_dense_long.py picks TUNE_LONG; then
+#                                                  # the short windows' tiles, V split or not), then DeepSeek-V3 fp8 61L at
+#                                                  # 32K as the code stands and with the pick, then GPU parity with every
+#                                                  # tune dict's V split over 2 programs
 #
 # TILEPD_DSA_GPU_REFS: the DSA parity references made on a CPU box (tests/engine/test_dsa_gpu_parity.py, made with
 # the project's transformers) and carried; without them that file makes its own with the device's transformers.
@@ -78,12 +80,13 @@ case "$part" in
     each tp8 60 tp8 "" "--alias-layers --contexts 1024" "$@"
     ;;
   long)
-    step mla-long 240 "$py" bench/mla_dense_long.py --out "$out/mla-dense-long_${gpu}_${day}.json" --best-env "$out/long.env"
+    step mla-long 330 "$py" bench/mla_dense_long.py --out "$out/mla-dense-long_${gpu}_${day}.json" --best-env "$out/long.env"
     [ -s "$out/long.env" ] && cat "$out/long.env"
     step dsv3-32k-default 100 bash -c "$(model_fns); dsv3 32k-default 32768"
     if [ -s "$out/long.env" ]; then
       step dsv3-32k-long 100 bash -c "source $out/long.env; $(model_fns); dsv3 32k-long 32768"
     fi
+    parity parity-vsplit 200 TILEPD_MLA_V_SPLIT=2 TILEPD_MLA_SPARSE_V_SPLIT=2 TILEPD_MLA_LONG_V_SPLIT=2
     ;;
   *) echo "unknown part $part (rows, table, ab, ctx, llama, tp8x or long)"; exit 2 ;;
 esac

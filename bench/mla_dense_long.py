@@ -6,7 +6,9 @@ Why: at 32K the DeepSeek-V3 step's split kernel took 63.6 us a layer on an H100 
 split kernel + merge_uv (as the step runs them, caches rotated past the L2) per tile and split policy at 4K-128K,
 checks each tile's output against the float32 reference (dsa.sparse_mla_attention + W_UV) at 32K first, and picks
 TUNE_LONG: the tile with the least geometric-mean time over the long windows (32K, 128K), used from the shortest
-window at and past which it beats TUNE at every measured length.
+window at and past which it beats TUNE at every measured length. Then (--short, default on) the short windows' tiles
+(TUNE: DeepSeek-V3 at 1K/4K; TUNE_SPARSE: GLM-5.1's 1K window and 2048 selected of 32K rows), the defaults beside the
+same tiles with V split over 2 or 4 programs (mla_attention's v_split), reported with a pick per tune dict.
 
     python bench/mla_dense_long.py --out bench/results/mla-dense-long_h100.json --best-env /tmp/long.env
     python bench/mla_dense_long.py --device cpu --tiny     # CPU smoke test under TRITON_INTERPRET=1
@@ -15,7 +17,6 @@ window at and past which it beats TUNE at every measured length.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -27,22 +28,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kit import read_bandwidth
-from mla_fused_gpu import DSV3, TINY, attention, attention_case, attention_reference, cache_copies, rel, time_attention
+from mla_fused_gpu import (DSV3, GLM51, TILE_KEYS, TINY, attention, attention_case, attention_reference, attention_sweep, cache_copies, pick, rel,
+                           split_tiles, tiles_set, time_attention)
 from tilepd.engine import mla_attention as A
 
-# (block_h, block_n, num_warps, num_stages): TUNE's tile, then 64-head programs of 8 warps (wgmma on sm_90; ptxas with
-# Triton 3.9: 36-88 B of spill at 64-row blocks, 8 B at 32), and 32-head tiles of 8 warps (mma.sync without spill)
-TILES = [(32, 64, 4, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 1), (64, 64, 8, 1), (64, 64, 8, 2), (64, 16, 8, 2), (64, 16, 8, 3),
-         (32, 32, 8, 2), (32, 64, 8, 2)]
+# (block_h, block_n, num_warps, num_stages, v_split): TUNE's tile, 64-head programs of 8 warps (wgmma on sm_90; ptxas with
+# Triton 3.6 on the CPU box: 64/64/8/2 is 255 registers + 88 B of spill a thread, 64/32/8 spills less), and tiles whose
+# V is split over 2 or 4 programs (each scores the whole row): 64/64/8/2/2, 128-head tiles with v_split 2 or 4 and
+# 32-head ones build without spill (128/64/8/2/4: 167 registers)
+TILES = [(32, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2, 2), (64, 32, 8, 2, 2), (64, 64, 8, 3, 2), (64, 64, 4, 2, 2),
+         (32, 64, 4, 2, 2), (32, 64, 8, 2, 2), (128, 64, 8, 2, 2), (128, 32, 8, 2, 2), (128, 64, 8, 2, 4), (128, 32, 8, 3, 2)]
 POLICIES = [(132, 1), (264, 1)]  # (programs aimed for, min_blocks)
 WINDOWS = (4096, 8192, 32768, 131072)
 LONG = (32768, 131072)  # the windows the pick is made on
-TINY_TILES, TINY_POLICIES, TINY_WINDOWS, TINY_LONG = [(16, 16, 4, 1), (16, 32, 4, 1)], [(4, 1)], (64, 256), (256,)
-KEYS = ("block_h", "block_n", "num_warps", "num_stages", "programs", "min_blocks")
+# the short windows the step reads with TUNE (DeepSeek-V3 below TUNE_LONG's "from") and TUNE_SPARSE (a DSA model's 2048
+# selected rows, or its whole window while that fits index_topk): the defaults with their V split over 2 and 4 programs
+SHORT_TILES = [(32, 64, 4, 2), (16, 32, 4, 2), (32, 64, 4, 2, 2), (16, 32, 4, 2, 2), (16, 32, 4, 2, 4), (32, 32, 4, 2, 2), (32, 64, 8, 2, 2),
+               (64, 64, 8, 2, 2), (16, 64, 4, 2, 2), (32, 32, 4, 1, 2)]
+SHORT_POLICIES = [(132, 1), (264, 1)]
+TINY_TILES, TINY_POLICIES, TINY_WINDOWS, TINY_LONG = [(16, 16, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1, 2)], [(4, 1)], (64, 256), (256,)
 
 
 def tile_name(cfg: dict) -> str:
-    return "/".join(str(cfg[k]) for k in KEYS)
+    return "/".join(str(cfg[k]) for k in TILE_KEYS)
+
+
+def short_sweep(dev: torch.device, dtype: torch.dtype, tiny: bool, reps: int) -> dict:
+    """The short windows' tiles (TUNE for dense MLA, TUNE_SPARSE for DSA models) with and without the V split: each
+    configuration on every case, and the pick per tune dict against its default."""
+    if tiny:
+        spec = [("tiny 200 dense", {**TINY, "idx_heads": 0, "idx_d": 0, "topk": 0}, 200, 200, "dense"), ("tiny 48 of 300 sparse", TINY, 48, 300, "sparse")]
+        combos = split_tiles(TINY_TILES, TINY_POLICIES)
+    else:
+        spec = [("deepseek-v3 1K dense", DSV3, 1024, 1024, "dense"), ("deepseek-v3 4K dense", DSV3, 4096, 4096, "dense"),
+                ("glm-5.1 1K dense", GLM51, 1024, 1024, "dense"), ("glm-5.1 2048 of 32K sparse", GLM51, 2048, 32768, "sparse")]
+        combos = split_tiles(SHORT_TILES, SHORT_POLICIES)
+    shapes = {n: sh for n, sh, *_ in spec}
+    cases = {n: attention_case(sh, 1, length, rows, mode, dev, dtype, cache_copies(rows, 1152, dev, 128)) for n, sh, length, rows, mode in spec}
+    rows = attention_sweep(cases, shapes, dev, combos, reps)
+    out: dict = {"rows": rows, "picks": {}}
+    for label, tune, names in (("TUNE", A.TUNE, [n for n in cases if not shapes[n]["idx_d"]]), ("TUNE_SPARSE", A.TUNE_SPARSE, [n for n in cases if shapes[n]["idx_d"]])):
+        default = next((r for r in rows if all(r[k] == tune[k] for k in TILE_KEYS)), None)
+        best = pick(rows, names)
+        out["picks"][label] = {"default": default and {n: default[n] for n in names}, "best": best and {**{k: best[k] for k in TILE_KEYS},
+                                                                                                      **{n: best[n] for n in names}}}
+    print(json.dumps({"short_picks": out["picks"]}), flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--max-rel", type=float, default=2e-2)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--short", action=argparse.BooleanOptionalAction, default=True, help="also sweep the short windows' tiles")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--best-env", type=Path, help="write the picked TUNE_LONG as shell exports (TILEPD_MLA_LONG_*)")
     args = ap.parse_args(argv)
@@ -68,32 +100,27 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps if dev.type == "cuda" else 1
     check = long[0]
     ref = attention_reference(cases[check], shape)
-    saved = dict(A.TUNE_LONG)
     rows = []
-    base = {k: A.TUNE[k] for k in KEYS}  # TUNE's own tile first: the baseline every pick is measured against
-    combos = [base] + [c for c in ({"block_h": bh, "block_n": bn, "num_warps": warps, "num_stages": stages, "programs": programs,
-                                    "min_blocks": min_blocks} for (bh, bn, warps, stages), (programs, min_blocks) in itertools.product(tiles, policies))
-                       if c != base]
+    base = {k: A.TUNE[k] for k in TILE_KEYS}  # TUNE's own tile first: the baseline every pick is measured against
+    combos = [base] + [c for c in split_tiles(tiles, policies) if c != base]
     for cfg in combos:
         row: dict = {"tile": tile_name(cfg), **cfg}
-        A.TUNE_LONG.update(cfg, **{"from": 0})  # every window of this bench takes the tile
-        try:
-            c = cases[check]
-            out = attention(c["q"], c["caches"][0], shape, c["w_uv"], c["length"], None, c["span"])
-            row["rel_err"] = rel(out.float(), ref)
-            for w in windows:
-                row[str(w)] = round(time_attention(cases[w], shape, dev, reps), 2)
-        except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-            row["error"] = repr(e)[:200]
-        A.TUNE_LONG.clear()
-        A.TUNE_LONG.update(saved)
+        with tiles_set(A.TUNE_LONG, {**cfg, "from": 0}):  # every window of this bench takes the tile
+            try:
+                c = cases[check]
+                out = attention(c["q"], c["caches"][0], shape, c["w_uv"], c["length"], None, c["span"])
+                row["rel_err"] = rel(out.float(), ref)
+                for w in windows:
+                    row[str(w)] = round(time_attention(cases[w], shape, dev, reps), 2)
+            except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+                row["error"] = repr(e)[:200]
         rows.append(row)
         print(json.dumps(row), flush=True)
     report["rows"] = rows
     ok_rows = [r for r in rows if "error" not in r and r["rel_err"] < args.max_rel]
     bad = [r["tile"] for r in rows if "error" in r or r["rel_err"] >= args.max_rel]
     report["failed_tiles"] = bad
-    baseline = next((r for r in ok_rows if all(r[k] == base[k] for k in KEYS)), None)
+    baseline = next((r for r in ok_rows if all(r[k] == base[k] for k in TILE_KEYS)), None)
     if ok_rows and baseline:
         best = min(ok_rows, key=lambda r: math.fsum(math.log(r[str(w)]) for w in long))
         start = None
@@ -106,10 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         report["speedup"] = {w: round(baseline[str(w)] / best[str(w)], 3) for w in windows}
         print(json.dumps({"baseline": baseline["tile"], "best": best["tile"], "from": start, "speedup": report["speedup"]}), flush=True)
         if args.best_env and start is not None:
-            env = {f"TILEPD_MLA_LONG_{k.upper()}": best[k] for k in KEYS} | {"TILEPD_MLA_LONG_FROM": start}
+            env = {f"TILEPD_MLA_LONG_{k.upper()}": best[k] for k in TILE_KEYS} | {"TILEPD_MLA_LONG_FROM": start}
             args.best_env.write_text("".join(f"export {k}={v}\n" for k, v in env.items()))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
+    if args.short:
+        report["short"] = short_sweep(dev, dtype, args.tiny, reps)
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
     if bad:
         print(f"tiles over --max-rel {args.max_rel} or failing: {bad}", file=sys.stderr)
     return 1 if bad else 0

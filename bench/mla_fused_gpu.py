@@ -21,9 +21,11 @@ Exits 1 when an error exceeds --max-rel. --best-env FILE writes the picked tiles
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,6 +52,7 @@ ATTN_TILES = [(16, 32, 4, 2), (32, 64, 4, 2), (16, 16, 4, 1), (16, 16, 8, 1), (1
               (32, 16, 8, 1), (32, 32, 8, 1), (32, 32, 8, 2)]
 ATTN_POLICIES = [(132, 4), (132, 1), (264, 1), (396, 1)]
 TINY_TILES, TINY_POLICIES = [(16, 16, 4, 1)], [(8, 1)]
+TILE_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "v_split", "programs", "min_blocks")  # a split tile's tune keys
 SCORING_CONTEXTS = (32768, 131072, 200000)
 
 
@@ -185,23 +188,39 @@ def time_attention(c: dict, shape: dict, dev: torch.device, reps: int) -> float:
                          max(reps, len(c["caches"])))
 
 
-def attention_sweep(cases: dict, shapes: dict, dev: torch.device, tiles: list, policies: list, reps: int) -> list[dict]:
-    """Each (tile, policy) on every case; the tune dict a case's mode reads is set, the other left alone."""
+def split_tiles(tiles: list[tuple], policies: list[tuple]) -> list[dict]:
+    """The split kernel's configurations: tiles (block_h, block_n, num_warps, num_stages[, v_split]; v_split 1 when
+    left out) crossed with policies (programs, min_blocks), as tune dicts (TILE_KEYS)."""
+    return [dict(zip(TILE_KEYS, (*tile, 1)[:5] + policy)) for tile, policy in itertools.product(tiles, policies)]
+
+
+@contextlib.contextmanager
+def tiles_set(tune: dict, cfg: dict) -> Iterator[None]:
+    """Within: `tune` (one of mla_attention's dicts) holds cfg's values; after, its own again."""
+    saved = dict(tune)
+    tune.update(cfg)
+    try:
+        yield
+    finally:
+        tune.clear()
+        tune.update(saved)
+
+
+def attention_sweep(cases: dict, shapes: dict, dev: torch.device, combos: list[dict], reps: int,
+                    tune_for: Callable[[str], dict] | None = None) -> list[dict]:
+    """Each configuration (split_tiles) on every case, timed as the step runs it; the tune dict the case reads
+    (tune_for(name); by default DSA models' TUNE_SPARSE, dense MLA's TUNE) holds it for that case only."""
+    tune_for = tune_for or (lambda name: A.TUNE_SPARSE if shapes[name]["idx_d"] else A.TUNE)
     out = []
-    saved = (dict(A.TUNE), dict(A.TUNE_SPARSE))
-    for (bh, bn, warps, stages), (programs, min_blocks) in itertools.product(tiles, policies):
-        cfg = {"block_h": bh, "block_n": bn, "num_warps": warps, "num_stages": stages, "programs": programs, "min_blocks": min_blocks}
+    for cfg in combos:
         row = dict(cfg)
         for name, c in cases.items():
-            tune = A.TUNE_SPARSE if shapes[name]["idx_d"] else A.TUNE  # DSA models' tiles, dense MLA's
-            tune.update(cfg)
-            try:
-                row[name] = round(time_attention(c, shapes[name], dev, reps), 2)
-            except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-                row[name] = None
-                row.setdefault("errors", {})[name] = repr(e)[:160]
-            A.TUNE.update(saved[0])
-            A.TUNE_SPARSE.update(saved[1])
+            with tiles_set(tune_for(name), cfg):
+                try:
+                    row[name] = round(time_attention(c, shapes[name], dev, reps), 2)
+                except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+                    row[name] = None
+                    row.setdefault("errors", {})[name] = repr(e)[:160]
         out.append(row)
     return out
 
@@ -298,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     report["attention_before"] = {n: round(time_attention(c, case_shape[n], dev, reps), 2) for n, c in cases.items()}
     print(json.dumps({"attention_before": report["attention_before"]}), flush=True)
     if args.sweep:
-        rows = attention_sweep(cases, case_shape, dev, TINY_TILES if args.tiny else ATTN_TILES, TINY_POLICIES if args.tiny else ATTN_POLICIES,
+        rows = attention_sweep(cases, case_shape, dev, split_tiles(TINY_TILES, TINY_POLICIES) if args.tiny else split_tiles(ATTN_TILES, ATTN_POLICIES),
                                reps)
         report["attention_sweep"] = rows
         dense_names = [n for n in cases if not case_shape[n]["idx_d"]]  # DeepSeek-V3's dense MLA: TUNE
@@ -307,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         report["attention_best"] = {"dense": best_dense, "sparse": best_sparse}
         for prefix, best in (("TILEPD_MLA_", best_dense), ("TILEPD_MLA_SPARSE_", best_sparse)):
             if best:
-                env.update({prefix + k.upper(): best[k] for k in ("block_n", "block_h", "num_warps", "num_stages", "programs", "min_blocks")})
+                env.update({prefix + k.upper(): best[k] for k in TILE_KEYS})
         print(json.dumps({"attention_best": report["attention_best"]}), flush=True)
         for tune, best in ((A.TUNE, best_dense), (A.TUNE_SPARSE, best_sparse)):
             if best:
