@@ -53,26 +53,35 @@ def tile_name(cfg: dict) -> str:
     return "/".join(str(cfg[k]) for k in TILE_KEYS)
 
 
-def short_sweep(dev: torch.device, dtype: torch.dtype, tiny: bool, reps: int) -> dict:
+def short_sweep(dev: torch.device, dtype: torch.dtype, tiny: bool, reps: int, env_out: Path | None = None, gain: float = 0.02) -> dict:
     """The short windows' tiles (TUNE for dense MLA, TUNE_SPARSE for DSA models) with and without the V split: each
-    configuration on every case, and the pick per tune dict against its default."""
+    configuration on every case, and the pick per tune dict against its default. env_out: the picks that beat their
+    default's summed time by more than `gain` as shell exports (TILEPD_MLA_*, TILEPD_MLA_SPARSE_*), for an A/B of the
+    whole step."""
     if tiny:
         spec = [("tiny 200 dense", {**TINY, "idx_heads": 0, "idx_d": 0, "topk": 0}, 200, 200, "dense"), ("tiny 48 of 300 sparse", TINY, 48, 300, "sparse")]
         combos = split_tiles(TINY_TILES, TINY_POLICIES)
     else:
         spec = [("deepseek-v3 1K dense", DSV3, 1024, 1024, "dense"), ("deepseek-v3 4K dense", DSV3, 4096, 4096, "dense"),
-                ("glm-5.1 1K dense", GLM51, 1024, 1024, "dense"), ("glm-5.1 2048 of 32K sparse", GLM51, 2048, 32768, "sparse")]
+                ("glm-5.1 1K dense", GLM51, 1024, 1024, "dense"), ("glm-5.1 2048 of 32K sparse", GLM51, 2048, 32768, "sparse"),
+                ("glm-5.1 TP8 rank 1K dense", {**GLM51, "heads": GLM51["heads"] // 8}, 1024, 1024, "dense")]  # 8 heads a rank
         combos = split_tiles(SHORT_TILES, SHORT_POLICIES)
     shapes = {n: sh for n, sh, *_ in spec}
     cases = {n: attention_case(sh, 1, length, rows, mode, dev, dtype, cache_copies(rows, 1152, dev, 128)) for n, sh, length, rows, mode in spec}
     rows = attention_sweep(cases, shapes, dev, combos, reps)
     out: dict = {"rows": rows, "picks": {}}
+    exports: dict[str, int] = {}
     for label, tune, names in (("TUNE", A.TUNE, [n for n in cases if not shapes[n]["idx_d"]]), ("TUNE_SPARSE", A.TUNE_SPARSE, [n for n in cases if shapes[n]["idx_d"]])):
         default = next((r for r in rows if all(r[k] == tune[k] for k in TILE_KEYS)), None)
         best = pick(rows, names)
         out["picks"][label] = {"default": default and {n: default[n] for n in names}, "best": best and {**{k: best[k] for k in TILE_KEYS},
                                                                                                       **{n: best[n] for n in names}}}
-    print(json.dumps({"short_picks": out["picks"]}), flush=True)
+        if default and best and all(isinstance(default[n], float) for n in names) and sum(best[n] for n in names) < (1 - gain) * sum(default[n] for n in names):
+            prefix = "TILEPD_MLA_" if label == "TUNE" else "TILEPD_MLA_SPARSE_"
+            exports.update({prefix + k.upper(): best[k] for k in TILE_KEYS})
+    print(json.dumps({"short_picks": out["picks"], "short_env": exports}), flush=True)
+    if env_out is not None and exports:
+        env_out.write_text("".join(f"export {k}={v}\n" for k, v in exports.items()))
     return out
 
 
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short", action=argparse.BooleanOptionalAction, default=True, help="also sweep the short windows' tiles")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--best-env", type=Path, help="write the picked TUNE_LONG as shell exports (TILEPD_MLA_LONG_*)")
+    ap.add_argument("--short-env", type=Path, help="write the short windows' picks that beat the defaults by 2%% as shell exports")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     shape = {**TINY, "idx_heads": 0, "idx_d": 0, "topk": 0} if args.tiny else DSV3  # dense: no indexer
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     if args.short:
-        report["short"] = short_sweep(dev, dtype, args.tiny, reps)
+        report["short"] = short_sweep(dev, dtype, args.tiny, reps, args.short_env)
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))
     if bad:
