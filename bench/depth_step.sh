@@ -14,18 +14,14 @@
 #                                                  # then under each tagged setting
 #   bash bench/depth_step.sh tp8x OUTDIR SECONDS TAG=VAR=VALUE[,VAR=VALUE]...  # the TP8 shard at 1K as the code
 #                                                  # stands, then under each tagged setting
-#   bash bench/depth_step.sh long OUTDIR SECONDS   # dense MLA's long-window tiles (mla_dense_long.py picks TUNE_LONG; then
-#                                                  # the short windows' tiles, V split or not), then DeepSeek-V3 fp8 61L at
-#                                                  # 32K as the code stands and with the pick, then (where a short pick beat
-#                                                  # its default by 2%) GLM-5.1, DeepSeek-V3 and the TP8 shard at 1K without
-#                                                  # and with the short picks
-#   bash bench/depth_step.sh vsplit-parity OUTDIR SECONDS  # GPU parity with every tune dict's V split over 2 programs
+#   bash bench/depth_step.sh long OUTDIR SECONDS   # dense MLA's long-window tiles (mla_dense_long.py picks TUNE_LONG),
+#                                                  # then DeepSeek-V3 fp8 61L at 32K as the code stands and with the pick
 #
 # TILEPD_DSA_GPU_REFS: the DSA parity references made on a CPU box (tests/engine/test_dsa_gpu_parity.py, made with
 # the project's transformers) and carried; without them that file makes its own with the device's transformers.
 # Each step: its JSON and log under OUTDIR; a step past the deadline (seconds from the start) is skipped.
 set -u
-part=${1:?part: rows, table, ab, ctx, llama, tp8x, long or vsplit-parity}
+part=${1:?part: rows, table, ab, ctx, llama, tp8x or long}
 out=${2:?output folder}
 deadline=${3:-100000}
 mkdir -p "$out"
@@ -82,24 +78,12 @@ case "$part" in
     each tp8 60 tp8 "" "--alias-layers --contexts 1024" "$@"
     ;;
   long)
-    step mla-long 330 "$py" bench/mla_dense_long.py --out "$out/mla-dense-long_${gpu}_${day}.json" --best-env "$out/long.env" \
-      --short-env "$out/short.env"
-    for f in long short; do [ -s "$out/$f.env" ] && { echo "== $f.env"; cat "$out/$f.env"; }; done
+    step mla-long 240 "$py" bench/mla_dense_long.py --out "$out/mla-dense-long_${gpu}_${day}.json" --best-env "$out/long.env"
+    [ -s "$out/long.env" ] && cat "$out/long.env"
     step dsv3-32k-default 100 bash -c "$(model_fns); dsv3 32k-default 32768"
     if [ -s "$out/long.env" ]; then
       step dsv3-32k-long 100 bash -c "source $out/long.env; $(model_fns); dsv3 32k-long 32768"
     fi
-    if [ -s "$out/short.env" ]; then  # the short windows' picks on the whole steps they serve, side by side
-      for side in default short; do
-        src=true; [ "$side" = short ] && src="source $out/short.env"
-        step "glm-$side" 60 bash -c "$src; $(model_fns); glm $side 1024"
-        step "dsv3-$side" 60 bash -c "$src; $(model_fns); dsv3 $side"
-        step "tp8-$side" 60 bash -c "$src; $(model_fns); tp8 $side --alias-layers --contexts 1024"
-      done
-    fi
     ;;
-  vsplit-parity)  # GPU parity with every tune dict's V split over 2 programs
-    parity parity-vsplit 240 TILEPD_MLA_V_SPLIT=2 TILEPD_MLA_SPARSE_V_SPLIT=2 TILEPD_MLA_LONG_V_SPLIT=2
-    ;;
-  *) echo "unknown part $part (rows, table, ab, ctx, llama, tp8x, long or vsplit-parity)"; exit 2 ;;
+  *) echo "unknown part $part (rows, table, ab, ctx, llama, tp8x or long)"; exit 2 ;;
 esac

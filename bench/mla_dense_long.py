@@ -6,9 +6,7 @@ Why: at 32K the DeepSeek-V3 step's split kernel took 63.6 us a layer on an H100 
 split kernel + merge_uv (as the step runs them, caches rotated past the L2) per tile and split policy at 4K-128K,
 checks each tile's output against the float32 reference (dsa.sparse_mla_attention + W_UV) at 32K first, and picks
 TUNE_LONG: the tile with the least geometric-mean time over the long windows (32K, 128K), used from the shortest
-window at and past which it beats TUNE at every measured length. Then (--short, default on) the short windows' tiles
-(TUNE: DeepSeek-V3 at 1K/4K; TUNE_SPARSE: GLM-5.1's 1K window and 2048 selected of 32K rows), the defaults beside the
-same tiles with V split over 2 or 4 programs (mla_attention's v_split), reported with a pick per tune dict.
+window at and past which it beats TUNE at every measured length.
 
     python bench/mla_dense_long.py --out bench/results/mla-dense-long_h100.json --best-env /tmp/long.env
     python bench/mla_dense_long.py --device cpu --tiny     # CPU smoke test under TRITON_INTERPRET=1
@@ -28,61 +26,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kit import read_bandwidth
-from mla_fused_gpu import (DSV3, GLM51, TILE_KEYS, TINY, attention, attention_case, attention_reference, attention_sweep, cache_copies, pick, rel,
-                           split_tiles, tiles_set, time_attention)
+from mla_fused_gpu import DSV3, TILE_KEYS, TINY, attention, attention_case, attention_reference, cache_copies, rel, split_tiles, tiles_set, time_attention
 from tilepd.engine import mla_attention as A
 
-# (block_h, block_n, num_warps, num_stages, v_split): TUNE's tile, 64-head programs of 8 warps (wgmma on sm_90; ptxas with
-# Triton 3.6 on the CPU box: 64/64/8/2 is 255 registers + 88 B of spill a thread, 64/32/8 spills less), and tiles whose
-# V is split over 2 or 4 programs (each scores the whole row): 64/64/8/2/2, 128-head tiles with v_split 2 or 4 and
-# 32-head ones build without spill (128/64/8/2/4: 167 registers)
-TILES = [(32, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2, 2), (64, 32, 8, 2, 2), (64, 64, 8, 3, 2), (64, 64, 4, 2, 2),
-         (32, 64, 4, 2, 2), (32, 64, 8, 2, 2), (128, 64, 8, 2, 2), (128, 32, 8, 2, 2), (128, 64, 8, 2, 4), (128, 32, 8, 3, 2)]
+# (block_h, block_n, num_warps, num_stages): TUNE's tile, then 64-head programs of 8 warps (wgmma on sm_90; ptxas with
+# Triton 3.9: 36-88 B of spill at 64-row blocks, 8 B at 32), and 32-head tiles of 8 warps (mma.sync without spill)
+TILES = [(32, 64, 4, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 1), (64, 64, 8, 1), (64, 64, 8, 2), (64, 16, 8, 2), (64, 16, 8, 3),
+         (32, 32, 8, 2), (32, 64, 8, 2)]
 POLICIES = [(132, 1), (264, 1)]  # (programs aimed for, min_blocks)
 WINDOWS = (4096, 8192, 32768, 131072)
 LONG = (32768, 131072)  # the windows the pick is made on
-# the short windows the step reads with TUNE (DeepSeek-V3 below TUNE_LONG's "from") and TUNE_SPARSE (a DSA model's 2048
-# selected rows, or its whole window while that fits index_topk): the defaults with their V split over 2 and 4 programs
-SHORT_TILES = [(32, 64, 4, 2), (16, 32, 4, 2), (32, 64, 4, 2, 2), (16, 32, 4, 2, 2), (16, 32, 4, 2, 4), (32, 32, 4, 2, 2), (32, 64, 8, 2, 2),
-               (64, 64, 8, 2, 2), (16, 64, 4, 2, 2), (32, 32, 4, 1, 2)]
-SHORT_POLICIES = [(132, 1), (264, 1)]
-TINY_TILES, TINY_POLICIES, TINY_WINDOWS, TINY_LONG = [(16, 16, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1, 2)], [(4, 1)], (64, 256), (256,)
+TINY_TILES, TINY_POLICIES, TINY_WINDOWS, TINY_LONG = [(16, 16, 4, 1), (16, 32, 4, 1)], [(4, 1)], (64, 256), (256,)
 
 
 def tile_name(cfg: dict) -> str:
     return "/".join(str(cfg[k]) for k in TILE_KEYS)
-
-
-def short_sweep(dev: torch.device, dtype: torch.dtype, tiny: bool, reps: int, env_out: Path | None = None, gain: float = 0.02) -> dict:
-    """The short windows' tiles (TUNE for dense MLA, TUNE_SPARSE for DSA models) with and without the V split: each
-    configuration on every case, and the pick per tune dict against its default. env_out: the picks that beat their
-    default's summed time by more than `gain` as shell exports (TILEPD_MLA_*, TILEPD_MLA_SPARSE_*), for an A/B of the
-    whole step."""
-    if tiny:
-        spec = [("tiny 200 dense", {**TINY, "idx_heads": 0, "idx_d": 0, "topk": 0}, 200, 200, "dense"), ("tiny 48 of 300 sparse", TINY, 48, 300, "sparse")]
-        combos = split_tiles(TINY_TILES, TINY_POLICIES)
-    else:
-        spec = [("deepseek-v3 1K dense", DSV3, 1024, 1024, "dense"), ("deepseek-v3 4K dense", DSV3, 4096, 4096, "dense"),
-                ("glm-5.1 1K dense", GLM51, 1024, 1024, "dense"), ("glm-5.1 2048 of 32K sparse", GLM51, 2048, 32768, "sparse"),
-                ("glm-5.1 TP8 rank 1K dense", {**GLM51, "heads": GLM51["heads"] // 8}, 1024, 1024, "dense")]  # 8 heads a rank
-        combos = split_tiles(SHORT_TILES, SHORT_POLICIES)
-    shapes = {n: sh for n, sh, *_ in spec}
-    cases = {n: attention_case(sh, 1, length, rows, mode, dev, dtype, cache_copies(rows, 1152, dev, 128)) for n, sh, length, rows, mode in spec}
-    rows = attention_sweep(cases, shapes, dev, combos, reps)
-    out: dict = {"rows": rows, "picks": {}}
-    exports: dict[str, int] = {}
-    for label, tune, names in (("TUNE", A.TUNE, [n for n in cases if not shapes[n]["idx_d"]]), ("TUNE_SPARSE", A.TUNE_SPARSE, [n for n in cases if shapes[n]["idx_d"]])):
-        default = next((r for r in rows if all(r[k] == tune[k] for k in TILE_KEYS)), None)
-        best = pick(rows, names)
-        out["picks"][label] = {"default": default and {n: default[n] for n in names}, "best": best and {**{k: best[k] for k in TILE_KEYS},
-                                                                                                      **{n: best[n] for n in names}}}
-        if default and best and all(isinstance(default[n], float) for n in names) and sum(best[n] for n in names) < (1 - gain) * sum(default[n] for n in names):
-            prefix = "TILEPD_MLA_" if label == "TUNE" else "TILEPD_MLA_SPARSE_"
-            exports.update({prefix + k.upper(): best[k] for k in TILE_KEYS})
-    print(json.dumps({"short_picks": out["picks"], "short_env": exports}), flush=True)
-    if env_out is not None and exports:
-        env_out.write_text("".join(f"export {k}={v}\n" for k, v in exports.items()))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,10 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--max-rel", type=float, default=2e-2)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--short", action=argparse.BooleanOptionalAction, default=True, help="also sweep the short windows' tiles")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--best-env", type=Path, help="write the picked TUNE_LONG as shell exports (TILEPD_MLA_LONG_*)")
-    ap.add_argument("--short-env", type=Path, help="write the short windows' picks that beat the defaults by 2%% as shell exports")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     shape = {**TINY, "idx_heads": 0, "idx_d": 0, "topk": 0} if args.tiny else DSV3  # dense: no indexer
@@ -147,10 +103,6 @@ def main(argv: list[str] | None = None) -> int:
             args.best_env.write_text("".join(f"export {k}={v}\n" for k, v in env.items()))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
-    if args.short:
-        report["short"] = short_sweep(dev, dtype, args.tiny, reps, args.short_env)
-        if args.out:
-            args.out.write_text(json.dumps(report, indent=1))
     if bad:
         print(f"tiles over --max-rel {args.max_rel} or failing: {bad}", file=sys.stderr)
     return 1 if bad else 0

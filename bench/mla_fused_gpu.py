@@ -52,7 +52,7 @@ ATTN_TILES = [(16, 32, 4, 2), (32, 64, 4, 2), (16, 16, 4, 1), (16, 16, 8, 1), (1
               (32, 16, 8, 1), (32, 32, 8, 1), (32, 32, 8, 2)]
 ATTN_POLICIES = [(132, 4), (132, 1), (264, 1), (396, 1)]
 TINY_TILES, TINY_POLICIES = [(16, 16, 4, 1)], [(8, 1)]
-TILE_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "v_split", "programs", "min_blocks")  # a split tile's tune keys
+TILE_KEYS = ("block_h", "block_n", "num_warps", "num_stages", "programs", "min_blocks")  # a split tile's tune keys
 SCORING_CONTEXTS = (32768, 131072, 200000)
 
 
@@ -189,9 +189,9 @@ def time_attention(c: dict, shape: dict, dev: torch.device, reps: int) -> float:
 
 
 def split_tiles(tiles: list[tuple], policies: list[tuple]) -> list[dict]:
-    """The split kernel's configurations: tiles (block_h, block_n, num_warps, num_stages[, v_split]; v_split 1 when
-    left out) crossed with policies (programs, min_blocks), as tune dicts (TILE_KEYS)."""
-    return [dict(zip(TILE_KEYS, (*tile, 1)[:5] + policy)) for tile, policy in itertools.product(tiles, policies)]
+    """The split kernel's configurations: tiles (block_h, block_n, num_warps, num_stages) crossed with policies
+    (programs, min_blocks), as tune dicts (TILE_KEYS)."""
+    return [dict(zip(TILE_KEYS, tile + policy)) for tile, policy in itertools.product(tiles, policies)]
 
 
 @contextlib.contextmanager
@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         spec = [("glm-5.1 1K sparse-all", GLM51, 1024, 1024, "sparse-all"), ("glm-5.1 1K dense", GLM51, 1024, 1024, "dense"),
                 ("glm-5.1 2K dense", GLM51, 2048, 2048, "dense"), ("glm-5.1 2048 of 32K sparse", GLM51, 2048, 32768, "sparse"),
-                ("deepseek-v3 1K dense", DSV3, 1024, 1024, "dense"), ("deepseek-v3 4K dense", DSV3, 4096, 4096, "dense")]
+                ("deepseek-v3 1K dense", DSV3, 1024, 1024, "dense"), ("deepseek-v3 4K dense", DSV3, 4096, 4096, "dense"),
+                ("glm-5.1 TP8 rank 1K dense", {**GLM51, "heads": GLM51["heads"] // 8}, 1024, 1024, "dense")]  # a TP8 rank's 8 heads
         cases = {n: attention_case(sh, 1, length, rows, mode, dev, dtype, copies(rows)) for n, sh, length, rows, mode in spec}
         case_shape = {n: sh for n, sh, *_ in spec}
     report["attention_before"] = {n: round(time_attention(c, case_shape[n], dev, reps), 2) for n, c in cases.items()}

@@ -33,11 +33,7 @@ _CASES = textwrap.dedent("""
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         err = float((out.float() - ref.float()).abs().max())
         assert err < tol, (what, err)
-    # every tile with one program a head group and chunk, then with the latent's V split over 2 (TUNE, TUNE_SPARSE) and 4
-    # (TUNE_LONG: 16 columns a program) programs that each score the whole row
-    for v_splits, dtype in [((1, 1, 1), d) for d in (torch.float32, torch.bfloat16)] + [((2, 4, 2), d) for d in (torch.float32, torch.bfloat16)]:
-        for tune, v_split in zip((M.TUNE, M.TUNE_LONG, M.TUNE_SPARSE), v_splits):
-            tune["v_split"] = v_split
+    for dtype in (torch.float32, torch.bfloat16):
         cache = torch.randn(SLOTS, 1, RANK + ROPE, generator=g).to(dtype)
         # dense: (window, heads, positions, lo); lengths off the 16-row tiles, a window past the prefix, MTP's lo > 0
         for window, heads, pos, lo in ((1, 3, [0], 0), (37, 3, [36], 0), (150, 20, [100, 149], 0), (300, 2, [200], 0), (97, 4, [96], 40)):
@@ -49,7 +45,7 @@ _CASES = textwrap.dedent("""
             ref = cached_attention(q, w, w[..., :RANK], attention_bias(valid, heads, dtype), SCALE, impl="bmm")
             lo_t = torch.full((t,), lo, dtype=torch.long)
             out = M.mla_dense_attention(q, cache, RANK, lo_t, positions, window, SCALE)
-            close(out, ref, dtype, f"dense {dtype} window={window} heads={heads} pos={pos} lo={lo} v_splits={v_splits}")
+            close(out, ref, dtype, f"dense {dtype} window={window} heads={heads} pos={pos} lo={lo}")
         # sparse: selections with masked (invalid) slots, repeated indices, one fully valid row
         for t, k, heads in ((1, 48, 3), (2, 70, 20), (3, 16, 2)):
             q = torch.randn(t, heads, RANK + ROPE, generator=g).to(dtype)
@@ -60,7 +56,7 @@ _CASES = textwrap.dedent("""
                 ok[1] = True
             ref = sparse_mla_attention(q, cache, RANK, Selection(idx, ok), SCALE)
             out = M.mla_sparse_attention(q, cache, RANK, idx, ok, SCALE)
-            close(out, ref, dtype, f"sparse {dtype} t={t} k={k} heads={heads} v_splits={v_splits}")
+            close(out, ref, dtype, f"sparse {dtype} t={t} k={k} heads={heads}")
             # masked slots are really ignored: pointing them elsewhere changes nothing
             idx2 = torch.where(ok, idx, torch.randint(0, SLOTS, (t, k), generator=g))
             assert torch.equal(M.mla_sparse_attention(q, cache, RANK, idx2, ok, SCALE), out)
@@ -86,20 +82,6 @@ def test_mla_kernel_refuses_mismatched_cache() -> None:
     cache = torch.zeros(10, 1, 96)
     with pytest.raises(ValueError, match="cache rows"):
         M.mla_dense_attention(q, cache, 64, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 10, 1.0)
-
-
-@pytest.mark.parametrize("v_split", [0, 3, 8])
-def test_mla_kernel_refuses_a_v_split_that_does_not_cut_the_latent_in_tiles(v_split: int) -> None:
-    """The latent (64 here) must split into powers of two of at least 16 columns; 0, 3 and 8 (8 columns) are refused
-    by name before any launch."""
-    import torch
-
-    from tilepd.engine import mla_attention as M
-
-    tune = {**M.TUNE, "v_split": v_split}
-    zero = torch.zeros(1, dtype=torch.long)
-    with pytest.raises(ValueError, match=f"v_split {v_split}"):
-        M.split_partials(torch.zeros(1, 2, 80), torch.zeros(10, 1, 80), 64, 1.0, 10, lo=zero, hi=zero, tune=tune)
 
 
 _ENGINE = textwrap.dedent("""
@@ -218,8 +200,5 @@ def test_mla_dense_long_bench_runs_on_tiny_shapes_under_interpreter(repo_root: P
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert len(rows) == 4 and rows[0]["tile"] == report["baseline"]["tile"] and any(r["v_split"] == 2 for r in rows), rows
+    assert len(rows) == 3 and rows[0]["tile"] == report["baseline"]["tile"], rows
     assert all(row["rel_err"] < 1e-5 and row["64"] > 0 and row["256"] > 0 for row in rows), rows
-    short = report["short"]  # the short windows' sweep: every configuration timed on both cases, a pick for each tune dict
-    assert len(short["rows"]) == 3 and all("errors" not in r and r["tiny 200 dense"] > 0 and r["tiny 48 of 300 sparse"] > 0 for r in short["rows"])
-    assert short["picks"]["TUNE"]["best"] and short["picks"]["TUNE_SPARSE"]["best"], short["picks"]

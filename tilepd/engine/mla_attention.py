@@ -16,7 +16,7 @@ Sparse mode (DSA): token t sees the slots idx[t, :] whose ok[t, :] is set (dsa.S
 gathered by index. Static shapes, no host sync: both run inside a CUDA graph.
 
 Only imported where Triton is; the CPU reference is dsa.sparse_mla_attention / layers.cached_attention.
-Tile sizes are in TUNE (env TILEPD_MLA_BLOCK_N, _BLOCK_H, _NUM_WARPS, _NUM_STAGES, _PROGRAMS, _V_SPLIT override them),
+Tile sizes are in TUNE (env TILEPD_MLA_BLOCK_N, _BLOCK_H, _NUM_WARPS, _NUM_STAGES, _PROGRAMS override them),
 TUNE_LONG (dense windows from TILEPD_MLA_LONG_FROM rows, env TILEPD_MLA_LONG_*) and TUNE_SPARSE (TILEPD_MLA_SPARSE_*),
 so bench/decode_speed.py --sweep and bench/mla_dense_long.py can try configurations in one command.
 """
@@ -43,10 +43,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # block_n: cache rows per loop iteration; block_h: query heads per program; programs: how many programs a
 # step aims for (~2 waves of the H200's 132 SMs); min_blocks: fewest loop iterations per chunk (fewer
-# chunks means less partial-result traffic to merge); v_split: programs that share one head group and chunk, each
-# accumulating its 1/v_split of the latent as V (every one scores the whole row, so the scores' FLOPs are paid
-# v_split times, for an accumulator of [block_h, rank / v_split]: 64 heads' [64, 512] float32 is 128 registers a
-# thread at 8 warps, which is what limits the long-window tile). Its programs count in `programs`.
+# chunks means less partial-result traffic to merge).
 # Defaults from `bench/decode_speed.py --sweep` on one H200 (2026-11-30, docs/PERFORMANCE.md): dense MLA over
 # 128 heads was fastest with 64-row blocks, 32 heads per program, 4 warps and ~one wave of programs (8K: 22.7 us
 # against 33.2 us for the first guess of 32/32/8 warps/2 waves; 32K: 66.0 against 97.7 us); DSA's gather of
@@ -63,7 +60,6 @@ TUNE: dict[str, int] = {
     "num_stages": env_int("TILEPD_MLA_NUM_STAGES", 2),
     "programs": env_int("TILEPD_MLA_PROGRAMS", 132),
     "min_blocks": env_int("TILEPD_MLA_MIN_BLOCKS", 1),
-    "v_split": env_int("TILEPD_MLA_V_SPLIT", 1),
 }
 # TUNE_LONG: dense MLA over a long window (length >= its "from"), where the kernel is no longer latency-bound: all
 # heads share each cache row, so 128 heads make a window of L rows ~2.2 * L * 576 * 128 FLOPs (DeepSeek-V3 at 32K: 9
@@ -72,6 +68,10 @@ TUNE: dict[str, int] = {
 # `bench/mla_dense_long.py` on an H100 (2026-12-06, 20 tile x policy rows, split + merge_uv, caches past the L2): 64
 # heads, 64-row blocks, 8 warps, 2 stages: 77.5 -> 62.9 us at 32K, 237.9 -> 168.2 at 128K, but slower than TUNE at 4K
 # and 8K (26.2 / 33.4 against 21.4 / 30.6 us), hence from 32K; DeepSeek-V3 fp8 61 layers at 32K 19.33 -> 18.78 ms/token.
+# Measured and removed (one H200, 2026-12-06, docs/PERFORMANCE.md): V split over 2-4 programs of a head group and chunk,
+# each scoring the whole row for a [heads, rank / n] accumulator. 64-head tiles ran out of shared memory with V's own
+# load, the tiles that built took 121-138 us at 32K against this tile's 59, and at short windows nothing beat TUNE /
+# TUNE_SPARSE by more than ~0.6 us.
 TUNE_LONG: dict[str, int] = {
     "from": env_int("TILEPD_MLA_LONG_FROM", 32768),
     "block_n": env_int("TILEPD_MLA_LONG_BLOCK_N", 64),
@@ -80,7 +80,6 @@ TUNE_LONG: dict[str, int] = {
     "num_stages": env_int("TILEPD_MLA_LONG_NUM_STAGES", 2),
     "programs": env_int("TILEPD_MLA_LONG_PROGRAMS", 132),
     "min_blocks": env_int("TILEPD_MLA_LONG_MIN_BLOCKS", 1),
-    "v_split": env_int("TILEPD_MLA_LONG_V_SPLIT", 1),
 }
 TUNE_SPARSE: dict[str, int] = {
     "block_n": env_int("TILEPD_MLA_SPARSE_BLOCK_N", 32),
@@ -89,7 +88,6 @@ TUNE_SPARSE: dict[str, int] = {
     "num_stages": env_int("TILEPD_MLA_SPARSE_NUM_STAGES", 2),
     "programs": env_int("TILEPD_MLA_SPARSE_PROGRAMS", 132),
     "min_blocks": env_int("TILEPD_MLA_SPARSE_MIN_BLOCKS", 1),
-    "v_split": env_int("TILEPD_MLA_SPARSE_V_SPLIT", 1),
 }
 
 
@@ -108,19 +106,15 @@ if triton is not None:
     def _mla_split_kernel(Q, C, IDX, OK, LO, HI, O, LSE, H, L, CHUNK, qk_scale,
                           s_qt, s_qh, s_cl, s_it, s_ot, s_oh, s_os, s_lt, s_lh,
                           RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SPARSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, V_SPLIT: tl.constexpr = 1,
-                          PDL: tl.constexpr = False):
+                          SPARSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         wait(PDL)  # everything this kernel reads (query, cache, selection) is the step's (pdl.py)
         pid = tl.program_id(0)
         s = tl.program_id(1)
         n_hg = tl.cdiv(H, BLOCK_H)
-        vpart = pid % V_SPLIT  # the fastest axis: a row's V_SPLIT programs run side by side, the row from L2 for all but one
-        pid = pid // V_SPLIT
         t = pid // n_hg
         offs_h = (pid % n_hg) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_r = tl.arange(0, RANK)
-        offs_v = vpart * (RANK // V_SPLIT) + tl.arange(0, RANK // V_SPLIT)  # this program's share of the latent as V
         offs_p = tl.arange(0, ROPE)
         q_rows = Q + t * s_qt + offs_h[:, None] * s_qh
         q_lat = tl.load(q_rows + offs_r[None, :], mask=hmask[:, None], other=0.0)
@@ -130,7 +124,7 @@ if triton is not None:
             q_pe = q_pe.to(tl.float32)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, RANK // V_SPLIT], tl.float32)
+        acc = tl.zeros([BLOCK_H, RANK], tl.float32)
         start = s * CHUNK
         end = tl.minimum(start + CHUNK, L)
         if not SPARSE:  # only the token's visible span [lo, hi] of this chunk is read
@@ -147,14 +141,9 @@ if triton is not None:
             rows = C + slot[:, None] * s_cl
             kv = tl.load(rows + offs_r[None, :], mask=nmask[:, None], other=0.0)  # latent: K part and V
             kpe = tl.load(rows + RANK + offs_p[None, :], mask=nmask[:, None], other=0.0)
-            if V_SPLIT > 1:  # the scores take the whole row, as with one program; V only this program's columns
-                v = tl.load(rows + offs_v[None, :], mask=nmask[:, None], other=0.0)
-            else:
-                v = kv
             if UPCAST:
                 kv = kv.to(tl.float32)
                 kpe = kpe.to(tl.float32)
-                v = v.to(tl.float32)
             qk = tl.dot(q_lat, tl.trans(kv), input_precision=PRECISION)
             qk = tl.dot(q_pe, tl.trans(kpe), acc=qk, input_precision=PRECISION)
             qk = tl.where(nmask[None, :], qk * qk_scale, float("-inf"))  # log2 units
@@ -163,14 +152,13 @@ if triton is not None:
             p = tl.exp2(qk - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
             m_i = m_new
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / safe_l[:, None]
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
-        tl.store(O + t * s_ot + offs_h[:, None] * s_oh + s * s_os + offs_v[None, :], out, mask=hmask[:, None])
-        if vpart == 0:  # the V_SPLIT programs' lse are equal
-            tl.store(LSE + t * s_lt + offs_h * s_lh + s, lse, mask=hmask)
+        tl.store(O + t * s_ot + offs_h[:, None] * s_oh + s * s_os + offs_r[None, :], out, mask=hmask[:, None])
+        tl.store(LSE + t * s_lt + offs_h * s_lh + s, lse, mask=hmask)
 
     @triton.jit
     def _mla_merge_kernel(O, LSE, OUT, S, H, s_ot, s_oh, s_os, s_lt, s_lh, s_pt, s_ph,
@@ -213,10 +201,8 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
         q = q.contiguous()
     if tune is None:
         tune = TUNE_SPARSE if idx is not None else TUNE_LONG if length >= TUNE_LONG["from"] else TUNE
-    block_n, block_h, v_split = tune["block_n"], max(16, min(tune["block_h"], triton.next_power_of_2(h))), tune.get("v_split", 1)
-    if v_split < 1 or rank % v_split or not supports(rank // v_split, rope):
-        raise ValueError(f"MLA kernel: v_split {v_split} must divide the latent {rank} into powers of two >= 16")
-    groups = t * triton.cdiv(h, block_h) * v_split
+    block_n, block_h = tune["block_n"], max(16, min(tune["block_h"], triton.next_power_of_2(h)))
+    groups = t * triton.cdiv(h, block_h)
     want = max(1, tune["programs"] // groups)
     chunk = max(block_n * tune["min_blocks"], triton.cdiv(triton.cdiv(length, want), block_n) * block_n)
     splits = triton.cdiv(length, chunk)
@@ -229,7 +215,7 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
         part, lse, h, length, chunk, scale * _LOG2E,
         q.stride(0), q.stride(1), rows.stride(0), idx.stride(0) if sparse else 0,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse, UPCAST=_INTERPRET and cache.dtype != torch.float32, V_SPLIT=v_split,
+        RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse, UPCAST=_INTERPRET and cache.dtype != torch.float32,
         PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", num_warps=tune["num_warps"],
         num_stages=tune["num_stages"], **pdl.launch_args(q, "split"))
     return part, lse
