@@ -51,6 +51,47 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert res.returncode != 0 and "TILEPD_PDL_SKIP='gate,nonsense'" in res.stderr
 
 
+def test_shard_form_sets_only_the_switches_the_environment_leaves_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within shard_form: on, trigger and prefetch 1 unless their variable is set (TILEPD_PDL_PREFETCH=0 keeps the
+    prefetch off); after, and when not active, SWITCH is what it was."""
+    from tilepd.engine import pdl
+
+    for name, _ in pdl.SHARD_FORM.values():
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pdl, "SWITCH", {"on": 0, "trigger": 0, "prefetch": 0, "skip": frozenset({"down"})})
+    before = dict(pdl.SWITCH)
+    with pdl.shard_form():
+        assert pdl.SWITCH == {"on": 1, "trigger": 1, "prefetch": 1, "skip": frozenset({"down"})}
+    assert pdl.SWITCH == before
+    with pdl.shard_form(active=False):
+        assert pdl.SWITCH == before
+    monkeypatch.setenv("TILEPD_PDL_PREFETCH", "0")
+    with pytest.raises(RuntimeError, match="inside"), pdl.shard_form():
+        assert pdl.SWITCH["on"] == 1 and pdl.SWITCH["trigger"] == 1 and pdl.SWITCH["prefetch"] == 0
+        raise RuntimeError("inside")  # restored on the way out of an error too
+    assert pdl.SWITCH == before
+
+
+def test_a_tp_rank_steps_in_the_shard_form_and_one_rank_alone_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TPDeepseekV3Model.forward runs the base step (and so every graph captured through it) inside pdl.shard_form
+    when its group has more than one rank."""
+    from tilepd.engine import pdl
+    from tilepd.engine.deepseek_v3 import DeepseekV3Model
+    from tilepd.engine.tp import NoCollectiveGroup, TPDeepseekV3Model
+
+    for name, _ in pdl.SHARD_FORM.values():
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pdl, "SWITCH", {"on": 0, "trigger": 0, "prefetch": 0, "skip": frozenset()})
+    seen = []
+    monkeypatch.setattr(DeepseekV3Model, "forward", lambda self, tokens, positions, attn_len: seen.append(dict(pdl.SWITCH)) or (tokens, None))
+    for size in (8, 1):
+        model = object.__new__(TPDeepseekV3Model)  # the step's wrapper alone: no weights needed
+        model.tp = NoCollectiveGroup(0, size)
+        model.forward(torch.zeros(1), torch.zeros(1), 4)
+    assert [(s["on"], s["trigger"], s["prefetch"]) for s in seen] == [(1, 1, 1), (0, 0, 0)]
+    assert pdl.SWITCH["on"] == 0
+
+
 def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     from tests.engine.sm90_compile import compiling
     from tilepd.engine import (dsa_indexer, dsa_topk, fp8_triton, gemv_triton, mla_attention, mla_fused_triton, moe_fused_triton, pdl)

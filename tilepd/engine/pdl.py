@@ -24,14 +24,17 @@ TILEPD_PDL_PREFETCH (the weight prefetch before the wait; default 0, it only pay
 TILEPD_PDL_SKIP (kernel kinds launched without it). Off by default because on one H200 (2026-12-03, docs/PERFORMANCE.md
 "Programmatic dependent launch on the decode step") GLM-5.1 fp8 at 78 layers, 1K, got slower with the early trigger
 (14.80 -> 16.48 ms/token; 16.26 without the prefetch) and was not measured faster with the wait alone; one TP8 rank's shard
-got faster with the early trigger and the prefetch (7.11 -> 6.86 ms a step). Always off under TRITON_INTERPRET=1, on a
-CPU tensor, below compute capability 9.0, or where this Triton has no griddepcontrol.
+got faster with the early trigger and the prefetch (7.11 -> 6.86 ms a step), so a TP rank's step takes them unless the
+environment says otherwise (`shard_form`). Always off under TRITON_INTERPRET=1, on a CPU tensor, below compute
+capability 9.0, or where this Triton has no griddepcontrol.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -59,6 +62,28 @@ SWITCH: dict = {"on": env_int("TILEPD_PDL", 0), "prefetch": env_int("TILEPD_PDL_
                 "skip": frozenset(k for k in os.environ.get("TILEPD_PDL_SKIP", "").split(",") if k)}
 if not SWITCH["skip"] <= set(KINDS):
     raise ValueError(f"TILEPD_PDL_SKIP={os.environ.get('TILEPD_PDL_SKIP')!r}: kinds are {', '.join(KINDS)}")
+
+
+# The shard form: what a TP rank's step (tp.TPDeepseekV3Model.forward) launches with where the environment leaves a
+# switch unset. One rank reads 1/8 of the bytes at TP8, so its step is launch-bound, and the early trigger with the
+# prefetch measured faster there: one TP8 rank of GLM-5.1 fp8 at 1K 5.733 -> 5.301 / 5.355 ms a step on an H100
+# (2026-12-06; 7.11 -> 6.86 on an H200, 2026-12-03), while the whole model on one GPU is slower with them (17.71 ->
+# 18.55 ms, the same H100 call). docs/PERFORMANCE.md, "Programmatic dependent launch on a TP rank's step".
+SHARD_FORM: dict[str, tuple[str, int]] = {"on": ("TILEPD_PDL", 1), "trigger": ("TILEPD_PDL_TRIGGER", 1), "prefetch": ("TILEPD_PDL_PREFETCH", 1)}
+
+
+@contextlib.contextmanager
+def shard_form(active: bool = True) -> Iterator[None]:
+    """Within (when active): SWITCH takes SHARD_FORM's value for each switch its environment variable leaves unset
+    (one set, even to 0, wins); after, its own values again. Kernels launched or captured within keep the form."""
+    saved = dict(SWITCH)
+    if active:
+        SWITCH.update({key: value for key, (name, value) in SHARD_FORM.items() if os.environ.get(name, "") == ""})
+    try:
+        yield
+    finally:
+        SWITCH.clear()
+        SWITCH.update(saved)
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tilepd.engine.deepseek_v3 import DeepseekV3Model
-from tilepd.engine import mla_fused
+from tilepd.engine import mla_fused, pdl
 from tilepd.engine.layers import linear, attention_bias, cached_attention, length_mask, rms_norm, swiglu
 from tilepd.engine.llama import LlamaModel
 from tilepd.engine.moe import moe, use_fused_block
@@ -154,6 +154,12 @@ class TPDeepseekV3Model(DeepseekV3Model):
         fewer than `x + all_reduce(partial)`; the sum's bf16 rounding order differs from that one's, as any all-reduce's
         does from one order to another)."""
         return self.tp.rank == 0
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base step in PDL's shard form (pdl.shard_form) on a rank of more than one: a rank's step is
+        launch-bound, and the graphs captured here keep the form."""
+        with pdl.shard_form(self.tp.size > 1):
+            return super().forward(tokens, positions, attn_len)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_embed(tokens, self.w["embed"], self.tp)
