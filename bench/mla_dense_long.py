@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kit import read_bandwidth
-from mla_fused_gpu import DSV3, TILE_KEYS, TINY, attention, attention_case, attention_reference, cache_copies, rel, split_tiles, tiles_set, time_attention
+from sweep_check import tune_override
+from mla_fused_gpu import DSV3, TILE_KEYS, TINY, attention, attention_case, attention_reference, cache_copies, rel, split_tiles, time_attention
 from tilepd.engine import mla_attention as A
 
 # (block_h, block_n, num_warps, num_stages): TUNE's tile, then 64-head programs of 8 warps (wgmma on sm_90; ptxas with
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     combos = [base] + [c for c in split_tiles(tiles, policies) if c != base]
     for cfg in combos:
         row: dict = {"tile": tile_name(cfg), **cfg}
-        with tiles_set(A.TUNE_LONG, {**cfg, "from": 0}):  # every window of this bench takes the tile
+        with tune_override(A.TUNE_LONG, {**cfg, "from": 0}):  # every window of this bench takes the tile
             try:
                 c = cases[check]
                 out = attention(c["q"], c["caches"][0], shape, c["w_uv"], c["length"], None, c["span"])

@@ -21,11 +21,10 @@ Exits 1 when an error exceeds --max-rel. --best-env FILE writes the picked tiles
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kit import graph_time_us, read_bandwidth
+from sweep_check import tune_override
 from tilepd.engine import mla_attention as A
 from tilepd.engine import mla_fused_triton as M
 from tilepd.engine.rope import rope_table
@@ -194,18 +194,6 @@ def split_tiles(tiles: list[tuple], policies: list[tuple]) -> list[dict]:
     return [dict(zip(TILE_KEYS, tile + policy)) for tile, policy in itertools.product(tiles, policies)]
 
 
-@contextlib.contextmanager
-def tiles_set(tune: dict, cfg: dict) -> Iterator[None]:
-    """Within: `tune` (one of mla_attention's dicts) holds cfg's values; after, its own again."""
-    saved = dict(tune)
-    tune.update(cfg)
-    try:
-        yield
-    finally:
-        tune.clear()
-        tune.update(saved)
-
-
 def attention_sweep(cases: dict, shapes: dict, dev: torch.device, combos: list[dict], reps: int,
                     tune_for: Callable[[str], dict] | None = None) -> list[dict]:
     """Each configuration (split_tiles) on every case, timed as the step runs it; the tune dict the case reads
@@ -215,7 +203,7 @@ def attention_sweep(cases: dict, shapes: dict, dev: torch.device, combos: list[d
     for cfg in combos:
         row = dict(cfg)
         for name, c in cases.items():
-            with tiles_set(tune_for(name), cfg):
+            with tune_override(tune_for(name), cfg):
                 try:
                     row[name] = round(time_attention(c, shapes[name], dev, reps), 2)
                 except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
