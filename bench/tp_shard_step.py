@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kit import GLM51 as GLM51_WITH_MTP, emit_report, random_state, read_bandwidth, step_read_bytes, time_engine
 from tilepd.dev.synthetic import hf_tensor_shapes, random_source
+from tilepd.engine import pdl
 from tilepd.engine.engine import engine_for
 from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, BlockFp8
 from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
@@ -143,6 +144,13 @@ def logits_width(model, device: torch.device) -> int:
     return int(logits.shape[-1])
 
 
+def pdl_form(tp: int) -> dict[str, int]:
+    """The PDL switches the rank's step launches with (pdl.shard_form on a rank of more than one: SHARD_FORM where the
+    environment leaves a switch unset), so a result says which form it timed."""
+    with pdl.shard_form(tp > 1):
+        return {key: int(pdl.SWITCH[key]) for key in pdl.SHARD_FORM}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -191,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         "collectives": "NO-OPS (tp.NoCollectiveGroup): all-reduce returns its input, the logits all-gather repeats this rank's "
                        "logits to the full vocab width; no collective time is in these figures",
         "heads": {"model": spec.num_heads, "shard": shard_spec.num_heads},
+        "pdl": pdl_form(args.tp),
         "contexts": contexts, "tokens": tokens, "rows": [],
     }
     if device.type == "cuda":
@@ -272,6 +281,7 @@ def print_report(r: dict) -> None:
           f"{r['heads']['shard']} of {r['heads']['model']} heads, vocab rows {r['vocab']['shard_rows']} of {r['vocab']['model']}, "
           f"{r['shard_GB']:.1f} GB on {r.get('gpu', r['device'])}, read {r['bandwidth']['sum_read_GBps']:.0f} GB/s")
     print(f"COLLECTIVES: {r['collectives']}")
+    print(f"PDL (the rank's shard form, pdl.shard_form): {r['pdl']}")
     print(f"{'context':>8} {'ms/step':>8} {'us/layer':>8} {'floor ms':>8} {'% floor':>8} {'target ms':>9}  graph / path")
     for row in r["rows"]:
         target = f"{row['target_ms']:.1f}" if row["target_ms"] else "-"

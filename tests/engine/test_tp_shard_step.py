@@ -136,12 +136,13 @@ def test_glm51_tp8_shard_is_whole_128_blocks_and_an_eighth_of_the_heads(bench) -
 
 @pytest.mark.slow
 def test_tp_shard_step_cpu_path(python_exe: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TILEPD_PDL", "TILEPD_PDL_TRIGGER")} | {"OMP_NUM_THREADS": "1", "TILEPD_PDL_PREFETCH": "0"}
     out = subprocess.run([python_exe, str(BENCH), "--device", "cpu", "--tiny", "--json"], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     assert r["collectives"].startswith("NO-OPS") and r["tp"] == 8 and r["layers"] == 5
+    assert r["pdl"] == {"on": 1, "trigger": 1, "prefetch": 0}  # the rank's shard form, but for what the environment sets
     assert r["heads"] == {"model": 8, "shard": 1} and r["shard_spec"]["num_heads"] == 1
     assert r["vocab"] == {"model": 1024, "shard_rows": 128, "logits_width": 1024}
     assert r["fp8"]["block"] == [128, 128] and r["fp8"]["per_row_scales"] == ["wq_b"]
