@@ -130,8 +130,15 @@ if triton is not None:
 # `bench/fp8_gemv_sweep.py --fused` on one H100 (2026-12-05): G1 11.5 -> 10.2 us (GLM-5.1) and 11.8 -> 11.0
 # (DeepSeek-V3), G2 15.5 -> 15.1 and 19.6 -> 18.7 (half as many trips through the loop after the row's rstd pass);
 # the residual-epilogue wo and the plain launches were no faster with it.
+# short_k / short_rows / short_block_n / short_block_k: a norm launch over K <= short_k with at least short_rows rows (the
+# attention's G2, q_b over q_lora_rank: GLM-5.1 16384 x 2048, DeepSeek-V3 24576 x 1536) takes 16-row programs and
+# 1024-wide chunks (TILEPD_FP8_NORM_SHORT_K=0: off). `bench/fp8_gemv_sweep.py --fused`, one H200 (2026-12-06): GLM-5.1
+# 13.7 -> 12.6 us, DeepSeek-V3 17.9 -> 16.1 (the picked 8 rows and the norm chunk 2048, against 16 and 1024); one H100
+# (2026-12-05): 15.1 -> 15.0 and 18.7 -> 18.2 (16 rows). A TP8 rank's G2 (2048-6144 rows) keeps the picked tile: 16 rows
+# would leave it fewer programs than SMs at 1K.
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
-                        "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048)}
+                        "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048),
+                        "short_k": env_int("TILEPD_FP8_NORM_SHORT_K", 2048), "short_rows": 8192, "short_block_n": 16, "short_block_k": 1024}
 
 
 def _block_n(n: int, rows: int) -> int:
@@ -183,6 +190,14 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
     return y
 
 
+def fused_tile(n: int, k: int, rows: int, norm: bool) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of a launch_fused GEMV of n outputs over k: a norm launch over a short K with many rows takes
+    TUNE's short tile (G2), any other norm launch the norm chunk, the rest block_k; BLOCK_N as picked to fill the GPU."""
+    if norm and 0 < k <= TUNE["short_k"] and n >= TUNE["short_rows"]:
+        return TUNE["short_block_n"], min(TUNE["short_block_k"], triton.next_power_of_2(k))
+    return _block_n(n, rows), min((norm and TUNE["block_k_norm"]) or TUNE["block_k"], triton.next_power_of_2(k))
+
+
 def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], *, rows: int | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The dense (no expert ids) GEMV with the layer's small ops inside: y = (residual +) W[:rows] @ rms_norm(x) * g.
@@ -205,8 +220,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     if norm_weight is not None and tuple(norm_weight.shape) != (k,):
         raise ValueError(f"fp8 fused GEMV: norm weight {list(norm_weight.shape)}, expected [{k}]")
     y = torch.empty(r, n, dtype=x.dtype, device=x.device)
-    tile_n = _block_n(n, r)
-    tile_k = min((norm_weight is not None and TUNE["block_k_norm"]) or TUNE["block_k"], triton.next_power_of_2(k))
+    tile_n, tile_k = fused_tile(n, k, r, norm_weight is not None)
     bits = bool(TUNE["bits_cvt"])
     extra = {"num_stages": TUNE["num_stages"]} if TUNE["num_stages"] else {}
     _fp8_gemv_kernel[(r, triton.cdiv(n, tile_n))](
