@@ -24,7 +24,6 @@ import argparse
 import itertools
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -194,16 +193,14 @@ def split_tiles(tiles: list[tuple], policies: list[tuple]) -> list[dict]:
     return [dict(zip(TILE_KEYS, tile + policy)) for tile, policy in itertools.product(tiles, policies)]
 
 
-def attention_sweep(cases: dict, shapes: dict, dev: torch.device, combos: list[dict], reps: int,
-                    tune_for: Callable[[str], dict] | None = None) -> list[dict]:
-    """Each configuration (split_tiles) on every case, timed as the step runs it; the tune dict the case reads
-    (tune_for(name); by default DSA models' TUNE_SPARSE, dense MLA's TUNE) holds it for that case only."""
-    tune_for = tune_for or (lambda name: A.TUNE_SPARSE if shapes[name]["idx_d"] else A.TUNE)
+def attention_sweep(cases: dict, shapes: dict, dev: torch.device, combos: list[dict], reps: int) -> list[dict]:
+    """Each configuration (split_tiles) on every case, timed as the step runs it; the tune dict the case reads (DSA
+    models' TUNE_SPARSE, dense MLA's TUNE) holds it for that case only."""
     out = []
     for cfg in combos:
         row = dict(cfg)
         for name, c in cases.items():
-            with tune_override(tune_for(name), cfg):
+            with tune_override(A.TUNE_SPARSE if shapes[name]["idx_d"] else A.TUNE, cfg):
                 try:
                     row[name] = round(time_attention(c, shapes[name], dev, reps), 2)
                 except Exception as e:  # noqa: BLE001 - reported, the sweep goes on

@@ -122,10 +122,12 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
             assert torch.allclose(ye, ref_e, atol=1e-4, rtol=1e-5), (tune, float((ye - ref_e).abs().max()))
         # launch_fused with the norm in its prologue: its own chunk (block_k_norm, 2048) and block_k's, K past both
         # with a masked tail, against the unfused ops (the normed row rounded, then times the norm weight, rounded)
+        def normed_gemv(x, nw, w):  # the unfused ops' rounding: the normed row, then times the norm weight, in bf16
+            rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+            return ((x.float() * rstd).bfloat16().float() * nw.float()).bfloat16().float() @ dequantize(w).T
         hn = rnd((130, 4100), (128, 128)); xn = torch.randn(2, 4100, generator=g).bfloat16()
         nw = (torch.rand(4100, generator=g) + 0.5).bfloat16()
-        rstd = torch.rsqrt(xn.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-        want_n = ((xn.float() * rstd).bfloat16().float() * nw.float()).bfloat16().float() @ dequantize(hn).T
+        want_n = normed_gemv(xn, nw, hn)
         outs = []
         for k_norm in (2048, 0):
             saved = dict(fp8_triton.TUNE); fp8_triton.TUNE["block_k_norm"] = k_norm
@@ -140,8 +142,7 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
         # (off by default: TUNE's short_k 0 gives G2 the norm chunk and the picked rows)
         assert fp8_triton.fused_tile(16384, 2048, 1, True)[1] == 2048 and fp8_triton.fused_tile(16384, 2048, 1, True)[0] != 16
         hs = rnd((260, 1500), (128, 128)); xs = torch.randn(1, 1500, generator=g).bfloat16(); ns = (torch.rand(1500, generator=g) + 0.5).bfloat16()
-        rs = torch.rsqrt(xs.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-        want_s = ((xs.float() * rs).bfloat16().float() * ns.float()).bfloat16().float() @ dequantize(hs).T
+        want_s = normed_gemv(xs, ns, hs)
         saved = dict(fp8_triton.TUNE); fp8_triton.TUNE["short_k"] = 2048
         try:
             assert fp8_triton.fused_tile(16384, 2048, 1, True) == (16, 1024) and fp8_triton.fused_tile(2752, 6144, 1, True)[1] == 2048
