@@ -44,11 +44,16 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl.flag(x, "down") == 0 and pdl.launch_args(x, "down") == {"PDL": 0}
     monkeypatch.setitem(pdl.SWITCH, "trigger", 0)
     assert pdl.flag(x, "gate") == 2
+    monkeypatch.setitem(pdl.SWITCH, "trigger", 2)
+    assert pdl.flag(x, "gate") == 3 and pdl.launch_args(x, "gate") == {"PDL": 3, "launch_pdl": True}
     monkeypatch.setitem(pdl.SWITCH, "on", 0)
     assert pdl.flag(x, "gate") == 0
     env = {**os.environ, "TILEPD_PDL_SKIP": "gate,nonsense"}
     res = subprocess.run([sys.executable, "-c", "import tilepd.engine.pdl"], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "TILEPD_PDL_SKIP='gate,nonsense'" in res.stderr
+    res = subprocess.run([sys.executable, "-c", "import tilepd.engine.pdl"], env={**os.environ, "TILEPD_PDL_TRIGGER": "3"}, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode != 0 and "TILEPD_PDL_TRIGGER=3" in res.stderr
 
 
 def test_shard_form_sets_only_the_switches_the_environment_leaves_unset(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,14 +97,14 @@ def test_a_tp_rank_steps_in_the_shard_form_and_one_rank_alone_does_not(monkeypat
     assert pdl.SWITCH["on"] == 0
 
 
-def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch, trigger: int = 1) -> list[dict]:
     from tests.engine.sm90_compile import compiling
     from tilepd.engine import (dsa_indexer, dsa_topk, fp8_triton, gemv_triton, mla_attention, mla_fused_triton, moe_fused_triton, pdl)
     from tilepd.model_format.block_fp8 import BlockFp8, quantize
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
-    monkeypatch.setitem(pdl.SWITCH, "trigger", 1)  # the widest form: early trigger, weights prefetched before the wait
+    monkeypatch.setitem(pdl.SWITCH, "trigger", trigger)  # 1, the widest form: early trigger, weights prefetched before the wait
     monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
     bf = torch.bfloat16
     g = torch.Generator().manual_seed(0)
@@ -167,3 +172,19 @@ def test_step_kernels_compile_for_sm90_with_pdl(monkeypatch: pytest.MonkeyPatch)
             assert "prefetch.global.L2" in d["ptx"], d["name"]
     prefetching = {d["name"] for d in done if d["constexprs"].get("PREFETCH")}
     assert {"_fp8_gemv_kernel", "_dense_gemv_kernel", "_prepare_kernel", "_merge_uv_kernel", "_gate_up_kernel", "_down_kernel"} <= prefetching
+
+
+@pytest.mark.skipif(os.environ.get("TILEPD_SKIP_SM90_COMPILE") == "1", reason="TILEPD_SKIP_SM90_COMPILE=1")
+def test_the_late_form_triggers_after_each_kernels_last_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TILEPD_PDL_TRIGGER=2: every kernel of the step waits before its reads and triggers once, after the last store
+    or atomic in its PTX (the late form, pdl.trigger as each program's last statement), never right after the wait."""
+    import re
+
+    done = _compile_step_kernels(monkeypatch, trigger=2)
+    assert len({d["name"] for d in done}) >= 14
+    for d in done:
+        ptx = d["ptx"]
+        assert d["constexprs"]["PDL"] == 3, d["name"]
+        assert ptx.count("griddepcontrol.launch_dependents") == 1, d["name"]
+        last_write = max(m.start() for m in re.finditer(r"\b(st|atom|red)\.global", ptx))
+        assert ptx.index("griddepcontrol.launch_dependents") > last_write > ptx.index("griddepcontrol.wait"), d["name"]

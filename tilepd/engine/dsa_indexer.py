@@ -29,7 +29,7 @@ from tilepd.engine.tuning import env_int
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.pdl import wait
+    from tilepd.engine.pdl import trigger, wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -75,6 +75,7 @@ if triton is not None:
         sin = tl.load(CS + t * s_ct + s_c1 + offs, mask=roped, other=0.0).to(tl.float32)
         slot = tl.load(POS + t).to(tl.int64)
         tl.store(CACHE + slot * s_cl + offs, (y * cos + yp * sin).to(CACHE.dtype.element_ty))
+        trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
     def _index_scores_kernel(Q, CS, WTS, KEYS, VALID, OUT, HIST, H, L, CHUNK, qk_scale, head_scale,
@@ -120,6 +121,7 @@ if triton is not None:
         if WITH_HIST:
             bins = tl.arange(0, 256)
             tl.atomic_add(HIST + t * s_ht + bins, hist, mask=hist > 0)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
 
 def _need_triton() -> None:

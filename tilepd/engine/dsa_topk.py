@@ -34,7 +34,7 @@ from tilepd.engine.tuning import env_int
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.pdl import wait
+    from tilepd.engine.pdl import trigger, wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -179,6 +179,7 @@ if triton is not None:
         k_rem = k_rem - above
         prefix = prefix * 256 + j
         _finish_candidates(crow_k, crow_i, n_cand, prefix, k_rem, n_out, vrow, orow_i, orow_ok, BLOCK)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
     def _topk_hist0_kernel(S, HIST, L, CHUNK, s_st, s_ht, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -194,6 +195,7 @@ if triton is not None:
             m = o < end
             h += _masked_hist(_digit(_ordered_key(tl.load(S + t * s_st + o, mask=m, other=0.0)), 0), m, 256, BLOCK)
         tl.atomic_add(HIST + t * s_ht + tl.arange(0, 256), h, mask=h > 0)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
     def _topk_split_kernel(S, VALID, HIST, IDX, OK, CAND_K, CAND_I, L, K, CHUNK, s_st, s_vt, s_ht, s_it, s_ct,
@@ -229,6 +231,7 @@ if triton is not None:
             tl.store(CAND_I + t * s_ct + cpos, o, mask=cand)
             h += _masked_hist(_digit(key, 1), cand, 256, BLOCK)
         tl.atomic_add(hrow + 256 + bins, h, mask=h > 0)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
     def _two_top_bytes(hrow, K):
@@ -292,6 +295,7 @@ if triton is not None:
                 _finish_row(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, t, s_vt, s_ht, s_it, s_ct, BLOCK, CLEAN)
                 if not CLEAN:
                     tl.atomic_xchg(hrow + 2 * 256 + 3, 0)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
     def _topk_finish_kernel(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, s_vt, s_ht, s_it, s_ct, BLOCK: tl.constexpr,
@@ -299,6 +303,7 @@ if triton is not None:
         """One program per row over the refined candidates (the k-th key's two top bytes): _finish_row."""
         wait(PDL)  # everything it reads is the step's (pdl.py)
         _finish_row(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, tl.program_id(0), s_vt, s_ht, s_it, s_ct, BLOCK, CLEAN)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
 
 # a row's scratch: the two top bytes' histograms, then [slots written, candidates, refined candidates, refine ticket]

@@ -25,7 +25,7 @@ from tilepd.engine.tuning import env_int, pick_block_n
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.pdl import prefetch_l2, wait
+    from tilepd.engine.pdl import prefetch_l2, trigger, wait
     from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
@@ -117,6 +117,7 @@ if triton is not None:
         if HAS_RES:  # residual + y, y rounded first as the unfused add sees it
             out = out.to(act).to(tl.float32) + tl.load(RES + r * s_rr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(Y + r * s_yr + rows, out.to(act), mask=rmask)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
 
 # Tile config: (BLOCK_N, BLOCK_K, num_warps). BLOCK_N is picked per call for enough programs to fill the

@@ -30,7 +30,7 @@ from tilepd.engine import norm_act, pdl
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.pdl import prefetch_l2, wait
+    from tilepd.engine.pdl import prefetch_l2, trigger, wait
     from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
@@ -106,6 +106,7 @@ if triton is not None:
         if HAS_RES:
             out = out.to(act).to(tl.float32) + tl.load(RES + r * s_rr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(Y + r * s_yr + rows, out.to(act), mask=rmask)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, prologue: str,

@@ -33,7 +33,7 @@ from tilepd.engine.tuning import env_int
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.pdl import wait
+    from tilepd.engine.pdl import trigger, wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -159,6 +159,7 @@ if triton is not None:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(O + t * s_ot + offs_h[:, None] * s_oh + s * s_os + offs_r[None, :], out, mask=hmask[:, None])
         tl.store(LSE + t * s_lt + offs_h * s_lh + s, lse, mask=hmask)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
     def _mla_merge_kernel(O, LSE, OUT, S, H, s_ot, s_oh, s_os, s_lt, s_lh, s_pt, s_ph,
@@ -178,6 +179,7 @@ if triton is not None:
         den = tl.sum(w, axis=0)
         res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
         tl.store(OUT + t * s_pt + h * s_ph + offs_d, res.to(OUT.dtype.element_ty))
+        trigger(PDL)  # pdl.py: the late form triggers here
 
 
 def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, length: int, *, idx: torch.Tensor | None = None,

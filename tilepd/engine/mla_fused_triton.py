@@ -34,7 +34,7 @@ from tilepd.engine.tuning import env_int
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.pdl import prefetch_l2, wait
+    from tilepd.engine.pdl import prefetch_l2, trigger, wait
     from tilepd.engine.triton_rows import row_rstd
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
@@ -172,6 +172,7 @@ if triton is not None:
                     xn = ((xs * rstd).to(ACT).to(tl.float32) * g).to(ACT).to(tl.float32)  # rms_norm(x) as the layer rounds it
                     acc += xn * tl.load(WP + hh * s_wp + kc, mask=km, other=0.0).to(tl.float32)
                 tl.store(WOUT + t * s_wt + hh, tl.sum(acc, axis=0))
+        trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
     def _uv_chunk(o_head, WUV, h, V, c0, offs_s, smask, wt, den, offs_v, vmask, s_os, RANK: tl.constexpr, ACT: tl.constexpr,
@@ -214,6 +215,7 @@ if triton is not None:
             for c0 in tl.range(0, RANK, CHUNK_C, num_stages=STAGES):
                 acc += _uv_chunk(o_head, WUV, h, V, c0, offs_s, smask, wt, den, offs_v, vmask, s_os, RANK, ACT, LAT, CHUNK_C)
         tl.store(OUT + t * s_out + h * V + offs_v, acc.to(ACT), mask=vmask)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
 
 def _tl(dtype: torch.dtype) -> object:

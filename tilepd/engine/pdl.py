@@ -13,13 +13,18 @@ The rule every kernel launched with `launch_args()` follows (they take the `PDL`
     and before its first store (so it never overwrites what the previous kernel still reads); it also lets the
     next kernel's programs be scheduled (`gdc_launch_dependents` right after the wait: a kernel can only trigger
     once all of its programs have started, so the next kernel's programs take only slots left over);
-  * before the wait: loads of weights only (never written by the step), and L2 prefetches of them.
+  * before the wait: loads of weights only (never written by the step), and L2 prefetches of them;
+  * `trigger(PDL)` as each program's last statement: in the late form (TILEPD_PDL_TRIGGER=2) the next kernel's
+    launch is let go there, so its programs take the slots this kernel's finished programs free and (with the
+    prefetch) pull their first weight tile while this kernel's last programs finish, instead of parking beside it
+    for its whole run as with the early trigger.
 
 A kernel launched without PDL after one that never triggers (torch's, cuBLAS's, a memset) starts when that one
 has completed, as without PDL; `griddepcontrol.wait` is a no-op in a kernel launched without it. So mixing is safe.
 
 The switches (env, read at import): TILEPD_PDL (1 on, default 0: off), TILEPD_PDL_TRIGGER (1: the next kernel may be
-scheduled right after this one's wait; default 0: wait only, the next kernel launches as this one completes),
+scheduled right after this one's wait; 2: once every program of this one has reached its end, the late form; default
+0: wait only, the next kernel launches as this one completes),
 TILEPD_PDL_PREFETCH (the weight prefetch before the wait; default 0, it only pays with the early trigger), and
 TILEPD_PDL_SKIP (kernel kinds launched without it). Off by default because on one H200 (2026-12-03, docs/PERFORMANCE.md
 "Programmatic dependent launch on the decode step") GLM-5.1 fp8 at 78 layers, 1K, got slower with the early trigger
@@ -54,12 +59,16 @@ except ImportError:  # pragma: no cover - a Triton without griddepcontrol: the k
 
 # Read at import; tests and benches may set SWITCH's entries before the first launch of a kernel (each launch form is
 # compiled once per value: a CUDA graph captured with one value keeps it). trigger 1: gdc_launch_dependents right
-# after the wait (the next kernel's programs may be scheduled while this one runs); 0: no explicit trigger (the next
-# kernel is launched as this one completes: PDL then saves only the launch's own latency). skip: the kernel kinds
+# after the wait (the next kernel's programs may be scheduled while this one runs); 2: at each program's end (the
+# late form: `bench/pdl_chain.py`'s "pdl" form, 1.27 -> 0.81 us a one-wave launch on an H200); 0: no explicit
+# trigger (the next kernel is launched as this one completes: PDL then saves only the launch's own latency). skip: the kernel kinds
 # (KINDS) launched without PDL, e.g. TILEPD_PDL_SKIP=gate_up,down.
+TRIGGERS = {0: 2, 1: 1, 2: 3}  # TILEPD_PDL_TRIGGER -> the kernels' PDL constexpr (flag())
 KINDS = ("gemv", "prepare", "split", "merge", "gate", "gate_up", "down", "dsa")
 SWITCH: dict = {"on": env_int("TILEPD_PDL", 0), "prefetch": env_int("TILEPD_PDL_PREFETCH", 0), "trigger": env_int("TILEPD_PDL_TRIGGER", 0),
                 "skip": frozenset(k for k in os.environ.get("TILEPD_PDL_SKIP", "").split(",") if k)}
+if SWITCH["trigger"] not in TRIGGERS:
+    raise ValueError(f"TILEPD_PDL_TRIGGER={SWITCH['trigger']}: 0 (wait only), 1 (early) or 2 (late)")
 if not SWITCH["skip"] <= set(KINDS):
     raise ValueError(f"TILEPD_PDL_SKIP={os.environ.get('TILEPD_PDL_SKIP')!r}: kinds are {', '.join(KINDS)}")
 
@@ -101,10 +110,11 @@ def enabled(t: torch.Tensor, kind: str = "gemv") -> bool:
 
 
 def flag(t: torch.Tensor, kind: str = "gemv") -> int:
-    """The kernels' PDL constexpr: 0 without PDL, 1 wait then trigger, 2 wait only (SWITCH["trigger"] 0)."""
+    """The kernels' PDL constexpr: 0 without PDL, 1 wait then trigger, 2 wait only (SWITCH["trigger"] 0), 3 wait,
+    then trigger at the program's end (SWITCH["trigger"] 2)."""
     if not enabled(t, kind):
         return 0
-    return 1 if SWITCH["trigger"] else 2
+    return TRIGGERS[SWITCH["trigger"]]
 
 
 def prefetch_flag(t: torch.Tensor, kind: str = "gemv") -> bool:
@@ -132,6 +142,13 @@ if triton is not None:
             gdc_wait()
             if PDL == 1:
                 gdc_launch_dependents()
+
+    @triton.jit
+    def trigger(PDL: tl.constexpr):  # noqa: ANN201 - a Triton device function
+        """A program's last statement: in the late form (PDL 3) the next kernel may be scheduled once every program
+        of this one has got here (or exited)."""
+        if PDL == 3:
+            gdc_launch_dependents()
 
     @triton.jit
     def prefetch_l2(ptrs, mask):  # noqa: ANN001, ANN201 - a Triton device function

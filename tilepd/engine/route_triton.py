@@ -30,7 +30,7 @@ from tilepd.engine import pdl
 try:
     import triton
     import triton.language as tl
-    from tilepd.engine.pdl import wait
+    from tilepd.engine.pdl import trigger, wait
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
@@ -116,6 +116,7 @@ if triton is not None:
         t = tl.program_id(0)
         route_row(LOGITS + t * s_lt, BIAS, IDS + t * s_it, WEIGHTS + t * s_wt, scale, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOP_K,
                   G_PAD, GS_PAD, K_PAD, NORMALISE, SHARED_SLOT, N_SLOTS)
+        trigger(PDL)  # pdl.py: the late form triggers here
 
 def route_constants(n_exp: int, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, shared_slot: bool) -> dict:
     """The routing's compile-time constants (route_row's) for n_exp experts, after refusing by name what it cannot route."""
