@@ -20,7 +20,8 @@ from tilepd.resources import examples_dir
 from tilepd.topology import TopologyError, load_topology_text
 from tilepd.topology.gpus import GIB, MIB, known_gpu
 from tilepd.topology.known_models import KNOWN_MODELS
-from tilepd.topology.memory_fit import WORKSPACE_BYTES, fp8_bytes, memory_report, parameter_count
+from tilepd.topology.memory_fit import (WORKSPACE_BYTES, checkpoint_dtype, decode_policy, fp8_bytes, layout_shapes, memory_report,
+                                       parameter_count, vllm_policy, weight_bytes)
 
 SEED = (examples_dir() / "glm51-seed.yaml").read_text()
 DSV32 = (examples_dir() / "dsv32-multiconnector.yaml").read_text()
@@ -56,6 +57,26 @@ def test_fp8_bytes_is_one_byte_plus_a_scale_per_block() -> None:
     assert fp8_bytes((128, 128)) == 128 * 128 + 4
     assert fp8_bytes((129, 256)) == 129 * 256 + 4 * 2 * 2
     assert fp8_bytes((4, 256, 128)) == 4 * 256 * 128 + 4 * 4 * 2  # per expert
+
+
+def test_router_gate_counts_the_checkpoints_dtype() -> None:
+    """GLM-5.1's router gate [256, 6144] is bf16 in its checkpoint and stays so (convert-weights, out_tensors source_float):
+    3 MiB a MoE layer on every TP rank (replicated), not the 6 MiB of a widened float32 copy; an fp32 source or an fp32
+    conversion stores it float32. vLLM holds it in the model dtype (GateLinear)."""
+    spec = _spec("zai-org/GLM-5.1")
+    assert {checkpoint_dtype(m.config) for m in KNOWN_MODELS.values()} == {"bfloat16"}  # `dtype` or `torch_dtype`
+    assert checkpoint_dtype({"dtype": "float32"}) == checkpoint_dtype({}) == "float32"  # unstated: never under-counted
+    gates = [(t, shape) for t, shape in layout_shapes(spec) if t.name.endswith(".gate")]
+    assert len(gates) == 75 + 1 and all(t.source_float and not t.keep_fp32 and shape == (256, 6144) for t, shape in gates)  # 75 MoE + MTP
+    t, shape = gates[0]
+    one = 256 * 6144 * 2
+    assert decode_policy("fp8", "bfloat16")(t, shape) == decode_policy("bf16", "bfloat16")(t, shape) == one == 3_145_728
+    assert decode_policy("fp8", "float32")(t, shape) == decode_policy("fp32", "bfloat16")(t, shape) == 2 * one
+    assert vllm_policy(True, False)(t, shape) == one
+    for tp in (1, 8):
+        main, mtp = weight_bytes(spec, tp, decode_policy("fp8", "bfloat16"))
+        main_wide, mtp_wide = weight_bytes(spec, tp, decode_policy("fp8", "float32"))
+        assert (main_wide - main, mtp_wide - mtp) == (75 * one, one), tp
 
 
 def _llama8b_on_one(gpu: str, extra: str = "") -> str:
@@ -123,7 +144,7 @@ def test_seed_in_bf16_fails_with_numbers_and_fixes_that_work() -> None:
     (message,) = _messages(bf16)
     assert re.search(r"d0 needs 2\d\d\.\d GiB on GPU 0, more than the 179\.1 GiB of one B200 .*: weights 17\d\.\d GiB", message)
     assert "(bf16 weights, TP 8, 202752 tokens)" in message
-    assert "model.weights_dtype: fp8 (124.0 GiB per GPU)" in message
+    assert "model.weights_dtype: fp8 (123.8 GiB per GPU)" in message  # router gates bf16 as in the checkpoint (124.0 when widened)
     assert "model.tensor_parallel.decode: 16 on nodes of 16 GPUs" in message
     # the proposed TP does fit, on a node that has the GPUs
     load_topology_text(bf16.replace("    decode: 8\n", "    decode: 16\n").replace("{type: B200, count: 8}", "{type: B200, count: 16}"), "t.yaml")

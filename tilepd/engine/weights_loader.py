@@ -25,8 +25,18 @@ from tilepd.weights.source import Checkpoint, SafetensorsFile, WeightsError
 Weights = dict[str, "torch.Tensor | BlockFp8"]
 
 
-def _to_device(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype, keep_fp32: set[str]) -> torch.Tensor:
-    return t.to(device=device, dtype=torch.float32 if name in keep_fp32 else dtype)
+_SOURCE_FLOATS = (torch.bfloat16, torch.float32)
+
+
+def _to_device(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype, keep_fp32: set[str], source_float: set[str]) -> torch.Tensor:
+    """A stored dense tensor on the device: keep_fp32 ones in float32 (HF's); source_float ones (the router gate) as
+    stored when bf16 or float32 (an older conversion's float32 gate stays float32; never cast lossily to the model
+    dtype: its users upcast it), else float32; the rest in the model dtype."""
+    if name in keep_fp32:
+        return t.to(device=device, dtype=torch.float32)
+    if name in source_float:
+        return t.to(device=device, dtype=t.dtype if t.dtype in _SOURCE_FLOATS else torch.float32)
+    return t.to(device=device, dtype=dtype)
 
 
 def check_fp8_device(device: torch.device, where: Path) -> None:
@@ -70,7 +80,9 @@ def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, ra
             raise WeightsError(f"{weights_dir / MANIFEST}: fp8 tensor {unblocked[0]} has no block size (converted by an "
                                f"older tilepd with per-tensor scales) - re-run convert-weights" + see("RB-weights-manifest"))
         check_fp8_device(device, weights_dir)
-    keep_fp32 = {t.name for t in family_layout(spec, set()) if t.keep_fp32}  # router, DSA weights_proj: float32 as in HF
+    layout = family_layout(spec, set())
+    keep_fp32 = {t.name for t in layout if t.keep_fp32}  # router bias, DSA weights_proj: float32 as in HF
+    source_float = {t.name for t in layout if t.source_float}  # router gate: as stored (bf16 or float32)
     out: Weights = {}
     for name in f.entries:
         if name.endswith(".scale") and name.removesuffix(".scale") in fp8:
@@ -82,13 +94,14 @@ def load_weights(weights_dir: Path, device: torch.device, dtype: torch.dtype, ra
             except ValueError as e:
                 raise WeightsError(f"{f.path}: {name}: {e}") from e
         else:
-            out[name] = _to_device(name, t, device, dtype, keep_fp32)
+            out[name] = _to_device(name, t, device, dtype, keep_fp32, source_float)
     return spec, out
 
 
 def _load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0, tp: int = 1) -> tuple[ModelSpec, Weights]:
     """An HF checkpoint converted in memory; an fp8 checkpoint's GEMV weights stay fp8 (as convert-weights
-    --dtype fp8 would store them), everything else in `dtype`."""
+    --dtype fp8 would store them), everything else as cast_chunk stores it (`dtype`; the router gate in its source's
+    bf16 unless `dtype` is float32)."""
     with Checkpoint(model_dir) as ck:
         spec = spec_from_hf_config(ck.config(), ck.generation_config())
         source_block = ck.fp8_block()

@@ -23,7 +23,7 @@ from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.topology.gpus import GIB, known_gpu, known_gpu_names
 from tilepd.topology.hf_config import ConfigFileError, HfConfig, model_config
 from tilepd.topology.schema import DecodeNode, Topology, VllmHostBase
-from tilepd.weights.out_tensors import OutTensor, expected_shape, family_layout
+from tilepd.weights.out_tensors import OutTensor, expected_shape, family_layout, source_float_dtype
 
 Loc = tuple[str | int, ...]
 
@@ -116,13 +116,18 @@ def fp8_bytes(shape: tuple[int, ...]) -> int:
     return math.prod(shape) + 4 * math.prod(lead) * -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
 
 
-def decode_policy(weights_dtype: str) -> Policy:
+def decode_policy(weights_dtype: str, source_dtype: str = "bfloat16") -> Policy:
     """What the engine stores (tilepd/weights/fp8_build.py stores_fp8): GEMV weights read through layers.linear
-    in fp8 when asked, MLA's W_UK/W_UV and everything else in bf16, routers and indexer weights_proj in fp32."""
+    in fp8 when asked, MLA's W_UK/W_UV and everything else in bf16, the router bias and indexer weights_proj in fp32,
+    the router gate in its source's dtype (out_tensors.source_float_dtype; `source_dtype`: the checkpoint's, as
+    config.json states it: bf16 for the served models, float32 for the tiny test models)."""
+    gate_size = 2 if source_float_dtype(source_dtype, weights_dtype == "fp32") == "bfloat16" else 4
 
     def size(t: OutTensor, shape: tuple[int, ...]) -> int:
         if t.keep_fp32:
             return 4 * math.prod(shape)
+        if t.source_float:
+            return gate_size * math.prod(shape)
         if weights_dtype == "fp8" and t.quantizable and not t.mla:
             return fp8_bytes(shape)
         return 2 * math.prod(shape)
@@ -132,7 +137,8 @@ def decode_policy(weights_dtype: str) -> Policy:
 
 def vllm_policy(fp8_checkpoint: bool, online_fp8: bool) -> Policy:
     """What vLLM holds: an fp8 checkpoint's GEMV weights as they are (with block scales), kv_b_proj in fp8 plus
-    the bf16 W_UK/W_UV it dequantises for MLA (mla_attention.py `process_weights_after_loading`), the rest bf16;
+    the bf16 W_UK/W_UV it dequantises for MLA (mla_attention.py `process_weights_after_loading`), the rest bf16 (the
+    router gate too: vLLM 0.32 deepseek_v2.py's GateLinear keeps the model dtype and computes float32 logits from it);
     `--quantization fp8` quantises a bf16 checkpoint's linear layers per tensor."""
 
     def size(t: OutTensor, shape: tuple[int, ...]) -> int:
@@ -254,11 +260,12 @@ class DecodeSetting:
     tp: int
     max_seq_len: int
     recv_vram: bool
+    source_dtype: str = "bfloat16"  # the checkpoint's dtype (config.json): the router gate's stored dtype (decode_policy)
 
 
 def decode_parts(spec: ModelSpec, s: DecodeSetting, kv_cache_dtype: str) -> tuple[dict[str, int], dict[str, int]]:
     """(GPU 0, any other rank) bytes of a tilepd decode engine."""
-    main, mtp_w = weight_bytes(spec, s.tp, decode_policy(s.weights_dtype))
+    main, mtp_w = weight_bytes(spec, s.tp, decode_policy(s.weights_dtype, s.source_dtype))
     kv_token = _engine_kv_token_bytes(spec, s.tp)
     idx_main, idx_mtp = _indexer_layers(spec, mtp=True)
     idx_token = spec.index_head_dim * ENGINE_CACHE_BYTES  # engine keeps dequantised keys [max_seq_len, index_head_dim]
@@ -311,7 +318,7 @@ def _max_seq_len_fix(parts_at: Callable[[int], dict[str, int]], capacity: int, c
     return int(n) if 0 < n < current else None
 
 
-def _decode_rows(topo: Topology, spec: ModelSpec, report: MemoryReport) -> None:
+def _decode_rows(topo: Topology, spec: ModelSpec, source_dtype: str, report: MemoryReport) -> None:
     m = topo.model
     for i, node in enumerate(topo.decode):
         if node.gpu.type.lower() == "cpu" or node.gpu.count == 0:
@@ -322,7 +329,7 @@ def _decode_rows(topo: Topology, spec: ModelSpec, report: MemoryReport) -> None:
             report.problems.append((loc + ("gpu", "type"), f"GPU type {node.gpu.type!r} is not in tilepd's table ({', '.join(known_gpu_names())}); "
                                     f"state its memory per GPU as decode[{i}].gpu.memory_gib so that the model's fit can be checked"))
         setting = DecodeSetting(m.weights_dtype, m.tensor_parallel.decode, node.max_seq_len or m.max_seq_len,
-                                (node.recv_buffer or "vram") == "vram")
+                                (node.recv_buffer or "vram") == "vram", source_dtype)
         first, other = decode_parts(spec, setting, m.kv_cache_dtype.decode)
         tp = setting.tp
         detail = f"{setting.weights_dtype} weights, TP {tp}, {setting.max_seq_len} tokens"
@@ -418,6 +425,13 @@ def _vllm_rows(topo: Topology, spec: ModelSpec, fp8_checkpoint: bool, report: Me
                                         f"{_breakdown(parts)} ({row.detail}). Fixes: {'; '.join(fixes) or 'GPUs with more memory'}"))
 
 
+def checkpoint_dtype(config: dict) -> str:
+    """The checkpoint's float dtype as config.json states it (`dtype`, or the older `torch_dtype`); unstated: float32,
+    which never under-counts (the converter stores a non-bf16 router gate in float32)."""
+    value = config.get("dtype") or config.get("torch_dtype")
+    return value.removeprefix("torch.") if isinstance(value, str) else "float32"
+
+
 def memory_report(topo: Topology) -> MemoryReport:
     """Every GPU's estimate (rows), or why none was made (not_checked), and what does not fit (problems)."""
     report = MemoryReport()
@@ -446,7 +460,7 @@ def memory_report(topo: Topology) -> MemoryReport:
     report.source = found.source
     q = found.config.get("quantization_config")
     fp8_checkpoint = isinstance(q, dict) and q.get("quant_method") == "fp8"
-    _decode_rows(topo, spec, report)
+    _decode_rows(topo, spec, checkpoint_dtype(found.config), report)
     _vllm_rows(topo, spec, fp8_checkpoint, report)
     return report
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from tilepd.model_format.model_spec import ModelSpec
-from tilepd.weights.out_tensors import OutTensor
+from tilepd.weights.out_tensors import OutTensor, source_float_dtype
 from tilepd.weights.source import WeightsError
 
 
@@ -72,11 +72,20 @@ def build_chunks(t: OutTensor, get: Callable[[str], torch.Tensor], spec: ModelSp
         yield parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
+def stored_dtype(t: OutTensor, source: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype runtime tensor t is stored in, from its source's dtype and the conversion's dense dtype: float32 for
+    keep_fp32 tensors, the source's own bf16 or else float32 for source_float ones (the router gate), else `dtype`."""
+    if t.keep_fp32:
+        return torch.float32
+    if t.source_float:
+        return getattr(torch, source_float_dtype(str(source).removeprefix("torch."), dtype == torch.float32))
+    return dtype
+
+
 def cast_chunk(t: OutTensor, chunk: torch.Tensor, dtype: torch.dtype, fp8: bool = False) -> tuple[torch.Tensor, None]:
-    """Cast a dense chunk to its stored dtype (router weights stay float32). Block-scaled fp8 tensors are
-    built by fp8_build, never here (the tuple's second slot is kept for callers that unpack two values)."""
+    """Cast a dense chunk to its stored dtype (stored_dtype; a source_float chunk is its one source tensor, so its dtype
+    is the source's). Block-scaled fp8 tensors are built by fp8_build, never here (the tuple's second slot is kept for
+    callers that unpack two values)."""
     if fp8:
         raise ValueError(f"{t.name}: fp8 tensors are built by tilepd.weights.fp8_build, not cast_chunk")
-    if t.keep_fp32:
-        return chunk.float().contiguous(), None
-    return chunk.to(dtype).contiguous(), None
+    return chunk.to(stored_dtype(t, chunk.dtype, dtype)).contiguous(), None

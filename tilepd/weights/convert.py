@@ -20,7 +20,7 @@ import torch
 from tilepd.model_format.model_spec import ModelSpec, spec_from_hf_config
 from tilepd.model_format.block_fp8 import DEFAULT_BLOCK, FP8
 from tilepd.weights import fp8_build
-from tilepd.weights.build import build_chunks, cast_chunk, out_shape
+from tilepd.weights.build import build_chunks, cast_chunk, out_shape, stored_dtype
 from tilepd.weights.out_tensors import LAYOUT_VERSION, OutTensor, expected_shape, family_layout
 from tilepd.contracts.fingerprint import checkpoint_identity
 from tilepd.weights.manifest import CONVERTER_VERSION, FORMAT, MANIFEST, source_entry, source_files, write_manifest_atomically
@@ -70,7 +70,7 @@ def _entries(layout: list[OutTensor], ck: Checkpoint, spec: ModelSpec, tp: int, 
             blocks[t.name] = block
             entries += [(t.name, FP8, shape), (t.name + ".scale", torch.float32, scale_shape)]
         else:
-            entries.append((t.name, torch.float32 if t.keep_fp32 else dtype, shape))
+            entries.append((t.name, stored_dtype(t, ck.dtype(t.sources[0]), dtype), shape))
     return entries, blocks
 
 
@@ -135,6 +135,7 @@ def _write_ranks(layout, ck, spec, tp, dtype, blocks, entries, out_dir: Path, pr
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     get_fp8 = fp8_build.source_reader(ck.get_raw, ck.fp8_block() or DEFAULT_BLOCK) if blocks else None
+    planned = {name: dt for name, dt, _ in entries}
     written = 0
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress, transient=False) as bar:
@@ -157,6 +158,9 @@ def _write_ranks(layout, ck, spec, tp, dtype, blocks, entries, out_dir: Path, pr
                     else:
                         for chunk in build_chunks(t, ck.get, spec, rank, tp):
                             data, _ = cast_chunk(t, chunk, dtype)
+                            if data.dtype != planned[t.name]:  # the header is written: a dtype it does not name would be misread
+                                raise WeightsError(f"{t.name}: built as {data.dtype}, the file's header (from {t.sources[0]}'s "
+                                                   f"header dtype) says {planned[t.name]}")
                             writer.write(t.name, data)
                             written += data.numel() * data.element_size()
                     bar.advance(task)

@@ -19,7 +19,9 @@ from tilepd.contracts.fingerprint import CheckpointIdentity, Fingerprint, checkp
 
 MANIFEST = "manifest.json"
 FORMAT = "tilepd-weights"
-CONVERTER_VERSION = "2"  # 2: fp8 tensors carry block scales (1 had one scale per tensor)
+# 2: fp8 tensors carry block scales (1 had one scale per tensor); 3: the MoE router gate is stored in its source's dtype,
+# bf16 for the served checkpoints (2 widened it to float32: out_tensors LAYOUT_VERSION 2), so an older output re-converts
+CONVERTER_VERSION = "3"
 
 
 def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tilepd.model_format.model_spec import ModelSpec
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the MoE router gate is stored in its source's float dtype (1 widened it to float32)
 
 
 @dataclass(frozen=True)
@@ -21,13 +21,29 @@ class OutTensor:
     groups: tuple[tuple[str, ...], ...]  # each group: parts concatenated along dim 0
     stacked: bool = False  # True: groups stacked along a new dim 0 (experts); else exactly one group
     shard_dim: int | None = None  # per-part split for tensor parallelism; None = replicated
-    keep_fp32: bool = False  # router weights and biases stay float32 (HF routes in float32)
+    keep_fp32: bool = False  # stored float32 whatever the source (the router's correction bias, the DSA indexer's weights_proj)
+    # Stored in the source's own float dtype, at least bf16 (source_float_dtype): a bf16 source stays bf16, anything else
+    # is float32; its users upcast it to float32 where used (the router gate: HF computes F.linear(h.float(), w.float()),
+    # so a bf16 gate gives the same logits from half the bytes a step reads).
+    source_float: bool = False
     quantizable: bool = False  # a GEMV weight read through layers.linear: may be stored block-scaled fp8 (fp8_build.py)
     mla: str | None = None  # "uk" | "uv": split kv_b_proj per head into [H, nope, rank] / [H, v, rank]
+
+    def __post_init__(self) -> None:
+        if self.source_float and (len(self.sources) != 1 or self.keep_fp32 or self.quantizable or self.mla):
+            raise ValueError(f"{self.name}: source_float is for one dense source tensor kept in its own dtype (not keep_fp32, quantizable or mla)")
 
     @property
     def sources(self) -> list[str]:
         return [p for g in self.groups for p in g]
+
+
+def source_float_dtype(source: str, out_fp32: bool) -> str:
+    """Stored dtype ("bfloat16" | "float32") of a `source_float` tensor whose source tensor is `source` (torch's dtype
+    name: "bfloat16", "float32", "float16", "float8_e4m3fn"...). bf16 stays bf16 (never widened: half the bytes a step
+    reads) unless the whole conversion is float32 (`out_fp32`); anything else is float32, which holds every such source
+    exactly (fp16 or fp8 in bf16 would lose bits). Torch-free: the memory plan asks it with config.json's dtype."""
+    return "bfloat16" if source == "bfloat16" and not out_fp32 else "float32"
 
 
 def _one(name: str, src: str, **kw) -> OutTensor:
@@ -96,7 +112,7 @@ def _mla_layer(spec: ModelSpec, h: str, p: str, moe: bool, indexer: bool = False
         ]
     experts = range(spec.n_routed_experts)
     out += [
-        _one(p + "gate", m + "gate.weight", keep_fp32=True),
+        _one(p + "gate", m + "gate.weight", source_float=True),  # bf16 in DeepSeek-V3.x / GLM-5.1; upcast where used (moe.py)
         _one(p + "gate_bias", m + "gate.e_score_correction_bias", keep_fp32=True),
         OutTensor(p + "experts_w13", tuple((f"{m}experts.{e}.gate_proj.weight", f"{m}experts.{e}.up_proj.weight") for e in experts),
                   stacked=True, shard_dim=0, quantizable=True),

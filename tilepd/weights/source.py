@@ -115,6 +115,10 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._file(name).entries[name][1]
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype a tensor is stored in, from its file's header (nothing read; fp8 is reported as stored)."""
+        return self._file(name).entries[name][0]
+
     def fp8_block(self) -> tuple[int, int] | None:
         """(block_n, block_k) of a block-scaled fp8 checkpoint (config.json quantization_config), else None.
         Any other quantisation is refused by name: tilepd would otherwise read its packed bytes as weights."""
