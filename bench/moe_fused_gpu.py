@@ -68,11 +68,12 @@ def _fp8(w: torch.Tensor) -> BlockFp8:
 
 
 def layer_weights(s: SimpleNamespace, fmt: str, dev: torch.device, dtype: torch.dtype, seed: int = 1) -> dict:
-    """One MoE layer's weights under prefix "l." (the engine's names): random, the router gate float32 as loaded."""
+    """One MoE layer's weights under prefix "l." (the engine's names): random; the router gate bf16 as the served
+    checkpoints hold it and convert-weights stores it (its bytes are what the gate kernel reads), its bias float32."""
     g = torch.Generator(device=dev).manual_seed(seed)
     h, i, e = s.hidden, s.inter, s.experts
-    w = {"l.mlp_norm": (1 + 0.1 * torch.randn(h, generator=g, device=dev)).to(dtype), "l.gate": torch.randn(e, h, generator=g, device=dev) * h ** -0.5,
-         "l.gate_bias": torch.randn(e, generator=g, device=dev) * 0.1}
+    w = {"l.mlp_norm": (1 + 0.1 * torch.randn(h, generator=g, device=dev)).to(dtype),
+         "l.gate": (torch.randn(e, h, generator=g, device=dev) * h ** -0.5).to(torch.bfloat16), "l.gate_bias": torch.randn(e, generator=g, device=dev) * 0.1}
     for name, shape in (("experts_w13", (e, 2 * i, h)), ("experts_w2", (e, h, i)), ("shared_w13", (2 * i, h)), ("shared_w2", (h, i))):
         v = torch.randn(*shape, generator=g, device=dev, dtype=dtype) * shape[-1] ** -0.5
         w["l." + name] = _fp8(v) if fmt == "fp8" else v
@@ -109,7 +110,7 @@ def parity(x: torch.Tensor, w: dict, s: SimpleNamespace) -> dict:
     """One batch of rows: expert-set mismatches (with the reference's choice gap there), normed-row differences, errors."""
     k = s.num_experts_per_tok
     h_ref = layers.rms_norm(x, w["l.mlp_norm"], s.rms_norm_eps)
-    logits = F.linear(h_ref.float(), w["l.gate"])
+    logits = F.linear(h_ref.float(), w["l.gate"].float())
     ref_ids, _ = route_logits(logits, w["l.gate_bias"], s.n_group, s.topk_group, k, s.norm_topk_prob, s.routed_scaling_factor)
     h, ids, _, _ = moe_fused_triton.gate_route(x, w["l.mlp_norm"], s.rms_norm_eps, w["l.gate"], w["l.gate_bias"], s.n_group, s.topk_group, k,
                                                s.norm_topk_prob, s.routed_scaling_factor)

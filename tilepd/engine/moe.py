@@ -1,7 +1,8 @@
 """DeepSeek-V3 mixture of experts: noaux_tc sigmoid routing with group-limited top-k, shared experts.
 
-Routing runs in float32 like the reference. The selected experts' weights are read by device indices
-(no host sync, no data-dependent shapes), so the whole layer can sit inside a CUDA graph: on the CUDA speed
+Routing runs in float32 like the reference: the router gate is stored bf16 (as the checkpoints hold it) or float32 and
+upcast where used, as HF's F.linear(h.float(), weight.float()) does, so both give the same logits. The selected
+experts' weights are read by device indices (no host sync, no data-dependent shapes), so the whole layer can sit inside a CUDA graph: on the CUDA speed
 path (EXPERT_IMPL["dense"] == "triton", set by compiled.accelerate) in place by moe_triton.py's grouped
 GEMV; otherwise gathered into a [T, k, out, in] copy and applied with einsum (the reference). The router after
 its gate GEMV is one Triton kernel on the speed path (ROUTE_IMPL["router"] == "triton", route_triton.py); route_torch()
@@ -40,12 +41,12 @@ def _use_route_kernel(x: torch.Tensor) -> bool:
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, h] -> (expert ids [T, k], weights [T, k] float32): one fused kernel after the gate GEMV on the speed
-    path, else the torch ops (route_torch)."""
+    """x [T, h], gate [E, h] (bf16 or float32, upcast) -> (expert ids [T, k], weights [T, k] float32): one fused kernel
+    after the float32 gate GEMV on the speed path, else the torch ops (route_torch)."""
     if _use_route_kernel(x):
         from tilepd.engine.route_triton import route_logits
 
-        return route_logits(F.linear(x.float(), gate), bias, spec.n_group, spec.topk_group, spec.num_experts_per_tok,
+        return route_logits(F.linear(x.float(), gate.float()), bias, spec.n_group, spec.topk_group, spec.num_experts_per_tok,
                             spec.norm_topk_prob, spec.routed_scaling_factor)
     return route_torch(x, gate, bias, spec)
 
@@ -54,7 +55,7 @@ def route_torch(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, spec: M
     """The reference router (noaux_tc as HF's DeepseekV3TopkRouter): sigmoid scores, bias for the choice only,
     groups ranked by their top-2 sum, top-k inside the best topk_group groups, weights from the unbiased scores."""
     t = x.shape[0]
-    scores = torch.sigmoid(F.linear(x.float(), gate))
+    scores = torch.sigmoid(F.linear(x.float(), gate.float()))
     choice = scores + bias
     groups = choice.view(t, spec.n_group, -1)
     group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
@@ -127,14 +128,14 @@ def _grouped_shared(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
 
 
 def moe_grouped(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> torch.Tensor:
-    """moe() in 8 launches: gate GEMV (+ its float cast), the router kernel with a shared slot (id -1, weight 1),
-    one grouped gate-up GEMV over the k routed experts and the shared one (each token's activation read by its
-    k+1 rows in place), silu-mul, one grouped down GEMV, and the weighted sum over the k+1 rows as one batched
-    product. The reference path's separate shared-expert GEMVs, gathers and adds are gone."""
+    """moe() in 8 launches (9 with a bf16 gate: its float32 copy): gate GEMV (+ its float cast), the router kernel
+    with a shared slot (id -1, weight 1), one grouped gate-up GEMV over the k routed experts and the shared one (each
+    token's activation read by its k+1 rows in place), silu-mul, one grouped down GEMV, and the weighted sum over the
+    k+1 rows as one batched product. The reference path's separate shared-expert GEMVs, gathers and adds are gone."""
     from tilepd.engine.route_triton import route_logits
 
     t, k = x.shape[0], spec.num_experts_per_tok
-    ids, weights = route_logits(F.linear(x.float(), w[p + "gate"]), w[p + "gate_bias"], spec.n_group, spec.topk_group, k,
+    ids, weights = route_logits(F.linear(x.float(), w[p + "gate"].float()), w[p + "gate_bias"], spec.n_group, spec.topk_group, k,
                                 spec.norm_topk_prob, spec.routed_scaling_factor, shared_slot=True, weights_dtype=x.dtype)
     flat = ids.view(-1)
     w13, w2, s13, s2 = w[p + "experts_w13"], w[p + "experts_w2"], w[p + "shared_w13"], w[p + "shared_w2"]

@@ -4,10 +4,10 @@ Today's speed path spends ~10 launches on it (the norm, the float cast, the cuBL
 grouped gate-up GEMV, silu, mul, the grouped down GEMV, the weighted sum as a bmm, the residual add), each a few
 microseconds plus a gap. Here:
 
-1. gate (moe_fused_triton.gate_route): the MLP norm and the float32 router GEMV from the normed row, then the noaux_tc
-   routing in route_triton's one-warp kernel (a launch of its own: measured faster than routing in the gate's last
-   program, TUNE["route_apart"]); it also writes the normed row h (bf16) and the routed ids with the shared slot (id
-   -1, weight 1).
+1. gate (moe_fused_triton.gate_route): the MLP norm and the float32 router GEMV from the normed row (the gate read as
+   stored, bf16 or float32, and upcast in the kernel), then the noaux_tc routing in route_triton's one-warp kernel (a
+   launch of its own: measured faster than routing in the gate's last program, TUNE["route_apart"]); it also writes
+   the normed row h (bf16) and the routed ids with the shared slot (id -1, weight 1).
 2. gate-up (moe_fused_triton.gate_up_act): the grouped GEMV over each token's k routed experts and the shared one,
    reading h in place by its k+1 rows, each program computing the gate and the up outputs of the same columns, with
    silu(gate) * up in its epilogue. The norm is computed once in 1. instead of in this launch's ~2,300 programs (each
@@ -40,8 +40,9 @@ from tilepd.model_format.model_spec import ModelSpec
 
 def applies(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
     """The fused block can run layer `p` on x [T, H]: Triton on the device (or its CPU interpreter), one shared expert of
-    a routed expert's shape and format (DeepSeek-V3, GLM-5), a contiguous float32 router gate, and T within the grouped
-    GEMVs' row bounds (MTP verify rows included); the norm weight in x's dtype (else torch's norm would not round to it)."""
+    a routed expert's shape and format (DeepSeek-V3, GLM-5), a contiguous bf16 or float32 router gate (upcast in the
+    kernel: the same logits), and T within the grouped GEMVs' row bounds (MTP verify rows included); the norm weight in
+    x's dtype (else torch's norm would not round to it)."""
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or x.dim() != 2 or p + "shared_w13" not in w:
         return False
     from tilepd.engine import moe_fused_triton, moe_triton
@@ -49,7 +50,7 @@ def applies(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
     if not moe_fused_triton.available():
         return False
     gate, norm, rows = w[p + "gate"], w[p + "mlp_norm"], x.shape[0] * (spec.num_experts_per_tok + 1)
-    if gate.dtype != torch.float32 or not gate.is_contiguous() or norm.dtype != x.dtype:
+    if gate.dtype not in (torch.float32, torch.bfloat16) or not gate.is_contiguous() or norm.dtype != x.dtype:
         return False
     w13, w2, s13, s2 = w[p + "experts_w13"], w[p + "experts_w2"], w[p + "shared_w13"], w[p + "shared_w2"]
     if isinstance(w13, BlockFp8):

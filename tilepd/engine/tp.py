@@ -9,7 +9,7 @@ Megatron-style split, matching the shards `convert-weights --tp N` writes (tilep
   expert parallelism the k picks land unevenly on the ranks (often 2-3 on one rank, none on others), so a
   step takes as long as the busiest rank's weight read. Splitting every expert's intermediate dimension
   makes each rank read exactly 1/N of every selected expert: balanced bandwidth, no all-to-all, and the
-  routed and shared outputs share the layer's one all-reduce. Routing (gate replicated, float32) sees the
+  routed and shared outputs share the layer's one all-reduce. Routing (gate replicated, logits float32) sees the
   same hidden state on every rank, so every rank picks the same experts. EP pays off at large batches,
   which this batch-1 engine does not run.
 - vocab: the embedding and lm_head are **vocab-parallel** (rows split, as convert-weights writes them).
