@@ -2,7 +2,8 @@
 silu(gate) * up in its epilogue, and the down projection with the weighted sum and the residual add.
 
 Gate (`gate_route`): every program computes BLOCK_E router logits in float32 from the token row's normed row (HF's
-router: float32 logits of the normed bf16 row against the float32 gate weight). While the row fits one K chunk (the
+router: float32 logits of the normed bf16 row against the gate weight upcast to float32; the weight is read as stored,
+bf16 as the checkpoints hold it, or float32). While the row fits one K chunk (the
 served shapes: H 6144 / 7168 in an 8192 chunk) a program issues its gate rows' load first, then reads the row once for
 both its RMS statistics and the dot, so the ~24 KB a program reads are in flight together (the chunked loop of the
 first version read the row twice and the weights in 3 serial chunks: ~10 us for 1.5 us of bytes). Program (t, 0) also
@@ -285,8 +286,8 @@ def _counter(device: torch.device) -> torch.Tensor:
 
 def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
                top_k: int, norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, H] (the residual stream), the MLP norm's weight [H], the router gate [E, H] (float32) and correction bias [E]
-    -> (normed rows h [T, H] in x's dtype, ids [T, top_k + 1] int64 ending in the shared slot -1, weights [T, top_k + 1] in
+    """x [T, H] (the residual stream), the MLP norm's weight [H], the router gate [E, H] (bf16 or float32, upcast) and
+    correction bias [E] -> (normed rows h [T, H] in x's dtype, ids [T, top_k + 1] int64 ending in the shared slot -1, weights [T, top_k + 1] in
     x's dtype ending in 1, router logits [T, E] float32), in one launch. The normed row is rounded once, as torch's
     rms_norm (layers.rms_norm) rounds it; HF's module rounds twice (after the scaling and after the weight)."""
     if triton is None:
