@@ -103,10 +103,6 @@ _KERNELS = textwrap.dedent("""
                 assert a.dtype == dtype and a.shape == (t * 4, mi)
                 err = float((a.float() - want_a.float()).abs().max() / want_a.float().abs().max())
                 assert err < tol, ("gate-up", fmt, dtype, t, few, err)
-                # the routed slots alone into a wider output (moe_block's shared-apart form): the same rows, the last untouched
-                part = torch.full((t * 4, mi), float("nan"), dtype=dtype)
-                assert K.gate_up_act(hn, w13, s13, ids[:, :3], out=(part, 4)) is part
-                assert torch.equal(part.view(t, 4, mi)[:, :3], a.view(t, 4, mi)[:, :3]) and part.view(t, 4, mi)[:, 3].isnan().all()
             K.TUNE["up_few"] = 0
             res = torch.randn(t, hid, generator=g).to(dtype)
             a = torch.randn(t * 4, mi, generator=g).to(dtype)
@@ -142,9 +138,6 @@ _KERNELS = textwrap.dedent("""
                     x = (torch.randn(t, 48, generator=g) * 2).to(dtype)
                     assert moe_fused.applies(x, w, "l.", spec), (fp8, dtype, t)
                     got = moe_fused.moe_block(x, w, "l.", spec)
-                    K.TUNE["shared_apart"] = 1  # the shared expert's gate-up beside the gate, norming x itself: the same bits
-                    assert torch.equal(moe_fused.moe_block(x, w, "l.", spec), got), ("shared apart", fp8, dtype, ng, t)
-                    K.TUNE["shared_apart"] = 0
                     want = x + moe.moe_grouped(layers.rms_norm(x, w["l.mlp_norm"], 1e-6), w, "l.", spec)
                     err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
                     assert got.dtype == dtype and err < tol, (fp8, dtype, ng, t, err)
@@ -170,7 +163,7 @@ def test_fused_moe_kernels_match_the_torch_ops_under_interpreter(repo_root: Path
 
 
 def test_fused_moe_refuses_bad_shapes_by_name() -> None:
-    from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_up_act, shared_gate_up
+    from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_up_act
     from tilepd.model_format.block_fp8 import quantize
 
     x, nw, gate, bias = torch.zeros(1, 16), torch.ones(16), torch.zeros(8, 16), torch.zeros(8)
@@ -189,12 +182,6 @@ def test_fused_moe_refuses_bad_shapes_by_name() -> None:
         gate_up_act(torch.zeros(1, 12), torch.zeros(3, 8, 16), torch.zeros(8, 16), ids)
     with pytest.raises(ValueError, match="both be fp8 or both dense"):
         gate_up_act(torch.zeros(1, 16), torch.zeros(3, 8, 16), quantize(torch.zeros(8, 16)), ids)
-    with pytest.raises(ValueError, match=r"output \[3, 4\] torch.float32 does not fit T=1 x 2 slots of 4 columns"):
-        gate_up_act(torch.zeros(1, 16), torch.zeros(3, 8, 16), torch.zeros(8, 16), ids[:, :1], out=(torch.zeros(3, 4), 2))
-    with pytest.raises(ValueError, match="odd"):
-        gate_up_act(torch.zeros(1, 16), torch.zeros(3, 7, 16), torch.zeros(7, 16), ids)
-    with pytest.raises(ValueError, match=r"shared gate-up: x \[1, 12\] and norm weight \[16\] do not fit"):
-        shared_gate_up(torch.zeros(1, 12), nw, 1e-6, torch.zeros(3, 8, 16), torch.zeros(8, 16), torch.zeros(2, 4), 2)
 
 
 def test_mlp_block_off_the_switch_is_the_unfused_ops() -> None:

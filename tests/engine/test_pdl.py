@@ -54,6 +54,10 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     res = subprocess.run([sys.executable, "-c", "import tilepd.engine.pdl"], env={**os.environ, "TILEPD_PDL_TRIGGER": "3"}, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode != 0 and "TILEPD_PDL_TRIGGER=3" in res.stderr
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("TILEPD_PDL")}  # the defaults: the late form, no prefetch
+    res = subprocess.run([sys.executable, "-c", "from tilepd.engine import pdl; print(pdl.SWITCH['on'], pdl.SWITCH['trigger'], pdl.SWITCH['prefetch'])"],
+                         env=bare, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == ["1", "2", "0"], res.stdout + res.stderr
 
 
 def test_shard_form_sets_only_the_switches_the_environment_leaves_unset(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -110,28 +110,3 @@ def test_a_tp8_shards_gate_up_takes_the_narrow_tile_without_spills(monkeypatch: 
     assert up["constexprs"]["BLOCK_K"] == moe_fused_triton.TUNE["up_block_k_fp8_few"]
     info = ptxas_info(up["ptx"])
     assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
-
-
-def test_the_shared_apart_launches_build_without_spills_at_glm51_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """moe_fused_triton.TUNE["shared_apart"]: the shared expert's gate-up norming the residual row itself (the gate's
-    8192-wide rstd chunk in each program) and the routed rows' launch over a view of the ids, both built for sm_90 at
-    GLM-5.1's shapes without spills; the shared launch reads no ids and takes no PDL (its stream has no kernel before it)."""
-    from tests.engine.sm90_compile import compiling, ptxas_info
-    from tilepd.engine import moe_fused_triton
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    g = torch.Generator().manual_seed(0)
-    hid, inter, experts = 6144, 2048, 8
-    w13, s13 = _stacked(g, 2 * inter, hid, experts), _fp8(g, 2 * inter, hid)
-    x = torch.randn(1, hid).to(torch.bfloat16)
-    a = torch.empty(9, inter, dtype=torch.bfloat16)
-    with compiling() as done:
-        moe_fused_triton.shared_gate_up(x, torch.ones(hid, dtype=torch.bfloat16), 1e-6, w13, s13, a, 9)
-        moe_fused_triton.gate_up_act(x, w13, s13, torch.tensor([[3, 1, 2, 4, 5, 6, 7, 0, -1]])[:, :8], out=(a, 9))
-    shared, routed = done
-    assert shared["constexprs"]["SHARED_ONLY"] and shared["constexprs"]["NORM"] and shared["constexprs"]["NORM_BLOCK"] == 8192
-    assert not routed["constexprs"]["SHARED_ONLY"] and not routed["constexprs"]["NORM"]
-    assert "launch_pdl" not in shared["options"]
-    for d in done:
-        info = ptxas_info(d["ptx"])
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (d["constexprs"], info)

@@ -14,11 +14,6 @@ microseconds plus a gap. Here:
    would re-read the row twice); h is the bf16 row the unfused path feeds its GEMVs.
 3. down (moe_fused_triton.down_combine): the grouped down GEMV, the weighted sum over the k+1 rows and the residual add.
 
-The shared-apart form (moe_fused_triton.TUNE["shared_apart"], off by default): the shared expert's rows of 2. go on a
-side stream beside 1. (shared_gate_up, each program norming the residual row as the gate kernel does), the routed rows
-after the routing in a launch of their own, and 3. after both; in a captured CUDA graph that is two branches, so the
-shared expert's bytes are read while the latency-bound gate and routing run.
-
 Each intermediate is rounded to the activation dtype where the unfused path rounds it (normed row, router weights,
 gate-up output, silu, its product with up, each expert's down output, the weighted sum, the residual add), so the block
 equals norm + moe_grouped + add up to float32 accumulation order (and the router's float32 logits up to theirs: a
@@ -27,9 +22,7 @@ near-tie between experts can still flip; the GPU bench counts that).
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
 
 import torch
 
@@ -65,44 +58,12 @@ def applies(x: torch.Tensor, w: dict, p: str, spec: ModelSpec) -> bool:
 
 def moe_block(x: torch.Tensor, w: dict, p: str, spec: ModelSpec, residual: bool = True) -> torch.Tensor:
     """x + moe(rms_norm(x, mlp_norm)) for the MoE layer `p` in 4 launches (call where `applies`); residual False:
-    moe(rms_norm(x)) alone, which tensor parallelism all-reduces (each rank's expert slices) before its own add.
-    moe_fused_triton.TUNE["shared_apart"]: the shared expert's gate-up beside the gate and the routing (5 launches)."""
-    from tilepd.engine.moe_fused_triton import TUNE, down_combine, gate_route, gate_up_act, shared_gate_up
+    moe(rms_norm(x)) alone, which tensor parallelism all-reduces (each rank's expert slices) before its own add."""
+    from tilepd.engine.moe_fused_triton import down_combine, gate_route, gate_up_act
 
     k = spec.num_experts_per_tok
     x = x if x.is_contiguous() else x.contiguous()
-    w13, s13 = w[p + "experts_w13"], w[p + "shared_w13"]
-    if not TUNE["shared_apart"]:
-        h, ids, weights, _ = gate_route(x, w[p + "mlp_norm"], spec.rms_norm_eps, w[p + "gate"], w[p + "gate_bias"], spec.n_group, spec.topk_group,
-                                        k, spec.norm_topk_prob, spec.routed_scaling_factor)
-        a = gate_up_act(h, w13, s13, ids, shared_last=True)
-    else:
-        inter = (s13.weight if isinstance(s13, BlockFp8) else s13).shape[0] // 2
-        a = torch.empty(x.shape[0] * (k + 1), inter, dtype=x.dtype, device=x.device)
-        with _beside(x.device) as join:
-            shared_gate_up(x, w[p + "mlp_norm"], spec.rms_norm_eps, w13, s13, a, k + 1)
-        h, ids, weights, _ = gate_route(x, w[p + "mlp_norm"], spec.rms_norm_eps, w[p + "gate"], w[p + "gate_bias"], spec.n_group, spec.topk_group,
-                                        k, spec.norm_topk_prob, spec.routed_scaling_factor)
-        gate_up_act(h, w13, s13, ids[:, :k], out=(a, k + 1))
-        join()
+    h, ids, weights, _ = gate_route(x, w[p + "mlp_norm"], spec.rms_norm_eps, w[p + "gate"], w[p + "gate_bias"], spec.n_group, spec.topk_group, k,
+                                    spec.norm_topk_prob, spec.routed_scaling_factor)
+    a = gate_up_act(h, w[p + "experts_w13"], w[p + "shared_w13"], ids, shared_last=True)
     return down_combine(a, w[p + "experts_w2"], w[p + "shared_w2"], ids, weights, x if residual else None, shared_last=True)
-
-
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-
-
-@contextlib.contextmanager
-def _beside(device: torch.device) -> Iterator[Callable[[], None]]:
-    """Within: work is queued on the device's side stream after everything queued so far on the current one; yields
-    join(), which makes the current stream wait for it (a fork and a join in a captured CUDA graph: two branches).
-    On a CPU tensor (Triton's interpreter) the work runs in place and join does nothing."""
-    if device.type != "cuda":
-        yield lambda: None
-        return
-    current = torch.cuda.current_stream(device)
-    side = _SIDE.get(device)
-    if side is None:
-        side = _SIDE[device] = torch.cuda.Stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        yield lambda: current.wait_stream(side)

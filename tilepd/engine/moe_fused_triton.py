@@ -81,11 +81,6 @@ TUNE: dict[str, int] = {
     # (2026-12-06, three paired runs, 1K: GLM-5.1 fp8 78L 17.47-17.53 -> 17.40 ms/token, gate + route 8.7 -> 7.1 us a
     # layer; TP8 shard 6.03-6.08 -> 5.93-6.04 ms a step; DeepSeek-V3 fp8 61L level, one run); docs/PERFORMANCE.md
     "route_apart": env_int("TILEPD_MOE_ROUTE_APART", 1),
-    # 1: the shared expert's gate-up runs on a side stream beside the gate and the routing (shared_gate_up, norming the
-    # residual row itself), the routed rows after the routing in their own launch, the down kernel after both
-    # (moe_fused.moe_block): the shared expert's bytes (GLM-5.1 fp8: 25 MB a layer) read while the latency-bound gate
-    # and route run. 0: one grouped gate-up launch after the routing. Off until measured in the step.
-    "shared_apart": env_int("TILEPD_MOE_SHARED_APART", 0),
 }
 _DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
 
@@ -149,19 +144,12 @@ if triton is not None:
         trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
-    def _gate_up_kernel(X, W, S, WS, SS, IDS, A, I, K, s_xr, s_we, s_wn, s_se, s_sn, s_ar, s_it, s_at, NW, eps,
+    def _gate_up_kernel(X, W, S, WS, SS, IDS, A, I, K, s_xr, s_we, s_wn, s_se, s_sn, s_ar,
                         X_DIV: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                        PF_LINES: tl.constexpr = 1, ESIZE: tl.constexpr = 1, SHARED_ONLY: tl.constexpr = False, NORM: tl.constexpr = False,
-                        NORM_BLOCK: tl.constexpr = 1):
-        # program r: token r // X_DIV, its slot r % X_DIV (ids at IDS + token * s_it + slot, output row A + token * s_at +
-        # slot * s_ar). SHARED_ONLY: every row is the shared expert's, no ids read (shared_gate_up, beside the gate). NORM:
-        # X is the residual row and each program norms it as the gate kernel does (rstd over its NORM_BLOCK chunks, then
-        # (x * rstd * w) rounded once).
+                        PF_LINES: tl.constexpr = 1, ESIZE: tl.constexpr = 1):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
-        tok = r // X_DIV
-        slot = r % X_DIV
         act = A.dtype.element_ty
         cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols_n < I
@@ -173,21 +161,15 @@ if triton is not None:
                 prefetch_l2(pf_rows, pf_mask)
                 prefetch_l2(pf_rows + I * s_wn, pf_mask)
         wait(PDL)
-        if SHARED_ONLY:
+        e = tl.load(IDS + r).to(tl.int64)
+        w_base = W + e * s_we
+        s_base = S + e * s_se
+        if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
             w_base = WS
             s_base = SS
-        else:
-            e = tl.load(IDS + tok * s_it + slot).to(tl.int64)
-            w_base = W + e * s_we
-            s_base = S + e * s_se
-            if e < 0:  # id -1: the shared expert (one routed expert's shape, scales and strides)
-                w_base = WS
-                s_base = SS
         g_rows = w_base + cols_n.to(tl.int64)[:, None] * s_wn  # gate rows n; the up rows are I + n
         u_rows = g_rows + I * s_wn
-        x_row = X + tok * s_xr
-        if NORM:
-            rstd = row_rstd(x_row, K, eps, NORM_BLOCK)
+        x_row = X + (r // X_DIV) * s_xr
         acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -197,8 +179,6 @@ if triton is not None:
             wg = tl.load(g_rows + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
             wu = tl.load(u_rows + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
             x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            if NORM:  # the gate kernel's normed row: (x * rstd * w) in float32, rounded once
-                x = (x * rstd * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)).to(act).to(tl.float32)
             if FP8:
                 if ROW_UNIFORM:  # the tile's gate rows share one row block, so do its up rows: scales fold into x
                     sg = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
@@ -217,7 +197,7 @@ if triton is not None:
         gate = acc_g.to(act).to(tl.float32)  # the gate-up GEMV's outputs in the activation dtype
         up = acc_u.to(act).to(tl.float32)
         a = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32)  # silu, rounded as F.silu's output
-        tl.store(A + tok * s_at + slot * s_ar + cols_n, (a * up).to(act), mask=nmask)  # times up, rounded as the product
+        tl.store(A + r * s_ar + cols_n, (a * up).to(act), mask=nmask)  # times up, rounded as the product
         trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
@@ -307,7 +287,7 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
     if t == 0:
         return h, ids, weights, logits
     block_e = TUNE["gate_block_e"]
-    block_k = _gate_block_k(k)
+    block_k = min(TUNE["gate_block_k"], triton.next_power_of_2(k))
     _gate_kernel[(t, triton.cdiv(n_exp, block_e))](
         x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
         logits.stride(0), ids.stride(0), weights.stride(0), float(eps), float(routed_scaling_factor),
@@ -317,11 +297,6 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
         ids, weights = route_logits(logits, bias, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor, shared_slot=True,
                                     weights_dtype=x.dtype)
     return h, ids, weights, logits
-
-
-def _gate_block_k(k: int) -> int:
-    """The gate kernel's K chunk over a row of k: its rstd's summation order, which shared_gate_up's norm repeats."""
-    return min(TUNE["gate_block_k"], triton.next_power_of_2(k))
 
 
 def _expert_parts(w: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, what: str) -> tuple:
@@ -349,76 +324,35 @@ def _prefetch_lines(k: int, esize: int) -> int:
 
 
 def gate_up_act(h: torch.Tensor, w13: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8, ids: torch.Tensor,
-                shared_last: bool = False, out: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                shared_last: bool = False) -> torch.Tensor:
     """h [T, H] (the normed rows), the stacked [gate; up] weights w13 [E, 2I, H] and the shared expert's [2I, H] (both
     bf16/fp32 or both block-scaled fp8), ids [T, S] (id -1: the shared expert) -> a [T * S, I] in h's dtype, row
     t * S + j = silu(h[t] @ gate_e.T) * (h[t] @ up_e.T) for e = ids[t, j], rounded as the unfused GEMV + silu_mul, in one
     launch. shared_last: ids[:, -1] is -1 (gate_route's ids), so with PDL the shared expert's rows are prefetched before
-    the kernel waits for the routing. out (a [T * S', I], S'): write row t * S' + j of that a instead (ids then the first S
-    of S' slots, e.g. the routed ones while shared_gate_up writes the last)."""
-    wt, st, scale, s_scale, fp8, block = _expert_parts(w13, shared, "gate-up")
-    t, slots = ids.shape
-    if h.dim() != 2 or h.shape != (t, wt.shape[2]) or h.stride(-1) != 1 or ids.stride(-1) != 1 or ids.stride(0) < slots:
-        raise ValueError(f"fused MoE gate-up: h {list(h.shape)} and ids {list(ids.shape)} do not fit the {list(wt.shape[1:])} experts "
-                         "(h [T, H] contiguous along H, ids [T, S] contiguous along S, an even number of [gate; up] rows)")
-    a, a_slots = out if out is not None else (None, slots)
-    a = _gate_up_out(h, wt, a, t, a_slots, slots)
-    _launch_gate_up(h, (wt, st, scale, s_scale, fp8, block), ids, a, t, slots, a_slots, shared_last=shared_last)
-    return a
-
-
-def shared_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: torch.Tensor | BlockFp8, shared: torch.Tensor | BlockFp8,
-                   a: torch.Tensor, slots: int) -> None:
-    """The shared expert's rows of gate_up_act from the residual rows x [T, H]: row t * slots + slots - 1 of a = silu(h[t]
-    @ gate.T) * (h[t] @ up.T), h = rms_norm(x, norm_weight) as gate_route's kernel rounds it, each program norming x
-    itself. It reads no ids, so it can run beside gate_route (moe_fused's shared-apart form), in one launch."""
-    parts = _expert_parts(w13, shared, "gate-up")
-    t, k = x.shape
-    if x.dim() != 2 or k != parts[0].shape[2] or x.stride(-1) != 1 or norm_weight.shape != (k,) or not norm_weight.is_contiguous():
-        raise ValueError(f"fused MoE shared gate-up: x {list(x.shape)} and norm weight {list(norm_weight.shape)} do not fit the "
-                         f"{list(parts[0].shape[1:])} experts (x [T, H] contiguous along H, norm [H])")
-    _gate_up_out(x, parts[0], a, t, slots, 1)
-    _launch_gate_up(x, parts, None, a[slots - 1:], t, 1, slots, norm=(norm_weight, eps))
-
-
-def _gate_up_out(x: torch.Tensor, wt: torch.Tensor, a: torch.Tensor | None, t: int, a_slots: int, slots: int) -> torch.Tensor:
-    """gate-up's output a [T * a_slots, I] for the [E, 2I, H] experts wt: made where None, else refused by name unless it fits."""
-    two_i = wt.shape[1]
-    if two_i % 2:
-        raise ValueError(f"fused MoE gate-up: {two_i} [gate; up] rows is odd")
-    if a is None:
-        return torch.empty(t * a_slots, two_i // 2, dtype=x.dtype, device=x.device)
-    if a.shape != (t * a_slots, two_i // 2) or a.dtype != x.dtype or a.stride(-1) != 1 or slots > a_slots:
-        raise ValueError(f"fused MoE gate-up: output {list(a.shape)} {a.dtype} does not fit T={t} x {a_slots} slots of {two_i // 2} "
-                         f"columns in {x.dtype} (contiguous rows, at least the {slots} slots written)")
-    return a
-
-
-def _launch_gate_up(x: torch.Tensor, parts: tuple, ids: torch.Tensor | None, a: torch.Tensor, t: int, slots: int, a_slots: int,
-                    shared_last: bool = False, norm: tuple[torch.Tensor, float] | None = None) -> None:
-    """One _gate_up_kernel launch over T x slots rows (ids None: every row the shared expert's; norm: x is the residual row,
-    normed in each program) into rows t * a_slots + j of a."""
+    the kernel waits for the routing."""
     if triton is None:
         raise RuntimeError("fused MoE gate-up kernel needs Triton, which is not importable here")
-    wt, st, scale, s_scale, fp8, (bn, bk) = parts
+    wt, st, scale, s_scale, fp8, (bn, bk) = _expert_parts(w13, shared, "gate-up")
+    t, slots = ids.shape
     two_i, k = wt.shape[1], wt.shape[2]
+    if h.dim() != 2 or h.shape != (t, k) or h.stride(-1) != 1 or two_i % 2 or ids.stride(-1) != 1 or ids.stride(0) != slots:
+        raise ValueError(f"fused MoE gate-up: h {list(h.shape)} and ids {list(ids.shape)} do not fit the [{two_i}, {k}] experts "
+                         "(h [T, H] contiguous along H, ids [T, S] contiguous, an even number of [gate; up] rows)")
     inter = two_i // 2
+    a = torch.empty(t * slots, inter, dtype=h.dtype, device=h.device)
     if t == 0:
-        return
+        return a
     block_n, block_k = TUNE["up_block_n_fp8" if fp8 else "up_block_n"], TUNE["up_block_k_fp8" if fp8 else "up_block_k"]
     if fp8 and t * slots * triton.cdiv(inter, block_n) < TUNE["up_few"]:  # few programs: the narrow, long tile
         block_n, block_k = TUNE["up_block_n_fp8_few"], TUNE["up_block_k_fp8_few"]
     block_k = min(block_k, triton.next_power_of_2(k))
-    norm_w, eps = norm if norm is not None else (x, 0.0)
-    # beside the gate (ids None) it has no kernel of its stream before it to chain to: launched without PDL
-    launch = pdl.launch_args(x, "gate_up") if ids is not None else pdl.OFF
     _gate_up_kernel[(t * slots, triton.cdiv(inter, block_n))](
-        x, wt, scale, st, s_scale, ids if ids is not None else a, a, inter, k, x.stride(0), wt.stride(0), wt.stride(1),
-        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, a.stride(0), ids.stride(0) if ids is not None else 0,
-        a_slots * a.stride(0), norm_w, float(eps),
+        h, wt, scale, st, s_scale, ids, a, inter, k, h.stride(0), wt.stride(0), wt.stride(1), scale.stride(0) if fp8 else 0,
+        scale.stride(1) if fp8 else 0, a.stride(0),
         X_DIV=slots, FP8=fp8, BN=bn, BK=bk, ROW_UNIFORM=fp8 and bn % block_n == 0 and inter % bn == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH=shared_last and pdl.prefetch_flag(x, "gate_up"), PF_LINES=_prefetch_lines(k, wt.element_size()), ESIZE=wt.element_size(),
-        SHARED_ONLY=ids is None, NORM=norm is not None, NORM_BLOCK=_gate_block_k(k), num_warps=TUNE["up_num_warps"], **launch)
+        PREFETCH=shared_last and pdl.prefetch_flag(h, "gate_up"), PF_LINES=_prefetch_lines(k, wt.element_size()), ESIZE=wt.element_size(),
+        num_warps=TUNE["up_num_warps"], **pdl.launch_args(h, "gate_up"))
+    return a
 
 
 def _down_tile(n: int, t: int, fp8: bool) -> tuple[int, int]:

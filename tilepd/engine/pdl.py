@@ -22,15 +22,16 @@ The rule every kernel launched with `launch_args()` follows (they take the `PDL`
 A kernel launched without PDL after one that never triggers (torch's, cuBLAS's, a memset) starts when that one
 has completed, as without PDL; `griddepcontrol.wait` is a no-op in a kernel launched without it. So mixing is safe.
 
-The switches (env, read at import): TILEPD_PDL (1 on, default 0: off), TILEPD_PDL_TRIGGER (1: the next kernel may be
-scheduled right after this one's wait; 2: once every program of this one has reached its end, the late form; default
-0: wait only, the next kernel launches as this one completes),
-TILEPD_PDL_PREFETCH (the weight prefetch before the wait; default 0, it only pays with the early trigger), and
-TILEPD_PDL_SKIP (kernel kinds launched without it). Off by default because on one H200 (2026-12-03, docs/PERFORMANCE.md
-"Programmatic dependent launch on the decode step") GLM-5.1 fp8 at 78 layers, 1K, got slower with the early trigger
-(14.80 -> 16.48 ms/token; 16.26 without the prefetch) and was not measured faster with the wait alone; one TP8 rank's shard
-got faster with the early trigger and the prefetch (7.11 -> 6.86 ms a step), so a TP rank's step takes them unless the
-environment says otherwise (`shard_form`). Always off under TRITON_INTERPRET=1, on a CPU tensor, below compute
+The switches (env, read at import): TILEPD_PDL (1 on, the default; 0 off), TILEPD_PDL_TRIGGER (1: the next kernel may
+be scheduled right after this one's wait; 2, the default: once every program of this one has reached its end, the late
+form; 0: wait only, the next kernel launches as this one completes), TILEPD_PDL_PREFETCH (the weight prefetch before the
+wait; default 0, it only pays with the early trigger), and TILEPD_PDL_SKIP (kernel kinds launched without it). The
+defaults, the late form without the prefetch, because on one H100 (2026-12-07, docs/PERFORMANCE.md "PDL's late form")
+GLM-5.1 fp8 at 78 layers stepped faster with it than without PDL in three pairs (1K 17.39 / 17.33 / 17.42 -> 17.20 /
+17.24 / 17.29 ms/token; 32K 20.28 -> 20.15), while the early trigger had been slower there (14.80 -> 16.48 on an H200,
+2026-12-03) and the late form with the prefetch was too (18.01). One TP8 rank's shard is faster with the early trigger
+and the prefetch (5.23 ms a step against 5.56 late), so a TP rank's step takes those unless the environment says
+otherwise (`shard_form`). Always off under TRITON_INTERPRET=1, on a CPU tensor, below compute
 capability 9.0, or where this Triton has no griddepcontrol.
 """
 
@@ -65,7 +66,7 @@ except ImportError:  # pragma: no cover - a Triton without griddepcontrol: the k
 # (KINDS) launched without PDL, e.g. TILEPD_PDL_SKIP=gate_up,down.
 TRIGGERS = {0: 2, 1: 1, 2: 3}  # TILEPD_PDL_TRIGGER -> the kernels' PDL constexpr (flag())
 KINDS = ("gemv", "prepare", "split", "merge", "gate", "gate_up", "down", "dsa")
-SWITCH: dict = {"on": env_int("TILEPD_PDL", 0), "prefetch": env_int("TILEPD_PDL_PREFETCH", 0), "trigger": env_int("TILEPD_PDL_TRIGGER", 0),
+SWITCH: dict = {"on": env_int("TILEPD_PDL", 1), "prefetch": env_int("TILEPD_PDL_PREFETCH", 0), "trigger": env_int("TILEPD_PDL_TRIGGER", 2),
                 "skip": frozenset(k for k in os.environ.get("TILEPD_PDL_SKIP", "").split(",") if k)}
 if SWITCH["trigger"] not in TRIGGERS:
     raise ValueError(f"TILEPD_PDL_TRIGGER={SWITCH['trigger']}: 0 (wait only), 1 (early) or 2 (late)")
@@ -77,7 +78,9 @@ if not SWITCH["skip"] <= set(KINDS):
 # switch unset. One rank reads 1/8 of the bytes at TP8, so its step is launch-bound, and the early trigger with the
 # prefetch measured faster there: one TP8 rank of GLM-5.1 fp8 at 1K 5.733 -> 5.301 / 5.355 ms a step on an H100
 # (2026-12-06; 7.11 -> 6.86 on an H200, 2026-12-03), while the whole model on one GPU is slower with them (17.71 ->
-# 18.55 ms, the same H100 call). docs/PERFORMANCE.md, "Programmatic dependent launch on a TP rank's step".
+# 18.55 ms, the same H100 call); the late form, the one-GPU default, was slower on the shard (5.23 -> 5.56 ms a step,
+# 5.58 without the prefetch; one H100, 2026-12-07). docs/PERFORMANCE.md, "Programmatic dependent launch on a TP rank's
+# step" and "PDL's late form".
 SHARD_FORM: dict[str, tuple[str, int]] = {"on": ("TILEPD_PDL", 1), "trigger": ("TILEPD_PDL_TRIGGER", 1), "prefetch": ("TILEPD_PDL_PREFETCH", 1)}
 
 
