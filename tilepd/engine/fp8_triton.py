@@ -135,8 +135,10 @@ if triton is not None:
 # attention's G2, q_b over q_lora_rank: GLM-5.1 16384 x 2048, DeepSeek-V3 24576 x 1536) takes 16-row programs and
 # 1024-wide chunks. Off (short_k 0) until measured in the step: alone, `bench/fp8_gemv_sweep.py --fused` on one H200
 # (2026-12-06) gave GLM-5.1 13.7 -> 12.6 us and DeepSeek-V3 17.9 -> 16.1 (the picked 8 rows and the norm chunk 2048,
-# against 16 and 1024), one H100 (2026-12-05) 15.1 -> 15.0 and 18.7 -> 18.2; the step's A/B did not get device time:
-# `bash bench/depth_step.sh ab OUT 330 g2 TILEPD_FP8_NORM_SHORT_K=2048`. A TP8 rank's G2 (2048-6144 rows) keeps the
+# against 16 and 1024), one H100 (2026-12-05) 15.1 -> 15.0 and 18.7 -> 18.2. In the step on one H100 (2026-12-07,
+# GLM-5.1 fp8 78L 1K) it was not faster: 17.44 ms/token against 17.33-17.42 with the picked tile, so it stays off; the
+# H200, where it gained most alone, has not run the step with it (`bash bench/depth_step.sh ab OUT 330 g2
+# TILEPD_FP8_NORM_SHORT_K=2048`). A TP8 rank's G2 (2048-6144 rows) keeps the
 # picked tile either way: 16 rows would leave it fewer programs than SMs at 1K.
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
                         "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048),
