@@ -26,8 +26,16 @@ DECODE, PREFILL, ROUTER = ADDRESSES
 _LAB = {"10.77.0.11": DECODE, "10.77.0.12": PREFILL, "10.77.0.13": ROUTER}
 
 
-def test_doctor_over_ssh(doctor_lab: LabNetwork, tmp_path: Path) -> None:
+def test_doctor_over_ssh(doctor_lab: LabNetwork, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import paramiko.channel
+
     lab_network = doctor_lab
+    # no command's stdin file is ever made: its close (from __del__, on whichever thread a garbage collection runs)
+    # takes the channel's lock, and on the transport thread closing that channel it deadlocked a whole doctor run
+    # (remote.HostShell._exec); the spy counts them on the real paramiko
+    stdin_files = []
+    made = paramiko.channel.ChannelStdinFile.__init__
+    monkeypatch.setattr(paramiko.channel.ChannelStdinFile, "__init__", lambda self, *a, **kw: stdin_files.append(1) or made(self, *a, **kw))
     data = topo_files.lab_topology(tmp_path, lab_network.client_key, name="t-doctor")
     for entry in [*data["prefill"], *data["decode"], data["router"]]:
         entry["address"] = _LAB[entry["address"]]
@@ -56,6 +64,7 @@ def test_doctor_over_ssh(doctor_lab: LabNetwork, tmp_path: Path) -> None:
     assert {f.verdict for f in findings if f.check == "port-free" and f.host != ROUTER} == {"ok"}
     assert by[(PREFILL, "vllm-present", "")].verdict in ("ok", "warn")
     assert exit_code(findings) == ExitCode.PREFLIGHT
+    assert not stdin_files, f"{len(stdin_files)} stdin files made"
 
     decode = next(h for h in lab_network.hosts if h.address == DECODE)
     lab_network.stop_sshd(decode)

@@ -105,10 +105,30 @@ class HostShell:
         if self.host.local:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
             return Output(p.returncode, p.stdout, p.stderr)
-        _, out, err = self._ssh().exec_command(shlex.join(argv), timeout=timeout_s)
-        stdout = out.read().decode(errors="replace")
-        stderr = err.read().decode(errors="replace")
-        return Output(out.channel.recv_exit_status(), stdout, stderr)
+        chan = self._exec(shlex.join(argv), timeout_s)
+        try:
+            stdout = chan.makefile("rb").read().decode(errors="replace")
+            stderr = chan.makefile_stderr("rb").read().decode(errors="replace")
+            return Output(chan.recv_exit_status(), stdout, stderr)
+        finally:
+            chan.close()
+
+    def _exec(self, command: str, timeout_s: float | None, pty: bool = False):  # noqa: ANN202 - paramiko.Channel, imported lazily
+        """A session channel running `command`, its stdin at EOF at once (pty: left open). Not SSHClient.exec_command: that hands back a
+        stdin file whose close (also from its __del__, paramiko 5.1 ChannelStdinFile) takes the channel's lock, so a
+        garbage collection that runs it on the transport thread while that thread holds the lock (closing the channel)
+        deadlocks the transport and every caller waiting on it; `tilepd doctor` over SSH hung in Transport.close so."""
+        transport = self._ssh().get_transport()
+        if transport is None or not transport.is_active():
+            raise HostUnreachable(self.host.name, "the SSH connection is closed")
+        chan = transport.open_session(timeout=timeout_s)
+        if pty:
+            chan.get_pty()
+        chan.settimeout(timeout_s)
+        chan.exec_command(command)
+        if not pty:  # a tty session keeps its input open, as exec_command left it (the stream's `tail -F` reads none)
+            chan.shutdown_write()
+        return chan
 
     def stream(self, argv: list[str]) -> Iterator[str]:
         """Lines of a long-running command (e.g. `tail -F`), until it ends or the caller stops."""
@@ -123,9 +143,12 @@ class HostShell:
                 p.kill()
                 p.wait()
             return
-        _, out, _ = self._ssh().exec_command(shlex.join(argv), get_pty=True)
-        for line in out:
-            yield line.rstrip("\r\n")
+        chan = self._exec(shlex.join(argv), None, pty=True)
+        try:
+            for line in chan.makefile("r"):
+                yield line.rstrip("\r\n")
+        finally:
+            chan.close()
 
     def close(self) -> None:
         for p in self._procs:
