@@ -10,9 +10,10 @@ the read that starts the kernel's work comes from L2, not HBM.
 The rule every kernel launched with `launch_args()` follows (they take the `PDL` constexpr it sets, `flag()`):
 
   * `wait(PDL)` in every program before its first load of an activation, a cache, a routing result or a counter,
-    and before its first store (so it never overwrites what the previous kernel still reads); it also lets the
-    next kernel's programs be scheduled (`gdc_launch_dependents` right after the wait: a kernel can only trigger
-    once all of its programs have started, so the next kernel's programs take only slots left over);
+    and before its first store (so it never overwrites what the previous kernel still reads); in the early form
+    (TILEPD_PDL_TRIGGER=1) it also lets the next kernel's programs be scheduled (`gdc_launch_dependents` right after
+    the wait: a kernel can only trigger once all of its programs have started, so the next kernel's programs take
+    only slots left over);
   * before the wait: loads of weights only (never written by the step), and L2 prefetches of them;
   * `trigger(PDL)` as each program's last statement: in the late form (TILEPD_PDL_TRIGGER=2) the next kernel's
     launch is let go there, so its programs take the slots this kernel's finished programs free and (with the
