@@ -46,8 +46,21 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl.flag(x, "gate") == 2
     monkeypatch.setitem(pdl.SWITCH, "trigger", 2)
     assert pdl.flag(x, "gate") == 3 and pdl.launch_args(x, "gate") == {"PDL": 3, "launch_pdl": True}
+    monkeypatch.setitem(pdl.SWITCH, "early", frozenset({"route", "g1"}))  # sites that trigger early in any form
+    monkeypatch.setitem(pdl.SWITCH, "prefetch_at", frozenset({"wo"}))
+    assert pdl.flag(x, "gate", "route") == 1 and pdl.flag(x, "gate") == 3 and pdl.flag(x, site="g1") == 1 and pdl.flag(x, site="g2") == 3
+    assert pdl.launch_args(x, "gate", "route") == {"PDL": 1, "launch_pdl": True} and pdl.flag(x, "down", "down") == 0
+    monkeypatch.setitem(pdl.SWITCH, "prefetch", 0)
+    assert pdl.prefetch_flag(x, site="wo") and not pdl.prefetch_flag(x, site="g1") and not pdl.prefetch_flag(x)
     monkeypatch.setitem(pdl.SWITCH, "on", 0)
-    assert pdl.flag(x, "gate") == 0
+    assert pdl.flag(x, "gate") == 0 and pdl.flag(x, "gate", "route") == 0 and not pdl.prefetch_flag(x, site="wo")
+    for name in ("TILEPD_PDL_EARLY", "TILEPD_PDL_PREFETCH_AT"):
+        res = subprocess.run([sys.executable, "-c", "import tilepd.engine.pdl"], env={**os.environ, name: "g1,g7"}, capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode != 0 and f"{name}='g1,g7'" in res.stderr, res.stderr
+    res = subprocess.run([sys.executable, "-c", "from tilepd.engine import pdl; print(sorted(pdl.SWITCH['early']))"],
+                         env={**os.environ, "TILEPD_PDL_EARLY": "route+merge,g1"}, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "['g1', 'merge', 'route']", res.stdout + res.stderr
     env = {**os.environ, "TILEPD_PDL_SKIP": "gate,nonsense"}
     res = subprocess.run([sys.executable, "-c", "import tilepd.engine.pdl"], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "TILEPD_PDL_SKIP='gate,nonsense'" in res.stderr
@@ -55,9 +68,9 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
                          text=True, timeout=120)
     assert res.returncode != 0 and "TILEPD_PDL_TRIGGER=3" in res.stderr
     bare = {k: v for k, v in os.environ.items() if not k.startswith("TILEPD_PDL")}  # the defaults: the late form, no prefetch
-    res = subprocess.run([sys.executable, "-c", "from tilepd.engine import pdl; print(pdl.SWITCH['on'], pdl.SWITCH['trigger'], pdl.SWITCH['prefetch'])"],
-                         env=bare, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and res.stdout.split() == ["1", "2", "0"], res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-c", "from tilepd.engine import pdl; s = pdl.SWITCH; print(s['on'], s['trigger'], s['prefetch'], "
+                          "len(s['early']), len(s['prefetch_at']))"], env=bare, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == ["1", "2", "0", "0", "0"], res.stdout + res.stderr
 
 
 def test_shard_form_sets_only_the_switches_the_environment_leaves_unset(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -203,14 +203,15 @@ def fused_tile(n: int, k: int, rows: int, norm: bool) -> tuple[int, int]:
 
 
 def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], *, rows: int | None = None,
-                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+                 site: str = "gemv") -> torch.Tensor:
     """The dense (no expert ids) GEMV with the layer's small ops inside: y = (residual +) W[:rows] @ rms_norm(x) * g.
 
     x [R, K]; weight [N, K] fp8 with block scales; `rows` computes only the first rows of W (a prefix of a
     concatenated weight: DSA's indexer query rows are not needed while the window fits index_topk); `norm_weight`
     puts rms_norm(x, norm_weight, eps) in the prologue (each program sums x's squares itself); `residual` [R, rows]
     is added in the epilogue. Rounding as the unfused ops: the normed row and the product with the norm weight in
-    x's dtype, the GEMV's output in x's dtype before the add."""
+    x's dtype, the GEMV's output in x's dtype before the add. `site`: the launch's PDL site (pdl.SITES)."""
     if triton is None:
         raise RuntimeError("fp8 GEMV kernel needs Triton, which is not importable here")
     n = weight.shape[0] if rows is None else rows
@@ -234,8 +235,8 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=False, X_DIV=1, NW=norm_weight if norm_weight is not None else x, RES=residual if residual is not None else x,
         eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
-        PREFETCH=pdl.prefetch_flag(x) and tile_k >= 128,
-        num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
+        PREFETCH=pdl.prefetch_flag(x, site=site) and tile_k >= 128,
+        num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x, site=site),
     )
     return y
 

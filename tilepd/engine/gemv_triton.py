@@ -110,10 +110,10 @@ if triton is not None:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, prologue: str,
-           residual: torch.Tensor | None, chain: bool = False) -> torch.Tensor:
+           residual: torch.Tensor | None, chain: bool = False, site: str = "gemv") -> torch.Tensor:
     """x [R, K] (silu_mul: [R, 2K]); weight [N, K]; residual [R, N] -> [R, N] in x's dtype. chain: launched among the
     fused decode step's Triton kernels, so with programmatic dependent launch where pdl.py allows it (the Llama path's
-    neighbours are Inductor's kernels, which never trigger it: it stays off there)."""
+    neighbours are Inductor's kernels, which never trigger it: it stays off there); site: its PDL site (pdl.SITES)."""
     if triton is None:
         raise RuntimeError("dense GEMV kernel needs Triton, which is not importable here")
     if prologue not in PROLOGUES:
@@ -134,8 +134,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
         x, weight, norm_weight if norm_weight is not None else x, residual if residual is not None else x, y, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         PROLOGUE=PROLOGUES.index(prologue), HAS_RES=residual is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
-        PREFETCH=chain and pdl.prefetch_flag(x) and weight.element_size() == 2 and tile_k >= 64,
-        num_warps=warps, **(pdl.launch_args(x) if chain else pdl.OFF),
+        PREFETCH=chain and pdl.prefetch_flag(x, site=site) and weight.element_size() == 2 and tile_k >= 64,
+        num_warps=warps, **(pdl.launch_args(x, site=site) if chain else pdl.OFF),
     )
     return y
 

@@ -169,27 +169,29 @@ def applies(model: MlaModel, p: str, x: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor | BlockFp8, rows: int, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """(residual +) weight[:rows] @ (rms_norm(x) * norm_weight | x), one launch (fp8: fp8_triton; dense: gemv_triton)."""
+         residual: torch.Tensor | None = None, site: str = "gemv") -> torch.Tensor:
+    """(residual +) weight[:rows] @ (rms_norm(x) * norm_weight | x), one launch (fp8: fp8_triton; dense: gemv_triton);
+    site: the launch's PDL site (pdl.SITES: g1, g2, wo)."""
     if isinstance(weight, BlockFp8):
         from tilepd.engine import fp8_triton
 
         bn = weight.block[0]
         return fp8_triton.launch_fused(x, weight.weight[:rows], weight.scale[: -(-rows // bn)], weight.block,
-                                       norm_weight=norm_weight, eps=eps, residual=residual)
+                                       norm_weight=norm_weight, eps=eps, residual=residual, site=site)
     from tilepd.engine import gemv_triton
 
-    return gemv_triton.launch(x, weight[:rows], norm_weight, eps, "norm" if norm_weight is not None else "none", residual, chain=True)
+    return gemv_triton.launch(x, weight[:rows], norm_weight, eps, "norm" if norm_weight is not None else "none", residual, chain=True,
+                              site=site)
 
 
-def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
+def _run(groups: list[Group], x: torch.Tensor, need: set[str], norm_weight: torch.Tensor, eps: float, site: str) -> dict[str, torch.Tensor]:
     """Each group's launch over the rows `need` asks for; the named parts as column views of the outputs."""
     out: dict[str, torch.Tensor] = {}
     for g in groups:
         rows = g.rows_for(need)
         if rows == 0:
             continue
-        y = gemv(x, g.weight, rows, norm_weight, eps)
+        y = gemv(x, g.weight, rows, norm_weight, eps, site=site)
         for name, (a, b) in g.parts.items():
             if b <= rows:
                 out[name] = y[:, a:b]
@@ -209,8 +211,8 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     keys = model.index_caches.get(p) if dsa is not None else None
     scoring = keys is not None and dsa.valid.shape[1] > s.index_topk  # past index_topk the indexer must choose
     need_a = {"wq_a", "wq", "wkv_a"} | ({"idx_wk"} if keys is not None else set())
-    a = _run(layer.a_groups, x, need_a, w[p + "attn_norm"], eps)
-    b = _run(layer.b_groups, a["wq_a"], {"wq_b"} | ({"idx_wq_b"} if scoring else set()), w[p + "q_a_norm"], eps) if s.q_lora_rank else {}
+    a = _run(layer.a_groups, x, need_a, w[p + "attn_norm"], eps, "g1")
+    b = _run(layer.b_groups, a["wq_a"], {"wq_b"} | ({"idx_wq_b"} if scoring else set()), w[p + "q_a_norm"], eps, "g2") if s.q_lora_rank else {}
     q = b["wq_b"] if s.q_lora_rank else a["wq"]
     index = None
     if keys is not None:
@@ -239,4 +241,4 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
         part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi, tune=TUNE_SPARSE if fits else None)
     out = merge_uv(part, lse, w[p + "w_uv"], x.dtype, cache.dtype)
     wo = w[p + "wo"]
-    return gemv(out, wo, wo.shape[-2], residual=x if residual else None)
+    return gemv(out, wo, wo.shape[-2], residual=x if residual else None, site="wo")

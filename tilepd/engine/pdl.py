@@ -26,7 +26,9 @@ has completed, as without PDL; `griddepcontrol.wait` is a no-op in a kernel laun
 The switches (env, read at import): TILEPD_PDL (1 on, the default; 0 off), TILEPD_PDL_TRIGGER (1: the next kernel may
 be scheduled right after this one's wait; 2, the default: once every program of this one has reached its end, the late
 form; 0: wait only, the next kernel launches as this one completes), TILEPD_PDL_PREFETCH (the weight prefetch before the
-wait; default 0, it only pays with the early trigger), and TILEPD_PDL_SKIP (kernel kinds launched without it). The
+wait; default 0, it only pays with the early trigger), TILEPD_PDL_SKIP (kernel kinds launched without it), and per launch
+site (SITES) TILEPD_PDL_EARLY (sites that trigger right after their wait) and TILEPD_PDL_PREFETCH_AT (sites that
+prefetch), both empty by default. The
 defaults, the late form without the prefetch, because on one H100 (2026-12-07, docs/PERFORMANCE.md "PDL's late form")
 GLM-5.1 fp8 at 78 layers stepped faster with it than without PDL in three pairs (1K 17.39 / 17.33 / 17.42 -> 17.20 /
 17.24 / 17.29 ms/token; 32K 20.28 -> 20.15), while the early trigger had been slower there (14.80 -> 16.48 on an H200,
@@ -67,12 +69,26 @@ except ImportError:  # pragma: no cover - a Triton without griddepcontrol: the k
 # (KINDS) launched without PDL, e.g. TILEPD_PDL_SKIP=gate_up,down.
 TRIGGERS = {0: 2, 1: 1, 2: 3}  # TILEPD_PDL_TRIGGER -> the kernels' PDL constexpr (flag())
 KINDS = ("gemv", "prepare", "split", "merge", "gate", "gate_up", "down", "dsa")
+# Launch sites: a kind, or one launch of a kind the step makes more than once a layer (the attention's G1, G2 and wo
+# GEMVs are "gemv", the routing launch is "gate"). early: the sites whose launch triggers right after its wait whatever
+# TILEPD_PDL_TRIGGER says (TILEPD_PDL_EARLY=route,merge: the next launch, gate-up or wo, is placed while this one
+# runs); prefetch_at: the sites that prefetch their weights before the wait whatever TILEPD_PDL_PREFETCH says.
+SITES = KINDS + ("g1", "g2", "wo", "route")
+
+
+def _names(variable: str, allowed: tuple[str, ...]) -> frozenset[str]:
+    # "," or "+" between names (bench/depth_step.sh's tags split their settings on ",")
+    names = frozenset(k for k in os.environ.get(variable, "").replace("+", ",").split(",") if k)
+    if not names <= set(allowed):
+        raise ValueError(f"{variable}={os.environ.get(variable)!r}: one of {', '.join(allowed)} each")
+    return names
+
+
 SWITCH: dict = {"on": env_int("TILEPD_PDL", 1), "prefetch": env_int("TILEPD_PDL_PREFETCH", 0), "trigger": env_int("TILEPD_PDL_TRIGGER", 2),
-                "skip": frozenset(k for k in os.environ.get("TILEPD_PDL_SKIP", "").split(",") if k)}
+                "skip": _names("TILEPD_PDL_SKIP", KINDS), "early": _names("TILEPD_PDL_EARLY", SITES),
+                "prefetch_at": _names("TILEPD_PDL_PREFETCH_AT", SITES)}
 if SWITCH["trigger"] not in TRIGGERS:
     raise ValueError(f"TILEPD_PDL_TRIGGER={SWITCH['trigger']}: 0 (wait only), 1 (early) or 2 (late)")
-if not SWITCH["skip"] <= set(KINDS):
-    raise ValueError(f"TILEPD_PDL_SKIP={os.environ.get('TILEPD_PDL_SKIP')!r}: kinds are {', '.join(KINDS)}")
 
 
 # The shard form: what a TP rank's step (tp.TPDeepseekV3Model.forward) launches with where the environment leaves a
@@ -113,23 +129,25 @@ def enabled(t: torch.Tensor, kind: str = "gemv") -> bool:
     return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def flag(t: torch.Tensor, kind: str = "gemv") -> int:
+def flag(t: torch.Tensor, kind: str = "gemv", site: str | None = None) -> int:
     """The kernels' PDL constexpr: 0 without PDL, 1 wait then trigger, 2 wait only (SWITCH["trigger"] 0), 3 wait,
-    then trigger at the program's end (SWITCH["trigger"] 2)."""
+    then trigger at the program's end (SWITCH["trigger"] 2); 1 at a site in SWITCH["early"] (site: the kind's)."""
     if not enabled(t, kind):
         return 0
+    if (site or kind) in SWITCH["early"]:
+        return TRIGGERS[1]
     return TRIGGERS[SWITCH["trigger"]]
 
 
-def prefetch_flag(t: torch.Tensor, kind: str = "gemv") -> bool:
+def prefetch_flag(t: torch.Tensor, kind: str = "gemv", site: str | None = None) -> bool:
     """The kernels' PREFETCH constexpr: the L2 prefetch of weights before the wait (only with PDL, where it overlaps
     the previous kernel's tail; without PDL it would only add instructions in front of the same loads)."""
-    return enabled(t, kind) and bool(SWITCH["prefetch"])
+    return enabled(t, kind) and (bool(SWITCH["prefetch"]) or (site or kind) in SWITCH["prefetch_at"])
 
 
-def launch_args(t: torch.Tensor, kind: str = "gemv") -> dict:
+def launch_args(t: torch.Tensor, kind: str = "gemv", site: str | None = None) -> dict:
     """A launch's PDL arguments, read once: the kernel's `PDL` constexpr (flag()) and, with PDL, `launch_pdl`."""
-    on = flag(t, kind)
+    on = flag(t, kind, site)
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": 0}
 
 

@@ -159,5 +159,5 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
     if t == 0:
         return ids, weights
     _route_kernel[(t,)](logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0), float(routed_scaling_factor),
-                        **consts, num_warps=1, **pdl.launch_args(logits, "gate"))  # one warp: every reduction is warp shuffles
+                        **consts, num_warps=1, **pdl.launch_args(logits, "gate", "route"))  # one warp: every reduction is warp shuffles
     return ids, weights
