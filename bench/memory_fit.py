@@ -86,7 +86,7 @@ def measure(cfg: dict, max_seq_len: int, device: str, out: mp.Queue) -> None:
     engine.inject(KVState(context_len, [torch.randn(*shape, generator=gen, device=dev, dtype=dtype) * 0.5 for _ in model.caches]))
     engine.decode(0, 16, SamplingParams(ignore_eos=True), lambda t: None)
     parts, _ = decode_parts(spec, DecodeSetting("bf16", 1, max_seq_len, recv_vram=False), "auto")
-    main_w, mtp_w = estimate_weights(spec, 1, decode_policy("bf16"))
+    main_w, mtp_w = estimate_weights(spec, 1, decode_policy("bf16", str(dtype).removeprefix("torch.")))  # the gate as these weights hold it
     est = {"weights": main_w + mtp_w, "caches": parts["kv_cache"] + parts["indexer_cache"] + parts["mtp"] - mtp_w,
            "workspace": parts["workspace"], "total": sum(parts.values())}
     row = {"model_type": spec.model_type, "layers": spec.num_layers, "max_seq_len": max_seq_len, "estimate": est,
