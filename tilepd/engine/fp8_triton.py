@@ -69,17 +69,15 @@ if triton is not None:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                          BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr,
                          NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, pf_programs=0):
+                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         act = Y.dtype.element_ty
         if PREFETCH:  # before the wait (pdl.py): the tile's first K chunk of weight bytes into L2, one address a line
-            # (pf_programs > 0: only the programs placed first, those that can be resident before the previous kernel ends)
             lines = tl.arange(0, BLOCK_K // 128) * 128
-            first = (pf_programs == 0) | (pid_n * tl.num_programs(0) + r < pf_programs)
-            prefetch_l2(W + rows.to(tl.int64)[:, None] * s_wn + lines[None, :], rmask[:, None] & (lines < K)[None, :] & first)
+            prefetch_l2(W + rows.to(tl.int64)[:, None] * s_wn + lines[None, :], rmask[:, None] & (lines < K)[None, :])
         wait(PDL)
         x_row = X + (r // X_DIV) * s_xr
         w_base = W
@@ -142,11 +140,7 @@ if triton is not None:
 # H200, where it gained most alone, has not run the step with it (`bash bench/depth_step.sh ab OUT 330 g2
 # TILEPD_FP8_NORM_SHORT_K=2048`). A TP8 rank's G2 (2048-6144 rows) keeps the
 # picked tile either way: 16 rows would leave it fewer programs than SMs at 1K.
-# pf_programs: with the PDL prefetch, only the first pf_programs programs of a launch prefetch (0: all;
-# TILEPD_PDL_PREFETCH_PROGRAMS): the later ones start after the previous kernel has ended, where the prefetch only adds a
-# request in front of the same load.
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
-                        "pf_programs": env_int("TILEPD_PDL_PREFETCH_PROGRAMS", 0),
                         "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048),
                         "short_k": env_int("TILEPD_FP8_NORM_SHORT_K", 0), "short_rows": 8192, "short_block_n": 16, "short_block_k": 1024}
 
@@ -194,7 +188,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ids: torc
         BN=block_n, BK=block_k, HAS_IDS=has_ids, HAS_BIAS=bias is not None, BLOCK_N=tile_n, BLOCK_K=tile_k,
         ROW_UNIFORM=block_n % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=shared is not None, X_DIV=x_div, NW=x, RES=x, eps=0.0, s_rr=0, NORM=False, HAS_RES=False,
-        PREFETCH=pdl.prefetch_flag(x) and not has_ids and tile_k >= 128, pf_programs=TUNE["pf_programs"],
+        PREFETCH=pdl.prefetch_flag(x) and not has_ids and tile_k >= 128,
         num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x),
     )
     return y
@@ -241,7 +235,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
         HAS_SHARED=False, X_DIV=1, NW=norm_weight if norm_weight is not None else x, RES=residual if residual is not None else x,
         eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
-        PREFETCH=pdl.prefetch_flag(x, site=site) and tile_k >= 128, pf_programs=TUNE["pf_programs"],
+        PREFETCH=pdl.prefetch_flag(x, site=site) and tile_k >= 128,
         num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x, site=site),
     )
     return y
