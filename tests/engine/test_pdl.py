@@ -39,6 +39,7 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(pdl.SWITCH, "on", 1)
     monkeypatch.setitem(pdl.SWITCH, "skip", frozenset({"down"}))
+    monkeypatch.setitem(pdl.SWITCH, "early", frozenset())
     monkeypatch.setitem(pdl.SWITCH, "trigger", 1)
     assert pdl.flag(x, "gate") == 1 and pdl.launch_args(x, "gate") == {"PDL": 1, "launch_pdl": True}
     assert pdl.flag(x, "down") == 0 and pdl.launch_args(x, "down") == {"PDL": 0}
@@ -69,8 +70,12 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert res.returncode != 0 and "TILEPD_PDL_TRIGGER=3" in res.stderr
     bare = {k: v for k, v in os.environ.items() if not k.startswith("TILEPD_PDL")}  # the defaults: the late form, no prefetch
     res = subprocess.run([sys.executable, "-c", "from tilepd.engine import pdl; s = pdl.SWITCH; print(s['on'], s['trigger'], s['prefetch'], "
-                          "len(s['early']), len(s['prefetch_at']))"], env=bare, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and res.stdout.split() == ["1", "2", "0", "0", "0"], res.stdout + res.stderr
+                          "'+'.join(sorted(s['early'])), len(s['prefetch_at']))"], env=bare, capture_output=True, text=True, timeout=120)
+    # the defaults: the late form, with the early trigger at the sites before a GEMV of many programs or a small kernel
+    assert res.returncode == 0 and res.stdout.split() == ["1", "2", "0", "down+g1+gate+gate_up+merge+route+wo", "0"], res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-c", "from tilepd.engine import pdl; print(len(pdl.SWITCH['early']))"], env={**bare, "TILEPD_PDL_EARLY": ""},
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "0", res.stdout + res.stderr  # set, even empty, the variable wins
 
 
 def test_shard_form_sets_only_the_switches_the_environment_leaves_unset(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,6 +127,7 @@ def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch, trigger: int = 1) -> 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
     monkeypatch.setitem(pdl.SWITCH, "trigger", trigger)  # 1, the widest form: early trigger, weights prefetched before the wait
+    monkeypatch.setitem(pdl.SWITCH, "early", frozenset())  # every kernel in the form `trigger` names
     monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
     bf = torch.bfloat16
     g = torch.Generator().manual_seed(0)

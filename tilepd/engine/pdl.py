@@ -27,15 +27,17 @@ The switches (env, read at import): TILEPD_PDL (1 on, the default; 0 off), TILEP
 be scheduled right after this one's wait; 2, the default: once every program of this one has reached its end, the late
 form; 0: wait only, the next kernel launches as this one completes), TILEPD_PDL_PREFETCH (the weight prefetch before the
 wait; default 0, it only pays with the early trigger), TILEPD_PDL_SKIP (kernel kinds launched without it), and per launch
-site (SITES) TILEPD_PDL_EARLY (sites that trigger right after their wait) and TILEPD_PDL_PREFETCH_AT (sites that
-prefetch), both empty by default. The
-defaults, the late form without the prefetch, because on one H100 (2026-12-07, docs/PERFORMANCE.md "PDL's late form")
-GLM-5.1 fp8 at 78 layers stepped faster with it than without PDL in three pairs (1K 17.39 / 17.33 / 17.42 -> 17.20 /
-17.24 / 17.29 ms/token; 32K 20.28 -> 20.15), while the early trigger had been slower there (14.80 -> 16.48 on an H200,
-2026-12-03) and the late form with the prefetch was too (18.01). One TP8 rank's shard is faster with the early trigger
-and the prefetch (5.23 ms a step against 5.56 late), so a TP rank's step takes those unless the environment says
-otherwise (`shard_form`). Always off under TRITON_INTERPRET=1, on a CPU tensor, below compute
-capability 9.0, or where this Triton has no griddepcontrol.
+site (SITES) TILEPD_PDL_EARLY (sites that trigger right after their wait, whatever TILEPD_PDL_TRIGGER says; default
+EARLY, set empty for none) and TILEPD_PDL_PREFETCH_AT (sites that prefetch; default none). The defaults, the late form
+without the prefetch and the early trigger at EARLY's seven sites, because on one H100 GLM-5.1 fp8 at 78 layers
+stepped faster with the late form than without PDL in three pairs (2026-12-07, docs/PERFORMANCE.md "PDL's late form":
+1K 17.39 / 17.33 / 17.42 -> 17.20 / 17.24 / 17.29 ms/token; 32K 20.28 -> 20.15), and faster again with the early trigger
+at those sites (the same day, "PDL's early trigger at seven sites": 1K 17.21 / 17.18 / 17.19 -> 17.01 / 17.01 / 17.02,
+32K 20.05 -> 19.85, DeepSeek-V3 1K 15.73 -> 15.62), while the early trigger everywhere had been slower (14.80 -> 16.48
+on an H200, 2026-12-03) and every form with the prefetch was too (the late form with it 18.01). One TP8 rank's shard
+is faster with the early trigger everywhere and the prefetch (5.23 ms a step against 5.56 late), so a TP rank's step
+takes those unless the environment says otherwise (`shard_form`). Always off under TRITON_INTERPRET=1, on a CPU
+tensor, below compute capability 9.0, or where this Triton has no griddepcontrol.
 """
 
 from __future__ import annotations
@@ -76,16 +78,29 @@ KINDS = ("gemv", "prepare", "split", "merge", "gate", "gate_up", "down", "dsa")
 SITES = KINDS + ("g1", "g2", "wo", "route")
 
 
-def _names(variable: str, allowed: tuple[str, ...]) -> frozenset[str]:
-    # "," or "+" between names (bench/depth_step.sh's tags split their settings on ",")
-    names = frozenset(k for k in os.environ.get(variable, "").replace("+", ",").split(",") if k)
+def _names(variable: str, allowed: tuple[str, ...], default: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The names the variable lists ("," or "+" between them: bench/depth_step.sh's tags split their settings on ","),
+    or `default` where it is unset (set, even empty, it wins)."""
+    if variable not in os.environ:
+        return default
+    names = frozenset(k for k in os.environ[variable].replace("+", ",").split(",") if k)
     if not names <= set(allowed):
         raise ValueError(f"{variable}={os.environ.get(variable)!r}: one of {', '.join(allowed)} each")
     return names
 
 
+# EARLY: the sites where the early trigger measured faster than the late form. Their next launch is a GEMV of many
+# programs (G1 -> G2, merge -> wo, route -> gate-up, gate-up -> down, down -> the next layer's G1), the gate's 128 light
+# programs (after wo) or the routing's one (after the gate): its programs, placed while this one's last wave runs, start
+# the moment it completes. At G2, prepare and split the early trigger measured slower: their next kernels (prepare, the
+# split MLA kernel, its merge) run ~100-130 programs that each carry an SM's share of the work, and placed early they
+# can pile onto the SMs that freed first (a hypothesis: the profiles of a PDL step cannot separate it). One H100, GLM-5.1
+# fp8 78L 1K, one warm machine (2026-12-07, docs/PERFORMANCE.md "PDL's early trigger at seven sites"): 17.18-17.21
+# ms/token late everywhere, 17.06-17.08 early at the first five, 17.04 / 17.03 with wo / gate beside them, 17.01-17.02
+# with all seven; 17.28 / 17.44 / 17.52 with split / g2 / prepare beside the five; every form with the prefetch slower.
+EARLY = frozenset({"g1", "merge", "route", "gate_up", "down", "wo", "gate"})
 SWITCH: dict = {"on": env_int("TILEPD_PDL", 1), "prefetch": env_int("TILEPD_PDL_PREFETCH", 0), "trigger": env_int("TILEPD_PDL_TRIGGER", 2),
-                "skip": _names("TILEPD_PDL_SKIP", KINDS), "early": _names("TILEPD_PDL_EARLY", SITES),
+                "skip": _names("TILEPD_PDL_SKIP", KINDS), "early": _names("TILEPD_PDL_EARLY", SITES, EARLY),
                 "prefetch_at": _names("TILEPD_PDL_PREFETCH_AT", SITES)}
 if SWITCH["trigger"] not in TRIGGERS:
     raise ValueError(f"TILEPD_PDL_TRIGGER={SWITCH['trigger']}: 0 (wait only), 1 (early) or 2 (late)")
