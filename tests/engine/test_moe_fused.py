@@ -26,7 +26,7 @@ _KERNELS = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from types import SimpleNamespace
-    from tilepd.engine import layers, moe, moe_fused, moe_fused_triton as K
+    from tilepd.engine import grid_sync, layers, moe, moe_fused, moe_fused_triton as K
     from tilepd.model_format.block_fp8 import BlockFp8, dequantize, quantize
     g = torch.Generator().manual_seed(0)
     K.TUNE.update(gate_block_e=32, gate_block_k=16, up_block_n=8, up_block_n_fp8=8, up_block_k=16, up_block_k_fp8=16, down_block_n=8,
@@ -58,7 +58,7 @@ _KERNELS = textwrap.dedent("""
             other = K.gate_route(x, nw, 1e-6, gate, bias, ng, tg, k, spec.norm_topk_prob, 2.5)
             K.TUNE["route_apart"] = 1 - K.TUNE["route_apart"]
             assert all(torch.equal(u, v) for u, v in zip((hn, ids, w, logits), other)), (name, dtype, chunk, "the two routing forms")
-            assert int(K._COUNTERS[cpu]) == 0, "the ticket counter is back to 0 for the next launch"
+            assert int(grid_sync.counter(cpu, "fused MoE gate ticket")) == 0, "the ticket counter is back to 0 for the next launch"
             checked += 1
     # ties: equal logits (a zero gate) and no bias -> groups 0..3, then experts 0..7, equal weights
     _, ids, w, _ = K.gate_route(torch.randn(2, 40, generator=g), torch.ones(40), 1e-6, torch.zeros(256, 40), torch.zeros(256), 8, 4, 8, True, 2.5)

@@ -24,6 +24,7 @@ so bench/decode_speed.py --sweep and bench/mla_dense_long.py can try configurati
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -108,8 +109,17 @@ if triton is not None:
                           RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                           SPARSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         wait(PDL)  # everything this kernel reads (query, cache, selection) is the step's (pdl.py)
-        pid = tl.program_id(0)
-        s = tl.program_id(1)
+        _split_item(tl.program_id(0), tl.program_id(1), Q, C, IDX, OK, LO, HI, O, LSE, H, L, CHUNK, qk_scale,
+                    s_qt, s_qh, s_cl, s_it, s_ot, s_oh, s_os, s_lt, s_lh, RANK, ROPE, BLOCK_H, BLOCK_N, SPARSE, PRECISION, UPCAST)
+        trigger(PDL)  # pdl.py: the late form triggers here
+
+    @triton.jit
+    def _split_item(pid, s, Q, C, IDX, OK, LO, HI, O, LSE, H, L, CHUNK, qk_scale,
+                    s_qt, s_qh, s_cl, s_it, s_ot, s_oh, s_os, s_lt, s_lh,
+                    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SPARSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """Head group pid (token pid // groups) over chunk s: the split kernel runs one a program, the persistent core
+        (mla_core_triton) loops over them."""
         n_hg = tl.cdiv(H, BLOCK_H)
         t = pid // n_hg
         offs_h = (pid % n_hg) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -159,7 +169,6 @@ if triton is not None:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(O + t * s_ot + offs_h[:, None] * s_oh + s * s_os + offs_r[None, :], out, mask=hmask[:, None])
         tl.store(LSE + t * s_lt + offs_h * s_lh + s, lse, mask=hmask)
-        trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
     def _mla_merge_kernel(O, LSE, OUT, S, H, s_ot, s_oh, s_os, s_lt, s_lh, s_pt, s_ph,
@@ -191,6 +200,31 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
     span while its window fits index_topk takes TUNE_SPARSE)."""
     if triton is None:
         raise RuntimeError("MLA attention kernel needs Triton, which is not importable here")
+    plan = split_plan(q, cache, rank, scale, length, idx=idx, ok=ok, lo=lo, hi=hi, tune=tune)
+    _mla_split_kernel[(plan.groups, plan.splits)](*plan.args, **plan.constexprs, num_warps=plan.tune["num_warps"],
+                                                  num_stages=plan.tune["num_stages"], **pdl.launch_args(plan.q, "split"))
+    return plan.part, plan.lse
+
+
+@dataclass
+class SplitPlan:
+    """One split-KV launch's work, laid out: grid (groups, splits), its arguments in the kernel's order (args: the
+    tensors, sizes and strides; constexprs: the tiles), the partials it writes and the tiles' tune entry."""
+
+    q: torch.Tensor
+    part: torch.Tensor
+    lse: torch.Tensor
+    groups: int
+    splits: int
+    args: tuple
+    constexprs: dict
+    tune: dict[str, int]
+
+
+def split_plan(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, length: int, *, idx: torch.Tensor | None = None,
+               ok: torch.Tensor | None = None, lo: torch.Tensor | None = None, hi: torch.Tensor | None = None,
+               tune: dict[str, int] | None = None) -> SplitPlan:
+    """split_partials' layout, without the launch (the persistent core, mla_core_triton, runs the same items)."""
     t, h, width = q.shape
     rows = cache.reshape(cache.shape[0], -1)  # [max_seq_len, 1, W] -> [max_seq_len, W] view
     if rows.shape[1] != width or rows.stride(1) != 1:
@@ -212,15 +246,13 @@ def split_partials(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float
     lse = torch.empty(t, h, splits, dtype=torch.float32, device=q.device)
     sparse = idx is not None
     dummy = part
-    _mla_split_kernel[(groups, splits)](
-        q, rows, idx if sparse else dummy, ok.view(torch.uint8) if sparse else dummy, lo if not sparse else dummy, hi if not sparse else dummy,
-        part, lse, h, length, chunk, scale * _LOG2E,
-        q.stride(0), q.stride(1), rows.stride(0), idx.stride(0) if sparse else 0,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPARSE=sparse, UPCAST=_INTERPRET and cache.dtype != torch.float32,
-        PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", num_warps=tune["num_warps"],
-        num_stages=tune["num_stages"], **pdl.launch_args(q, "split"))
-    return part, lse
+    args = (q, rows, idx if sparse else dummy, ok.view(torch.uint8) if sparse else dummy, lo if not sparse else dummy,
+            hi if not sparse else dummy, part, lse, h, length, chunk, scale * _LOG2E,
+            q.stride(0), q.stride(1), rows.stride(0), idx.stride(0) if sparse else 0,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
+    constexprs = {"RANK": rank, "ROPE": rope, "BLOCK_H": block_h, "BLOCK_N": block_n, "SPARSE": sparse,
+                  "UPCAST": _INTERPRET and cache.dtype != torch.float32, "PRECISION": "ieee" if cache.dtype == torch.float32 else "tf32"}
+    return SplitPlan(q, part, lse, groups, splits, args, constexprs, tune)
 
 
 def _launch(q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float, length: int, *, idx: torch.Tensor | None = None,

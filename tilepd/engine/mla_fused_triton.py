@@ -25,6 +25,8 @@ references below (the same ops the model's reference path runs).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -97,7 +99,7 @@ if triton is not None:
     @triton.jit
     def _prepare_kernel(Q, KV, KX, WUK, KVN, KN, KB, CS, ICS, POS, C, IC, QOUT, X, XN, WP, WOUT, eps, x_eps,
                         s_qt, s_kvt, s_kxt, s_ct, s_c1, s_ict, s_ic1, s_cl, s_icl, s_ot, s_oh, s_xt, s_wp, s_wt,
-                        H, QW, N_ABSORB, HIDDEN, NOPE: tl.constexpr,
+                        QW, N_ABSORB, HIDDEN, NOPE: tl.constexpr,
                         RANK: tl.constexpr, ROPE: tl.constexpr, IDX_D: tl.constexpr, INTERLEAVED: tl.constexpr,
                         IDX_INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ACT: tl.constexpr, NOPE_PAD: tl.constexpr,
                         BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
@@ -112,6 +114,21 @@ if triton is not None:
                 prefetch_l2(WUK + ((pid // n_pf) * NOPE + pf_d).to(tl.int64)[:, None] * RANK + pf_c[None, :],
                             (pf_d < NOPE)[:, None] & (pf_c < RANK)[None, :])
         wait(PDL)
+        _prepare_item(pid, t, Q, KV, KX, WUK, KVN, KN, KB, CS, ICS, POS, C, IC, QOUT, X, XN, WP, WOUT, eps, x_eps,
+                      s_qt, s_kvt, s_kxt, s_ct, s_c1, s_ict, s_ic1, s_cl, s_icl, s_ot, s_oh, s_xt, s_wp, s_wt,
+                      QW, N_ABSORB, HIDDEN, NOPE, RANK, ROPE, IDX_D, INTERLEAVED, IDX_INTERLEAVED, HAS_INDEX, HAS_WEIGHTS, ACT,
+                      BLOCK_C, BLOCK_D, BLOCK_K, STAGES, UNROLL)
+        trigger(PDL)  # pdl.py: the late form triggers here
+
+    @triton.jit
+    def _prepare_item(pid, t, Q, KV, KX, WUK, KVN, KN, KB, CS, ICS, POS, C, IC, QOUT, X, XN, WP, WOUT, eps, x_eps,
+                      s_qt, s_kvt, s_kxt, s_ct, s_c1, s_ict, s_ic1, s_cl, s_icl, s_ot, s_oh, s_xt, s_wp, s_wt,
+                      QW, N_ABSORB, HIDDEN, NOPE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, IDX_D: tl.constexpr,
+                      INTERLEAVED: tl.constexpr, IDX_INTERLEAVED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                      ACT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                      UNROLL: tl.constexpr):
+        """Program `pid` of token t's prepare (its role: an absorb tile, the latent, the index key or a head weight);
+        the prepare kernel runs one a program, the persistent core (mla_core_triton) loops over them."""
         offs_p = tl.arange(0, ROPE)
         cos = tl.load(CS + t * s_ct + offs_p).to(tl.float32)
         sin = tl.load(CS + t * s_ct + s_c1 + offs_p).to(tl.float32)
@@ -172,7 +189,6 @@ if triton is not None:
                     xn = ((xs * rstd).to(ACT).to(tl.float32) * g).to(ACT).to(tl.float32)  # rms_norm(x) as the layer rounds it
                     acc += xn * tl.load(WP + hh * s_wp + kc, mask=km, other=0.0).to(tl.float32)
                 tl.store(WOUT + t * s_wt + hh, tl.sum(acc, axis=0))
-        trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
     def _uv_chunk(o_head, WUV, h, V, c0, offs_s, smask, wt, den, offs_v, vmask, s_os, RANK: tl.constexpr, ACT: tl.constexpr,
@@ -185,19 +201,8 @@ if triton is not None:
         return tl.sum(w.to(tl.float32) * lat[None, :], axis=1)
 
     @triton.jit
-    def _merge_uv_kernel(O, LSE, WUV, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out,
-                         RANK: tl.constexpr, ACT: tl.constexpr, LAT: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
-                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
-        row = tl.program_id(0)
-        t = row // H
-        h = row % H
-        offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        vmask = offs_v < V
-        if PREFETCH:  # before the wait (pdl.py): the program's W_UV rows into L2, a 128-byte line an address
-            pf_c = tl.arange(0, (RANK * 2 + 127) // 128) * 64  # 2-byte weights
-            prefetch_l2(WUV + (h * V + offs_v).to(tl.int64)[:, None] * RANK + pf_c[None, :], vmask[:, None] & (pf_c < RANK)[None, :])
-        wait(PDL)
+    def _lse_weights(LSE, t, h, s_lt, s_lh, S, BLOCK_S: tl.constexpr):
+        """The splits' merge weights exp2(lse - max) (0 for a split that saw nothing) and their sum (1 if all did)."""
         offs_s = tl.arange(0, BLOCK_S)
         smask = offs_s < S
         lse = tl.load(LSE + t * s_lt + h * s_lh + offs_s, mask=smask, other=float("-inf"))
@@ -205,7 +210,35 @@ if triton is not None:
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         wt = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - mx))
         den = tl.sum(wt, axis=0)
-        den = tl.where(den > 0.0, den, 1.0)
+        return offs_s, smask, wt, tl.where(den > 0.0, den, 1.0)
+
+    @triton.jit
+    def _merge_uv_kernel(O, LSE, WUV, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out,
+                         RANK: tl.constexpr, ACT: tl.constexpr, LAT: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+        row = tl.program_id(0)
+        if PREFETCH:  # before the wait (pdl.py): the program's W_UV rows into L2, a 128-byte line an address
+            offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+            pf_c = tl.arange(0, (RANK * 2 + 127) // 128) * 64  # 2-byte weights
+            prefetch_l2(WUV + ((row % H) * V + offs_v).to(tl.int64)[:, None] * RANK + pf_c[None, :],
+                        (offs_v < V)[:, None] & (pf_c < RANK)[None, :])
+        wait(PDL)
+        _merge_uv_item(row, tl.program_id(1), O, LSE, WUV, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out,
+                       RANK, ACT, LAT, BLOCK_S, BLOCK_V, CHUNK_C, STAGES, UNROLL)
+        trigger(PDL)  # pdl.py: the late form triggers here
+
+    @triton.jit
+    def _merge_uv_item(row, vb, O, LSE, WUV, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out,
+                       RANK: tl.constexpr, ACT: tl.constexpr, LAT: tl.constexpr, BLOCK_S: tl.constexpr,
+                       BLOCK_V: tl.constexpr, CHUNK_C: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
+        """Head row (t * H + h)'s output channels vb * BLOCK_V..: the merge kernel runs one a program, the persistent
+        core (mla_core_triton) loops over them."""
+        t = row // H
+        h = row % H
+        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        vmask = offs_v < V
+        offs_s, smask, wt, den = _lse_weights(LSE, t, h, s_lt, s_lh, S, BLOCK_S)
         acc = tl.zeros([BLOCK_V], dtype=tl.float32)
         o_head = O + t * s_ot + h * s_oh
         if UNROLL:  # every chunk's W_UV tile and partials in flight at once
@@ -215,7 +248,28 @@ if triton is not None:
             for c0 in tl.range(0, RANK, CHUNK_C, num_stages=STAGES):
                 acc += _uv_chunk(o_head, WUV, h, V, c0, offs_s, smask, wt, den, offs_v, vmask, s_os, RANK, ACT, LAT, CHUNK_C)
         tl.store(OUT + t * s_out + h * V + offs_v, acc.to(ACT), mask=vmask)
-        trigger(PDL)  # pdl.py: the late form triggers here
+
+    @triton.jit
+    def _uv_weights(WUV, row, vb, H, V, RANK: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Head row's W_UV tile [BLOCK_V, RANK] (zeros past V or for a row past the last): loaded by the persistent core
+        before its last grid barrier, since no kernel of the step writes weights."""
+        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        offs_c = tl.arange(0, RANK)
+        return tl.load(WUV + ((row % H) * V + offs_v).to(tl.int64)[:, None] * RANK + offs_c[None, :], mask=(offs_v < V)[:, None], other=0.0)
+
+    @triton.jit
+    def _merge_uv_loaded(row, vb, w, O, LSE, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out, RANK: tl.constexpr, ACT: tl.constexpr,
+                         LAT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
+        """_merge_uv_item with the W_UV tile already loaded (_uv_weights): the partials merged over the whole rank at once."""
+        t = row // H
+        h = row % H
+        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        offs_s, smask, wt, den = _lse_weights(LSE, t, h, s_lt, s_lh, S, BLOCK_S)
+        offs_c = tl.arange(0, RANK)
+        o = tl.load(O + t * s_ot + h * s_oh + offs_s[:, None] * s_os + offs_c[None, :], mask=smask[:, None], other=0.0)
+        lat = (tl.sum(o * wt[:, None], axis=0) / den).to(LAT).to(ACT).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * lat[None, :], axis=1)
+        tl.store(OUT + t * s_out + h * V + offs_v, acc.to(ACT), mask=offs_v < V)
 
 
 def _tl(dtype: torch.dtype) -> object:
@@ -226,24 +280,35 @@ def _tl(dtype: torch.dtype) -> object:
     return table[dtype]
 
 
-def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torch.Tensor, eps: float, cs: torch.Tensor,
-            positions: torch.Tensor, cache: torch.Tensor, rank: int, rope: int, interleaved: bool,
-            index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None,
-            head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One launch: the attention query [T, H, rank + rope] (q_lat | roped q_pe, cache dtype), the tokens' cache rows,
-    (index given) their indexer keys, and (head_weights given) the indexer's head weights [T, heads] float32.
+@dataclass
+class Plan:
+    """One launch's work laid out: its outputs, grid, arguments in the kernel's order (args: tensors, scalars and
+    strides; constexprs: the tiles) and the tensor whose device decides PDL."""
 
-    q [T, H * (nope + rope)] (wq_b's output); kv [T, rank + rope] (wkv_a's output, may be a strided view); w_uk
-    [H, nope, rank]; cs [T, 2, rope] the rope table at the tokens' positions; cache [max_seq_len, 1, rank + rope].
-    index = (kx [T, D] wk's output, LayerNorm weight, bias, indexer cs [T, 2, rope], indexer-key cache
-    [max_seq_len, D], interleaved). head_weights = (x [T, hidden] the layer's input, its attn_norm weight and eps,
-    weights_proj [heads, hidden]): weights_proj(rms_norm(x).float()) as HF computes it (one program a head)."""
+    outputs: tuple
+    grid: tuple[int, int]
+    args: tuple
+    constexprs: dict
+    pdl_t: torch.Tensor
+
+    @property
+    def items(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def prepare_plan(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torch.Tensor, eps: float, cs: torch.Tensor,
+                 positions: torch.Tensor, cache: torch.Tensor, rank: int, rope: int, interleaved: bool,
+                 index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None,
+                 head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None,
+                 block_c: int | None = None, unroll: bool | None = None) -> Plan:
+    """prepare's layout without the launch (outputs: qout, wout); block_c / unroll: the absorb tile instead of TUNE's
+    (the persistent core, mla_core_triton, runs the same items with its own)."""
     if triton is None:
         raise RuntimeError("MLA fused kernels need Triton, which is not importable here")
     t = q.shape[0]
     h, nope, r = w_uk.shape
     rows = cache.reshape(cache.shape[0], -1)
-    block_c = min(TUNE["block_c"], rank)
+    block_c = min(block_c or TUNE["block_c"], rank)
     if r != rank or rank % block_c or rope & (rope - 1) or q.shape[1] != h * (nope + rope) or kv.shape[1] != rank + rope \
             or rows.shape[1] != rank + rope:
         raise ValueError(f"MLA prepare: q {list(q.shape)}, kv {list(kv.shape)}, W_UK {list(w_uk.shape)}, cache {list(cache.shape)} "
@@ -271,22 +336,39 @@ def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torc
     else:
         x, xn, x_eps, wp, n_heads, hidden = q, kv_norm, 0.0, q, 0, 1
     n_absorb = h * (rank // block_c)
-    grid = (n_absorb + 1 + (index is not None) + n_heads, t)
-    _prepare_kernel[grid](
-        q, kv, kx, w_uk, kv_norm, kn, kb, cs, ics, positions, rows, icache, qout, x, xn, wp, wout if wout is not None else qout, eps, x_eps,
-        q.stride(0), kv.stride(0), kx.stride(0), cs.stride(0), cs.stride(1), ics.stride(0), ics.stride(1), rows.stride(0),
-        icache.stride(0), qout.stride(0), qout.stride(1), x.stride(0), wp.stride(0), wout.stride(0) if wout is not None else 0,
-        h, nope + rope, n_absorb, hidden, NOPE=nope,
-        RANK=rank, ROPE=rope, IDX_D=idx_d, INTERLEAVED=interleaved, IDX_INTERLEAVED=idx_interleaved, HAS_INDEX=index is not None,
-        HAS_WEIGHTS=wout is not None, ACT=_tl(q.dtype), BLOCK_C=block_c, BLOCK_D=TUNE["block_d"], BLOCK_K=1024, STAGES=TUNE["prep_stages"],
-        UNROLL=bool(TUNE["prep_unroll"]), NOPE_PAD=triton.next_power_of_2(nope),
-        PREFETCH=pdl.prefetch_flag(q, "prepare") and w_uk.element_size() == 2, num_warps=TUNE["prep_warps"], **pdl.launch_args(q, "prepare"))
-    return qout, wout
+    args = (q, kv, kx, w_uk, kv_norm, kn, kb, cs, ics, positions, rows, icache, qout, x, xn, wp, wout if wout is not None else qout, eps, x_eps,
+            q.stride(0), kv.stride(0), kx.stride(0), cs.stride(0), cs.stride(1), ics.stride(0), ics.stride(1), rows.stride(0),
+            icache.stride(0), qout.stride(0), qout.stride(1), x.stride(0), wp.stride(0), wout.stride(0) if wout is not None else 0,
+            nope + rope, n_absorb, hidden)
+    constexprs = {"NOPE": nope, "RANK": rank, "ROPE": rope, "IDX_D": idx_d, "INTERLEAVED": interleaved, "IDX_INTERLEAVED": idx_interleaved,
+                  "HAS_INDEX": index is not None, "HAS_WEIGHTS": wout is not None, "ACT": _tl(q.dtype), "BLOCK_C": block_c,
+                  "BLOCK_D": TUNE["block_d"], "BLOCK_K": 1024, "STAGES": TUNE["prep_stages"],
+                  "UNROLL": bool(TUNE["prep_unroll"] if unroll is None else unroll)}
+    return Plan((qout, wout), (n_absorb + 1 + (index is not None) + n_heads, t), args, constexprs, q)
 
 
-def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: torch.dtype, lat: torch.dtype) -> torch.Tensor:
-    """The split-KV partials part [T, H, S, rank] (fp32) and lse [T, H, S] (log2 units) merged, rounded to `lat`
-    (the cache dtype, as the merge stores it) and to `act`, times W_UV [H, v, rank]: [T, H * v] in `act`."""
+def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torch.Tensor, eps: float, cs: torch.Tensor,
+            positions: torch.Tensor, cache: torch.Tensor, rank: int, rope: int, interleaved: bool,
+            index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None,
+            head_weights: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch: the attention query [T, H, rank + rope] (q_lat | roped q_pe, cache dtype), the tokens' cache rows,
+    (index given) their indexer keys, and (head_weights given) the indexer's head weights [T, heads] float32.
+
+    q [T, H * (nope + rope)] (wq_b's output); kv [T, rank + rope] (wkv_a's output, may be a strided view); w_uk
+    [H, nope, rank]; cs [T, 2, rope] the rope table at the tokens' positions; cache [max_seq_len, 1, rank + rope].
+    index = (kx [T, D] wk's output, LayerNorm weight, bias, indexer cs [T, 2, rope], indexer-key cache
+    [max_seq_len, D], interleaved). head_weights = (x [T, hidden] the layer's input, its attn_norm weight and eps,
+    weights_proj [heads, hidden]): weights_proj(rms_norm(x).float()) as HF computes it (one program a head)."""
+    plan = prepare_plan(q, kv, w_uk, kv_norm, eps, cs, positions, cache, rank, rope, interleaved, index, head_weights)
+    _prepare_kernel[plan.grid](*plan.args, **plan.constexprs, NOPE_PAD=triton.next_power_of_2(plan.constexprs["NOPE"]),
+                               PREFETCH=pdl.prefetch_flag(q, "prepare") and w_uk.element_size() == 2, num_warps=TUNE["prep_warps"],
+                               **pdl.launch_args(q, "prepare"))
+    return plan.outputs
+
+
+def merge_plan(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: torch.dtype, lat: torch.dtype,
+               block_v: int | None = None) -> Plan:
+    """merge_uv's layout without the launch (outputs: out); block_v: the output channels an item, instead of TUNE's."""
     if triton is None:
         raise RuntimeError("MLA fused kernels need Triton, which is not importable here")
     t, h, s, rank = part.shape
@@ -295,13 +377,20 @@ def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: tor
     if tuple(w_uv.shape) != (h, v, rank) or not w_uv.is_contiguous() or part.stride(-1) != 1 or rank % chunk_c:
         raise ValueError(f"MLA merge_uv: partials {list(part.shape)}, W_UV {list(w_uv.shape)} (contiguous, rank a power of two)")
     out = torch.empty(t, h * v, dtype=act, device=part.device)
-    block_v = TUNE["block_v"]
-    _merge_uv_kernel[(t * h, triton.cdiv(v, block_v))](
-        part, lse, w_uv, out, s, h, v, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-        RANK=rank, ACT=_tl(act), LAT=_tl(lat), BLOCK_S=max(2, triton.next_power_of_2(s)), BLOCK_V=block_v, CHUNK_C=chunk_c,
-        STAGES=TUNE["merge_stages"], UNROLL=bool(TUNE["merge_unroll"]),
-        PREFETCH=pdl.prefetch_flag(part, "merge") and w_uv.element_size() == 2, num_warps=TUNE["merge_warps"], **pdl.launch_args(part, "merge"))
-    return out
+    block_v = block_v or TUNE["block_v"]
+    args = (part, lse, w_uv, out, s, h, v, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0))
+    constexprs = {"RANK": rank, "ACT": _tl(act), "LAT": _tl(lat), "BLOCK_S": max(2, triton.next_power_of_2(s)), "BLOCK_V": block_v,
+                  "CHUNK_C": chunk_c, "STAGES": TUNE["merge_stages"], "UNROLL": bool(TUNE["merge_unroll"])}
+    return Plan((out,), (t * h, triton.cdiv(v, block_v)), args, constexprs, part)
+
+
+def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: torch.dtype, lat: torch.dtype) -> torch.Tensor:
+    """The split-KV partials part [T, H, S, rank] (fp32) and lse [T, H, S] (log2 units) merged, rounded to `lat`
+    (the cache dtype, as the merge stores it) and to `act`, times W_UV [H, v, rank]: [T, H * v] in `act`."""
+    plan = merge_plan(part, lse, w_uv, act, lat)
+    _merge_uv_kernel[plan.grid](*plan.args, **plan.constexprs, PREFETCH=pdl.prefetch_flag(part, "merge") and w_uv.element_size() == 2,
+                                num_warps=TUNE["merge_warps"], **pdl.launch_args(part, "merge"))
+    return plan.outputs[0]
 
 
 # -- the references: the model's own ops (deepseek_v3._attention, dsa.indexer_key), for the tests ------------------

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from tilepd.model_format.block_fp8 import BlockFp8
-from tilepd.engine import pdl
+from tilepd.engine import grid_sync, pdl
 from tilepd.engine.fp8_triton import same_layout
 from tilepd.engine.tuning import env_int
 
@@ -83,9 +83,6 @@ TUNE: dict[str, int] = {
     "route_apart": env_int("TILEPD_MOE_ROUTE_APART", 1),
 }
 _DOWN_PROGRAMS = 6 * 132  # fp8 down: 8-column tiles while they make at most ~6 programs per H200 SM, else 4-column ones
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # one ticket counter per device, always 0 between launches
-
 
 def available() -> bool:
     return triton is not None
@@ -253,17 +250,6 @@ if triton is not None:
         trigger(PDL)  # pdl.py: the late form triggers here
 
 
-def _counter(device: torch.device) -> torch.Tensor:
-    """The device's ticket counter. Made at the first (uncaptured: capture_graph warms up first) call; a counter first
-    made inside a capture would be zeroed only by the graph's replays, so that is refused by name."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused MoE gate: its ticket counter is made by an uncaptured call; run the step once before capturing it")
-        c = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return c
-
-
 def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
                top_k: int, norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] (the residual stream), the MLP norm's weight [H], the router gate [E, H] (bf16 or float32, upcast) and
@@ -289,7 +275,7 @@ def gate_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate: tor
     block_e = TUNE["gate_block_e"]
     block_k = min(TUNE["gate_block_k"], triton.next_power_of_2(k))
     _gate_kernel[(t, triton.cdiv(n_exp, block_e))](
-        x, norm_weight, gate, bias, h, logits, _counter(x.device), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
+        x, norm_weight, gate, bias, h, logits, grid_sync.counter(x.device, "fused MoE gate ticket"), ids, weights, t, n_exp, x.stride(0), h.stride(0), gate.stride(0),
         logits.stride(0), ids.stride(0), weights.stride(0), float(eps), float(routed_scaling_factor),
         K=k, BLOCK_E=block_e, BLOCK_K=block_k, **consts, ROUTE=not TUNE["route_apart"], num_warps=TUNE["gate_num_warps"],
         **pdl.launch_args(x, "gate"))
