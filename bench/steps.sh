@@ -46,7 +46,7 @@ llama() {  # llama TAG [CONTEXTS...]: llama3-8b bf16, speed path (default 1K and
 parity() {  # parity NAME SECONDS [VAR=VALUE...]: the GPU parity files (DSA, MLA, fp8, the TP8 shard's fused MoE), under the settings given
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" env "$@" "$py" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_dsa_gpu_parity.py \
-    tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py tests/engine/test_tp_shard_step.py
+    tests/engine/test_mla_gpu_parity.py tests/engine/test_fp8_gpu_parity.py tests/engine/test_tp_shard_step.py tests/engine/test_mla_core_gpu.py
 }
 
 # a step runs one of the model functions under its own env: step NAME S env VAR=... bash -c "$(model_fns); glm TAG 1024"

@@ -130,8 +130,8 @@ _INDEXER = textwrap.dedent("""
     print("indexer ok")
 """)
 
-def _interpret(code: str, repo_root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1"}
+def _interpret(code: str, repo_root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -165,12 +165,12 @@ _ENGINE = textwrap.dedent("""
     import sys
     import torch
     from tilepd.engine import KVState, SamplingParams, dsa_topk, fp8_triton, gemv_triton, layers, load_engine, mla_fused, moe, moe_fused
-    from tilepd.engine import mla_attention, moe_fused_triton, moe_triton
+    from tilepd.engine import mla_attention, mla_core_triton, moe_fused_triton, moe_triton
     torch.set_num_threads(1)
     # few programs a launch: the interpreter pays per program
     gemv_triton.TUNE["block_n"], fp8_triton.TUNE["block_n"], moe_triton.TUNE["block_n"] = 256, 128, 64
     moe_fused_triton.TUNE.update(gate_block_e=16, up_block_n=64, up_block_n_fp8=64, down_block_n=64, up_few=0)
-    calls = {"topk": 0, "attention": 0, "moe": 0}
+    calls = {"topk": 0, "attention": 0, "moe": 0, "core": 0}
     def spy(module, name, key):  # a spy, not a stand-in: counts that the kernel path ran
         real = getattr(module, name)
         def counted(*a, **kw):
@@ -180,12 +180,17 @@ _ENGINE = textwrap.dedent("""
     spy(dsa_topk, "topk_select", "topk")
     spy(mla_fused, "attention_block", "attention")
     spy(moe_fused, "moe_block", "moe")
+    core = bool(mla_core_triton.TUNE["on"])  # TILEPD_MLA_CORE: the persistent core's phases instead of the three launches
+    if core:
+        spy(mla_core_triton, "attention_core", "core")
+    else:
+        del calls["core"]
     spans = {"n": 0}  # windows that fit index_topk: the fused path reads DSA's full selection as the dense span
-    real_split = mla_attention.split_partials
+    real_split = mla_attention.split_plan  # split_partials lays its launch out with it, the core its split phase
     def split_spy(*a, **kw):
         spans["n"] += kw.get("lo") is not None
         return real_split(*a, **kw)
-    mla_attention.split_partials = split_spy
+    mla_attention.split_plan = split_spy
     # the speed path as compiled.accelerate turns it on for this family (its CUDA-only parts aside)
     layers.ATTENTION_IMPL["mla"] = mla_fused.FUSED_IMPL["attention"] = "triton"
     moe.EXPERT_IMPL["dense"] = moe.ROUTE_IMPL["router"] = moe.BLOCK_IMPL["moe"] = "triton"
@@ -211,20 +216,22 @@ _ENGINE = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["glm5", "dsv32"])
-def test_tiny_dsa_model_decodes_hfs_tokens_through_the_kernels(model: str, dsa_ref, request: pytest.FixtureRequest, repo_root: Path,
-                                                                tmp_path: Path) -> None:
+@pytest.mark.parametrize(("model", "core"), [("glm5", False), ("dsv32", False), ("glm5", True)], ids=["glm5", "dsv32", "glm5-core"])
+def test_tiny_dsa_model_decodes_hfs_tokens_through_the_kernels(model: str, core: bool, dsa_ref, request: pytest.FixtureRequest,
+                                                                repo_root: Path, tmp_path: Path) -> None:
     """HF's prefill state (a short prompt below index_topk, a long one 5x above it; both decodes outgrow it): the speed
     path's kernels under the interpreter (the DSA indexer and top-k, the MLA kernel, the fused attention half-layer,
     the fused MoE block) decode HF's greedy tokens, through the graph step's static body across windows (short prompt),
-    the eager step and the MTP speculative step (long prompt). The reference path's parity with HF is test_dsa.py's."""
+    the eager step and the MTP speculative step (long prompt). The reference path's parity with HF is test_dsa.py's.
+    core: with the persistent attention core (mla_core_triton, TILEPD_MLA_CORE=1) in place of its three launches."""
     refs = {}
     for prompt, modes in (("short", ["graph"]), ("long", ["eager", "mtp"])):
         ref = dsa_ref(model, prompt)
         refs[f"{model}/{prompt}"] = {"seq_len": ref.state.seq_len, "layers": ref.state.layers, "indexer": ref.state.indexer,
                                      "tokens": ref.tokens[:13], "modes": modes}
     torch.save(refs, tmp_path / "refs.pt")
-    r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"))
+    r = _interpret(_ENGINE, repo_root, str(request.getfixturevalue(f"tiny_{model}")), str(tmp_path / "refs.pt"),
+                   env={"TILEPD_MLA_CORE": "1" if core else "0"})
     assert r.returncode == 0 and "engine ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 

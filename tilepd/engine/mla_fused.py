@@ -16,6 +16,7 @@ launches that read the weights anyway:
      (a DSA window that fits index_topk selects every causal slot: the span is that selection, read without indices);
   6. merge + W_UV in one launch (mla_fused_triton.merge_uv);
   7. wo with the residual add in its epilogue.
+With mla_core_triton's switch on, 3, 5 and 6 are one persistent launch (5 and 6 where DSA scores between 3 and 5).
 
 The weights of G1 and G2 are concatenated once (`prepare_model`, called by compiled.accelerate before the first
 graph capture); the model's own entries (wq_a, wkv_a, ...) become views into them, so memory does not grow and the
@@ -202,9 +203,10 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
                     cs: torch.Tensor, mask: DenseSpan | None, dsa: DSAStep | None, residual: bool = True) -> torch.Tensor:
     """x + attention(rms_norm(x)) for layer `p` (residual False: the attention output alone, which tensor parallelism
     all-reduces before its own add)."""
+    from tilepd.engine import mla_core_triton
     from tilepd.engine.dsa import Selection
-    from tilepd.engine.mla_attention import TUNE_SPARSE, split_partials
-    from tilepd.engine.mla_fused_triton import merge_uv, prepare
+    from tilepd.engine.mla_attention import TUNE_SPARSE, split_partials, split_plan
+    from tilepd.engine.mla_fused_triton import merge_uv, prepare, prepare_plan
 
     s, w, layer = model.spec, model.w, model.fused[p]
     t, r, rope, eps = x.shape[0], s.kv_lora_rank, s.qk_rope_head_dim, s.rms_norm_eps
@@ -219,8 +221,15 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
         idx_cs = cs if model.index_rope is model.rope else model.index_rope.index_select(0, positions)
         index = (a["idx_wk"], w[p + "idx_k_norm"], w[p + "idx_k_norm_bias"], idx_cs, keys, s.indexer_rope_interleave)
     head_weights = (x, w[p + "attn_norm"], eps, w[p + "idx_weights_proj"]) if scoring else None
-    q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
-                             index, head_weights)
+    core = mla_core_triton.enabled(x)  # prepare, split and merge + W_UV in one launch (prepare apart where DSA scores)
+    prep = None
+    if core and not scoring:
+        prep = prepare_plan(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
+                            index, head_weights, block_c=mla_core_triton.TUNE["block_c"], unroll=bool(mla_core_triton.TUNE["prep_unroll"]))
+        q_cat, weights = prep.outputs
+    else:
+        q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
+                                 index, head_weights)
     fits = dsa is not None and dsa.valid.shape[1] <= s.index_topk and isinstance(mask, DenseSpan)
     if dsa is not None and not fits:
         if scoring:
@@ -233,12 +242,16 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
             length = dsa.valid.shape[1]
             dsa.selection = Selection(torch.arange(length, device=x.device).expand(t, length).contiguous(), dsa.valid.contiguous())
         sel = dsa.selection
-        part, lse = split_partials(q_cat, cache, r, model.scale, sel.idx.shape[1], idx=sel.idx, ok=sel.ok)
+        span = {"length": sel.idx.shape[1], "idx": sel.idx, "ok": sel.ok}
     else:  # dense MLA, or DSA while the window fits index_topk: every causal slot is selected, so the span is the
         # selection and the kernel reads rows by position (no index/ok loads in front of each row gather)
         if mask is None:
             raise ValueError("MLA fused attention: a dense layer needs its DenseSpan")
-        part, lse = split_partials(q_cat, cache, r, model.scale, mask.length, lo=mask.lo, hi=mask.hi, tune=TUNE_SPARSE if fits else None)
-    out = merge_uv(part, lse, w[p + "w_uv"], x.dtype, cache.dtype)
+        span = {"length": mask.length, "lo": mask.lo, "hi": mask.hi, "tune": TUNE_SPARSE if fits else None}
+    if core:
+        out = mla_core_triton.attention_core(prep, split_plan(q_cat, cache, r, model.scale, **span), w[p + "w_uv"], x.dtype, cache.dtype)
+    else:
+        part, lse = split_partials(q_cat, cache, r, model.scale, **span)
+        out = merge_uv(part, lse, w[p + "w_uv"], x.dtype, cache.dtype)
     wo = w[p + "wo"]
     return gemv(out, wo, wo.shape[-2], residual=x if residual else None, site="wo")
