@@ -72,9 +72,10 @@ except ImportError:  # pragma: no cover - a Triton without griddepcontrol: the k
 TRIGGERS = {0: 2, 1: 1, 2: 3}  # TILEPD_PDL_TRIGGER -> the kernels' PDL constexpr (flag())
 KINDS = ("gemv", "prepare", "split", "merge", "gate", "gate_up", "down", "dsa")
 # Launch sites: a kind, or one launch of a kind the step makes more than once a layer (the attention's G1, G2 and wo
-# GEMVs are "gemv", the routing launch is "gate", mla_core_triton's persistent attention core is "merge"). early: the sites whose launch triggers right after its wait whatever
-# TILEPD_PDL_TRIGGER says (TILEPD_PDL_EARLY=route,merge: the next launch, gate-up or wo, is placed while this one
-# runs); prefetch_at: the sites that prefetch their weights before the wait whatever TILEPD_PDL_PREFETCH says.
+# GEMVs are "gemv", the routing launch is "gate", mla_core_triton's persistent attention core "core" is a "merge").
+# early: the sites whose launch triggers right after its wait whatever TILEPD_PDL_TRIGGER says (TILEPD_PDL_EARLY=
+# route,merge: the next launch, gate-up or wo, is placed while this one runs); prefetch_at: the sites that prefetch
+# their weights before the wait whatever TILEPD_PDL_PREFETCH says.
 SITES = KINDS + ("g1", "g2", "wo", "route", "core")
 
 
