@@ -85,7 +85,7 @@ def test_core_builds_for_sm90_with_its_barrier_and_no_spills(monkeypatch: pytest
     """GLM-5.1's shapes: at 1K the core runs prepare, the split over the window's span and the merge (two barriers); past
     index_topk prepare is a launch of its own and the core runs the split over the selection and the merge (one)."""
     from tests.engine.sm90_compile import compiling, ptxas_info
-    from tilepd.engine import mla_attention as A, mla_core_triton as K, mla_fused_triton as M, pdl
+    from tilepd.engine import grid_sync, mla_attention as A, mla_core_triton as K, mla_fused_triton as M, pdl
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
@@ -109,6 +109,10 @@ def test_core_builds_for_sm90_with_its_barrier_and_no_spills(monkeypatch: pytest
         K.attention_core(prep, split, w_uv, bf, bf, one_launch=True, programs=132)
     (core,) = done
     assert core["name"] == "_core_kernel" and core["constexprs"]["SYNC"] and core["constexprs"]["PRELOAD"], core["constexprs"]
+    # the grid: the most items of a phase (prepare's 130 at 1K: 64 heads x 2 absorb tiles + the latent + the index key;
+    # 128 merge items past index_topk), and the barrier's counter is that grid size's own
+    grid = 130 if prep is not None else 128
+    assert (torch.device("cpu"), f"MLA core barrier/{grid}") in grid_sync._COUNTERS
     assert core["constexprs"]["PHASES"] == (7 if prep is not None else 6)
     ptx = core["ptx"]
     arrivals = re.findall(r"atom\.global\.gpu\.acq_rel\.add\.u64", ptx)

@@ -10,7 +10,11 @@ items (mla_fused_triton._prepare_item, mla_attention._split_item, mla_fused_trit
 so the arithmetic and its rounding are theirs. Past DSA's index_topk the indexer needs prepare's outputs before the
 attention, so there the core runs split and merge only (prepare stays a launch, then the indexer's).
 
-Switch: TUNE["on"] (TILEPD_MLA_CORE). Under TRITON_INTERPRET=1 each phase is a launch of its own (the barrier compiled
+Measured (one H100, 2026-12-07, docs/PERFORMANCE.md "The MLA attention core as one persistent launch"): alone, in a
+CUDA graph, the core takes 0.89x the three launches' time at 1K and 0.81x past index_topk, but inside the step it is
+slower: GLM-5.1 fp8 78L 17.61 against 17.01 ms/token at 1K, 20.28 against 19.84 at 32K, one TP8 rank's shard 6.67
+against 5.25 ms a step; a grid barrier (~1.1 us) costs about what a kernel boundary with PDL's late trigger does (0.8-1.0).
+So it stays off. Switch: TUNE["on"] (TILEPD_MLA_CORE). Under TRITON_INTERPRET=1 each phase is a launch of its own (the barrier compiled
 out: grid_sync's docstring), which is how the CPU tests check the phases; the barrier runs only on a GPU.
 """
 
@@ -35,7 +39,7 @@ try:
 except Exception:  # pragma: no cover - CPU installs without Triton
     triton = None
 
-# on: the switch (0 until a side-by-side run on a GPU says the core is faster). num_warps: the one launch's warps (the
+# on: the switch (off: slower inside the step, the docstring). num_warps: the one launch's warps (the
 # separate kernels ran 4 / 4 / 8). block_c: latent columns an absorb item (256: 2 items a head, so a 64-head prepare is
 # ~one item a program). prep_unroll: the absorb's NOPE loop unrolled (all of an item's W_UK tile in flight).
 # block_v: W_UV output channels a merge item. preload: each program's W_UV tile loaded before the last barrier
@@ -142,13 +146,17 @@ def attention_core(prep: Plan | None, split: SplitPlan, w_uv: torch.Tensor, act:
     device = split.part.device
     if one_launch is None:
         one_launch = os.environ.get("TRITON_INTERPRET") != "1" and device.type == "cuda"
-    bar = grid_sync.counter(device, "MLA core barrier", torch.int64)
     if one_launch:
         if programs is None:
             programs = grid_sync.resident_programs(device.index if device.index is not None else torch.cuda.current_device())
-        launches = [(sum(phases), min(programs, max(items.values())), True)]
-    else:  # one launch a phase, each its items' grid (nothing resident at once to wait for)
+        grid = min(programs, max(items.values()))
+        launches = [(sum(phases), grid, True)]
+        # a counter a grid size: the barrier waits for the next multiple of the grid, so a counter must only ever count
+        # arrivals of grids of one size (a 128-program launch after 130-program ones would release early or never)
+        bar = grid_sync.counter(device, f"MLA core barrier/{grid}", torch.int64)
+    else:  # one launch a phase, each its items' grid (nothing resident at once to wait for, no barrier)
         launches = [(p, items[p], False) for p in phases]
+        bar = split.lse
     constexprs = {**prep_constexprs, "RANK": rank, "ROPE": split.constexprs["ROPE"], "ACT": merge.constexprs["ACT"],
                   "BLOCK_H": split.constexprs["BLOCK_H"], "BLOCK_N": split.constexprs["BLOCK_N"], "SPARSE": split.constexprs["SPARSE"],
                   "PRECISION": split.constexprs["PRECISION"], "UPCAST": split.constexprs["UPCAST"], "LAT": merge.constexprs["LAT"],
