@@ -13,9 +13,10 @@ attention, so there the core runs split and merge only (prepare stays a launch, 
 Measured (one H100, 2026-12-07, docs/PERFORMANCE.md "The MLA attention core as one persistent launch"): alone, in a
 CUDA graph, the core takes 0.89x the three launches' time at 1K and 0.81x past index_topk, but inside the step it is
 slower: GLM-5.1 fp8 78L 17.61 against 17.01 ms/token at 1K, 20.28 against 19.84 at 32K, one TP8 rank's shard 6.67
-against 5.25 ms a step; a grid barrier (~1.1 us) costs about what a kernel boundary with PDL's late trigger does (0.8-1.0).
-So it stays off. Switch: TUNE["on"] (TILEPD_MLA_CORE). Under TRITON_INTERPRET=1 each phase is a launch of its own (the barrier compiled
-out: grid_sync's docstring), which is how the CPU tests check the phases; the barrier runs only on a GPU.
+against 5.25 ms a step; a grid barrier (~1.1 us) costs about what a kernel boundary with PDL's late trigger does
+(0.8-1.0 us). So it stays off. Switch: TUNE["on"] (TILEPD_MLA_CORE). Under TRITON_INTERPRET=1 each phase is a launch of
+its own (the barrier compiled out: grid_sync's docstring), which is how the CPU tests check the phases; the barrier runs
+only on a GPU.
 """
 
 from __future__ import annotations
