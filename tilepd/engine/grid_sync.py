@@ -5,12 +5,12 @@ meeting at a barrier between phases instead of at a kernel boundary (launch ramp
 programs must all be resident at once, so its grid is at most one program an SM (`resident_programs`), and the barrier
 must survive CUDA-graph replays without a reset launch: the counter only grows, and a program waits for the next
 multiple of the grid size (an int64 never wraps in practice: 2^63 / 132 barriers). So a counter serves grids of one
-size only: arrivals of another size would leave it off their multiples, and a barrier would release early or never. A counter first made inside a
-graph capture would be zeroed only by the graph's own replays, so that is refused by name.
+size only: arrivals of another size would leave it off their multiples, and a barrier would release early or never.
+A counter first made inside a graph capture would be zeroed only by the graph's own replays, so that is refused by name.
 
 Under TRITON_INTERPRET=1 the programs of a launch run one after another, so a program waiting for a later one would
 wait forever: callers run each phase as a launch of its own there (the barrier compiled out), which is how the CPU
-tests check the phases' arithmetic; the barrier itself runs only on a GPU (tests/engine/test_mla_gpu_parity.py).
+tests check the phases' arithmetic; the barrier itself runs only on a GPU (tests/engine/test_mla_core_gpu.py).
 """
 
 from __future__ import annotations

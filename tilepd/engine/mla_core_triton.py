@@ -134,14 +134,14 @@ def attention_core(prep: Plan | None, split: SplitPlan, w_uv: torch.Tensor, act:
     if prep is not None:
         if prep.constexprs["RANK"] != rank or prep.constexprs["ACT"] != merge.constexprs["ACT"] or prep.outputs[0].data_ptr() != split.q.data_ptr():
             raise ValueError("MLA core: the split's query must be prepare's output, at the same rank and activation dtype")
-        prep_args, prep_constexprs = prep.args, {k: v for k, v in prep.constexprs.items() if k not in ("RANK", "ROPE", "ACT")}
+        prep_args, prep_constexprs = prep.args, prep.constexprs
         n_prep = prep.grid[0]
     else:
         prep_args, prep_constexprs = _no_prepare(split)
         n_prep = 0
     q, rows, idx, ok, lo, hi, part, lse, heads, length, chunk, qk_scale, *split_strides = split.args
     n_vb = merge.grid[1]
-    w_uv_, out = merge.args[2], merge.outputs[0]
+    _, _, _, out, _, _, v, *_, s_out = merge.args  # merge_plan's: part, lse, w_uv, out, splits, heads, v, strides.., out's
     items = {PHASE_PREPARE: t * n_prep, PHASE_SPLIT: split.groups * split.splits, PHASE_MERGE: merge.items}
     phases = [p for p in (PHASE_PREPARE, PHASE_SPLIT, PHASE_MERGE) if items[p] > 0]
     device = split.part.device
@@ -158,15 +158,14 @@ def attention_core(prep: Plan | None, split: SplitPlan, w_uv: torch.Tensor, act:
     else:  # one launch a phase, each its items' grid (nothing resident at once to wait for, no barrier)
         launches = [(p, items[p], False) for p in phases]
         bar = split.lse
-    constexprs = {**prep_constexprs, "RANK": rank, "ROPE": split.constexprs["ROPE"], "ACT": merge.constexprs["ACT"],
-                  "BLOCK_H": split.constexprs["BLOCK_H"], "BLOCK_N": split.constexprs["BLOCK_N"], "SPARSE": split.constexprs["SPARSE"],
-                  "PRECISION": split.constexprs["PRECISION"], "UPCAST": split.constexprs["UPCAST"], "LAT": merge.constexprs["LAT"],
-                  "BLOCK_S": merge.constexprs["BLOCK_S"], "BLOCK_V": merge.constexprs["BLOCK_V"], "CHUNK_C": merge.constexprs["CHUNK_C"],
-                  "M_STAGES": merge.constexprs["STAGES"], "M_UNROLL": merge.constexprs["UNROLL"]}
+    # the three launches' constexprs under their own names (RANK, ROPE, ACT: shared, checked above), the merge's loop
+    # switches renamed apart from prepare's
+    merge_loop = {"STAGES": "M_STAGES", "UNROLL": "M_UNROLL"}
+    constexprs = {**prep_constexprs, **split.constexprs, **{merge_loop.get(k, k): v for k, v in merge.constexprs.items()}}
     for phase_set, grid, sync in launches:
         _core_kernel[(grid,)](
             *prep_args, n_prep, t, q, rows, idx, ok, lo, hi, part, lse, heads, length, chunk, qk_scale, *split_strides,
-            split.groups, split.splits, w_uv_, out, merge.args[6], merge.args[12], n_vb, bar, **constexprs,
+            split.groups, split.splits, w_uv, out, v, s_out, n_vb, bar, **constexprs,
             PHASES=phase_set, SYNC=sync, PRELOAD=bool(TUNE["preload"]) and merge.items <= grid,
             num_warps=TUNE["num_warps"], num_stages=split.tune["num_stages"], **pdl.launch_args(q, "merge", "core"))
     return out

@@ -223,13 +223,12 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
     head_weights = (x, w[p + "attn_norm"], eps, w[p + "idx_weights_proj"]) if scoring else None
     core = mla_core_triton.enabled(x)  # prepare, split and merge + W_UV in one launch (prepare apart where DSA scores)
     prep = None
+    prep_args = (q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave, index, head_weights)
     if core and not scoring:
-        prep = prepare_plan(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
-                            index, head_weights, block_c=mla_core_triton.TUNE["block_c"], unroll=bool(mla_core_triton.TUNE["prep_unroll"]))
+        prep = prepare_plan(*prep_args, block_c=mla_core_triton.TUNE["block_c"], unroll=bool(mla_core_triton.TUNE["prep_unroll"]))
         q_cat, weights = prep.outputs
     else:
-        q_cat, weights = prepare(q, a["wkv_a"], w[p + "w_uk"], w[p + "kv_a_norm"], eps, cs, positions, cache, r, rope, s.rope_interleave,
-                                 index, head_weights)
+        q_cat, weights = prepare(*prep_args)
     fits = dsa is not None and dsa.valid.shape[1] <= s.index_topk and isinstance(mask, DenseSpan)
     if dsa is not None and not fits:
         if scoring:

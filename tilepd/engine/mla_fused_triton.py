@@ -191,13 +191,24 @@ if triton is not None:
                 tl.store(WOUT + t * s_wt + hh, tl.sum(acc, axis=0))
 
     @triton.jit
+    def _uv_tile(WUV, h, V, c0, offs_v, vmask, RANK: tl.constexpr, CHUNK_C: tl.constexpr):
+        """W_UV[h, offs_v, c0:c0+CHUNK_C] (zeros past V)."""
+        offs_c = c0 + tl.arange(0, CHUNK_C)
+        return tl.load(WUV + (h * V + offs_v).to(tl.int64)[:, None] * RANK + offs_c[None, :], mask=vmask[:, None], other=0.0)
+
+    @triton.jit
+    def _merged_latent(o_head, c0, offs_s, smask, wt, den, s_os, ACT: tl.constexpr, LAT: tl.constexpr, CHUNK_C: tl.constexpr):
+        """The merged latent's columns c0..c0+CHUNK_C, rounded as the merge stores it (to LAT, then ACT), in fp32."""
+        offs_c = c0 + tl.arange(0, CHUNK_C)
+        o = tl.load(o_head + offs_s[:, None] * s_os + offs_c[None, :], mask=smask[:, None], other=0.0)
+        return (tl.sum(o * wt[:, None], axis=0) / den).to(LAT).to(ACT).to(tl.float32)
+
+    @triton.jit
     def _uv_chunk(o_head, WUV, h, V, c0, offs_s, smask, wt, den, offs_v, vmask, s_os, RANK: tl.constexpr, ACT: tl.constexpr,
                   LAT: tl.constexpr, CHUNK_C: tl.constexpr):
         """W_UV[h, offs_v, c0:c0+CHUNK_C] . the merged latent's columns c0.. (rounded as the merge stores it), fp32."""
-        offs_c = c0 + tl.arange(0, CHUNK_C)
-        o = tl.load(o_head + offs_s[:, None] * s_os + offs_c[None, :], mask=smask[:, None], other=0.0)
-        lat = (tl.sum(o * wt[:, None], axis=0) / den).to(LAT).to(ACT).to(tl.float32)
-        w = tl.load(WUV + (h * V + offs_v).to(tl.int64)[:, None] * RANK + offs_c[None, :], mask=vmask[:, None], other=0.0)
+        lat = _merged_latent(o_head, c0, offs_s, smask, wt, den, s_os, ACT, LAT, CHUNK_C)
+        w = _uv_tile(WUV, h, V, c0, offs_v, vmask, RANK, CHUNK_C)
         return tl.sum(w.to(tl.float32) * lat[None, :], axis=1)
 
     @triton.jit
@@ -254,8 +265,7 @@ if triton is not None:
         """Head row's W_UV tile [BLOCK_V, RANK] (zeros past V or for a row past the last): loaded by the persistent core
         before its last grid barrier, since no kernel of the step writes weights."""
         offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        offs_c = tl.arange(0, RANK)
-        return tl.load(WUV + ((row % H) * V + offs_v).to(tl.int64)[:, None] * RANK + offs_c[None, :], mask=(offs_v < V)[:, None], other=0.0)
+        return _uv_tile(WUV, row % H, V, 0, offs_v, offs_v < V, RANK, RANK)
 
     @triton.jit
     def _merge_uv_loaded(row, vb, w, O, LSE, OUT, S, H, V, s_ot, s_oh, s_os, s_lt, s_lh, s_out, RANK: tl.constexpr, ACT: tl.constexpr,
@@ -265,9 +275,7 @@ if triton is not None:
         h = row % H
         offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         offs_s, smask, wt, den = _lse_weights(LSE, t, h, s_lt, s_lh, S, BLOCK_S)
-        offs_c = tl.arange(0, RANK)
-        o = tl.load(O + t * s_ot + h * s_oh + offs_s[:, None] * s_os + offs_c[None, :], mask=smask[:, None], other=0.0)
-        lat = (tl.sum(o * wt[:, None], axis=0) / den).to(LAT).to(ACT).to(tl.float32)
+        lat = _merged_latent(O + t * s_ot + h * s_oh, 0, offs_s, smask, wt, den, s_os, ACT, LAT, RANK)
         acc = tl.sum(w.to(tl.float32) * lat[None, :], axis=1)
         tl.store(OUT + t * s_out + h * V + offs_v, acc.to(ACT), mask=offs_v < V)
 
@@ -282,14 +290,13 @@ def _tl(dtype: torch.dtype) -> object:
 
 @dataclass
 class Plan:
-    """One launch's work laid out: its outputs, grid, arguments in the kernel's order (args: tensors, scalars and
-    strides; constexprs: the tiles) and the tensor whose device decides PDL."""
+    """One launch's work laid out: its outputs, grid and arguments in the kernel's order (args: tensors, scalars and
+    strides; constexprs: the tiles)."""
 
     outputs: tuple
     grid: tuple[int, int]
     args: tuple
     constexprs: dict
-    pdl_t: torch.Tensor
 
     @property
     def items(self) -> int:
@@ -344,7 +351,7 @@ def prepare_plan(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm:
                   "HAS_INDEX": index is not None, "HAS_WEIGHTS": wout is not None, "ACT": _tl(q.dtype), "BLOCK_C": block_c,
                   "BLOCK_D": TUNE["block_d"], "BLOCK_K": 1024, "STAGES": TUNE["prep_stages"],
                   "UNROLL": bool(TUNE["prep_unroll"] if unroll is None else unroll)}
-    return Plan((qout, wout), (n_absorb + 1 + (index is not None) + n_heads, t), args, constexprs, q)
+    return Plan((qout, wout), (n_absorb + 1 + (index is not None) + n_heads, t), args, constexprs)
 
 
 def prepare(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, kv_norm: torch.Tensor, eps: float, cs: torch.Tensor,
@@ -381,7 +388,7 @@ def merge_plan(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: t
     args = (part, lse, w_uv, out, s, h, v, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0))
     constexprs = {"RANK": rank, "ACT": _tl(act), "LAT": _tl(lat), "BLOCK_S": max(2, triton.next_power_of_2(s)), "BLOCK_V": block_v,
                   "CHUNK_C": chunk_c, "STAGES": TUNE["merge_stages"], "UNROLL": bool(TUNE["merge_unroll"])}
-    return Plan((out,), (t * h, triton.cdiv(v, block_v)), args, constexprs, part)
+    return Plan((out,), (t * h, triton.cdiv(v, block_v)), args, constexprs)
 
 
 def merge_uv(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor, act: torch.dtype, lat: torch.dtype) -> torch.Tensor:
