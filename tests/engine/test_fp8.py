@@ -138,6 +138,36 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
             err = float((outs[-1] - want_n).abs().max() / want_n.abs().max())
             assert outs[-1].shape == (2, 130) and err < 2e-2, (k_norm, err)  # bf16 output: ~1-2 ulps at the largest value
         assert torch.allclose(outs[0], outs[1], rtol=2 ** -7, atol=1e-3), float((outs[0] - outs[1]).abs().max())
+        # PRELOAD (pdl.preload_flag: the first chunk and its scales loaded before the wait; PDL is off on CPU, so the
+        # flag is forced here): the same sums in the same order, so the same bits, with the norm and the residual over
+        # several chunks and a masked tail, one chunk (the loop left empty), per-row scales, and the [N, K] accumulator
+        from tilepd.engine import pdl
+        real_flag = pdl.preload_flag
+        hr = rnd((130, 300), (1, 128)); xr = torch.randn(2, 300, generator=g).bfloat16()
+        res = torch.randn(2, 130, generator=g).bfloat16()
+        cases = [(xn, hn, {"norm_weight": nw, "eps": 1e-6, "residual": res}, {}), (xr, hr, {"residual": res}, {}),
+                 (xn[:, :1000], rnd((130, 1000), (128, 128)), {}, {}), (xn, hn, {}, {"block_k": 512, "reduce_each": 0})]
+        for xc, wc, kw, tune in cases:
+            got = []
+            for forced in (False, True):
+                saved = dict(fp8_triton.TUNE); fp8_triton.TUNE.update(tune); pdl.preload_flag = lambda *a, forced=forced, **k: forced
+                try:
+                    got.append(fp8_triton.launch_fused(xc.contiguous(), wc.weight, wc.scale, wc.block, **kw))
+                finally:
+                    fp8_triton.TUNE.clear(); fp8_triton.TUNE.update(saved); pdl.preload_flag = real_flag
+            assert torch.equal(got[0], got[1]), (tune, list(wc.weight.shape), float((got[0].float() - got[1].float()).abs().max()))
+            if tune.get("reduce_each", 1):  # 2 and 4 chunks before the wait: one wider first sum, within float32 rounding
+                for cols in (4096, 8192):
+                    saved = dict(fp8_triton.TUNE); fp8_triton.TUNE.update(tune, preload_k=cols); pdl.preload_flag = lambda *a, **k: True
+                    try:
+                        wide = fp8_triton.launch_fused(xc.contiguous(), wc.weight, wc.scale, wc.block, **kw)
+                    finally:
+                        fp8_triton.TUNE.clear(); fp8_triton.TUNE.update(saved); pdl.preload_flag = real_flag
+                    assert torch.allclose(wide.float(), got[0].float(), rtol=2 ** -7, atol=1e-3), (cols, float((wide.float() - got[0].float()).abs().max()))
+            ref = (xc.float() if "norm_weight" not in kw else None)
+            if ref is not None:
+                want = ref @ dequantize(wc).T + (res.float() if "residual" in kw else 0)
+                assert torch.allclose(got[1].float(), want, rtol=2 ** -6, atol=2e-2), float((got[1].float() - want).abs().max())
         # the short tile (16 rows, 1024-wide chunks: G2's), made to take a 260-row weight over K 1500 (a masked tail)
         # (off by default: TUNE's short_k 0 gives G2 the norm chunk and the picked rows)
         assert fp8_triton.fused_tile(16384, 2048, 1, True)[1] == 2048 and fp8_triton.fused_tile(16384, 2048, 1, True)[0] != 16

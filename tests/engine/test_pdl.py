@@ -53,9 +53,14 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl.launch_args(x, "gate", "route") == {"PDL": 1, "launch_pdl": True} and pdl.flag(x, "down", "down") == 0
     monkeypatch.setitem(pdl.SWITCH, "prefetch", 0)
     assert pdl.prefetch_flag(x, site="wo") and not pdl.prefetch_flag(x, site="g1") and not pdl.prefetch_flag(x)
+    monkeypatch.setitem(pdl.SWITCH, "preload_at", frozenset({"g2"}))  # the register preload: its own sites, prefetch's switch not read
+    monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
+    assert pdl.preload_flag(x, site="g2") and not pdl.preload_flag(x, site="wo") and not pdl.preload_flag(x)
+    monkeypatch.setitem(pdl.SWITCH, "prefetch", 0)
     monkeypatch.setitem(pdl.SWITCH, "on", 0)
     assert pdl.flag(x, "gate") == 0 and pdl.flag(x, "gate", "route") == 0 and not pdl.prefetch_flag(x, site="wo")
-    for name in ("TILEPD_PDL_EARLY", "TILEPD_PDL_PREFETCH_AT"):
+    assert not pdl.preload_flag(x, site="g2")
+    for name in ("TILEPD_PDL_EARLY", "TILEPD_PDL_PREFETCH_AT", "TILEPD_PDL_PRELOAD_AT"):
         res = subprocess.run([sys.executable, "-c", "import tilepd.engine.pdl"], env={**os.environ, name: "g1,g7"}, capture_output=True, text=True,
                              timeout=120)
         assert res.returncode != 0 and f"{name}='g1,g7'" in res.stderr, res.stderr
@@ -70,9 +75,9 @@ def test_flag_forms_and_skipped_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert res.returncode != 0 and "TILEPD_PDL_TRIGGER=3" in res.stderr
     bare = {k: v for k, v in os.environ.items() if not k.startswith("TILEPD_PDL")}  # the defaults: the late form, no prefetch
     res = subprocess.run([sys.executable, "-c", "from tilepd.engine import pdl; s = pdl.SWITCH; print(s['on'], s['trigger'], s['prefetch'], "
-                          "'+'.join(sorted(s['early'])), len(s['prefetch_at']))"], env=bare, capture_output=True, text=True, timeout=120)
+                          "'+'.join(sorted(s['early'])), len(s['prefetch_at']), len(s['preload_at']))"], env=bare, capture_output=True, text=True, timeout=120)
     # the defaults: the late form, with the early trigger at the sites before a GEMV of many programs or a small kernel
-    assert res.returncode == 0 and res.stdout.split() == ["1", "2", "0", "down+g1+gate+gate_up+merge+route+wo", "0"], res.stdout + res.stderr
+    assert res.returncode == 0 and res.stdout.split() == ["1", "2", "0", "down+g1+gate+gate_up+merge+route+wo", "0", "3"], res.stdout + res.stderr
     res = subprocess.run([sys.executable, "-c", "from tilepd.engine import pdl; print(len(pdl.SWITCH['early']))"], env={**bare, "TILEPD_PDL_EARLY": ""},
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "0", res.stdout + res.stderr  # set, even empty, the variable wins
@@ -129,6 +134,7 @@ def _compile_step_kernels(monkeypatch: pytest.MonkeyPatch, trigger: int = 1) -> 
     monkeypatch.setitem(pdl.SWITCH, "trigger", trigger)  # 1, the widest form: early trigger, weights prefetched before the wait
     monkeypatch.setitem(pdl.SWITCH, "early", frozenset())  # every kernel in the form `trigger` names
     monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
+    monkeypatch.setitem(pdl.SWITCH, "preload_at", frozenset({"gemv"}))  # the fp8 GEMV's first chunk into registers before the wait
     bf = torch.bfloat16
     g = torch.Generator().manual_seed(0)
 
@@ -193,6 +199,9 @@ def test_step_kernels_compile_for_sm90_with_pdl(monkeypatch: pytest.MonkeyPatch)
         assert "griddepcontrol.wait" in d["ptx"] and "griddepcontrol.launch_dependents" in d["ptx"], d["name"]
         if d["constexprs"].get("PREFETCH"):
             assert "prefetch.global.L2" in d["ptx"], d["name"]
+        if d["constexprs"].get("PRELOAD_K"):  # weight loads issued before the wait, kept there
+            assert "ld.global" in d["ptx"][: d["ptx"].index("griddepcontrol.wait")], d["name"]
+    assert {d["name"] for d in done if d["constexprs"].get("PRELOAD_K")} == {"_fp8_gemv_kernel"}
     prefetching = {d["name"] for d in done if d["constexprs"].get("PREFETCH")}
     assert {"_fp8_gemv_kernel", "_dense_gemv_kernel", "_prepare_kernel", "_merge_uv_kernel", "_gate_up_kernel", "_down_kernel"} <= prefetching
 

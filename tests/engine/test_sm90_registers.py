@@ -76,14 +76,18 @@ def _step_kernels() -> list[dict]:
 @pytest.mark.parametrize("switches", ["defaults", "all-on"])
 def test_the_step_kernels_do_not_spill_at_glm51_shapes(monkeypatch: pytest.MonkeyPatch, switches: str) -> None:
     from tests.engine.sm90_compile import ptxas_info
-    from tilepd.engine import pdl
+    from tilepd.engine import fp8_triton, pdl
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if switches == "all-on":
         monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
         monkeypatch.setitem(pdl.SWITCH, "trigger", 1)
         monkeypatch.setitem(pdl.SWITCH, "prefetch", 1)
+        monkeypatch.setitem(pdl.SWITCH, "preload_at", frozenset(pdl.SITES))  # the fp8 GEMVs' weights into registers before the wait
+        monkeypatch.setitem(fp8_triton.TUNE, "preload_k", 4096)  # G1 two chunks, wo four
     done = _step_kernels()
+    if switches == "all-on":
+        assert [d["constexprs"]["PRELOAD_K"] for d in done if d["name"] == "_fp8_gemv_kernel"] == [4096, 2048, 4096]
     names = [d["name"] for d in done]
     assert names == ["_fp8_gemv_kernel", "_fp8_gemv_kernel", "_prepare_kernel", "_mla_split_kernel", "_merge_uv_kernel", "_fp8_gemv_kernel",
                      "_gate_kernel", "_route_kernel", "_gate_up_kernel", "_down_kernel"], names

@@ -40,10 +40,19 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _chunk_prod(w, x_row, NW, rstd, s_base, rows, rmask, row0, s_sn, cols, cmask, act, BN: tl.constexpr, BK: tl.constexpr,
-                    ROW_UNIFORM: tl.constexpr, BITS_CVT: tl.constexpr, NORM: tl.constexpr):
-        """One K chunk's products [BLOCK_N, BLOCK_K] in float32 from its weight tile w as loaded (e4m3, or its bytes);
-        row0: the tile's first row (ROW_UNIFORM: its row block's scales serve every row)."""
+    def _chunk_scales(s_base, rows, rmask, row0, s_sn, cols, cmask, BN: tl.constexpr, BK: tl.constexpr, ROW_UNIFORM: tl.constexpr):
+        """One K chunk's block scales: [BLOCK_K] where the tile's rows share one row block (ROW_UNIFORM; row0 its
+        first row), else [BLOCK_N, BLOCK_K] gathered per element."""
+        if ROW_UNIFORM:  # (one return: Triton types the function by its returns, both branches alike)
+            s = tl.load(s_base + (row0 // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
+        else:
+            s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        return s
+
+    @triton.jit
+    def _chunk_prod(w, s, x_row, NW, rstd, cols, cmask, act, ROW_UNIFORM: tl.constexpr, BITS_CVT: tl.constexpr, NORM: tl.constexpr):
+        """One K chunk's products [BLOCK_N, BLOCK_K] in float32 from its weight tile w as loaded (e4m3, or its bytes)
+        and its scales s (_chunk_scales)."""
         if BITS_CVT:
             # W holds the e4m3 bytes as uint8: sign to bit 15 and exponent+mantissa to bits 13..7 is the same
             # number as fp16 times 2^-8 (normals and subnormals alike), two integer ops instead of cvt
@@ -58,10 +67,10 @@ if triton is not None:
         if BITS_CVT:
             x = x * 256.0
         if ROW_UNIFORM:  # the tile's rows share one row block: fold the scales into x
-            s = tl.load(s_base + (row0 // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
-            return wf * (x * s)[None, :]
-        s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        return wf * s * x[None, :]
+            prod = wf * (x * s)[None, :]
+        else:
+            prod = wf * s * x[None, :]
+        return prod
 
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, WS, SS, IDS, BIAS, Y, N, K, s_xr, s_we, s_wn, s_se, s_sn, s_yr,
@@ -69,7 +78,7 @@ if triton is not None:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr,
                          BITS_CVT: tl.constexpr, REDUCE_EACH: tl.constexpr, HAS_SHARED: tl.constexpr, X_DIV: tl.constexpr,
                          NW, RES, eps, s_rr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                         PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PRELOAD_K: tl.constexpr = 0):
         r = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,6 +87,11 @@ if triton is not None:
         if PREFETCH:  # before the wait (pdl.py): the tile's first K chunk of weight bytes into L2, one address a line
             lines = tl.arange(0, BLOCK_K // 128) * 128
             prefetch_l2(W + rows.to(tl.int64)[:, None] * s_wn + lines[None, :], rmask[:, None] & (lines < K)[None, :])
+        if PRELOAD_K:  # before the wait (pdl.py; no ids: the rows are known): the first PRELOAD_K columns and their scales
+            cols0 = tl.arange(0, PRELOAD_K)  # into registers (a multiple of BLOCK_K; wider than it only with REDUCE_EACH)
+            cmask0 = cols0 < K
+            w0 = tl.load(W + rows.to(tl.int64)[:, None] * s_wn + cols0[None, :], mask=rmask[:, None] & cmask0[None, :], other=0.0)
+            s0 = _chunk_scales(S, rows, rmask, pid_n * BLOCK_N, s_sn, cols0, cmask0, BN, BK, ROW_UNIFORM)
         wait(PDL)
         x_row = X + (r // X_DIV) * s_xr
         w_base = W
@@ -99,11 +113,20 @@ if triton is not None:
             rstd = row_rstd(x_row, K, eps, BLOCK_K)
         else:
             rstd = 1.0
-        for k0 in range(0, K, BLOCK_K):
+        k_first = 0
+        if PRELOAD_K:  # the preloaded columns first (one BLOCK_K chunk: the same order of sums as the loop's)
+            prod0 = _chunk_prod(w0, s0, x_row, NW, rstd, cols0, cmask0, act, ROW_UNIFORM, BITS_CVT, NORM)
+            if REDUCE_EACH:
+                acc_rows += tl.sum(prod0, axis=1)
+            else:
+                acc += prod0
+            k_first = PRELOAD_K
+        for k0 in range(k_first, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < K
             w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-            prod = _chunk_prod(w, x_row, NW, rstd, s_base, rows, rmask, pid_n * BLOCK_N, s_sn, cols, cmask, act, BN, BK, ROW_UNIFORM, BITS_CVT, NORM)
+            s = _chunk_scales(s_base, rows, rmask, pid_n * BLOCK_N, s_sn, cols, cmask, BN, BK, ROW_UNIFORM)
+            prod = _chunk_prod(w, s, x_row, NW, rstd, cols, cmask, act, ROW_UNIFORM, BITS_CVT, NORM)
             if REDUCE_EACH:
                 acc_rows += tl.sum(prod, axis=1)
             else:
@@ -142,7 +165,19 @@ if triton is not None:
 # picked tile either way: 16 rows would leave it fewer programs than SMs at 1K.
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
                         "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048),
-                        "short_k": env_int("TILEPD_FP8_NORM_SHORT_K", 0), "short_rows": 8192, "short_block_n": 16, "short_block_k": 1024}
+                        "short_k": env_int("TILEPD_FP8_NORM_SHORT_K", 0), "short_rows": 8192, "short_block_n": 16, "short_block_k": 1024,
+                        "preload_k": env_int("TILEPD_FP8_PRELOAD_K", 0)}
+if TUNE["preload_k"] & (TUNE["preload_k"] - 1):
+    raise ValueError(f"TILEPD_FP8_PRELOAD_K={TUNE['preload_k']}: a power of two (the columns loaded before PDL's wait), or 0 for one chunk")
+
+
+def _preload_k(tile_k: int, k: int, reduce_each: bool) -> int:
+    """The columns a program loads before PDL's wait: one K chunk, or TUNE's preload_k columns where that is more (a
+    power of two; at most K rounded up), which only a [BLOCK_N] accumulator takes (a [BLOCK_N, BLOCK_K] one sums per
+    chunk)."""
+    if not reduce_each:
+        return tile_k
+    return max(tile_k, min(TUNE["preload_k"], triton.next_power_of_2(k)))
 
 
 def _block_n(n: int, rows: int) -> int:
@@ -226,16 +261,18 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         raise ValueError(f"fp8 fused GEMV: norm weight {list(norm_weight.shape)}, expected [{k}]")
     y = torch.empty(r, n, dtype=x.dtype, device=x.device)
     tile_n, tile_k = fused_tile(n, k, r, norm_weight is not None)
+    reduce_each = bool(TUNE["reduce_each"]) or tile_k >= 1024
     bits = bool(TUNE["bits_cvt"])
     extra = {"num_stages": TUNE["num_stages"]} if TUNE["num_stages"] else {}
     _fp8_gemv_kernel[(r, triton.cdiv(n, tile_n))](
         x, weight.view(torch.uint8) if bits else weight, scale, x, x, x, x, y, n, k,
         x.stride(0), 0, weight.stride(0), 0, scale.stride(0), y.stride(0),
         BN=block[0], BK=block[1], HAS_IDS=False, HAS_BIAS=False, BLOCK_N=tile_n, BLOCK_K=tile_k,
-        ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=bool(TUNE["reduce_each"]) or tile_k >= 1024,
+        ROW_UNIFORM=block[0] % tile_n == 0, BITS_CVT=bits, REDUCE_EACH=reduce_each,
         HAS_SHARED=False, X_DIV=1, NW=norm_weight if norm_weight is not None else x, RES=residual if residual is not None else x,
         eps=eps, s_rr=residual.stride(0) if residual is not None else 0, NORM=norm_weight is not None, HAS_RES=residual is not None,
         PREFETCH=pdl.prefetch_flag(x, site=site) and tile_k >= 128,
+        PRELOAD_K=_preload_k(tile_k, k, reduce_each) if pdl.preload_flag(x, site=site) else 0,
         num_warps=TUNE["num_warps"], **extra, **pdl.launch_args(x, site=site),
     )
     return y

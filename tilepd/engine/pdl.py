@@ -28,7 +28,9 @@ be scheduled right after this one's wait; 2, the default: once every program of 
 form; 0: wait only, the next kernel launches as this one completes), TILEPD_PDL_PREFETCH (the weight prefetch before the
 wait; default 0, it only pays with the early trigger), TILEPD_PDL_SKIP (kernel kinds launched without it), and per launch
 site (SITES) TILEPD_PDL_EARLY (sites that trigger right after their wait, whatever TILEPD_PDL_TRIGGER says; default
-EARLY, set empty for none) and TILEPD_PDL_PREFETCH_AT (sites that prefetch; default none). The defaults, the late form
+EARLY, set empty for none), TILEPD_PDL_PREFETCH_AT (sites that prefetch; default none) and TILEPD_PDL_PRELOAD_AT
+(sites whose programs load their first weight chunk into registers before the wait, rather than into L2: no second
+read of it, nothing to evict; default PRELOAD, the fp8 GEMVs g1, g2 and wo; set empty for none). The defaults, the late form
 without the prefetch and the early trigger at EARLY's seven sites, because on one H100 GLM-5.1 fp8 at 78 layers
 stepped faster with the late form than without PDL in three pairs (2026-12-07, docs/PERFORMANCE.md "PDL's late form":
 1K 17.39 / 17.33 / 17.42 -> 17.20 / 17.24 / 17.29 ms/token; 32K 20.28 -> 20.15), and faster again with the early trigger
@@ -100,9 +102,18 @@ def _names(variable: str, allowed: tuple[str, ...], default: frozenset[str] = fr
 # ms/token late everywhere, 17.06-17.08 early at the first five, 17.04 / 17.03 with wo / gate beside them, 17.01-17.02
 # with all seven; 17.28 / 17.44 / 17.52 with split / g2 / prepare beside the five; every form with the prefetch slower.
 EARLY = frozenset({"g1", "merge", "route", "gate_up", "down", "wo", "gate"})
+# PRELOAD: the sites whose programs load their first weight chunk (and its scales) into registers before the wait: the
+# attention's three fp8 GEMVs, each after an early-trigger site (G1 after down, G2 after G1, wo after merge), so their
+# programs are placed while the previous kernel runs and their first HBM round trip overlaps it. One H100, one warm
+# machine (2026-12-07, eighth session; docs/PERFORMANCE.md "The attention GEMVs' first chunk loaded before PDL's wait"):
+# GLM-5.1 fp8 78L 1K 17.21-17.26 -> 16.97-17.00 ms/token, 32K 20.13 -> 19.85, DeepSeek-V3 fp8 61L 1K 15.87 -> 15.58,
+# the TP8 shard 5.26 -> 5.19 ms a step. Measured and not taken: the MoE down kernel's shared-expert tile preloaded
+# (GLM-5.1 +0.8 ms, the shard +0.1), and wo's first two chunks (fp8_triton's preload_k 2048: GLM-5.1 16.80, the shard 5.15,
+# but DeepSeek-V3 16.16-16.20).
+PRELOAD = frozenset({"g1", "g2", "wo"})
 SWITCH: dict = {"on": env_int("TILEPD_PDL", 1), "prefetch": env_int("TILEPD_PDL_PREFETCH", 0), "trigger": env_int("TILEPD_PDL_TRIGGER", 2),
                 "skip": _names("TILEPD_PDL_SKIP", KINDS), "early": _names("TILEPD_PDL_EARLY", SITES, EARLY),
-                "prefetch_at": _names("TILEPD_PDL_PREFETCH_AT", SITES)}
+                "prefetch_at": _names("TILEPD_PDL_PREFETCH_AT", SITES), "preload_at": _names("TILEPD_PDL_PRELOAD_AT", SITES, PRELOAD)}
 if SWITCH["trigger"] not in TRIGGERS:
     raise ValueError(f"TILEPD_PDL_TRIGGER={SWITCH['trigger']}: 0 (wait only), 1 (early) or 2 (late)")
 
@@ -159,6 +170,13 @@ def prefetch_flag(t: torch.Tensor, kind: str = "gemv", site: str | None = None) 
     """The kernels' PREFETCH constexpr: the L2 prefetch of weights before the wait (only with PDL, where it overlaps
     the previous kernel's tail; without PDL it would only add instructions in front of the same loads)."""
     return enabled(t, kind) and (bool(SWITCH["prefetch"]) or (site or kind) in SWITCH["prefetch_at"])
+
+
+def preload_flag(t: torch.Tensor, kind: str = "gemv", site: str | None = None) -> bool:
+    """The kernels' PRELOAD constexpr: the first weight chunk loaded into registers before the wait, at the sites in
+    SWITCH["preload_at"] (only with PDL: placed early, the program's first round trip to HBM overlaps the previous
+    kernel; without PDL the wait is a no-op and the preload only reorders the same loads)."""
+    return enabled(t, kind) and (site or kind) in SWITCH["preload_at"]
 
 
 def launch_args(t: torch.Tensor, kind: str = "gemv", site: str | None = None) -> dict:
