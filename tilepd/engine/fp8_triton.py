@@ -163,6 +163,11 @@ if triton is not None:
 # H200, where it gained most alone, has not run the step with it (`bash bench/depth_step.sh ab OUT 330 g2
 # TILEPD_FP8_NORM_SHORT_K=2048`). A TP8 rank's G2 (2048-6144 rows) keeps the
 # picked tile either way: 16 rows would leave it fewer programs than SMs at 1K.
+# preload_k: the columns a launch_fused program loads before PDL's wait where its site preloads (pdl.PRELOAD): 0, one
+# chunk (G1 and G2 2048, wo 1024 columns). 2048 gives wo two chunks: on one H100 (2026-12-07) GLM-5.1 fp8 78L 1K
+# 16.97-17.00 -> 16.80 ms/token and the TP8 shard 5.19 -> 5.15, but DeepSeek-V3 fp8 15.58 -> 16.16-16.20, so it stays
+# 0; 4096 (wo four chunks at 128 registers, G1 two) was slower on GLM-5.1 (18.32 against 17.80, both with the down
+# kernel's preload, itself measured slower and not kept).
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
                         "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048),
                         "short_k": env_int("TILEPD_FP8_NORM_SHORT_K", 0), "short_rows": 8192, "short_block_n": 16, "short_block_k": 1024,
