@@ -173,9 +173,9 @@ def prefetch_flag(t: torch.Tensor, kind: str = "gemv", site: str | None = None) 
 
 
 def preload_flag(t: torch.Tensor, kind: str = "gemv", site: str | None = None) -> bool:
-    """The kernels' PRELOAD constexpr: the first weight chunk loaded into registers before the wait, at the sites in
-    SWITCH["preload_at"] (only with PDL: placed early, the program's first round trip to HBM overlaps the previous
-    kernel; without PDL the wait is a no-op and the preload only reorders the same loads)."""
+    """Whether a launch loads its first weight chunk into registers before the wait (fp8_triton's PRELOAD_K): at the
+    sites in SWITCH["preload_at"], only with PDL (placed early, the program's first round trip to HBM overlaps the
+    previous kernel; without PDL the wait is a no-op and the preload would only reorder the same loads)."""
     return enabled(t, kind) and (site or kind) in SWITCH["preload_at"]
 
 
