@@ -121,3 +121,26 @@ def test_core_builds_for_sm90_with_its_barrier_and_no_spills(monkeypatch: pytest
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     info = ptxas_info(ptx)
     assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
+
+
+def test_the_placeholders_without_prepare_line_up_with_prepares_arguments() -> None:
+    """Past index_topk the core passes `_no_prepare`'s placeholders in prepare's argument slots (compiled out, never
+    read): as many as a real prepare plan has, each of its kind (a tensor, a float, an int), and every constexpr of
+    prepare's that the split or the merge does not bring. A new argument of _prepare_kernel fails here, not on a GPU."""
+    from tilepd.engine import mla_attention as A, mla_core_triton as K, mla_fused_triton as M
+
+    t, heads, nope, rank, rope = 1, 2, 32, 64, 16
+    cs = torch.randn(t, 2, rope)
+    cache = torch.zeros(40, 1, rank + rope)
+    index = (torch.randn(t, 32), torch.ones(32), torch.zeros(32), cs, torch.zeros(40, 32), True)
+    prep = M.prepare_plan(torch.randn(t, heads * (nope + rope)), torch.randn(t, rank + rope), torch.randn(heads, nope, rank),
+                          torch.ones(rank), 1e-6, cs, torch.zeros(t, dtype=torch.int64), cache, rank, rope, True, index,
+                          (torch.randn(t, 48), torch.ones(48), 1e-6, torch.randn(4, 48)))
+    split = A.split_plan(prep.outputs[0], cache, rank, 0.1, 8, idx=torch.zeros(t, 8, dtype=torch.int64), ok=torch.ones(t, 8, dtype=torch.bool))
+    args, constexprs = K._no_prepare(split)
+
+    def kind(a: object) -> str:
+        return "tensor" if isinstance(a, torch.Tensor) else type(a).__name__
+
+    assert [kind(a) for a in args] == [kind(a) for a in prep.args]
+    assert set(prep.constexprs) - set(constexprs) - set(split.constexprs) == {"ACT"}  # the merge plan's, which the core always has
