@@ -176,6 +176,18 @@ def _add_profile(row: Row, engine: Engine, spec: ModelSpec, context: int, tokens
     row.extra["profile"] = {k: v for k, v in p.items() if k not in ("launches_per_layer", "launches_per_step", "gaps_us_per_step", "non_gemv_us_per_layer")}
 
 
+def _mtp_step_profile(engine: Engine, state: KVState, spec: ModelSpec, tokens: int) -> dict:
+    """The MTP step's kernels per step from a profiled decode at the step's current setting (step_profile.profile_decode
+    per target step; its 20 largest kernels): where the step's time outside the verify and draft forwards goes."""
+    from step_profile import profile_decode
+
+    try:
+        p = profile_decode(engine, state, tokens, spec.num_layers, top=20, per_target_step=True)
+    except Exception as e:
+        return {"profile_error": f"{type(e).__name__}: {e}"}
+    return {"step_profile": {k: v for k, v in p.items() if k != "layers"}}
+
+
 def expert_share(spec: ModelSpec, rows: int) -> float:
     """Expected share of the routed experts that `rows` tokens read between them (each picks num_experts_per_tok
     of n_routed_experts; the bench's random router picks independently, so k+1 verify rows read ~k+1x the experts)."""
@@ -335,6 +347,8 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
                             "ideal_speedup": (k + 1) * (wb + kvb) / (parts["verify"] + parts["draft"]),
                             "match_rate": st["matched"] / st["drafted"] if st["drafted"] else 0.0, "tokens_agree": agree,
                             "tok_s_by_accept_len": {a: a * 1e3 / step_ms for a in range(1, k + 2)}})
+                        if device.type == "cuda" and not args.no_profile:
+                            extra.update(_mtp_step_profile(engine, state, spec, args.profile_tokens))
                         step.set_oracle(None)
                     # % of floor per emitted token: the step's byte floor over the tokens it emitted on average
                     per_tok_floor = floor_step * st["target_steps"] / len(res.tokens)

@@ -58,9 +58,10 @@ def summarize_kernels(per_kernel: dict[str, tuple[float, int]], steps: int, laye
             "kernels": [{"name": nm, "us_per_step": us, "per_step": n} for us, n, nm in rows[:top]]}
 
 
-def profile_decode(engine, state, tokens: int, layers: int, top: int | None = 25) -> dict:
+def profile_decode(engine, state, tokens: int, layers: int, top: int | None = 25, *, per_target_step: bool = False) -> dict:
     """One greedy decode of `tokens` tokens from `state` under the CUDA profiler (graphs already captured) ->
-    summarize_kernels' figures. CUDA only: the bench's CPU rows carry no profile."""
+    summarize_kernels' figures, per token, or per_target_step: per MTP step (engine.last_mtp_stats' target steps,
+    an engine with num_speculative_tokens > 0). CUDA only: the bench's CPU rows carry no profile."""
     from tilepd.engine.types import SamplingParams
 
     if engine.device.type != "cuda":
@@ -71,7 +72,7 @@ def profile_decode(engine, state, tokens: int, layers: int, top: int | None = 25
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         res = engine.decode(3, tokens, params, lambda t: None)
         torch.cuda.synchronize()
-    steps = len(res.tokens)
+    steps = engine.last_mtp_stats["target_steps"] if per_target_step else len(res.tokens)
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
