@@ -11,7 +11,9 @@
 # "off" is TILEPD_PDL=0: the kernels as they launched before (no griddepcontrol, no prefetch, the shared expert summed
 # last); "on" below is PDL's widest form (early trigger and prefetch). TILEPD_MOE_FUSED_GATE_RANKED selected a top-k
 # by ranks in the gate kernel, measured slower and removed (2026-12-03); the runs that set it are kept as they ran.
-# The "notrigger" variants set TILEPD_PDL_EARLY empty: since 2026-12-07 some sites trigger early by default (pdl.EARLY).
+# The "notrigger" variants set TILEPD_PDL_EARLY empty: since 2026-12-07 some sites trigger early by default (pdl.EARLY);
+# they also set TILEPD_PDL_PRELOAD_AT empty: since the eighth session of that day the attention's fp8 GEMVs load their
+# first weight chunk before the wait by default (pdl.PRELOAD), which only pays with a trigger.
 # Each step: its JSON and log under OUTDIR.
 set -u
 part=${1:?part: ab, table, variants or one}
@@ -57,10 +59,10 @@ case "$part" in
     v off "${off[@]}"
     v on "${on[@]}"
     v noprefetch TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=0
-    v notrigger TILEPD_PDL=1 TILEPD_PDL_TRIGGER=0 TILEPD_PDL_PREFETCH=0 TILEPD_PDL_EARLY=
+    v notrigger TILEPD_PDL=1 TILEPD_PDL_TRIGGER=0 TILEPD_PDL_PREFETCH=0 TILEPD_PDL_EARLY= TILEPD_PDL_PRELOAD_AT=
     v small-only TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=1 TILEPD_PDL_SKIP=gemv,gate_up,down
     v no-moe-gemv TILEPD_PDL=1 TILEPD_PDL_TRIGGER=1 TILEPD_PDL_PREFETCH=1 TILEPD_PDL_SKIP=gate_up,down
-    v notrigger-small TILEPD_PDL=1 TILEPD_PDL_TRIGGER=0 TILEPD_PDL_PREFETCH=0 TILEPD_PDL_EARLY= TILEPD_PDL_SKIP=gemv,gate_up,down
+    v notrigger-small TILEPD_PDL=1 TILEPD_PDL_TRIGGER=0 TILEPD_PDL_PREFETCH=0 TILEPD_PDL_EARLY= TILEPD_PDL_PRELOAD_AT= TILEPD_PDL_SKIP=gemv,gate_up,down
     parity parity 120 "${on[@]}"
     ;;
   *) echo "unknown part: $part (ab, table, one or variants)" >&2; exit 2 ;;
