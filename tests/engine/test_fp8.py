@@ -143,26 +143,22 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
         # several chunks and a masked tail, one chunk (the loop left empty), per-row scales, and the [N, K] accumulator
         from tilepd.engine import pdl
         real_flag = pdl.preload_flag
+        def fused_with(xc, wc, kw, tune, preload):  # launch_fused under TUNE's entries and the forced preload flag
+            saved = dict(fp8_triton.TUNE); fp8_triton.TUNE.update(tune); pdl.preload_flag = lambda *a, **k: preload
+            try:
+                return fp8_triton.launch_fused(xc.contiguous(), wc.weight, wc.scale, wc.block, **kw)
+            finally:
+                fp8_triton.TUNE.clear(); fp8_triton.TUNE.update(saved); pdl.preload_flag = real_flag
         hr = rnd((130, 300), (1, 128)); xr = torch.randn(2, 300, generator=g).bfloat16()
         res = torch.randn(2, 130, generator=g).bfloat16()
         cases = [(xn, hn, {"norm_weight": nw, "eps": 1e-6, "residual": res}, {}), (xr, hr, {"residual": res}, {}),
                  (xn[:, :1000], rnd((130, 1000), (128, 128)), {}, {}), (xn, hn, {}, {"block_k": 512, "reduce_each": 0})]
         for xc, wc, kw, tune in cases:
-            got = []
-            for forced in (False, True):
-                saved = dict(fp8_triton.TUNE); fp8_triton.TUNE.update(tune); pdl.preload_flag = lambda *a, forced=forced, **k: forced
-                try:
-                    got.append(fp8_triton.launch_fused(xc.contiguous(), wc.weight, wc.scale, wc.block, **kw))
-                finally:
-                    fp8_triton.TUNE.clear(); fp8_triton.TUNE.update(saved); pdl.preload_flag = real_flag
+            got = [fused_with(xc, wc, kw, tune, forced) for forced in (False, True)]
             assert torch.equal(got[0], got[1]), (tune, list(wc.weight.shape), float((got[0].float() - got[1].float()).abs().max()))
             if tune.get("reduce_each", 1):  # 2 and 4 chunks before the wait: one wider first sum, within float32 rounding
                 for cols in (4096, 8192):
-                    saved = dict(fp8_triton.TUNE); fp8_triton.TUNE.update(tune, preload_k=cols); pdl.preload_flag = lambda *a, **k: True
-                    try:
-                        wide = fp8_triton.launch_fused(xc.contiguous(), wc.weight, wc.scale, wc.block, **kw)
-                    finally:
-                        fp8_triton.TUNE.clear(); fp8_triton.TUNE.update(saved); pdl.preload_flag = real_flag
+                    wide = fused_with(xc, wc, kw, {**tune, "preload_k": cols}, True)
                     assert torch.allclose(wide.float(), got[0].float(), rtol=2 ** -7, atol=1e-3), (cols, float((wide.float() - got[0].float()).abs().max()))
             ref = (xc.float() if "norm_weight" not in kw else None)
             if ref is not None:
