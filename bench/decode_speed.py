@@ -188,6 +188,23 @@ def _mtp_step_profile(engine: Engine, state: KVState, spec: ModelSpec, tokens: i
     return {"step_profile": {k: v for k, v in p.items() if k != "layers"}}
 
 
+def _first_token_check(engine: Engine, model, state: KVState, first: int, window: int, device: torch.device) -> dict:
+    """Why a forced MTP row's tokens may part from the plain decode's at once: the plain forward's logits for the
+    first token (1 row) beside the verify forward's row 0 (2 rows, the same prefix), and that token's top-2 margin.
+    A margin below the rows' difference is a near tie that the other kernel shapes may break the other way."""
+    c = state.seq_len
+    out = []
+    for ids in ([3], [3, first]):
+        engine.inject(state)
+        logits, _ = model.forward(torch.tensor(ids, dtype=torch.long, device=device), torch.arange(c, c + len(ids), device=device), window)
+        out.append(logits[0].float())
+    engine.inject(state)
+    plain, verify = out
+    top2 = plain.topk(2).values
+    return {"first_token_margin": float(top2[0] - top2[1]), "verify_row0_max_abs_diff": float((plain - verify).abs().max()),
+            "verify_row0_argmax_agrees": bool(plain.argmax() == verify.argmax())}
+
+
 def expert_share(spec: ModelSpec, rows: int) -> float:
     """Expected share of the routed experts that `rows` tokens read between them (each picks num_experts_per_tok
     of n_routed_experts; the bench's random router picks independently, so k+1 verify rows read ~k+1x the experts)."""
@@ -347,6 +364,10 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
                             "ideal_speedup": (k + 1) * (wb + kvb) / (parts["verify"] + parts["draft"]),
                             "match_rate": st["matched"] / st["drafted"] if st["drafted"] else 0.0, "tokens_agree": agree,
                             "tok_s_by_accept_len": {a: a * 1e3 / step_ms for a in range(1, k + 2)}})
+                        try:
+                            extra.update(_first_token_check(engine, model, state, base.tokens[0], window, device))
+                        except Exception as e:
+                            extra["first_token_check_error"] = f"{type(e).__name__}: {e}"
                         if device.type == "cuda" and not args.no_profile:
                             extra.update(_mtp_step_profile(engine, state, spec, args.profile_tokens))
                         step.set_oracle(None)
@@ -706,7 +727,8 @@ def _mtp_line(r: dict) -> str:
         line += (f"; verify fwd {e['verify_vs_plain']:.2f}x plain fwd ({e['verify_fwd_ms']:.3f}/{e['plain_fwd_ms']:.3f} ms), "
                  f"draft {e['draft_fwd_ms']:.3f} ms, rest {e['host_and_rest_ms']:.3f} ms; "
                  f"{e['tok_s']:.0f} tok/s vs {e['plain_tok_s']:.0f} no-MTP = {e['speedup']:.2f}x (byte bound {e['ideal_speedup']:.2f}x); "
-                 f"match {e['match_rate']:.2f}, tokens_agree {e['tokens_agree']}; tok/s at accept len 1..k+1: {by_len}")
+                 f"match {e['match_rate']:.2f}, tokens_agree {e['tokens_agree']} (first token's top-2 margin "
+                 f"{e.get('first_token_margin', float('nan')):.3g}, verify row 0 off by {e.get('verify_row0_max_abs_diff', float('nan')):.3g}); tok/s at accept len 1..k+1: {by_len}")
     return line
 
 

@@ -44,6 +44,12 @@ def test_decode_speed_tiny_cpu_runs_every_variant(model: str, extra_args: list[s
     spec_rows = [row for row in rows if row["variant"].startswith("mtp-spec")]
     if model in ("dsv3-small", "glm5-small", "glm-5.1"):
         assert spec_rows and "acceptance_rate" in spec_rows[0]["extra"]
+        for row in rows:  # the forced rows say whether a first-token split from the plain decode is a near tie
+            if row["variant"].startswith("mtp-forced"):
+                e = row["extra"]
+                assert "first_token_check_error" not in e, e
+                assert e["first_token_margin"] >= 0 and e["verify_row0_max_abs_diff"] >= 0
+                assert isinstance(e["verify_row0_argmax_agrees"], bool)
     else:  # llama has no MTP layer; --no-mtp skips the rows
         assert not spec_rows
 
