@@ -66,10 +66,17 @@ if triton is not None:
             x = ((x * rstd).to(act).to(tl.float32) * g).to(act).to(tl.float32)
         if BITS_CVT:
             x = x * 256.0
-        if ROW_UNIFORM:  # the tile's rows share one row block: fold the scales into x
-            prod = wf * (x * s)[None, :]
+        return _fold_scales(wf, s, x, ROW_UNIFORM)
+
+    @triton.jit
+    def _fold_scales(w, s, x, ROW_UNIFORM: tl.constexpr):
+        """A chunk's products [BLOCK_N, BLOCK_K]: w (float32) times its block scales s (_chunk_scales) times the
+        activations x [BLOCK_K]. Where the tile's rows share one row block the scales fold into x: one multiply a
+        column, not one an element."""
+        if ROW_UNIFORM:
+            prod = w * (x * s)[None, :]
         else:
-            prod = wf * s * x[None, :]
+            prod = w * s * x[None, :]
         return prod
 
     @triton.jit

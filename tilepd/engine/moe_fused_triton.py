@@ -44,6 +44,7 @@ from tilepd.engine.tuning import env_int
 try:
     import triton
     import triton.language as tl
+    from tilepd.engine.fp8_triton import _chunk_scales, _fold_scales
     from tilepd.engine.pdl import prefetch_l2, trigger, wait
     from tilepd.engine.triton_rows import row_rstd
 
@@ -176,18 +177,11 @@ if triton is not None:
             wg = tl.load(g_rows + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
             wu = tl.load(u_rows + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
             x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            if FP8:
-                if ROW_UNIFORM:  # the tile's gate rows share one row block, so do its up rows: scales fold into x
-                    sg = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
-                    su = tl.load(s_base + ((I + pid_n * BLOCK_N) // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
-                    acc_g += tl.sum(wg * (x * sg)[None, :], axis=1)
-                    acc_u += tl.sum(wu * (x * su)[None, :], axis=1)
-                else:  # per-row block scales (rows off block boundaries)
-                    kb = (cols // BK)[None, :]
-                    sg = tl.load(s_base + (cols_n // BN)[:, None] * s_sn + kb, mask=wmask, other=0.0)
-                    su = tl.load(s_base + ((I + cols_n) // BN)[:, None] * s_sn + kb, mask=wmask, other=0.0)
-                    acc_g += tl.sum(wg * sg * x[None, :], axis=1)
-                    acc_u += tl.sum(wu * su * x[None, :], axis=1)
+            if FP8:  # ROW_UNIFORM: the tile's gate rows share one row block, so do its up rows (I % BN == 0)
+                sg = _chunk_scales(s_base, cols_n, nmask, pid_n * BLOCK_N, s_sn, cols, cmask, BN, BK, ROW_UNIFORM)
+                su = _chunk_scales(s_base, I + cols_n, nmask, I + pid_n * BLOCK_N, s_sn, cols, cmask, BN, BK, ROW_UNIFORM)
+                acc_g += tl.sum(_fold_scales(wg, sg, x, ROW_UNIFORM), axis=1)
+                acc_u += tl.sum(_fold_scales(wu, su, x, ROW_UNIFORM), axis=1)
             else:
                 acc_g += tl.sum(wg * x[None, :], axis=1)
                 acc_u += tl.sum(wu * x[None, :], axis=1)
@@ -233,12 +227,8 @@ if triton is not None:
                 w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
                 a = tl.load(a_row + cols, mask=cmask, other=0.0).to(tl.float32)
                 if FP8:
-                    if ROW_UNIFORM:  # the tile's rows share one row block: its scales fold into the activations
-                        s = tl.load(s_base + (pid_n * BLOCK_N // BN) * s_sn + cols // BK, mask=cmask, other=0.0)
-                        acc += tl.sum(w * (a * s)[None, :], axis=1)
-                    else:  # per-row block scales (rows off block boundaries)
-                        s = tl.load(s_base + (rows // BN)[:, None] * s_sn + (cols // BK)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-                        acc += tl.sum(w * s * a[None, :], axis=1)
+                    s = _chunk_scales(s_base, rows, rmask, pid_n * BLOCK_N, s_sn, cols, cmask, BN, BK, ROW_UNIFORM)
+                    acc += tl.sum(_fold_scales(w, s, a, ROW_UNIFORM), axis=1)
                 else:
                     acc += tl.sum(w * a[None, :], axis=1)
             total += tl.load(WTS + t * s_wt + j).to(tl.float32) * acc.to(act).to(tl.float32)  # the expert's output, rounded
