@@ -309,14 +309,18 @@ def run_speculative(args, spec: ModelSpec, weights, device, dtype, floors, bw: f
             plain_ms = base.timings["decode_ms"] / len(base.tokens)
             window = engine.graph_step.window(c + args.tokens)
 
+            # what the forced step verifies (padded past a short decode): a verify step's tokens, not one token t times,
+            # whose rows would route alike and read fewer experts than a verify step reads
+            verify_ids = [3] + base.tokens + list(range(4, 6 + max(ks)))
+
             def fwd_ms(t: int) -> float:
-                ids = torch.full((t,), 3, dtype=torch.long, device=device)
+                ids = torch.tensor(verify_ids[:t], dtype=torch.long, device=device)
                 pos = torch.arange(c, c + t, device=device)
                 return graph_time_us(lambda: model.forward(ids, pos, window), device, reps=5) / 1e3
 
             def draft_ms(k: int) -> float:
                 """The draft part alone: the MTP layer on k+1 catch-up rows (head on one), then k-1 single-row steps."""
-                ids = torch.full((k + 1,), 3, dtype=torch.long, device=device)
+                ids = torch.tensor(verify_ids[1 : k + 2], dtype=torch.long, device=device)
                 pos = torch.arange(c, c + k + 1, device=device)
                 hid = torch.randn(k + 1, spec.hidden_size, device=device, dtype=dtype)
                 row = torch.zeros(1, dtype=torch.long, device=device)

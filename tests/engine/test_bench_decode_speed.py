@@ -92,3 +92,21 @@ def test_step_summary_counts_launches_gaps_and_non_gemv_time_per_layer() -> None
     assert [k["name"] for k in p["kernels"]] == ["_fp8_gemv_kernel", "_expert_gemv_kernel", "_mla_split_kernel"]
     with pytest.raises(ValueError, match="steps > 0"):
         summarize_kernels(per, steps=0, layers=2, step_us=1.0)
+
+
+@pytest.mark.slow
+def test_verify_rows_finds_row_zero_unchanged_by_more_rows_on_the_cpu_reference(repo_root: Path, python_exe: str, tmp_path: Path) -> None:
+    """bench/verify_rows.py on the tiny GLM-5.1 stand-in (fp8 weights, DSA, MoE; CPU float32 reference ops): row 0 of
+    a 2- and 4-row forward is the one-row forward's up to float32 rounding at every depth, and the repeat is exact."""
+    out = tmp_path / "rows.json"
+    r = subprocess.run([python_exe, str(repo_root / "bench" / "verify_rows.py"), "--device", "cpu", "--tiny", "--model", "glm-5.1",
+                        "--weights", "fp8", "--rows", "2", "4", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [d["depth"] for d in report["depths"]] == [1, 2, 4, 6] and report["path"] == "reference"
+    for d in report["depths"]:
+        assert d["repeat"]["hidden_rel"] == 0.0 and d["margin"] > 0, d
+        for rows in ("2", "4"):
+            v = d["rows"][rows]
+            assert v["hidden_rel"] < 1e-5 and v["logits_rel"] < 1e-5 and v["argmax_agrees"], (d["depth"], rows, v)
