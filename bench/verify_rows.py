@@ -10,7 +10,7 @@ flips; a fault shows as a jump at a layer. Built as decode_speed builds (random 
 on CUDA; the DeepSeek family's layers past the first MoE layer alias its weights); the model runs truncated to each
 depth (its spec's num_layers) from the same injected state. Per depth and row count: row 0's relative difference of
 the final normed hidden state and of the logits against the one-row forward, the one-row forward's top-2 margin and
-whether the argmax agrees; beside them the one-row forward run twice (its own run-to-run difference).
+whether the argmax agrees; beside them each forward run twice (its own run-to-run difference: a race shows there).
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def measure(model, engine, state, spec, depths: list[int], rows: list[int], wind
                  "repeat": {"hidden_rel": rel(h1, again_h), "logits_rel": rel(logits1, again_logits)}, "rows": {}}
         for r in rows:
             lg, h = row0(model, engine, state, spec, d, [3] + extra[: r - 1], window, device)
+            _, h_again = row0(model, engine, state, spec, d, [3] + extra[: r - 1], window, device)
             entry["rows"][str(r)] = {"hidden_rel": rel(h1, h), "logits_rel": rel(logits1, lg), "logits_max_abs": float((logits1 - lg).abs().max()),
-                                     "argmax_agrees": bool(logits1.argmax() == lg.argmax())}
+                                     "argmax_agrees": bool(logits1.argmax() == lg.argmax()), "repeat_hidden_rel": rel(h, h_again)}
         out.append(entry)
         line = " ".join(f"rows {r}: h {v['hidden_rel']:.2e} logits {v['logits_rel']:.2e}{'' if v['argmax_agrees'] else ' (argmax differs)'}"
                         for r, v in entry["rows"].items())

@@ -109,4 +109,4 @@ def test_verify_rows_finds_row_zero_unchanged_by_more_rows_on_the_cpu_reference(
         assert d["repeat"]["hidden_rel"] == 0.0 and d["margin"] > 0, d
         for rows in ("2", "4"):
             v = d["rows"][rows]
-            assert v["hidden_rel"] < 1e-5 and v["logits_rel"] < 1e-5 and v["argmax_agrees"], (d["depth"], rows, v)
+            assert v["hidden_rel"] < 1e-5 and v["logits_rel"] < 1e-5 and v["argmax_agrees"] and v["repeat_hidden_rel"] == 0.0, (d["depth"], rows, v)
