@@ -116,10 +116,11 @@ def test_a_tp8_shards_gate_up_takes_the_narrow_tile_without_spills(monkeypatch: 
     assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
 
 
-@pytest.mark.parametrize("rows", [2, 4, 8])
-def test_an_mtp_verify_steps_attention_gemvs_take_one_program_a_tile_without_spills(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+def test_an_mtp_verify_steps_attention_gemvs_take_one_program_a_tile_without_spills(monkeypatch: pytest.MonkeyPatch) -> None:
     """GLM-5.1's G1, G2 and wo over an MTP verify step's k + 1 rows: fp8_triton's rows kernel (each weight chunk read once
-    for all rows, one program a column tile), built for sm_90 with PDL on, spills nothing."""
+    for all rows, one program a column tile), built for sm_90 with PDL on, spills nothing at its most rows (8: the
+    registers grow with the rows, 124-139 from 2 to 8 on 2026-12-07)."""
+    rows = 8
     from tests.engine.sm90_compile import compiling, ptxas_info
     from tilepd.engine import fp8_triton, pdl
 
