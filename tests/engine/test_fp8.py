@@ -165,7 +165,7 @@ def test_triton_gemv_kernel_under_interpreter(repo_root: Path) -> None:
             if ref is not None:
                 want = ref @ dequantize(wc).T + (res.float() if "residual" in kw else 0)
                 assert torch.allclose(got[1].float(), want, rtol=2 ** -6, atol=2e-2), float((got[1].float() - want).abs().max())
-        # several rows (an MTP verify step's, up to rows_max; off by default): one program a column tile reads each weight
+        # several rows (an MTP verify step's, up to rows_max; off by default, measured slower): one program a column tile reads each weight
         # chunk once for all rows; against a program a row (rows_max 1) and the unfused ops, T on and off the power of two, with
         # the norm and the residual over several chunks and a masked tail, per-row scales, a single chunk
         for t in (2, 3, 5):

@@ -220,8 +220,9 @@ if triton is not None:
 # rows_max: launch_fused over 2..rows_max rows (an MTP verify step's k + 1) takes _fp8_gemv_rows_kernel, one program a
 # column tile for all rows, with chunks of at most rows_block_k (1024: 124-139 registers at GLM-5.1's shapes, no
 # spills; 2048 takes 204-225). Why: a program a row read each weight chunk k + 1 times; at k = 3 the step profile on one
-# H100 (2026-12-07) had the attention GEMVs at 14.5 ms a step against 9.1 for one row. Off (1) until a device has
-# timed the MTP step with it and run the GPU parity under it: `TILEPD_FP8_ROWS_MAX=8` turns it on.
+# H100 (2026-12-07) had the attention GEMVs at 14.5 ms a step against 9.1 for one row. Measured slower on one H100
+# (2026-12-07, GLM-5.1 fp8 78L 1K, MTP forced): the k=1 step 30.4 against 29.4 ms, k=3 56.3 against 53.1 (k + 1 times
+# fewer programs, each with k + 1 times the arithmetic a chunk); GPU parity passes under it. Off (1); 8 turns it on.
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
                         "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048),
                         "short_k": env_int("TILEPD_FP8_NORM_SHORT_K", 0), "short_rows": 8192, "short_block_n": 16, "short_block_k": 1024,
