@@ -192,14 +192,11 @@ def _first_token_check(engine: Engine, model, state: KVState, first: int, window
     """Why a forced MTP row's tokens may part from the plain decode's at once: the plain forward's logits for the
     first token (1 row) beside the verify forward's row 0 (2 rows, the same prefix), and that token's top-2 margin.
     A margin below the rows' difference is a near tie that the other kernel shapes may break the other way."""
-    c = state.seq_len
-    out = []
-    for ids in ([3], [3, first]):
-        engine.inject(state)
-        logits, _ = model.forward(torch.tensor(ids, dtype=torch.long, device=device), torch.arange(c, c + len(ids), device=device), window)
-        out.append(logits[0].float())
+    from verify_rows import row0
+
+    spec = model.spec
+    plain, verify = (row0(model, engine, state, spec, spec.num_layers, ids, window, device)[0] for ids in ([3], [3, first]))
     engine.inject(state)
-    plain, verify = out
     top2 = plain.topk(2).values
     return {"first_token_margin": float(top2[0] - top2[1]), "verify_row0_max_abs_diff": float((plain - verify).abs().max()),
             "verify_row0_argmax_agrees": bool(plain.argmax() == verify.argmax())}
