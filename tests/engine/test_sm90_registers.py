@@ -114,28 +114,3 @@ def test_a_tp8_shards_gate_up_takes_the_narrow_tile_without_spills(monkeypatch: 
     assert up["constexprs"]["BLOCK_K"] == moe_fused_triton.TUNE["up_block_k_fp8_few"]
     info = ptxas_info(up["ptx"])
     assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info
-
-
-def test_an_mtp_verify_steps_attention_gemvs_take_one_program_a_tile_without_spills(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GLM-5.1's G1, G2 and wo over an MTP verify step's k + 1 rows: fp8_triton's rows kernel (each weight chunk read once
-    for all rows, one program a column tile), built for sm_90 with PDL on, spills nothing at its most rows (8: the
-    registers grow with the rows, 124-139 from 2 to 8 on 2026-12-07)."""
-    rows = 8
-    from tests.engine.sm90_compile import compiling, ptxas_info
-    from tilepd.engine import fp8_triton, pdl
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(pdl, "enabled", lambda t, kind="gemv": True)
-    monkeypatch.setitem(fp8_triton.TUNE, "rows_max", rows)  # off by default (measured slower on an H100)
-    bf = torch.bfloat16
-    g = torch.Generator().manual_seed(0)
-    with compiling() as done:
-        for n, k, norm in ((2752, 6144, True), (16384, 2048, True), (6144, 16384, False)):
-            w = _fp8(g, n, k)
-            kw = {"norm_weight": torch.ones(k, dtype=bf), "eps": 1e-6} if norm else {"residual": torch.randn(rows, n).to(bf)}
-            fp8_triton.launch_fused(torch.randn(rows, k).to(bf), w.weight, w.scale, w.block, **kw)
-    assert [d["name"] for d in done] == ["_fp8_gemv_rows_kernel"] * 3
-    assert [d["constexprs"]["T"] for d in done] == [rows] * 3
-    for d in done:
-        info = ptxas_info(d["ptx"])
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["registers"] <= 255, info

@@ -150,48 +150,6 @@ if triton is not None:
         trigger(PDL)  # pdl.py: the late form triggers here
 
 
-    @triton.jit
-    def _fp8_gemv_rows_kernel(X, W, S, Y, N, K, s_xr, s_wn, s_sn, s_yr, NW, RES, eps, s_rr, T: tl.constexpr, T_PAD: tl.constexpr,
-                              BN: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              ROW_UNIFORM: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
-        """launch_fused's GEMV over T rows (an MTP verify step's) in one program a column tile: each weight chunk is
-        loaded and converted once and summed against every row, where _fp8_gemv_kernel's program a row reads it T
-        times. Per row the sums run as that kernel's [BLOCK_N] accumulator runs them (each chunk summed, then added)."""
-        pid_n = tl.program_id(0)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        act = Y.dtype.element_ty
-        t_ids = tl.arange(0, T_PAD)
-        wait(PDL)
-        rstd = tl.full([T_PAD], 1.0, tl.float32)
-        if NORM:  # each row's RMSNorm scale (the rows are a few KB each, from L2)
-            for t in tl.static_range(T):
-                rstd = tl.where(t_ids == t, row_rstd(X + t * s_xr, K, eps, BLOCK_K), rstd)
-        w_rows = W + rows.to(tl.int64)[:, None] * s_wn
-        acc = tl.zeros([T_PAD, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            s = _chunk_scales(S, rows, rmask, pid_n * BLOCK_N, s_sn, cols, cmask, BN, BK, ROW_UNIFORM)
-            if NORM:
-                g = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
-            for t in tl.static_range(T):
-                x = tl.load(X + t * s_xr + cols, mask=cmask, other=0.0).to(tl.float32)
-                if NORM:  # rounded where the unfused path rounds (the normed row, then times the norm weight)
-                    r_t = tl.sum(tl.where(t_ids == t, rstd, 0.0), axis=0)
-                    x = ((x * r_t).to(act).to(tl.float32) * g).to(act).to(tl.float32)
-                part = tl.sum(_fold_scales(w, s, x, ROW_UNIFORM), axis=1)
-                acc += tl.where((t_ids == t)[:, None], part[None, :], 0.0)
-        out_mask = (t_ids < T)[:, None] & rmask[None, :]
-        out = acc
-        if HAS_RES:  # residual + y, y rounded first as the unfused add sees it
-            res = tl.load(RES + t_ids[:, None] * s_rr + rows[None, :], mask=out_mask, other=0.0).to(tl.float32)
-            out = out.to(act).to(tl.float32) + res
-        tl.store(Y + t_ids[:, None] * s_yr + rows[None, :], out.to(act), mask=out_mask)
-        trigger(PDL)  # pdl.py: the late form triggers here
-
-
 # Tile config: (BLOCK_N, BLOCK_K, num_warps). BLOCK_N is picked per call for enough programs to fill the
 # GPU (~16 per SM); TUNE lets bench/fp8_gemv_sweep.py sweep the others on the real device. Defaults from
 # that sweep on one H200 (2026-12-01, ten Llama-8B and DeepSeek-V3 GEMV shapes): BLOCK_K 1024 with the
@@ -217,17 +175,10 @@ if triton is not None:
 # 16.97-17.00 -> 16.80 ms/token and the TP8 shard 5.19 -> 5.15, but DeepSeek-V3 fp8 15.58 -> 16.16-16.20, so it stays
 # 0; 4096 (wo four chunks at 128 registers, G1 two) was slower on GLM-5.1 (18.32 against 17.80, both with the down
 # kernel's preload, itself measured slower and not kept).
-# rows_max: launch_fused over 2..rows_max rows (an MTP verify step's k + 1) takes _fp8_gemv_rows_kernel, one program a
-# column tile for all rows, with chunks of at most rows_block_k (1024: 124-139 registers at GLM-5.1's shapes, no
-# spills; 2048 takes 204-225). Why: a program a row read each weight chunk k + 1 times; at k = 3 the step profile on one
-# H100 (2026-12-07) had the attention GEMVs at 14.5 ms a step against 9.1 for one row. Measured slower on one H100
-# (2026-12-07, GLM-5.1 fp8 78L 1K, MTP forced): the k=1 step 30.4 against 29.4 ms, k=3 56.3 against 53.1 (k + 1 times
-# fewer programs, each with k + 1 times the arithmetic a chunk); GPU parity passes under it. Off (1); 8 turns it on.
 TUNE: dict[str, int] = {"block_k": 1024, "num_warps": 4, "programs": 16 * 132, "block_n": 0, "bits_cvt": 0, "reduce_each": 1,
                         "num_stages": 0, "block_k_norm": env_int("TILEPD_FP8_BLOCK_K_NORM", 2048),
                         "short_k": env_int("TILEPD_FP8_NORM_SHORT_K", 0), "short_rows": 8192, "short_block_n": 16, "short_block_k": 1024,
-                        "preload_k": env_int("TILEPD_FP8_PRELOAD_K", 0), "rows_max": env_int("TILEPD_FP8_ROWS_MAX", 1),
-                        "rows_block_k": env_int("TILEPD_FP8_ROWS_BLOCK_K", 1024)}
+                        "preload_k": env_int("TILEPD_FP8_PRELOAD_K", 0)}
 if TUNE["preload_k"] & (TUNE["preload_k"] - 1):
     raise ValueError(f"TILEPD_FP8_PRELOAD_K={TUNE['preload_k']}: a power of two (the columns loaded before PDL's wait), or 0 for one chunk")
 
@@ -321,16 +272,6 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     if norm_weight is not None and tuple(norm_weight.shape) != (k,):
         raise ValueError(f"fp8 fused GEMV: norm weight {list(norm_weight.shape)}, expected [{k}]")
     y = torch.empty(r, n, dtype=x.dtype, device=x.device)
-    if 1 < r <= TUNE["rows_max"]:  # an MTP verify step's rows: each weight chunk read once for all of them
-        tile_n, tile_k = fused_tile(n, k, 1, norm_weight is not None)
-        tile_k = min(tile_k, TUNE["rows_block_k"])
-        _fp8_gemv_rows_kernel[(triton.cdiv(n, tile_n),)](
-            x, weight, scale, y, n, k, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
-            norm_weight if norm_weight is not None else x, residual if residual is not None else x, eps,
-            residual.stride(0) if residual is not None else 0, T=r, T_PAD=triton.next_power_of_2(r), BN=block[0], BK=block[1],
-            BLOCK_N=tile_n, BLOCK_K=tile_k, ROW_UNIFORM=block[0] % tile_n == 0, NORM=norm_weight is not None,
-            HAS_RES=residual is not None, num_warps=TUNE["num_warps"], **pdl.launch_args(x, site=site))
-        return y
     tile_n, tile_k = fused_tile(n, k, r, norm_weight is not None)
     reduce_each = bool(TUNE["reduce_each"]) or tile_k >= 1024
     bits = bool(TUNE["bits_cvt"])
