@@ -62,7 +62,24 @@ TUNE: dict[str, int] = {
 }
 
 
+# A row's scratch (int32): the two top bytes' histograms, then the split's [slots written, candidates] and the refine's
+# [slots written after the split's, candidates kept], each pair one 8-byte-aligned int64 word that one atomic claims (a
+# program's two places in one round trip to L2, not two), then the refine's ticket and a pad that keeps rows 8-byte aligned.
+SPLIT_AT, REFINE_AT, TICKET_AT = 2 * 256, 2 * 256 + 2, 2 * 256 + 4
+HIST_COLS = 2 * 256 + 6
+
+
 if triton is not None:
+    _SPLIT_AT, _REFINE_AT, _TICKET_AT, _HIST_COLS = (tl.constexpr(v) for v in (SPLIT_AT, REFINE_AT, TICKET_AT, HIST_COLS))
+
+    @triton.jit
+    def _claim(pair, first, second):
+        """One atomic add of (first, second) to the int32 pair at `pair` (an int64 word: first is its low half); the
+        pair's values before it. Neither count passes 2^31 (a row's slots), so no carry crosses the halves. Relaxed:
+        only the places it hands out matter here, and what reads the writes runs after the kernel boundary (or, in the
+        refine's finish, after the row ticket's acq_rel)."""
+        old = tl.atomic_add(pair, first.to(tl.int64) + (second.to(tl.int64) << 32), sem="relaxed")
+        return (old & 0xFFFFFFFF).to(tl.int32), (old >> 32).to(tl.int32)
 
     @triton.jit
     def _ordered_key(x):
@@ -194,7 +211,7 @@ if triton is not None:
             o = n0 + offs
             m = o < end
             h += _masked_hist(_digit(_ordered_key(tl.load(S + t * s_st + o, mask=m, other=0.0)), 0), m, 256, BLOCK)
-        tl.atomic_add(HIST + t * s_ht + tl.arange(0, 256), h, mask=h > 0)
+        tl.atomic_add(HIST + t * s_ht + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")  # read after the kernel boundary
         trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
@@ -211,7 +228,7 @@ if triton is not None:
         bins = tl.arange(0, 256)
         j, _, _ = _find_bin(tl.load(hrow + bins), K, 256)
         prefix = j - 128  # the candidates' key >> 24
-        counters = hrow + 2 * 256  # [slots above the bin written, candidates compacted]
+        counters = (hrow + _SPLIT_AT).to(tl.pointer_type(tl.int64))  # [slots above the bin written, candidates] as one word
         offs = tl.arange(0, BLOCK)
         h = tl.zeros([256], tl.int32)
         for n0 in range(start, end, BLOCK):
@@ -220,17 +237,16 @@ if triton is not None:
             key = _ordered_key(tl.load(row + o, mask=m, other=0.0))
             top = key >> 24
             gt = m & (top > prefix)
-            base = tl.atomic_add(counters, tl.sum(gt.to(tl.int32), axis=0))
+            cand = m & (top == prefix)
+            base, cbase = _claim(counters, tl.sum(gt.to(tl.int32), axis=0), tl.sum(cand.to(tl.int32), axis=0))
             pos = base + tl.cumsum(gt.to(tl.int32), axis=0) - 1
             tl.store(IDX + t * s_it + pos, o.to(tl.int64), mask=gt)
             tl.store(OK + t * s_it + pos, tl.load(VALID + t * s_vt + o, mask=gt, other=0), mask=gt)
-            cand = m & (top == prefix)
-            cbase = tl.atomic_add(counters + 1, tl.sum(cand.to(tl.int32), axis=0))
             cpos = cbase + tl.cumsum(cand.to(tl.int32), axis=0) - 1
             tl.store(CAND_K + t * s_ct + cpos, key, mask=cand)
             tl.store(CAND_I + t * s_ct + cpos, o, mask=cand)
             h += _masked_hist(_digit(key, 1), cand, 256, BLOCK)
-        tl.atomic_add(hrow + 256 + bins, h, mask=h > 0)
+        tl.atomic_add(hrow + 256 + bins, h, mask=h > 0, sem="relaxed")  # read after the kernel boundary (no fence behind the stores)
         trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
@@ -250,13 +266,13 @@ if triton is not None:
         then the row's scratch zeroed for its next use."""
         hrow = HIST + t * s_ht
         prefix, n_out, k_rem = _two_top_bytes(hrow, K)
-        n_cand = tl.load(hrow + 2 * 256 + 2, cache_modifier=".cg")
+        n_cand = tl.load(hrow + _REFINE_AT + 1, cache_modifier=".cg")
         _finish_candidates(CAND2_K + t * s_ct, CAND2_I + t * s_ct, n_cand, prefix, k_rem, n_out, VALID + t * s_vt, IDX + t * s_it,
                            OK + t * s_it, BLOCK)
         if CLEAN:
             tl.debug_barrier()  # every thread's reads of the row are done
             cols = tl.arange(0, 1024)
-            tl.store(hrow + cols, tl.zeros([1024], tl.int32), mask=cols < 2 * 256 + 4)
+            tl.store(hrow + cols, tl.zeros([1024], tl.int32), mask=cols < _HIST_COLS)
 
     @triton.jit
     def _topk_refine_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, s_vt, s_ht, s_it, s_ct,
@@ -269,7 +285,9 @@ if triton is not None:
         t = tl.program_id(1)
         hrow = HIST + t * s_ht
         start = tl.program_id(0) * CHUNK
-        end = tl.minimum(start + CHUNK, tl.load(hrow + 2 * 256 + 1))
+        end = tl.minimum(start + CHUNK, tl.load(hrow + _SPLIT_AT + 1))
+        written = tl.load(hrow + _SPLIT_AT)  # the split's slots: the refine's go after them
+        counters = (hrow + _REFINE_AT).to(tl.pointer_type(tl.int64))  # [slots written, candidates kept] as one word
         prefix, _, _ = _two_top_bytes(hrow, K)
         offs = tl.arange(0, BLOCK)
         for n0 in range(start, end, BLOCK):
@@ -279,22 +297,21 @@ if triton is not None:
             slot = tl.load(CAND_I + t * s_ct + o, mask=m, other=0)
             hi = key >> 16
             take = m & (hi > prefix)
-            base = tl.atomic_add(hrow + 2 * 256, tl.sum(take.to(tl.int32), axis=0))  # after the split's writes
-            pos = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            keep = m & (hi == prefix)
+            base, cbase = _claim(counters, tl.sum(take.to(tl.int32), axis=0), tl.sum(keep.to(tl.int32), axis=0))
+            pos = written + base + tl.cumsum(take.to(tl.int32), axis=0) - 1
             tl.store(IDX + t * s_it + pos, slot.to(tl.int64), mask=take)
             tl.store(OK + t * s_it + pos, tl.load(VALID + t * s_vt + slot, mask=take, other=0), mask=take)
-            keep = m & (hi == prefix)
-            cbase = tl.atomic_add(hrow + 2 * 256 + 2, tl.sum(keep.to(tl.int32), axis=0))
             cpos = cbase + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             tl.store(CAND2_K + t * s_ct + cpos, key, mask=keep)
             tl.store(CAND2_I + t * s_ct + cpos, slot, mask=keep)
         if FINISH:
             tl.debug_barrier()  # every thread's candidates and counts before the ticket's release
-            ticket = tl.atomic_add(hrow + 2 * 256 + 3, 1, sem="acq_rel")
+            ticket = tl.atomic_add(hrow + _TICKET_AT, 1, sem="acq_rel")
             if ticket == tl.num_programs(0) - 1:  # the row's last program: every candidate is out
                 _finish_row(VALID, HIST, IDX, OK, CAND2_K, CAND2_I, K, t, s_vt, s_ht, s_it, s_ct, BLOCK, CLEAN)
                 if not CLEAN:
-                    tl.atomic_xchg(hrow + 2 * 256 + 3, 0)
+                    tl.atomic_xchg(hrow + _TICKET_AT, 0)
         trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
@@ -306,8 +323,6 @@ if triton is not None:
         trigger(PDL)  # pdl.py: the late form triggers here
 
 
-# a row's scratch: the two top bytes' histograms, then [slots written, candidates, refined candidates, refine ticket]
-HIST_COLS = 2 * 256 + 4
 
 _SCRATCH: dict[tuple[torch.device, int], torch.Tensor] = {}  # TUNE["scratch"]: one per device and row count, zero between uses
 
