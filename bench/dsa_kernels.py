@@ -205,8 +205,8 @@ def main() -> None:
         fidx, fok = dsa_topk.topk_select(fused_scores, valid, kk, hist=hist)
         row["fused_select_same_set"] = _same_set(fused_scores, fidx, kk)
         row["fused_ok_matches_valid"] = bool(torch.equal(fok, valid.gather(1, fidx)))
-        row["split_candidates"] = int(hist[0, 513])
-        row["refined_candidates"] = int(hist[0, 514])
+        row["split_candidates"] = int(hist[0, dsa_topk.SPLIT_AT + 1])  # the counters' places in the row's scratch
+        row["refined_candidates"] = int(hist[0, dsa_topk.REFINE_AT + 1])
         if args.sweep and length >= 131072:
             row["sweep"] = _sweep(lambda: dsa_indexer.index_scores(q, cs, weights, caches["kernels"], valid, rope, True, hist=hist_buf),
                                   lambda: dsa_topk.topk_select(scores, valid, kk), key_bytes, result["read_GBps"])

@@ -75,10 +75,11 @@ if triton is not None:
     @triton.jit
     def _claim(pair, first, second):
         """One atomic add of (first, second) to the int32 pair at `pair` (an int64 word: first is its low half); the
-        pair's values before it. Neither count passes 2^31 (a row's slots), so no carry crosses the halves. Relaxed:
-        only the places it hands out matter here, and what reads the writes runs after the kernel boundary (or, in the
-        refine's finish, after the row ticket's acq_rel)."""
-        old = tl.atomic_add(pair, first.to(tl.int64) + (second.to(tl.int64) << 32), sem="relaxed")
+        pair's values before it (undefined where both are 0: no atomic then, and nothing is placed). Neither count
+        passes 2^31 (a row's slots), so no carry crosses the halves. Relaxed: only the places it hands out matter here,
+        and what reads the writes runs after the kernel boundary (or, in the refine's finish, after the row ticket's
+        acq_rel)."""
+        old = tl.atomic_add(pair, first.to(tl.int64) + (second.to(tl.int64) << 32), mask=(first + second) > 0, sem="relaxed")
         return (old & 0xFFFFFFFF).to(tl.int32), (old >> 32).to(tl.int32)
 
     @triton.jit
@@ -113,43 +114,58 @@ if triton is not None:
             return (key >> (24 - 8 * LEVEL)) & 255
 
     @triton.jit
-    def _cand_hist(crow_k, n_cand, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
-        """Histogram of byte LEVEL over the scratch's candidates whose higher bytes equal prefix."""
+    def _cand_hist(key, m, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+        """Histogram of byte LEVEL over the candidates `key` (where m) whose higher bytes equal prefix."""
+        return _masked_hist(_digit(key, LEVEL), m & ((key >> (32 - 8 * LEVEL)) == prefix), 256, BLOCK)
+
+    @triton.jit
+    def _cand_hist_rest(crow_k, n_cand, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+        """_cand_hist over the scratch's candidates past its first block (usually none)."""
         offs = tl.arange(0, BLOCK)
         h = tl.zeros([256], tl.int32)
-        for n0 in range(0, n_cand, BLOCK):
+        for n0 in range(BLOCK, n_cand, BLOCK):
             o = n0 + offs
             m = o < n_cand
-            key = tl.load(crow_k + o, mask=m, other=0)
-            h += _masked_hist(_digit(key, LEVEL), m & ((key >> (32 - 8 * LEVEL)) == prefix), 256, BLOCK)
+            h += _cand_hist(tl.load(crow_k + o, mask=m, other=0), m, prefix, LEVEL, BLOCK)
         return h
+
+    @triton.jit
+    def _take_ties(key, m, kth, ties, n_tie, n_out, slot, ok, orow_i, orow_ok):
+        """Of one block of candidates: write those above the k-th key and the first ties equal to it (ties still
+        needed, n_tie already taken) from output position n_out on; the new n_out and n_tie."""
+        eq = m & (key == kth)
+        tie_rank = n_tie + tl.cumsum(eq.to(tl.int32), axis=0)
+        take = (m & (key > kth)) | (eq & (tie_rank <= ties))
+        pos = n_out + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(orow_i + pos, slot.to(tl.int64), mask=take)
+        tl.store(orow_ok + pos, ok, mask=take)
+        return n_out + tl.sum(take.to(tl.int32), axis=0), n_tie + tl.sum(eq.to(tl.int32), axis=0)
 
     @triton.jit
     def _finish_candidates(crow_k, crow_i, n_cand, prefix, k_rem, n_out, vrow, orow_i, orow_ok, BLOCK: tl.constexpr):
         """The select's end over the compacted candidates (keys whose two top bytes are `prefix`, k_rem of them still
         needed): the two low bytes' histograms, then the candidates above the k-th key and the first ties equal to it
         written from output position n_out on."""
+        # the first block (usually every candidate) is loaded once, its slots' valid flags with it, and both
+        # histograms and the writes read it from registers: one round trip to L2 where a pass each took one
         offs = tl.arange(0, BLOCK)
-        j, above, _ = _find_bin(_cand_hist(crow_k, n_cand, prefix, 2, BLOCK), k_rem, 256)
+        m0 = offs < n_cand
+        key0 = tl.load(crow_k + offs, mask=m0, other=0)
+        slot0 = tl.load(crow_i + offs, mask=m0, other=0)
+        ok0 = tl.load(vrow + slot0, mask=m0, other=0)
+        j, above, _ = _find_bin(_cand_hist(key0, m0, prefix, 2, BLOCK) + _cand_hist_rest(crow_k, n_cand, prefix, 2, BLOCK), k_rem, 256)
         k_rem = k_rem - above
         prefix = prefix * 256 + j
-        j, above, _ = _find_bin(_cand_hist(crow_k, n_cand, prefix, 3, BLOCK), k_rem, 256)
+        j, above, _ = _find_bin(_cand_hist(key0, m0, prefix, 3, BLOCK) + _cand_hist_rest(crow_k, n_cand, prefix, 3, BLOCK), k_rem, 256)
         ties = k_rem - above  # how many slots equal to the k-th key are still needed
         kth = prefix * 256 + j
-        n_tie = tl.zeros([], tl.int32)
-        for n0 in range(0, n_cand, BLOCK):
+        n_out, n_tie = _take_ties(key0, m0, kth, ties, tl.zeros([], tl.int32), n_out, slot0, ok0, orow_i, orow_ok)
+        for n0 in range(BLOCK, n_cand, BLOCK):
             o = n0 + offs
             m = o < n_cand
-            key = tl.load(crow_k + o, mask=m, other=0)
-            eq = m & (key == kth)
-            tie_rank = n_tie + tl.cumsum(eq.to(tl.int32), axis=0)
-            take = (m & (key > kth)) | (eq & (tie_rank <= ties))
-            pos = n_out + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            slot = tl.load(crow_i + o, mask=take, other=0)
-            tl.store(orow_i + pos, slot.to(tl.int64), mask=take)
-            tl.store(orow_ok + pos, tl.load(vrow + slot, mask=take, other=0), mask=take)
-            n_out += tl.sum(take.to(tl.int32), axis=0)
-            n_tie += tl.sum(eq.to(tl.int32), axis=0)
+            slot = tl.load(crow_i + o, mask=m, other=0)
+            n_out, n_tie = _take_ties(tl.load(crow_k + o, mask=m, other=0), m, kth, ties, n_tie, n_out, slot,
+                                      tl.load(vrow + slot, mask=m, other=0), orow_i, orow_ok)
 
     @triton.jit
     def _topk_one_program_kernel(S, VALID, IDX, OK, CAND_K, CAND_I, L, K, s_st, s_vt, s_it, s_ct, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -215,6 +231,22 @@ if triton is not None:
         trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
+    def _split_block(key, ok, o, m, prefix, counters, orow_i, orow_ok, crow_k, crow_i, BLOCK: tl.constexpr):
+        """One block of the split (slots o where m, their keys and valid flags): write those above the k-th's top-byte
+        bin, compact those in it; its candidates' second-byte histogram."""
+        top = key >> 24
+        gt = m & (top > prefix)
+        cand = m & (top == prefix)
+        base, cbase = _claim(counters, tl.sum(gt.to(tl.int32), axis=0), tl.sum(cand.to(tl.int32), axis=0))
+        pos = base + tl.cumsum(gt.to(tl.int32), axis=0) - 1
+        tl.store(orow_i + pos, o.to(tl.int64), mask=gt)
+        tl.store(orow_ok + pos, ok, mask=gt)
+        cpos = cbase + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        tl.store(crow_k + cpos, key, mask=cand)
+        tl.store(crow_i + cpos, o, mask=cand)
+        return _masked_hist(_digit(key, 1), cand, 256, BLOCK)
+
+    @triton.jit
     def _topk_split_kernel(S, VALID, HIST, IDX, OK, CAND_K, CAND_I, L, K, CHUNK, s_st, s_vt, s_ht, s_it, s_ct,
                            BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """From the top byte's histogram: write every slot above the k-th's bin (they are selected), compact the bin's
@@ -224,28 +256,24 @@ if triton is not None:
         start = tl.program_id(0) * CHUNK
         end = tl.minimum(start + CHUNK, L)
         row = S + t * s_st
+        vrow = VALID + t * s_vt
         hrow = HIST + t * s_ht
         bins = tl.arange(0, 256)
+        counters = (hrow + _SPLIT_AT).to(tl.pointer_type(tl.int64))  # [slots above the bin written, candidates] as one word
+        # the first block's scores and valid flags are loaded beside the histogram (none depends on another): one
+        # round trip to L2 before the claim, where the histogram, then the scores, then the flags took one each
+        o = start + tl.arange(0, BLOCK)
+        m = o < end
+        key = _ordered_key(tl.load(row + o, mask=m, other=0.0))
+        ok = tl.load(vrow + o, mask=m, other=0)
         j, _, _ = _find_bin(tl.load(hrow + bins), K, 256)
         prefix = j - 128  # the candidates' key >> 24
-        counters = (hrow + _SPLIT_AT).to(tl.pointer_type(tl.int64))  # [slots above the bin written, candidates] as one word
-        offs = tl.arange(0, BLOCK)
-        h = tl.zeros([256], tl.int32)
-        for n0 in range(start, end, BLOCK):
-            o = n0 + offs
+        h = _split_block(key, ok, o, m, prefix, counters, IDX + t * s_it, OK + t * s_it, CAND_K + t * s_ct, CAND_I + t * s_ct, BLOCK)
+        for n0 in range(start + BLOCK, end, BLOCK):
+            o = n0 + tl.arange(0, BLOCK)
             m = o < end
-            key = _ordered_key(tl.load(row + o, mask=m, other=0.0))
-            top = key >> 24
-            gt = m & (top > prefix)
-            cand = m & (top == prefix)
-            base, cbase = _claim(counters, tl.sum(gt.to(tl.int32), axis=0), tl.sum(cand.to(tl.int32), axis=0))
-            pos = base + tl.cumsum(gt.to(tl.int32), axis=0) - 1
-            tl.store(IDX + t * s_it + pos, o.to(tl.int64), mask=gt)
-            tl.store(OK + t * s_it + pos, tl.load(VALID + t * s_vt + o, mask=gt, other=0), mask=gt)
-            cpos = cbase + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-            tl.store(CAND_K + t * s_ct + cpos, key, mask=cand)
-            tl.store(CAND_I + t * s_ct + cpos, o, mask=cand)
-            h += _masked_hist(_digit(key, 1), cand, 256, BLOCK)
+            h += _split_block(_ordered_key(tl.load(row + o, mask=m, other=0.0)), tl.load(vrow + o, mask=m, other=0), o, m, prefix,
+                              counters, IDX + t * s_it, OK + t * s_it, CAND_K + t * s_ct, CAND_I + t * s_ct, BLOCK)
         tl.atomic_add(hrow + 256 + bins, h, mask=h > 0, sem="relaxed")  # read after the kernel boundary (no fence behind the stores)
         trigger(PDL)  # pdl.py: the late form triggers here
 
@@ -275,36 +303,53 @@ if triton is not None:
             tl.store(hrow + cols, tl.zeros([1024], tl.int32), mask=cols < _HIST_COLS)
 
     @triton.jit
-    def _topk_refine_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, s_vt, s_ht, s_it, s_ct,
+    def _refine_block(key, slot, ok, m, prefix, written, counters, orow_i, orow_ok, crow2_k, crow2_i):
+        """One block of the refine (candidates where m, their slots and valid flags): write those above the k-th key's
+        two top bytes after the split's `written` slots, compact those equal to them."""
+        hi = key >> 16
+        take = m & (hi > prefix)
+        keep = m & (hi == prefix)
+        base, cbase = _claim(counters, tl.sum(take.to(tl.int32), axis=0), tl.sum(keep.to(tl.int32), axis=0))
+        pos = written + base + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(orow_i + pos, slot.to(tl.int64), mask=take)
+        tl.store(orow_ok + pos, ok, mask=take)
+        cpos = cbase + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(crow2_k + cpos, key, mask=keep)
+        tl.store(crow2_i + cpos, slot, mask=keep)
+
+    @triton.jit
+    def _topk_refine_kernel(VALID, HIST, IDX, OK, CAND_K, CAND_I, CAND2_K, CAND2_I, K, CHUNK, CAP, s_vt, s_ht, s_it, s_ct,
                             BLOCK: tl.constexpr, FINISH: tl.constexpr = False, CLEAN: tl.constexpr = False, PDL: tl.constexpr = False):
         """Over the split's candidates in parallel (programs past their count do nothing): write those above the k-th
         key's two top bytes, compact those equal to them (usually a few hundred) for the finish. FINISH: each program
         then takes a ticket of its row (a CTA barrier, one acq_rel atomic: the MoE gate's pattern) and the row's last
-        program finishes it (_finish_row), putting the ticket back to 0."""
+        program finishes it (_finish_row), putting the ticket back to 0. CAP: the scratch rows' length."""
         wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(1)
         hrow = HIST + t * s_ht
+        vrow = VALID + t * s_vt
+        crow_k = CAND_K + t * s_ct
+        crow_i = CAND_I + t * s_ct
         start = tl.program_id(0) * CHUNK
+        # the first block's candidates are loaded beside the counts and the histograms, as far as the scratch row
+        # reaches (the count masks them after; past it the scratch holds anything, never read as an address): one
+        # round trip to L2 where the counts, then the candidates took one each
+        o = start + tl.arange(0, BLOCK)
+        key = tl.load(crow_k + o, mask=o < CAP, other=0)
+        slot = tl.load(crow_i + o, mask=o < CAP, other=0)
         end = tl.minimum(start + CHUNK, tl.load(hrow + _SPLIT_AT + 1))
         written = tl.load(hrow + _SPLIT_AT)  # the split's slots: the refine's go after them
         counters = (hrow + _REFINE_AT).to(tl.pointer_type(tl.int64))  # [slots written, candidates kept] as one word
         prefix, _, _ = _two_top_bytes(hrow, K)
-        offs = tl.arange(0, BLOCK)
-        for n0 in range(start, end, BLOCK):
-            o = n0 + offs
+        m = o < end
+        ok = tl.load(vrow + slot, mask=m, other=0)  # each candidate's valid flag, gathered while the bins are found
+        _refine_block(key, slot, ok, m, prefix, written, counters, IDX + t * s_it, OK + t * s_it, CAND2_K + t * s_ct, CAND2_I + t * s_ct)
+        for n0 in range(start + BLOCK, end, BLOCK):
+            o = n0 + tl.arange(0, BLOCK)
             m = o < end
-            key = tl.load(CAND_K + t * s_ct + o, mask=m, other=0)
-            slot = tl.load(CAND_I + t * s_ct + o, mask=m, other=0)
-            hi = key >> 16
-            take = m & (hi > prefix)
-            keep = m & (hi == prefix)
-            base, cbase = _claim(counters, tl.sum(take.to(tl.int32), axis=0), tl.sum(keep.to(tl.int32), axis=0))
-            pos = written + base + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(IDX + t * s_it + pos, slot.to(tl.int64), mask=take)
-            tl.store(OK + t * s_it + pos, tl.load(VALID + t * s_vt + slot, mask=take, other=0), mask=take)
-            cpos = cbase + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            tl.store(CAND2_K + t * s_ct + cpos, key, mask=keep)
-            tl.store(CAND2_I + t * s_ct + cpos, slot, mask=keep)
+            slot = tl.load(crow_i + o, mask=m, other=0)
+            _refine_block(tl.load(crow_k + o, mask=m, other=0), slot, tl.load(vrow + slot, mask=m, other=0), m, prefix, written, counters,
+                          IDX + t * s_it, OK + t * s_it, CAND2_K + t * s_ct, CAND2_I + t * s_ct)
         if FINISH:
             tl.debug_barrier()  # every thread's candidates and counts before the ticket's release
             ticket = tl.atomic_add(hrow + _TICKET_AT, 1, sem="acq_rel")
@@ -389,7 +434,7 @@ def topk_select(scores: torch.Tensor, valid: torch.Tensor, k: int, hist: torch.T
                              valid.stride(0), hist.stride(0), idx.stride(0), cand.stride(1),
                              BLOCK=TUNE["chunk_block"], num_warps=TUNE["chunk_warps"], **pdl.launch_args(scores, "dsa"))
     fused = bool(TUNE["fused_finish"])
-    _topk_refine_kernel[grid](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, chunk, valid.stride(0), hist.stride(0),
+    _topk_refine_kernel[grid](valid_u8, hist, idx, ok_u8, cand[0], cand[1], cand[2], cand[3], k, chunk, length, valid.stride(0), hist.stride(0),
                               idx.stride(0), cand.stride(1), BLOCK=TUNE["chunk_block"], FINISH=fused, CLEAN=fused and clean,
                               num_warps=TUNE["chunk_warps"], **pdl.launch_args(valid_u8, "dsa"))
     if not fused:
