@@ -368,7 +368,6 @@ if triton is not None:
         trigger(PDL)  # pdl.py: the late form triggers here
 
 
-
 _SCRATCH: dict[tuple[torch.device, int], torch.Tensor] = {}  # TUNE["scratch"]: one per device and row count, zero between uses
 
 
