@@ -101,8 +101,12 @@ def test_the_node_refuses_a_hello_of_another_checkpoint_naming_both(router_stack
     line = refusal()[-1]
     assert drifted.prefill_id in line and drifted.other_id in line and "runbook=RB-fingerprint-mismatch" in line, line
     assert re.search(r"differ in weights", line), line
-    failed = [ln for ln in router_stack.prefill.log_text().splitlines() if "tx-other-ckpt" in ln and "event=failed" in ln]
-    assert failed and "code=fingerprint_mismatch" in failed[-1] and drifted.other_id in failed[-1], failed
+
+    def failed() -> list[str]:  # the prefill's worker logs it as the refusal comes back, a few ms after the node's line
+        return [ln for ln in router_stack.prefill.log_text().splitlines() if "tx-other-ckpt" in ln and "event=failed" in ln]
+
+    assert wait_until(lambda: bool(failed()), 30), router_stack.prefill.log_text()[-3000:]
+    assert "code=fingerprint_mismatch" in failed()[-1] and drifted.other_id in failed()[-1], failed()
     st = _node_status(ep)
     assert st["transfers_total"] == 0 and st["bytes_total"] == 0
 
