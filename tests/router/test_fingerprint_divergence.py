@@ -106,7 +106,8 @@ def test_the_node_refuses_a_hello_of_another_checkpoint_naming_both(router_stack
         return [ln for ln in router_stack.prefill.log_text().splitlines() if "tx-other-ckpt" in ln and "event=failed" in ln]
 
     assert wait_until(lambda: bool(failed()), 30), router_stack.prefill.log_text()[-3000:]
-    assert "code=fingerprint_mismatch" in failed()[-1] and drifted.other_id in failed()[-1], failed()
+    last = failed()[-1]
+    assert "code=fingerprint_mismatch" in last and drifted.other_id in last, last
     st = _node_status(ep)
     assert st["transfers_total"] == 0 and st["bytes_total"] == 0
 

@@ -8,6 +8,7 @@ The real stack (vLLM + decode node) is tests/router/test_timeline_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import subprocess
@@ -283,7 +284,7 @@ def test_a_request_shows_every_phase_adding_up_to_the_clients_latency(router: An
         assert phase in st, (phase, r.headers["server-timing"])
     parts = sum(v["dur"] for k, v in st.items() if k != "total")
     assert parts == pytest.approx(st["total"]["dur"], abs=0.5)
-    extra = iter(range(4, 100))
+    extra = itertools.count(4)
     assert_total_is_the_clients([pair] + [_timed(router, "/v1/completions", body, f"tl-1.{i}")[1] for i in range(4)], floor_ms=30.0,
                                 more=lambda: _timed(router, "/v1/completions", body, f"tl-1.{next(extra)}")[1], up_to=5)
     assert st["prefill"]["dur"] >= PREFILL_S * 1e3 and st["kv_wait"]["dur"] == pytest.approx(NODE["wait_ms"], abs=0.2)
@@ -354,7 +355,7 @@ def test_a_forced_fallback_shows_its_reason(router: Any, caplog: pytest.LogCaptu
     st = parse_server_timing(r.headers["server-timing"])
     assert st["fallback"]["desc"] == "unsupported:n"
     assert {"admission", "native_prefill", "native_decode", "total"} <= set(st)
-    extra = iter(range(2, 100))
+    extra = itertools.count(2)
     assert_total_is_the_clients([pair] + [_timed(router, "/v1/chat/completions", body, f"tl-3.{i}")[1] for i in range(2)],
                                 floor_ms=30.0, more=lambda: _timed(router, "/v1/chat/completions", body, f"tl-3.{next(extra)}")[1], up_to=5)
     line = _done_line(caplog, "tl-3")
