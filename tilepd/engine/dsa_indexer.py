@@ -88,6 +88,11 @@ if triton is not None:
         trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
+    def _key_rows(KEYS, offs_l, s_kl, offs_d, m):
+        """The cached keys at rows offs_l where m (0 elsewhere), [BLOCK_L, D]."""
+        return tl.load(KEYS + offs_l.to(tl.int64)[:, None] * s_kl + offs_d[None, :], mask=m[:, None], other=0.0)
+
+    @triton.jit
     def _score_block(keys, ok, q_t, w, qk_scale, OUT, offs_l, lmask, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                      WITH_HIST: tl.constexpr, BLOCK_L: tl.constexpr):
         """One block of keys scored for all heads of the row (stored, -inf where not ok); its top-byte histogram."""
@@ -117,7 +122,7 @@ if triton is not None:
             # the previous one (prepare), and that only at the step's own positions, read again after the wait
             offs_l = start + offs_b
             lmask = offs_l < end
-            keys0 = tl.load(KEYS + offs_l.to(tl.int64)[:, None] * s_kl + offs_d[None, :], mask=lmask[:, None], other=0.0)
+            keys0 = _key_rows(KEYS, offs_l, s_kl, offs_d, lmask)
             ok0 = tl.load(VALID + t * s_vt + offs_l, mask=lmask, other=0) != 0
         wait(PDL)  # everything else it reads is the step's (pdl.py)
         offs_h = tl.arange(0, BLOCK_H)
@@ -145,14 +150,14 @@ if triton is not None:
             if STALE:  # tests only: the step's rows stale (NaN) in the preload, as racing prepare's store, so a missed re-read shows
                 written = tl.sum((offs_l[:, None] == pos[None, :]).to(tl.int32), axis=1) > 0
                 keys0 = tl.where(written[:, None], float("nan"), keys0.to(tl.float32)).to(keys0.dtype)
-            again = tl.load(KEYS + offs_l.to(tl.int64)[:, None] * s_kl + offs_d[None, :], mask=fresh[:, None], other=0.0)
+            again = _key_rows(KEYS, offs_l, s_kl, offs_d, fresh)
             keys0 = tl.where(fresh[:, None], again, keys0)
             hist += _score_block(keys0, ok0, q_t, w, qk_scale, OUT + t * s_ot, offs_l, lmask, PRECISION, UPCAST, WITH_HIST, BLOCK_L)
             first = start + BLOCK_L
         for l0 in range(first, end, BLOCK_L):
             offs_l = l0 + offs_b
             lmask = offs_l < end
-            keys = tl.load(KEYS + offs_l.to(tl.int64)[:, None] * s_kl + offs_d[None, :], mask=lmask[:, None], other=0.0)
+            keys = _key_rows(KEYS, offs_l, s_kl, offs_d, lmask)
             ok = tl.load(VALID + t * s_vt + offs_l, mask=lmask, other=0) != 0
             hist += _score_block(keys, ok, q_t, w, qk_scale, OUT + t * s_ot, offs_l, lmask, PRECISION, UPCAST, WITH_HIST, BLOCK_L)
         if WITH_HIST:
