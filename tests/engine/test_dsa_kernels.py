@@ -63,7 +63,7 @@ _INDEXER = textwrap.dedent("""
     from tilepd.engine.dsa import indexer_key, _rope_head
     from tilepd.engine.rope import apply_rope_interleaved, apply_rope_neox, rope_table
     from tilepd.engine import dsa_topk
-    M.TUNE.update(block_l=16, programs=2, preload=1)  # rows of 37-100 keys: 1-4 blocks a program, 2-3 programs a row
+    M.TUNE.update(block_l=16, programs=2)  # rows of 37-100 keys: 1-4 blocks a program, 2-3 programs a row
     dsa_topk.TUNE.update(block=32, chunk=48, chunk_block=16)
     g = torch.Generator().manual_seed(0)
     D, ROPE, SLOTS = 128, 64, 200
@@ -96,13 +96,6 @@ _INDEXER = textwrap.dedent("""
                 assert torch.equal(torch.isinf(got), ~valid), ("masking", dtype, interleaved, t)
                 err = float((got - want).masked_fill(~valid, 0).abs().max() / want.masked_fill(~valid, 0).abs().max())
                 assert err < tol, ("scores", dtype, interleaved, t, heads, err)
-                # the first block loaded before PDL's wait: with the rows from the step's lowest position on stale (NaN)
-                # in that copy, the re-read after the wait must leave the same scores; written rows at the window's
-                # end, at its start, and inside a first block past a program's first row
-                M._STALE_PRELOAD = True
-                for lo in (length - t, 0, 3):
-                    pos = torch.arange(lo, lo + t)
-                    assert torch.equal(M.index_scores(q, cs, weights, cache, valid, ROPE, interleaved, positions=pos), got), ("preload", lo, t)
                 # the fused select: the scores kernel's top-byte histogram, then split + finish; same set as torch.topk
                 hist = dsa_topk.new_hist(t, cache.device)
                 again = M.index_scores(q, cs, weights, cache, valid, ROPE, interleaved, hist=hist)
@@ -118,7 +111,7 @@ _INDEXER = textwrap.dedent("""
                 for fused, kept in ((1, 1), (1, 1), other):
                     dsa_topk.TUNE.update(fused_finish=fused, scratch=kept)
                     for k in (11, length):
-                        idx, ok = M.index_topk(q, cs, weights, cache, valid, ROPE, interleaved, k, positions)  # stale preloads too
+                        idx, ok = M.index_topk(q, cs, weights, cache, valid, ROPE, interleaved, k)
                         ref = got.topk(k, dim=-1).values
                         for r in range(t):
                             assert len(set(idx[r].tolist())) == k, ("a slot chosen twice", k, r, fused, kept)
@@ -134,7 +127,6 @@ _INDEXER = textwrap.dedent("""
                     assert "outside 1..L" in str(e), e
                 assert not dsa_topk.scratch(t, cache.device).any(), "the kept scratch left dirty by a refused select"
                 dsa_topk.TUNE.update(fused_finish=1, scratch=1)
-                M._STALE_PRELOAD = False
     print("indexer ok")
 """)
 

@@ -98,7 +98,7 @@ def _select_topk_kernels(w: dict[str, torch.Tensor], p: str, x: torch.Tensor, q_
     q = linear(q_resid, w[p + "idx_wq_b"]).view(t, nh, d)
     weights = linear(x.float(), w[p + "idx_weights_proj"])  # [T, H] fp32; n_heads^-0.5 is applied in the kernel
     return Selection(*index_topk(q, cs, weights, keys_cache, valid, rope, spec.indexer_rope_interleave,
-                                 min(spec.index_topk, valid.shape[1]), positions))
+                                 min(spec.index_topk, valid.shape[1])))
 
 
 def sparse_mla_attention(q: torch.Tensor, cache: torch.Tensor, rank: int, sel: Selection, scale: float) -> torch.Tensor:

@@ -11,9 +11,6 @@ masked_fill, each writing a [T, H, L] or [T, L] intermediate. Here
     weights the heads (fp32 weights times n_heads^-0.5) and sums them in registers, writing -inf where `valid` is
     not set: [T, L] float32, what dsa_topk.topk_select reads. Optionally its epilogue adds the histogram of the
     scores' top radix byte (the select's first pass) to the row's, so the select starts at its second byte.
-    Given the step's positions, each program loads its first block of keys and valid flags before PDL's wait:
-    of the step's launches only the one before (prepare) writes the cache, at those positions, and the rows from
-    the lowest of them on are read again after the wait;
   * index_topk: the scores with that histogram, then dsa_topk.topk_select from it (the speed path's call).
 RoPE layouts as dsa.py describes (GPT-J pairs when interleaved, NeoX half-split otherwise); cs [T, 2, rope] is
 the rope table's rows at the tokens' positions (cos, signed sin). Static shapes, no host sync.
@@ -43,14 +40,7 @@ TUNE: dict[str, int] = {
     "programs": env_int("TILEPD_DSA_SCORE_PROGRAMS", 264),
     "num_warps": env_int("TILEPD_DSA_SCORE_NUM_WARPS", 4),
     "num_stages": env_int("TILEPD_DSA_SCORE_NUM_STAGES", 3),
-    # preload: each program loads its first block of keys and valid flags before PDL's wait (the caller's positions say
-    # which rows the step wrote: those are read again after it), so that trip overlaps the previous launch's tail.
-    # Off until measured on a GPU (bench/depth_step.sh ctx ... pre=TILEPD_DSA_SCORE_PRELOAD=1).
-    "preload": env_int("TILEPD_DSA_SCORE_PRELOAD", 0),
 }
-# Tests only: the preloaded rows at the step's positions replaced by NaN before the re-read (the stale copy a preload
-# racing prepare's store could hold, which the CPU interpreter, running launches one after another, never does).
-_STALE_PRELOAD = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -88,43 +78,15 @@ if triton is not None:
         trigger(PDL)  # pdl.py: the late form triggers here
 
     @triton.jit
-    def _key_rows(KEYS, offs_l, s_kl, offs_d, m):
-        """The cached keys at rows offs_l where m (0 elsewhere), [BLOCK_L, D]."""
-        return tl.load(KEYS + offs_l.to(tl.int64)[:, None] * s_kl + offs_d[None, :], mask=m[:, None], other=0.0)
-
-    @triton.jit
-    def _score_block(keys, ok, q_t, w, qk_scale, OUT, offs_l, lmask, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                     WITH_HIST: tl.constexpr, BLOCK_L: tl.constexpr):
-        """One block of keys scored for all heads of the row (stored, -inf where not ok); its top-byte histogram."""
-        if UPCAST:
-            keys = keys.to(tl.float32)
-        s = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_L, BLOCK_H]: all heads of the row per key read
-        s = tl.maximum(s * qk_scale, 0.0)
-        score = tl.where(ok, tl.sum(s * w[None, :], axis=1), float("-inf"))
-        tl.store(OUT + offs_l, score, mask=lmask)
-        if WITH_HIST:  # dsa_topk's first radix pass, over the scores still in registers
-            return _masked_hist(_digit(_ordered_key(score), 0), lmask, 256, BLOCK_L)
-        else:
-            return tl.zeros([256], tl.int32)
-
-    @triton.jit
-    def _index_scores_kernel(Q, CS, WTS, KEYS, VALID, POS, OUT, HIST, H, L, T, CHUNK, qk_scale, head_scale,
+    def _index_scores_kernel(Q, CS, WTS, KEYS, VALID, OUT, HIST, H, L, CHUNK, qk_scale, head_scale,
                              s_qt, s_qh, s_ct, s_c1, s_wt, s_kl, s_vt, s_ot, s_ht,
                              D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, WITH_HIST: tl.constexpr,
-                             PRELOAD: tl.constexpr, BLOCK_T: tl.constexpr, STALE: tl.constexpr, PDL: tl.constexpr = False):
+                             BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, WITH_HIST: tl.constexpr, PDL: tl.constexpr = False):
+        wait(PDL)  # everything it reads is the step's (pdl.py)
         t = tl.program_id(0)  # the rows of one chunk are neighbours in launch order: its keys come from L2 for t > 0
         start = tl.program_id(1) * CHUNK
         end = tl.minimum(start + CHUNK, L)
         offs_d = tl.arange(0, D)
-        offs_b = tl.arange(0, BLOCK_L)
-        if PRELOAD:  # the first block's keys and valid flags before the wait: no launch of the step writes them but
-            # the previous one (prepare), and that only at the step's own positions, read again after the wait
-            offs_l = start + offs_b
-            lmask = offs_l < end
-            keys0 = _key_rows(KEYS, offs_l, s_kl, offs_d, lmask)
-            ok0 = tl.load(VALID + t * s_vt + offs_l, mask=lmask, other=0) != 0
-        wait(PDL)  # everything else it reads is the step's (pdl.py)
         offs_h = tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         # q of every head roped once per program (index arithmetic, no cat), the head weights folded with n_heads^-0.5
@@ -142,24 +104,20 @@ if triton is not None:
             q_t = tl.trans(q.to(KEYS.dtype.element_ty))  # [D, BLOCK_H]
         w = tl.load(WTS + t * s_wt + offs_h, mask=hmask, other=0.0) * head_scale
         hist = tl.zeros([256], tl.int32)
-        first = start
-        if PRELOAD:
-            offs_t = tl.arange(0, BLOCK_T)
-            pos = tl.load(POS + offs_t, mask=offs_t < T, other=2147483647).to(tl.int32)
-            fresh = lmask & (offs_l >= tl.min(pos, axis=0))  # rows the step may have written since the preload
-            if STALE:  # tests only: the step's rows stale (NaN) in the preload, as racing prepare's store, so a missed re-read shows
-                written = tl.sum((offs_l[:, None] == pos[None, :]).to(tl.int32), axis=1) > 0
-                keys0 = tl.where(written[:, None], float("nan"), keys0.to(tl.float32)).to(keys0.dtype)
-            again = _key_rows(KEYS, offs_l, s_kl, offs_d, fresh)
-            keys0 = tl.where(fresh[:, None], again, keys0)
-            hist += _score_block(keys0, ok0, q_t, w, qk_scale, OUT + t * s_ot, offs_l, lmask, PRECISION, UPCAST, WITH_HIST, BLOCK_L)
-            first = start + BLOCK_L
-        for l0 in range(first, end, BLOCK_L):
-            offs_l = l0 + offs_b
+        for l0 in range(start, end, BLOCK_L):
+            offs_l = l0 + tl.arange(0, BLOCK_L)
             lmask = offs_l < end
-            keys = _key_rows(KEYS, offs_l, s_kl, offs_d, lmask)
+            keys = tl.load(KEYS + offs_l.to(tl.int64)[:, None] * s_kl + offs_d[None, :], mask=lmask[:, None], other=0.0)
+            if UPCAST:
+                keys = keys.to(tl.float32)
+            s = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_L, BLOCK_H]: all heads of the row per key read
+            s = tl.maximum(s * qk_scale, 0.0)
+            score = tl.sum(s * w[None, :], axis=1)
             ok = tl.load(VALID + t * s_vt + offs_l, mask=lmask, other=0) != 0
-            hist += _score_block(keys, ok, q_t, w, qk_scale, OUT + t * s_ot, offs_l, lmask, PRECISION, UPCAST, WITH_HIST, BLOCK_L)
+            score = tl.where(ok, score, float("-inf"))
+            tl.store(OUT + t * s_ot + offs_l, score, mask=lmask)
+            if WITH_HIST:  # dsa_topk's first radix pass, over the scores still in registers
+                hist += _masked_hist(_digit(_ordered_key(score), 0), lmask, 256, BLOCK_L)
         if WITH_HIST:
             bins = tl.arange(0, 256)
             tl.atomic_add(HIST + t * s_ht + bins, hist, mask=hist > 0, sem="relaxed")  # read after the kernel boundary
@@ -192,14 +150,12 @@ def score_chunk(length: int) -> int:
 
 
 def index_scores(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-                 rope: int, interleaved: bool, hist: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                 rope: int, interleaved: bool, hist: torch.Tensor | None = None) -> torch.Tensor:
     """[T, L] float32 indexer scores: sum_h weights[t, h] * n_heads^-0.5 * relu(rope(q[t, h]) . keys[l] * d^-0.5),
     -inf where valid [T, L] is not set. q [T, H, D] un-roped (wq_b . q_resid); weights [T, H] float32;
     keys: the cache (its first L rows are read, each once for all heads and, with T > 1, all rows from L2).
     hist: a zeroed int32 [T, >= 256] that gets each row's histogram of the scores' top radix byte
-    (dsa_topk.topk_select's first pass, so the select skips it). positions [T]: the cache rows the step writes; with
-    them the kernel loads its first keys before PDL's wait and reads the rows from the lowest position on again after
-    it (TUNE preload)."""
+    (dsa_topk.topk_select's first pass, so the select skips it)."""
     _need_triton()
     t, h, d = q.shape
     length = valid.shape[1]
@@ -209,38 +165,32 @@ def index_scores(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys:
         raise ValueError(f"DSA index scores: weights {tuple(weights.shape)} {weights.dtype}, expected ({t}, {h}) torch.float32")
     if hist is not None and (hist.dtype != torch.int32 or hist.shape[0] != t or hist.shape[1] < 256 or hist.stride(1) != 1):
         raise ValueError(f"DSA index scores: hist {tuple(hist.shape)} {hist.dtype}, expected contiguous ({t}, >= 256) torch.int32")
-    if positions is not None and (positions.shape != (t,) or positions.dtype.is_floating_point):
-        raise ValueError(f"DSA index scores: positions {tuple(positions.shape)} {positions.dtype}, expected ({t},) integers")
     if valid.stride(1) != 1:
         valid = valid.contiguous()
     weights = weights.contiguous()
-    preload = positions is not None and bool(TUNE["preload"])
-    if preload:
-        positions = positions.contiguous()
     out = torch.empty(t, length, dtype=torch.float32, device=q.device)
     chunk = score_chunk(length)
     _index_scores_kernel[(t, triton.cdiv(length, chunk))](
-        q, cs, weights, keys, valid.view(torch.uint8), positions if preload else out, out, out if hist is None else hist, h, length, t,
-        chunk, d**-0.5, h**-0.5, q.stride(0), q.stride(1), cs.stride(0), cs.stride(1), weights.stride(0), keys.stride(0),
-        valid.stride(0), out.stride(0), 0 if hist is None else hist.stride(0),
+        q, cs, weights, keys, valid.view(torch.uint8), out, out if hist is None else hist, h, length, chunk, d**-0.5, h**-0.5,
+        q.stride(0), q.stride(1), cs.stride(0), cs.stride(1), weights.stride(0), keys.stride(0), valid.stride(0), out.stride(0),
+        0 if hist is None else hist.stride(0),
         D=d, ROPE=rope, INTERLEAVED=interleaved, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_L=TUNE["block_l"],
         PRECISION="ieee" if keys.dtype == torch.float32 else "tf32", UPCAST=_INTERPRET and keys.dtype != torch.float32,
-        WITH_HIST=hist is not None, PRELOAD=preload, BLOCK_T=max(2, triton.next_power_of_2(t)), STALE=preload and _STALE_PRELOAD,
-        num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"], **pdl.launch_args(q, "dsa"))
+        WITH_HIST=hist is not None, num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"], **pdl.launch_args(q, "dsa"))
     return out
 
 
 def index_topk(q: torch.Tensor, cs: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-               rope: int, interleaved: bool, k: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               rope: int, interleaved: bool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """index_scores then dsa_topk.topk_select's k best slots (idx [T, k] int64, ok [T, k] bool), the select's first
     radix pass fused into the scores kernel: 5 launches (memset, scores, split, refine, finish) whatever the window;
-    dsa_topk.TUNE's fused_finish and scratch take the finish and the memset out. positions: as index_scores'."""
+    dsa_topk.TUNE's fused_finish and scratch take the finish and the memset out."""
     from tilepd.engine import dsa_topk
 
     kept = bool(dsa_topk.TUNE["scratch"])
     hist = dsa_topk.scratch(q.shape[0], q.device) if kept else dsa_topk.new_hist(q.shape[0], q.device)
     try:
-        return dsa_topk.topk_select(index_scores(q, cs, weights, keys, valid, rope, interleaved, hist=hist, positions=positions), valid, k, hist=hist, clean=kept)
+        return dsa_topk.topk_select(index_scores(q, cs, weights, keys, valid, rope, interleaved, hist=hist), valid, k, hist=hist, clean=kept)
     except BaseException:
         if kept:  # a launch refused after the scores' histogram went in: the kept scratch must be zero for the next call
             hist.zero_()

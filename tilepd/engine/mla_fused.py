@@ -236,7 +236,7 @@ def attention_block(model: MlaModel, p: str, cache: torch.Tensor, x: torch.Tenso
 
             nh, d = s.index_n_heads, s.index_head_dim
             dsa.selection = Selection(*index_topk(b["idx_wq_b"].view(t, nh, d), idx_cs, weights, keys, dsa.valid, rope,
-                                                  s.indexer_rope_interleave, min(s.index_topk, dsa.valid.shape[1]), positions))
+                                                  s.indexer_rope_interleave, min(s.index_topk, dsa.valid.shape[1])))
         elif dsa.selection is None:  # the window fits index_topk but no span came: every causal slot, by index
             length = dsa.valid.shape[1]
             dsa.selection = Selection(torch.arange(length, device=x.device).expand(t, length).contiguous(), dsa.valid.contiguous())

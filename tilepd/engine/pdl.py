@@ -14,10 +14,7 @@ The rule every kernel launched with `launch_args()` follows (they take the `PDL`
     (TILEPD_PDL_TRIGGER=1) it also lets the next kernel's programs be scheduled (`gdc_launch_dependents` right after
     the wait: a kernel can only trigger once all of its programs have started, so the next kernel's programs take
     only slots left over);
-  * before the wait: loads of weights only (never written by the step), and L2 prefetches of them; one exception,
-    dsa_indexer's scores kernel, loads its first keys there too: when a kernel's programs start, every launch but
-    the one before has completed (that one's programs passed their own wait before letting this one go), and that
-    one (prepare) writes the keys cache only at the step's positions, which the kernel reads again after its wait;
+  * before the wait: loads of weights only (never written by the step), and L2 prefetches of them;
   * `trigger(PDL)` as each program's last statement: in the late form (TILEPD_PDL_TRIGGER=2) the next kernel's
     launch is let go there, so its programs take the slots this kernel's finished programs free and (with the
     prefetch) pull their first weight tile while this kernel's last programs finish, instead of parking beside it
