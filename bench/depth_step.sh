@@ -20,6 +20,7 @@
 # TILEPD_DSA_GPU_REFS: the DSA parity references made on a CPU box (tests/engine/test_dsa_gpu_parity.py, made with
 # the project's transformers) and carried; without them that file makes its own with the device's transformers.
 # Each step: its JSON and log under OUTDIR; a step past the deadline (seconds from the start) is skipped.
+# BUNDLE=1: at the end OUTDIR becomes OUTDIR.tgz (a device call brings back at most 8 files; a table makes ~16).
 set -u
 part=${1:?part: rows, table, ab, ctx, llama, tp8x or long}
 out=${2:?output folder}
@@ -87,3 +88,4 @@ case "$part" in
     ;;
   *) echo "unknown part $part (rows, table, ab, ctx, llama, tp8x or long)"; exit 2 ;;
 esac
+if [ "${BUNDLE:-0}" = 1 ]; then bundle; fi

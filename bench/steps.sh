@@ -53,3 +53,7 @@ parity() {  # parity NAME SECONDS [VAR=VALUE...]: the GPU parity files (DSA, MLA
 model_fns() {
   echo "$(declare -f glm dsv3 tp8 llama); py=$py out=$out day=$day gpu=$gpu"
 }
+
+bundle() {  # bundle: $out as one $out.tgz (the folder removed), since a device call brings back at most 8 files
+  tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
+}
